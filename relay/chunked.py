@@ -1,0 +1,149 @@
+"""Follow HTTP/1.1 chunked framing of bytes passing through, without re-framing them.
+
+The relay forwards an upstream's chunked body to a chunked client as raw bytes. This tracker
+watches the chunk sizes go by so that the relay knows (a) the chunk payloads, for the SSE
+scanner, (b) where the body ends, and (c) where the client stands inside the framing, so a
+synthetic frame can still be added and the body ended cleanly. It never lets a chunk-size line,
+a chunk's closing CRLF or the last-chunk/trailer section out half-sent: such bytes are held
+back until complete, so the client is always either between chunks or inside chunk data.
+"""
+
+from __future__ import annotations
+
+SIZE, DATA, DATA_END, TRAILER, DONE = range(5)
+_MAX_LINE = 4096
+
+
+class ChunkError(ValueError):
+    """The upstream's chunked framing is broken."""
+
+
+def frame(payload: bytes) -> bytes:
+    """One chunk holding `payload` (empty payload gives nothing: that would end the body)."""
+    if not payload:
+        return b""
+    return b"%x\r\n%b\r\n" % (len(payload), payload)
+
+
+LAST_CHUNK = b"0\r\n\r\n"
+
+
+class ChunkTracker:
+    __slots__ = ("state", "remaining", "held", "extra")
+
+    def __init__(self) -> None:
+        self.state = SIZE
+        self.remaining = 0  # chunk-data bytes still owed by the current chunk
+        self.held = b""  # received, not yet safe to forward
+        self.extra = b""  # bytes after the end of the body (upstream misbehaving)
+
+    @property
+    def done(self) -> bool:
+        return self.state == DONE
+
+    def feed(self, data: bytes) -> tuple[bytes, list[bytes]]:
+        """Take received bytes; return (bytes safe to forward now, chunk payloads found)."""
+        # Fast path: one or more whole chunks and nothing held (the usual read).
+        if not self.held and self.state == SIZE:
+            nl = data.find(b"\r\n", 0, 20)
+            if nl > 0:
+                try:
+                    size = int(data[:nl], 16)
+                except ValueError:
+                    size = -1
+                end = nl + 2 + size
+                if size > 0 and len(data) == end + 2 and data[end:] == b"\r\n":
+                    return data, [data[nl + 2 : end]]
+        return self._feed(self.held + data if self.held else data)
+
+    def _feed(self, buf: bytes) -> tuple[bytes, list[bytes]]:
+        payloads: list[bytes] = []
+        n = len(buf)
+        pos = safe = 0
+        while pos < n:
+            st = self.state
+            if st == DATA:
+                take = min(self.remaining, n - pos)
+                payloads.append(buf[pos : pos + take])
+                pos += take
+                self.remaining -= take
+                safe = pos
+                if self.remaining:
+                    break
+                self.state = DATA_END
+            elif st == SIZE:
+                nl = buf.find(b"\n", pos)
+                if nl < 0:
+                    if n - pos > _MAX_LINE:
+                        raise ChunkError("chunk-size line too long")
+                    break
+                line = buf[pos:nl].rstrip(b"\r").split(b";", 1)[0].strip()
+                try:
+                    size = int(line, 16)
+                except ValueError:
+                    raise ChunkError(f"bad chunk size {line[:20]!r}") from None
+                if size < 0:
+                    raise ChunkError("negative chunk size")
+                pos = nl + 1
+                if size == 0:
+                    self.state = TRAILER  # hold the last chunk until its trailer ends
+                else:
+                    self.state = DATA
+                    self.remaining = size
+                    safe = pos
+            elif st == DATA_END:
+                if buf.startswith(b"\r\n", pos):
+                    pos += 2
+                elif buf.startswith(b"\n", pos):
+                    pos += 1
+                elif n - pos == 1 and buf[pos] == 13:
+                    break  # a lone CR: wait for its LF
+                else:
+                    raise ChunkError("chunk data not followed by CRLF")
+                safe = pos
+                self.state = SIZE
+            elif st == TRAILER:
+                nl = buf.find(b"\n", pos)
+                if nl < 0:
+                    if n - pos > _MAX_LINE:
+                        raise ChunkError("trailer line too long")
+                    break
+                empty = nl == pos or (nl == pos + 1 and buf[pos] == 13)
+                pos = nl + 1
+                if empty:
+                    self.state = DONE
+                    safe = pos
+                    self.extra = buf[pos:]
+                    pos = n
+            else:  # DONE
+                self.extra += buf[pos:]
+                break
+        if safe == n:
+            self.held = b""
+            return buf, payloads
+        self.held = buf[safe:] if self.state != DONE else b""
+        return buf[:safe], payloads
+
+    def close_with(self, payload: bytes) -> bytes:
+        """Bytes that end the body cleanly from where the client stands, carrying `payload`.
+
+        Inside a chunk the owed bytes are filled first: with the payload itself, padded in
+        front with newlines when the payload is shorter (blank lines are ignored by SSE
+        parsers; the first one ends a half-sent line). Held-back bytes are dropped.
+        """
+        out = []
+        if self.state == DATA:
+            owed = self.remaining
+            if owed >= len(payload):
+                out.append(b"\n" * (owed - len(payload)) + payload + b"\r\n")
+                payload = b""
+            else:
+                out.append(payload[:owed] + b"\r\n")
+                payload = payload[owed:]
+        elif self.state == DATA_END:
+            out.append(b"\r\n")
+        out.append(frame(payload))
+        out.append(LAST_CHUNK)
+        self.state = DONE
+        self.held = b""
+        return b"".join(out)

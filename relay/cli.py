@@ -1,0 +1,104 @@
+"""Command line: `relay serve ...`, `relay sim ...`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+from relay.config import ConfigError, load_config, parse_config
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="run the relay")
+    p.add_argument("--config", help="TOML config file")
+    p.add_argument("--host", help="listen address (overrides [server].host)")
+    p.add_argument("--port", type=int, help="listen port (overrides [server].port)")
+    p.add_argument("--upstream", help="single upstream URL, e.g. http://127.0.0.1:8081")
+    p.add_argument("--demo", action="store_true",
+                   help="run in front of the built-in llama-server simulator")
+
+
+def build_config(args, sim_url: str | None = None):
+    data = load_config(args.config) if args.config else {}
+    server = data.setdefault("server", {})
+    if args.host is not None:
+        server["host"] = args.host
+    if args.port is not None:
+        server["port"] = args.port
+    url = sim_url or args.upstream
+    if url:
+        if data.get("upstream"):
+            raise ConfigError("--upstream/--demo: the config file already has [[upstream]]")
+        data["upstream"] = [{"name": "demo" if sim_url else "default", "url": url}]
+    if not data.get("upstream"):
+        raise ConfigError("no upstream: give --upstream URL, --demo, or [[upstream]] in --config")
+    return parse_config(data)
+
+
+async def _serve(args) -> int:
+    from relay.app import App
+    from relay.log import Log
+
+    log = Log()
+    sim = None
+    sim_url = None
+    if args.demo:
+        from relay.sim import SimDefaults, Simulator
+
+        sim = Simulator(defaults=SimDefaults(interval_ms=40.0, tokens=24))
+        await sim.start()
+        sim_url = f"http://127.0.0.1:{sim.port}"
+        log.event("demo_simulator", url=sim_url)
+    try:
+        app = App(build_config(args, sim_url), log)
+        await app.start()
+    except (ConfigError, OSError) as exc:
+        print(f"relay: {exc}", file=sys.stderr)
+        if sim is not None:
+            await sim.stop()
+        return 2
+    if args.demo:
+        host = app.config.server.host
+        print(f"relay demo: try\n  curl -N http://{host}:{app.port}/v1/chat/completions "
+              "-H 'Content-Type: application/json' -d '{\"model\":\"demo\",\"stream\":true,"
+              "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'", file=sys.stderr,
+              flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await app.stop()
+    if sim is not None:
+        await sim.stop()
+    return 0
+
+
+def run(coro) -> int:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "sim":
+        from relay import sim
+
+        return sim.main(argv[1:])
+    parser = argparse.ArgumentParser(prog="relay", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _serve_parser(sub)
+    sub.add_parser("sim", help="run the built-in llama-server simulator (see `relay sim -h`)")
+    args = parser.parse_args(argv)
+    if args.cmd == "serve":
+        try:
+            return run(_serve(args))
+        except ConfigError as exc:
+            print(f"relay: config error: {exc}", file=sys.stderr)
+            return 2
+    return 2

@@ -1,0 +1,137 @@
+"""Typed configuration: TOML decoded by msgspec, unknown keys and out-of-range values rejected.
+
+Structs built directly in Python (tests) skip the range checks on purpose, so tests can drive
+time with small bounds; everything read from a file or the command line goes through
+`load_config` / `parse_config`, which checks every constraint and names the offending key.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from typing import Annotated
+from urllib.parse import urlsplit
+
+import msgspec
+from msgspec import Meta, Struct
+
+Seconds = Annotated[float, Meta(ge=0.001, le=86400.0)]
+Port = Annotated[int, Meta(ge=0, le=65535)]
+
+
+class ServerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: Port = 8080
+    max_body_bytes: Annotated[int, Meta(ge=1024, le=1 << 30)] = 8 * 1024 * 1024
+    max_header_bytes: Annotated[int, Meta(ge=1024, le=1 << 20)] = 16 * 1024
+    header_timeout_s: Seconds = 10.0
+    keepalive_timeout_s: Seconds = 75.0
+    drain_timeout_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 30.0
+
+
+class DispatcherConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    connect_timeout_s: Annotated[float, Meta(ge=0.01, le=600.0)] = 5.0
+    write_timeout_s: Annotated[float, Meta(ge=0.01, le=3600.0)] = 10.0
+    pool_timeout_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 5.0
+    direct_read_timeout_s: Annotated[float, Meta(ge=30.0, le=600.0)] = 300.0
+    stream_total_timeout_s: Annotated[float, Meta(ge=0.0, le=86400.0)] = 900.0
+    stream_idle_timeout_s: Annotated[float, Meta(ge=0.0, le=86400.0)] = 300.0
+    upstream_keepalive_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 4.0
+
+
+class UpstreamConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    url: str
+    models: list[str] = msgspec.field(default_factory=list)
+    parallel: Annotated[int, Meta(ge=1, le=4096)] = 1
+    queue: Annotated[int, Meta(ge=0, le=100000)] = 64
+    fallback: list[str] = msgspec.field(default_factory=list)
+    auth_header: str | None = None
+    auth_value_env: str | None = None
+
+
+class KeyConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    id: Annotated[str, Meta(min_length=1, max_length=128)]
+    sha256: Annotated[str, Meta(pattern="^[0-9a-fA-F]{64}$")]
+    requests_per_day: Annotated[int, Meta(ge=0)] = 0
+    tokens_per_day: Annotated[int, Meta(ge=0)] = 0
+    requests_per_month: Annotated[int, Meta(ge=0)] = 0
+    tokens_per_month: Annotated[int, Meta(ge=0)] = 0
+
+
+class StoreConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    path: str = "relay.db"
+
+
+class Config(Struct, forbid_unknown_fields=True, kw_only=True):
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    dispatcher: DispatcherConfig = msgspec.field(default_factory=DispatcherConfig)
+    upstream: list[UpstreamConfig] = msgspec.field(default_factory=list)
+    key: list[KeyConfig] = msgspec.field(default_factory=list)
+    store: StoreConfig = msgspec.field(default_factory=StoreConfig)
+    admin_key_sha256: Annotated[str, Meta(pattern="^[0-9a-fA-F]{64}$")] | None = None
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key."""
+
+
+def parse_url(url: str) -> tuple[str, int]:
+    """`http://host:port` -> (host, port). Only plain http upstreams are supported."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ConfigError(f"upstream url {url!r}: expected http://host[:port]")
+    try:
+        port = parts.port or 80
+    except ValueError as exc:
+        raise ConfigError(f"upstream url {url!r}: {exc}") from None
+    if parts.path not in ("", "/") or parts.query:
+        raise ConfigError(f"upstream url {url!r}: a path prefix is not supported")
+    return parts.hostname, port
+
+
+def _key_path(msg: str) -> str:
+    # msgspec says "... - at `$.dispatcher.x`"; turn the location into a dotted key first.
+    text, sep, where = msg.rpartition(" - at `")
+    if not sep:
+        return msg
+    key = where.rstrip("`").removeprefix("$").lstrip(".")
+    return f"{key or '<top>'}: {text}"
+
+
+def check(cfg: Config) -> Config:
+    """Cross-field rules msgspec constraints cannot express."""
+    names = [u.name for u in cfg.upstream]
+    if len(set(names)) != len(names):
+        raise ConfigError("upstream.name: names must be unique")
+    for up in cfg.upstream:
+        parse_url(up.url)
+        for fb in up.fallback:
+            if fb not in names or fb == up.name:
+                raise ConfigError(f"upstream.{up.name}.fallback: unknown upstream {fb!r}")
+        if (up.auth_header is None) != (up.auth_value_env is None):
+            raise ConfigError(
+                f"upstream.{up.name}: auth_header and auth_value_env go together"
+            )
+    ids = [k.id for k in cfg.key]
+    if len(set(ids)) != len(ids):
+        raise ConfigError("key.id: ids must be unique")
+    return cfg
+
+
+def parse_config(data: dict) -> Config:
+    try:
+        cfg = msgspec.convert(data, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_key_path(str(exc))) from None
+    return check(cfg)
+
+
+def load_config(path: str) -> dict:
+    """Read a TOML file into a plain dict (validated later by `parse_config`)."""
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path!r}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config {path!r}: {exc}") from None

@@ -1,0 +1,54 @@
+"""How a response body is delimited upstream, and how it is carried to the client."""
+
+from __future__ import annotations
+
+from relay.headers import Headers, get, has_token
+
+# Upstream body kinds
+EMPTY, LENGTH, CHUNKED, UNTIL_CLOSE = "empty", "length", "chunked", "close"
+# Client carriage
+PASS = "pass"  # bytes as they come (chunked->chunked raw, length->length, close->close)
+DECHUNK = "dechunk"  # chunked upstream to an HTTP/1.0 client: payloads, then close
+CHUNK = "chunk"  # close-delimited upstream to an HTTP/1.1 client: the relay frames chunks
+
+
+class FramingError(ValueError):
+    pass
+
+
+def upstream_body(method: bytes, status: int, headers: Headers) -> tuple[str, int]:
+    """(kind, content length) of an upstream response body (RFC 9112 section 6.3)."""
+    if method == b"HEAD" or status < 200 or status in (204, 304):
+        return EMPTY, 0
+    if has_token(headers, b"transfer-encoding", b"chunked"):
+        return CHUNKED, -1
+    if get(headers, b"transfer-encoding") is not None:
+        return UNTIL_CLOSE, -1
+    cl = get(headers, b"content-length")
+    if cl is not None:
+        try:
+            n = int(cl)
+        except ValueError:
+            raise FramingError(f"bad Content-Length {cl[:20]!r}") from None
+        if n < 0:
+            raise FramingError("negative Content-Length")
+        return (LENGTH, n) if n else (EMPTY, 0)
+    return UNTIL_CLOSE, -1
+
+
+def carriage(kind: str, client_http11: bool) -> str:
+    if kind == CHUNKED and not client_http11:
+        return DECHUNK
+    if kind == UNTIL_CLOSE and client_http11:
+        return CHUNK
+    return PASS
+
+
+def client_chunked(kind: str, mode: str) -> bool:
+    """Whether the client sees Transfer-Encoding: chunked."""
+    return (kind == CHUNKED and mode == PASS) or mode == CHUNK
+
+
+def self_delimited(kind: str, mode: str) -> bool:
+    """Whether the client can tell where the body ends without a close (keep-alive possible)."""
+    return kind in (EMPTY, LENGTH) or client_chunked(kind, mode)

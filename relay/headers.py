@@ -1,0 +1,87 @@
+"""Header rules at the relay's two edges: what crosses, what is stripped, what is added."""
+
+from __future__ import annotations
+
+HOP_BY_HOP = frozenset({
+    b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
+    b"proxy-authorization", b"te", b"trailer", b"transfer-encoding", b"upgrade",
+})
+# Never forwarded upstream: the relay sets these itself, or they carry the caller's secret.
+_NOT_UPSTREAM = HOP_BY_HOP | {
+    b"host", b"content-length", b"authorization", b"x-api-key", b"x-request-id", b"expect",
+}
+_NOT_DOWNSTREAM = HOP_BY_HOP | {b"x-request-id"}
+
+Headers = list[tuple[bytes, bytes]]
+
+
+def _listed_in_connection(headers: Headers) -> set[bytes]:
+    names: set[bytes] = set()
+    for name, value in headers:
+        if name.lower() == b"connection":
+            names.update(t.strip().lower() for t in value.split(b",") if t.strip())
+    return names
+
+
+def get(headers: Headers, name: bytes) -> bytes | None:
+    """First value of a header (name given in lower case)."""
+    for k, v in headers:
+        if k.lower() == name:
+            return v
+    return None
+
+
+def has_token(headers: Headers, name: bytes, token: bytes) -> bool:
+    """Whether a comma-separated header (e.g. Connection) lists `token`."""
+    for k, v in headers:
+        if k.lower() == name and any(t.strip().lower() == token for t in v.split(b",")):
+            return True
+    return False
+
+
+def upstream_request_headers(client: Headers, host: bytes, body_len: int,
+                             request_id: bytes,
+                             auth: tuple[bytes, bytes] | None) -> Headers:
+    """The request headers sent upstream (h11 writes them; the body goes with Content-Length)."""
+    drop = _NOT_UPSTREAM | _listed_in_connection(client)
+    if auth is not None:
+        drop = drop | {auth[0].lower()}
+    out = [(b"Host", host)]
+    out.extend((k, v) for k, v in client if k.lower() not in drop)
+    if auth is not None:
+        out.append(auth)
+    out.append((b"X-Request-Id", request_id))
+    out.append((b"Content-Length", b"%d" % body_len))
+    return out
+
+
+def client_response(status: int, reason: bytes, upstream: Headers, request_id: bytes,
+                    chunked: bool, keep_alive: bool) -> bytes:
+    """The response head sent to the client: upstream headers minus hop-by-hop ones.
+
+    Content-Length crosses unchanged when the upstream gave one (the body is passed through
+    as is); `chunked` adds the relay's own Transfer-Encoding.
+    """
+    drop = _NOT_DOWNSTREAM | _listed_in_connection(upstream)
+    lines = [b"HTTP/1.1 %d %s" % (status, reason)]
+    lines.extend(k + b": " + v for k, v in upstream if k.lower() not in drop)
+    if chunked:
+        lines.append(b"Transfer-Encoding: chunked")
+    lines.append(b"X-Request-Id: " + request_id)
+    if not keep_alive:
+        lines.append(b"Connection: close")
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def relay_response(status: int, reason: bytes, body: bytes, request_id: bytes | None,
+                   keep_alive: bool, extra: Headers = (),
+                   content_type: bytes = b"application/json") -> bytes:
+    """A whole response the relay answers itself (errors, metrics, model list)."""
+    lines = [b"HTTP/1.1 %d %s" % (status, reason), b"Content-Type: " + content_type,
+             b"Content-Length: %d" % len(body)]
+    lines.extend(k + b": " + v for k, v in extra)
+    if request_id is not None:
+        lines.append(b"X-Request-Id: " + request_id)
+    if not keep_alive:
+        lines.append(b"Connection: close")
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body

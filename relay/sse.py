@@ -1,0 +1,103 @@
+"""Incremental scanner for Server-Sent-Event bodies passing through the relay.
+
+It never changes a byte; it only watches. Per event it decides whether the event carries
+generated content (a token), whether it is the terminal `data: [DONE]`, whether it is an
+`{"error": ...}` object, and keeps the last event that carries `usage` or `timings` so the
+exact figures can be read once at the end. Events are cut at blank lines, so a marker split
+across two reads is seen whole: the unfinished tail of one read waits for the next.
+"""
+
+from __future__ import annotations
+
+# A value that starts with a quote and is not the empty string: `"content":"x`.
+_CONTENT_MARKERS = (b'"content":"', b'"text":"', b'"reasoning_content":"', b'"arguments":"')
+_META_MARKERS = (b'"usage"', b'"timings"')
+_MAX_PENDING = 1 << 20  # an event larger than this is not scanned (still relayed)
+_MAX_META = 64 * 1024
+
+
+def carries_content(event: bytes) -> bool:
+    """True when the event holds at least one non-empty generated string."""
+    for marker in _CONTENT_MARKERS:
+        i = event.find(marker)
+        while i >= 0:
+            j = i + len(marker)
+            if j < len(event) and event[j] != 0x22:  # not `""`
+                return True
+            i = event.find(marker, j)
+    return False
+
+
+class SseScanner:
+    __slots__ = (
+        "events",
+        "content_events",
+        "pending",
+        "done_seen",
+        "error_first",
+        "meta",
+        "oversized",
+        "on_first_content",
+    )
+
+    def __init__(self, on_first_content=None) -> None:
+        self.events = 0  # complete events seen
+        self.content_events = 0  # events that carried generated content
+        self.pending = b""  # unfinished event text
+        self.done_seen = False  # `data: [DONE]` went by
+        self.error_first = False  # the first event was an `{"error": ...}` object
+        self.meta = b""  # last event carrying usage/timings
+        self.oversized = False
+        self.on_first_content = on_first_content  # called once, at the first content event
+
+    def feed(self, data: bytes) -> None:
+        if self.pending:
+            data = self.pending + data
+            self.pending = b""
+        if b"\r" in data:
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        start = 0
+        find = data.find
+        while True:
+            end = find(b"\n\n", start)
+            if end < 0:
+                break
+            if end > start:
+                self._event(data[start:end])
+            start = end + 2
+        if start < len(data):
+            rest = data[start:] if start else data
+            if rest.strip(b"\n"):
+                if len(rest) > _MAX_PENDING:
+                    self.oversized = True  # give up on this event, keep relaying
+                else:
+                    self.pending = rest
+
+    def _event(self, ev: bytes) -> None:
+        ev = ev.lstrip(b"\n")
+        if not ev:
+            return
+        self.events += 1
+        if self.events == 1 and ev.startswith(b'data: {"error"'):
+            self.error_first = True
+        if carries_content(ev):
+            self.content_events += 1
+            if self.content_events == 1 and self.on_first_content is not None:
+                self.on_first_content()
+        elif ev.startswith(b"data: [DONE]") or ev.startswith(b"data:[DONE]"):
+            self.done_seen = True
+        if len(ev) <= _MAX_META:
+            for marker in _META_MARKERS:
+                if marker in ev:
+                    self.meta = ev
+                    break
+
+
+def event_json(event: bytes) -> bytes | None:
+    """The JSON text of a single-line `data:` event, or None."""
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            body = line[5:].strip()
+            if body.startswith(b"{"):
+                return body
+    return None
