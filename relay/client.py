@@ -140,6 +140,11 @@ class ClientConn(asyncio.Protocol):
         self.body = []
         self.body_size = 0
         raw = ev.headers.raw_items()
+        # h11 bounds only a head still incomplete; one that came whole in a read is measured here
+        size = len(ev.method) + len(ev.target) + sum(len(k) + len(v) + 4 for k, v in raw)
+        if size > self.app.config.server.max_header_bytes:
+            self._reject(RelayError("headers_too_large", "request head is too large"))
+            return
         self.http11 = ev.http_version == b"1.1"
         self.wants_keep_alive = self.http11 and not hdr.has_token(raw, b"connection", b"close")
         cl = hdr.get(raw, b"content-length")

@@ -1,0 +1,94 @@
+"""The command line, as a user runs it: real processes, real signals."""
+
+import asyncio
+import json
+import os
+import signal
+import sys
+
+from tests import httpc
+
+
+async def start(*args: str, env: dict | None = None):
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "relay", *args, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env={**os.environ, **(env or {})})
+    return proc
+
+
+async def wait_listening(proc) -> tuple[int, list[dict]]:
+    """Read the relay's JSON log lines until it says where it listens."""
+    seen = []
+    while True:
+        line = await asyncio.wait_for(proc.stderr.readline(), 20)
+        assert line, f"relay exited early: {seen}"
+        if line.startswith(b"{"):
+            rec = json.loads(line)
+            seen.append(rec)
+            if rec["event"] == "relay_listening":
+                return rec["port"], seen
+
+
+async def run_to_end(*args: str) -> tuple[int, str]:
+    proc = await start(*args)
+    _, err = await asyncio.wait_for(proc.communicate(), 20)
+    return proc.returncode, err.decode()
+
+
+async def test_unknown_config_key_is_rejected_naming_it(tmp_path):
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text('[server]\nport = 0\nbogus = 1\n[[upstream]]\nname = "a"\nurl = "http://127.0.0.1:9"\n')
+    code, err = await run_to_end("serve", "--config", str(cfg))
+    assert code == 2
+    assert "server" in err and "bogus" in err
+
+
+async def test_out_of_range_value_is_rejected_naming_key_and_range(tmp_path):
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text('[dispatcher]\ndirect_read_timeout_s = 5\n'
+                   '[[upstream]]\nname = "a"\nurl = "http://127.0.0.1:9"\n')
+    code, err = await run_to_end("serve", "--config", str(cfg))
+    assert code == 2
+    assert "dispatcher.direct_read_timeout_s" in err and ">= 30.0" in err
+
+
+async def test_missing_upstream_is_a_clear_error():
+    code, err = await run_to_end("serve", "--port", "0")
+    assert code == 2 and "no upstream" in err
+
+
+async def test_demo_answers_a_stream_then_sigterm_drains_and_exits_zero():
+    proc = await start("serve", "--demo", "--port", "0")
+    try:
+        port, _ = await wait_listening(proc)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(httpc.build_request("POST", "/v1/chat/completions",
+                                         httpc.chat(12, interval_ms=20)))
+        resp = await asyncio.wait_for(httpc.read_head(reader), 10)
+        assert resp.status == 200
+        proc.send_signal(signal.SIGTERM)  # mid-stream: the stream must still finish
+        await asyncio.wait_for(httpc.read_body(reader, resp), 10)
+        writer.close()
+        assert resp.complete and resp.data_events()[-1] == "[DONE]"
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+        rest = (await proc.stderr.read()).decode()
+        events = [json.loads(x)["event"] for x in rest.splitlines() if x.startswith("{")]
+        assert "relay_draining" in events and events[-1] == "relay_stopped"
+        access = [json.loads(x) for x in rest.splitlines() if '"event":"access"' in x]
+        assert access and access[-1]["outcome"] == "done"
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_sim_subcommand_serves_health():
+    proc = await start("sim", "--port", "0")
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), 20)
+        port = json.loads(line)["port"]
+        resp = await httpc.fetch(port, "GET", "/health")
+        assert resp.json() == {"status": "ok"}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0

@@ -1,0 +1,197 @@
+"""Errors the relay answers itself, each over a real socket, with exact bodies."""
+
+import asyncio
+import json
+import socket
+
+from tests import httpc
+from tests.fakeup import Scripted
+
+
+def error_of(resp) -> dict:
+    assert resp.header("content-type") == "application/json"
+    doc = json.loads(resp.body)
+    assert list(doc) == ["error"]
+    assert list(doc["error"]) == ["message", "type", "code", "param", "details"]
+    assert doc["error"]["param"] is None
+    return doc["error"]
+
+
+def closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+async def raw_exchange(port: int, data: bytes, timeout: float = 5.0) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    out = await asyncio.wait_for(reader.read(), timeout)
+    writer.close()
+    return out
+
+
+def parse(raw: bytes):
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status = int(head.split(b" ")[1])
+    return status, head, body
+
+
+async def test_502_when_upstream_refuses(make_relay):
+    app = await make_relay(url=f"http://127.0.0.1:{closed_port()}")
+    resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(3))
+    assert resp.status == 502
+    err = error_of(resp)
+    assert err["code"] == "upstream_unavailable" and err["details"]["upstream"] == "llm"
+    assert "connect failed" in err["details"]["error"]
+    assert resp.header("x-request-id")
+
+
+async def test_502_when_connect_times_out(make_relay):
+    # a listener whose accept queue is full never completes the handshake
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(0)
+    port = lsock.getsockname()[1]
+    fillers = []
+    for _ in range(8):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", port))
+        fillers.append(s)
+    try:
+        app = await make_relay(url=f"http://127.0.0.1:{port}", connect_timeout_s=0.2)
+        t0 = asyncio.get_running_loop().time()
+        resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(3))
+        elapsed = asyncio.get_running_loop().time() - t0
+        assert resp.status in (502, 504)
+        err = error_of(resp)
+        if resp.status == 502:
+            assert err["code"] == "upstream_unavailable"
+            assert "timed out" in err["details"]["error"]
+            assert 0.15 < elapsed < 2.0
+    finally:
+        for s in fillers:
+            s.close()
+        lsock.close()
+
+
+async def test_504_when_head_does_not_arrive(make_relay, sim):
+    app = await make_relay(direct_read_timeout_s=0.2)
+    resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions",
+                             httpc.chat(3, head_delay_ms=2000))
+    assert resp.status == 504
+    err = error_of(resp)
+    assert err["code"] == "upstream_timeout" and err["details"] == {"upstream": "llm"}
+    # nothing reached the client before, and the upstream connection was closed
+    await asyncio.wait_for(sim.requests[-1].closed.wait(), 2)
+
+
+async def test_502_when_upstream_closes_without_answering(make_relay):
+    async def script(up, index, reader, writer):
+        await up.read_request(reader)
+
+    up = await Scripted(script).start()
+    app = await make_relay(url=up.url)
+    resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(3))
+    assert resp.status == 502 and error_of(resp)["code"] == "upstream_unavailable"
+    await up.stop()
+
+
+async def test_502_on_malformed_upstream_head(make_relay):
+    async def script(up, index, reader, writer):
+        await up.read_request(reader)
+        writer.write(b"HTTP/1.1 abc nonsense\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    up = await Scripted(script).start()
+    app = await make_relay(url=up.url)
+    resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(3))
+    assert resp.status == 502 and error_of(resp)["code"] == "upstream_bad_response"
+    await up.stop()
+
+
+async def test_400_for_unparsable_http(make_relay, sim):
+    app = await make_relay()
+    status, head, body = parse(await raw_exchange(app.port, b"GARBAGE\r\n\r\n"))
+    assert status == 400
+    assert json.loads(body)["error"]["code"] == "bad_request"
+    assert b"Connection: close" in head
+    assert sim.requests == []
+
+
+async def test_400_for_invalid_json(make_relay, sim):
+    app = await make_relay()
+    resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions", b'{"messages": [')
+    assert resp.status == 400
+    assert error_of(resp)["code"] == "invalid_json"
+    assert sim.requests == []
+
+
+async def test_408_when_head_does_not_arrive(make_relay, sim):
+    app = await make_relay(header_timeout_s=0.2)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    raw = await raw_exchange(app.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+    status, _, body = parse(raw)
+    assert status == 408 and json.loads(body)["error"]["code"] == "request_timeout"
+    assert 0.15 < loop.time() - t0 < 2.0
+
+
+async def test_408_when_body_does_not_arrive(make_relay, sim):
+    app = await make_relay(header_timeout_s=0.2)
+    raw = await raw_exchange(app.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                                       b"Content-Length: 100\r\n\r\n{\"mod")
+    assert parse(raw)[0] == 408
+    assert sim.requests == []
+
+
+async def test_idle_keep_alive_connection_closed_silently(make_relay, sim):
+    app = await make_relay(keepalive_timeout_s=0.2)
+    reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
+    resp = await httpc.exchange(reader, writer, "GET", "/health")
+    assert resp.status == 200
+    rest = await asyncio.wait_for(reader.read(), 2)
+    assert rest == b""  # closed, with no 408 written
+    writer.close()
+
+
+async def test_413_for_declared_oversized_body(make_relay, sim):
+    app = await make_relay(max_body_bytes=1024)
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 5000\r\n\r\n")
+    status, head, body = parse(await raw_exchange(app.port, head + b"x" * 5000))
+    assert status == 413
+    err = json.loads(body)["error"]
+    assert err["code"] == "request_too_large" and err["details"] == {"limit_bytes": 1024}
+    assert sim.requests == []
+
+
+async def test_413_for_chunked_body_that_grows_too_large(make_relay, sim):
+    app = await make_relay(max_body_bytes=1024)
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    chunks = b"".join(b"200\r\n" + b"x" * 512 + b"\r\n" for _ in range(4)) + b"0\r\n\r\n"
+    status, _, _ = parse(await raw_exchange(app.port, head + chunks))
+    assert status == 413
+    assert sim.requests == []
+
+
+async def test_431_for_oversized_head(make_relay, sim):
+    app = await make_relay(max_header_bytes=2048)
+    head = (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 4000 + b"\r\n\r\n")
+    status, _, body = parse(await raw_exchange(app.port, head))
+    assert status == 431 and json.loads(body)["error"]["code"] == "headers_too_large"
+    assert sim.requests == []
+
+
+async def test_upstream_error_status_passes_through_verbatim(make_relay, sim):
+    app = await make_relay()
+    direct = await httpc.fetch(sim.port, "POST", "/v1/chat/completions", httpc.chat(3, status=400))
+    relayed = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(3, status=400))
+    assert relayed.status == direct.status == 400
+    assert relayed.body == direct.body
+    assert relayed.header("content-length") == direct.header("content-length")
