@@ -1,0 +1,552 @@
+"""Built-in llama-server simulator: asyncio.Protocol + h11 request parsing, raw-byte responses.
+
+Wire shape follows the real llama-server captures (see relay/sim_frames.py). Streams are paced
+with loop.call_at chains (token i due at t0 + i*interval, no drift), one transport.write per
+event, and production stops while the transport is paused. Per-request knobs come from an
+optional ``"sim": {...}`` object in the JSON request body.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import time
+import types
+from dataclasses import dataclass, field
+
+import h11
+import msgspec
+
+from relay import sim_frames as F
+
+GEN_ROUTES = ("chat", "text", "native")
+_ROUTES = {
+    ("GET", "/health"): "health", ("GET", "/v1/health"): "health",
+    ("GET", "/v1/models"): "models", ("GET", "/models"): "models",
+    ("GET", "/props"): "props", ("GET", "/slots"): "slots", ("GET", "/metrics"): "metrics",
+    ("POST", "/v1/chat/completions"): "chat", ("POST", "/chat/completions"): "chat",
+    ("POST", "/v1/completions"): "text", ("POST", "/completions"): "text",
+    ("POST", "/completion"): "native",
+    ("POST", "/tokenize"): "tokenize", ("POST", "/detokenize"): "detokenize",
+    ("POST", "/v1/embeddings"): "embeddings", ("POST", "/embeddings"): "embeddings",
+}
+_SSE_HEAD = F.head(200, F.SSE_CT, sse=True)
+_LOADING = F.error_body(503, "Loading model", "unavailable_error")
+_STALLED = types.SimpleNamespace(cancel=lambda: None)  # a response that never comes
+
+
+@dataclass
+class SimDefaults:
+    model: str = "models/tiny.gguf"
+    tokens: int = 16
+    interval_ms: float = 0.0
+    first_token_delay_ms: float = 0.0
+    head_delay_ms: float = 0.0
+
+
+@dataclass(eq=False)
+class SimRequest:
+    method: str
+    path: str
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    json: dict | None = None
+    started_at: float = 0.0
+    tokens_sent: int = 0
+    completion_tokens: int | None = None
+    finished: bool = False
+    peer_closed_at: float | None = None
+    status: int | None = None
+    closed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    _gen: bool = field(default=False, repr=False)
+
+
+class _Gen:
+    """One streamed generation response, driven by a call_at chain."""
+
+    __slots__ = ("c", "req", "p", "f", "i", "handle", "t0", "stop_at", "role", "state", "cl_tail")
+
+    def __init__(self, conn: _Conn, req: SimRequest, plan: F.Plan, frames: F.StreamFrames) -> None:
+        self.c, self.req, self.p, self.f = conn, req, plan, frames
+        self.i = 0
+        self.handle = None
+        self.state = "head"
+        self.role: bytes | None = None
+        self.cl_tail = b""
+        lim = [x for x in (plan.stall_after, plan.drop_after, plan.n) if x is not None and x >= 0]
+        self.stop_at = min(lim) if lim else None
+        self.t0 = req.started_at + plan.head_delay + plan.ftd
+
+    def start(self) -> None:
+        if self.p.head_delay > 0:
+            self.handle = self.c.loop.call_at(self.req.started_at + self.p.head_delay, self._head)
+        else:
+            self._head()
+
+    def cancel(self) -> None:
+        self.state = "done"
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+
+    def resume(self) -> None:
+        if self.state == "run" and self.handle is None:
+            self.handle = self.c.loop.call_soon(self._tick)
+
+    def _tail_payloads(self, tm: dict) -> list[bytes]:
+        p, f = self.p, self.f
+        parts = [f.eos_event() if p.eos else b"", f.final_events(p.n or 0, p.predicted_n, p.finish, tm),
+                 f.done_event]
+        return [x for x in parts if x]
+
+    def _tail(self, tm: dict) -> bytes:
+        parts = self._tail_payloads(tm)
+        if self.p.content_length:
+            return b"".join(parts)
+        return b"".join(map(F.chunk, parts)) + F.TERMINATOR
+
+    def _head(self) -> None:
+        self.handle = None
+        p, f = self.p, self.f
+        role = f.role_event()
+        keep = self.c._keep
+        if p.content_length:
+            n = p.n or 0
+            self.cl_tail = self._tail(F.timings(p.prompt_n, p.predicted_n, (p.ftd + max(n - 1, 0) * p.interval) * 1e3))
+            length = f.body_len(n) + len(role or b"") + len(self.cl_tail)
+            head = F.head(200, F.SSE_CT, length=length, sse=True, close=not keep)
+        elif f.kind == "octet" or not keep:
+            head = F.head(200, f.content_type, sse=True, close=not keep)
+        else:
+            head = _SSE_HEAD
+        if role is not None and (p.ftd > 0 or self.stop_at == 0):
+            head += role if p.content_length else F.chunk(role)
+        else:
+            self.role = role
+        self.c.transport.write(head)
+        self.state = "run"
+        self._tick()
+
+    def _frame(self, i: int) -> bytes:
+        if self.role is not None:
+            data, self.role = self.role + self.f.event(i), None
+            return data if self.p.content_length else F.chunk(data)
+        return self.f.event(i) if self.p.content_length else self.f.chunk(i)
+
+    def _tick(self) -> None:
+        self.handle = None
+        c = self.c
+        if self.state != "run" or c.paused:
+            return
+        loop, tr, req, sim = c.loop, c.transport, self.req, c.sim
+        now, iv, t0, stop_at = loop.time() + 0.001, self.p.interval, self.t0, self.stop_at
+        budget = 256
+        while True:
+            i = self.i
+            if i == stop_at:
+                self._boundary()
+                return
+            due = t0 + i * iv
+            if due > now:
+                self.handle = loop.call_at(due, self._tick)
+                return
+            if budget == 0:
+                self.handle = loop.call_soon(self._tick)
+                return
+            tr.write(self._frame(i))
+            self.i = i + 1
+            req.tokens_sent += 1
+            sim.tokens_sent_total += 1
+            budget -= 1
+            if c.paused:
+                return
+
+    def _boundary(self) -> None:
+        p, i = self.p, self.i
+        if p.drop_after is not None and i == p.drop_after:
+            self.state = "done"
+            self.c.abort()
+            return
+        if p.stall_after is not None and i == p.stall_after:
+            self.state = "stalled"
+            if p.mid_line or p.mid_chunk:
+                if p.n is None or i < p.n:
+                    nxt = (self.role or b"") + self.f.event(i)
+                else:
+                    nxt = (self._tail_payloads(self._timings()) or [b""])[0]
+                half = nxt[: len(nxt) // 2]
+                if not nxt:
+                    pass
+                elif p.content_length:
+                    self.c.transport.write(half)
+                elif p.mid_line:
+                    self.c.transport.write(F.chunk(half))
+                else:
+                    self.c.transport.write(b"%x\r\n" % len(nxt) + half)
+            return
+        self.state = "done"
+        self.c.transport.write(self.cl_tail if p.content_length else self._tail(self._timings()))
+        self.req.completion_tokens = p.predicted_n
+        self.c.finish_stream()
+
+    def _timings(self) -> dict:
+        ms = (self.c.loop.time() - self.t0) * 1000.0 if self.i else 0.0
+        return F.timings(self.p.prompt_n, self.p.predicted_n, ms)
+
+
+class _Conn(asyncio.Protocol):
+    def __init__(self, sim: Simulator) -> None:
+        self.sim = sim
+        self.loop = sim._loop
+        self.transport: asyncio.Transport | None = None
+        self.h11 = h11.Connection(h11.SERVER)
+        self.paused = False
+        self.closing = False
+        self.active = None
+        self.req: SimRequest | None = None
+        self.idle = None
+        self.nreq = 0
+        self._cur: h11.Request | None = None
+        self._body: list[bytes] = []
+        self._in_process = False
+        self._keep = True
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.sim.connections_opened += 1
+        self.sim._conns.add(self)
+        self._arm_idle()
+
+    def data_received(self, data: bytes) -> None:
+        if self.idle is not None:
+            self.idle.cancel()
+            self.idle = None
+        try:
+            self.h11.receive_data(data)
+        except RuntimeError:
+            return
+        if self.active is None:
+            self._process()
+            if self.active is None:
+                self._arm_idle()
+
+    def eof_received(self) -> bool:
+        self._peer_gone()
+        return False
+
+    def connection_lost(self, exc) -> None:
+        self.sim._conns.discard(self)
+        self.sim.connections_closed += 1
+        if self.idle is not None:
+            self.idle.cancel()
+        self._peer_gone()
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if isinstance(self.active, _Gen):
+            self.active.resume()
+
+    # -- lifecycle helpers
+    def _peer_gone(self) -> None:
+        if self.active is not None:
+            self.active.cancel()
+            self.active = None
+        req = self.req
+        if req is not None and not req.closed.is_set():
+            if not self.closing:
+                req.peer_closed_at = self.loop.time()
+            self._end(req)
+
+    def _end(self, req: SimRequest) -> None:
+        if not req.closed.is_set():
+            req.closed.set()
+            if req._gen:
+                self.sim.active_generations -= 1
+
+    def _arm_idle(self) -> None:
+        if not self.closing and self.idle is None:
+            self.idle = self.loop.call_later(self.sim.keepalive_timeout, self.close)
+
+    def close(self, abort: bool = False) -> None:
+        self.closing = True
+        if self.active is not None:
+            self.active.cancel()
+            self.active = None
+        if self.req is not None:
+            self._end(self.req)
+        if self.transport is not None:
+            if abort:
+                self.transport.abort()
+            else:
+                self.transport.close()
+
+    def abort(self) -> None:
+        self.close(abort=True)
+
+    def finish_stream(self) -> None:
+        """Streamed responses: mark finished, then close (llama-server closes after every stream)."""
+        self.req.finished = True
+        self.active = None
+        self.close()
+
+    def _complete(self, keep: bool) -> None:
+        req = self.req
+        req.finished = True
+        self.active = None
+        if not keep:
+            self.close()
+            return
+        self._end(req)
+        self.req = None
+        tail, closed = self.h11.trailing_data
+        self.h11 = h11.Connection(h11.SERVER)
+        if tail:
+            self.h11.receive_data(tail)
+        if closed:
+            self.h11.receive_data(b"")
+        if not self._in_process:
+            self._process()
+        if self.active is None:
+            self._arm_idle()
+
+    # -- request handling
+    def _process(self) -> None:
+        self._in_process = True
+        try:
+            while self.active is None and not self.closing:
+                try:
+                    ev = self.h11.next_event()
+                except h11.RemoteProtocolError as e:
+                    self.req = None
+                    self.transport.write(self._simple(400, F.error_body(400, str(e)), close=True))
+                    self.close()
+                    return
+                t = type(ev)
+                if t is h11.Request:
+                    self._cur, self._body = ev, []
+                    if self.h11.they_are_waiting_for_100_continue:
+                        self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                elif t is h11.Data:
+                    self._body.append(ev.data)
+                elif t is h11.EndOfMessage:
+                    self._dispatch()
+                elif t is h11.ConnectionClosed:
+                    self.close()
+                    return
+                else:  # NEED_DATA / PAUSED
+                    return
+        finally:
+            self._in_process = False
+
+    def _simple(self, status: int, body: bytes, ctype: bytes = F.JSON_CT, close: bool = False,
+                extra: tuple = ()) -> bytes:
+        if self.req is not None:
+            self.req.status = status
+        return F.head(status, ctype, length=len(body), close=close, extra=extra) + body
+
+    def _respond(self, status: int, body, ctype: bytes = F.JSON_CT, delay: float = 0.0, extra: tuple = (),
+                 setup=None) -> None:
+        """Content-Length response (body may be a callable built at send time), after ``delay`` s."""
+        if delay > 0:
+            self.active = self.loop.call_at(self.req.started_at + delay, self._respond, status, body, ctype,
+                                            0.0, extra, setup)
+            return
+        if setup is not None:
+            setup()
+        keep = status < 400 and self._keep
+        self.transport.write(self._simple(status, body() if callable(body) else body, ctype, not keep, extra))
+        self._complete(keep)
+
+    def _dispatch(self) -> None:
+        ev, sim = self._cur, self.sim
+        self.nreq += 1
+        body = b"".join(self._body)
+        req = SimRequest(method=ev.method.decode(), path=ev.target.decode("latin-1"),
+                         headers=list(ev.headers), body=body, started_at=self.loop.time())
+        sim.requests.append(req)
+        self.req = req
+        conn_hdr = b",".join(v for k, v in ev.headers if k == b"connection").lower()
+        self._keep = not (b"close" in conn_hdr or ev.http_version == b"1.0" or self.nreq >= 100)
+        route = _ROUTES.get((req.method, req.path.split("?", 1)[0]))
+        if route is None:
+            return self._respond(404, F.NOT_FOUND_BODY)
+        if sim.loading and (route in GEN_ROUTES or route in ("health", "embeddings")):
+            return self._respond(503, _LOADING)
+        data: dict = {}
+        if req.method == "POST":
+            try:
+                data = msgspec.json.decode(body)
+            except msgspec.DecodeError as e:
+                return self._respond(400, F.error_body(400, f"[json.exception.parse_error.101] parse error: {e}"))
+            if not isinstance(data, dict):
+                return self._respond(400, F.error_body(400, "request body must be a JSON object"))
+            req.json = data
+        knobs = data.get("sim") if isinstance(data.get("sim"), dict) else {}
+        d = sim.defaults
+        if F.as_int(knobs.get("status")) is not None and knobs["status"] >= 400:
+            return self._respond(knobs["status"], F.error_body(knobs["status"]),
+                                 delay=F.as_num(knobs.get("head_delay_ms"), d.head_delay_ms) / 1000.0)
+        if route in GEN_ROUTES:
+            return self._generate(route, data, knobs)
+        if route == "metrics":
+            return self._respond(200, F.metrics_body(sim.metrics_values()), ctype=F.METRICS_CT,
+                                 extra=(b"Process-Start-Time-Unix: %d" % int(sim.start_time),))
+        out = F.misc_body(route, data, d.model, int(sim.start_time), sim.parallel, sim.active_generations)
+        self._respond(200, out)
+
+    def _generate(self, route: str, data: dict, knobs: dict) -> None:
+        sim, req = self.sim, self.req
+        p = F.make_plan(route, data, sim.defaults)
+        req._gen = True
+        sim.active_generations += 1
+        sim.prompt_tokens_total += p.prompt_n
+        if knobs.get("error_event"):
+            req.status = 200
+            out = _SSE_HEAD + F.chunk(F.ERROR_EVENT) + F.TERMINATOR
+
+            def send():
+                self.transport.write(out)
+                self.finish_stream()
+            self.active = self.loop.call_at(req.started_at + p.head_delay, send)
+            return
+        if p.stream:
+            req.status = 200
+            include_usage = isinstance(data.get("stream_options"), dict) and \
+                data["stream_options"].get("include_usage") is True
+            g = _Gen(self, req, p, F.StreamFrames(p.kind, sim.defaults.model, p.prompt_n, include_usage))
+            self.active = g
+            g.start()
+            return
+        # non-streamed
+        n = p.n or 0
+        gen_s = p.ftd + max(n - 1, 0) * p.interval
+        if p.stall_after is not None and (p.drop_after is None or p.stall_after <= p.drop_after):
+            self.active = _STALLED
+            return
+        if p.drop_after is not None:
+            self.active = self.loop.call_at(req.started_at + p.head_delay + p.ftd + p.drop_after * p.interval,
+                                            self.abort)
+            return
+
+        def count() -> None:
+            req.tokens_sent = n
+            sim.tokens_sent_total += n
+            req.completion_tokens = p.predicted_n
+
+        def body() -> bytes:
+            return F.nonstream_body(p.kind, sim.defaults.model, p.prompt_n, n, p.predicted_n, p.finish,
+                                    F.timings(p.prompt_n, p.predicted_n, gen_s * 1000.0))
+        self._respond(200, body, delay=p.head_delay + gen_s, setup=count)
+
+
+class Simulator:
+    """In-process fake llama-server. ``await start()``; ``port`` is the bound port afterwards."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, defaults: SimDefaults | None = None) -> None:
+        self.host, self.port = host, port
+        self.defaults = defaults or SimDefaults()
+        self.loading = False
+        self.parallel = 2
+        self.keepalive_timeout = 5.0
+        self.requests: list[SimRequest] = []
+        self.tokens_sent_total = 0
+        self.prompt_tokens_total = 0
+        self.active_generations = 0
+        self.connections_opened = 0
+        self.connections_closed = 0
+        self.start_time = time.time()
+        self._conns: set[_Conn] = set()
+        self._server: asyncio.AbstractServer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def metrics_values(self) -> dict[str, float]:
+        busy = self.active_generations
+        return {"prompt_tokens_total": self.prompt_tokens_total, "tokens_predicted_total": self.tokens_sent_total,
+                "n_decode_total": self.tokens_sent_total, "requests_processing": min(busy, self.parallel),
+                "requests_deferred": max(0, busy - self.parallel)}
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._server = await self._loop.create_server(lambda: _Conn(self), self.host, self.port,
+                                                      reuse_address=True, backlog=4096)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for c in list(self._conns):
+            c.abort()
+        if self._server is not None:
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+            except (asyncio.TimeoutError, Exception):
+                pass
+            self._server = None
+
+    async def __aenter__(self) -> Simulator:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    sim = Simulator(args.host, args.port, SimDefaults(
+        model=args.model, tokens=args.tokens, interval_ms=args.interval_ms,
+        first_token_delay_ms=args.first_token_delay_ms, head_delay_ms=args.head_delay_ms))
+    await sim.start()
+    print(F.jdump({"event": "sim_listening", "host": args.host, "port": sim.port}).decode(), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for s in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(s, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    try:
+        await stop.wait()
+    finally:
+        await sim.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="relay sim", description="llama-server simulator")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8081)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--interval-ms", type=float, default=0.0)
+    ap.add_argument("--first-token-delay-ms", type=float, default=0.0)
+    ap.add_argument("--head-delay-ms", type=float, default=0.0)
+    ap.add_argument("--model", default="models/tiny.gguf")
+    if argv and argv[0] == "sim":
+        argv = argv[1:]
+    args = ap.parse_args(argv)
+    try:
+        import uvloop
+        factory = uvloop.new_event_loop
+    except ImportError:
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        try:
+            runner.run(_serve(args))
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
