@@ -41,19 +41,26 @@ class ChunkTracker:
     def done(self) -> bool:
         return self.state == DONE
 
+    def single(self, data: bytes) -> int:
+        """Offset of the payload when `data` is exactly one whole chunk (the usual read), else -1.
+
+        The caller then forwards `data` as is and scans data[offset:-2]; nothing is copied.
+        """
+        if self.state != SIZE or self.held:
+            return -1
+        nl = data.find(b"\r\n", 0, 18)
+        if nl <= 0:
+            return -1
+        try:
+            size = int(data[:nl], 16)
+        except ValueError:
+            return -1
+        if size > 0 and len(data) == nl + 4 + size and data.endswith(b"\r\n"):
+            return nl + 2
+        return -1
+
     def feed(self, data: bytes) -> tuple[bytes, list[bytes]]:
         """Take received bytes; return (bytes safe to forward now, chunk payloads found)."""
-        # Fast path: one or more whole chunks and nothing held (the usual read).
-        if not self.held and self.state == SIZE:
-            nl = data.find(b"\r\n", 0, 20)
-            if nl > 0:
-                try:
-                    size = int(data[:nl], 16)
-                except ValueError:
-                    size = -1
-                end = nl + 2 + size
-                if size > 0 and len(data) == end + 2 and data[end:] == b"\r\n":
-                    return data, [data[nl + 2 : end]]
         return self._feed(self.held + data if self.held else data)
 
     def _feed(self, buf: bytes) -> tuple[bytes, list[bytes]]:

@@ -113,8 +113,15 @@ class Exchange:
         self.last_read = self.loop.time()
         kind = self.kind
         if kind == framing.CHUNKED:
+            tracker = self.tracker
+            start = tracker.single(data)
+            if start > 0:  # one whole chunk: forward as is, scan in place
+                if self.scanner is not None:
+                    self.scanner.feed_span(data, start, len(data) - 2)
+                self._emit(data if self.mode == framing.PASS else data[start:-2])
+                return
             try:
-                out, payloads = self.tracker.feed(data)
+                out, payloads = tracker.feed(data)
             except ChunkError:
                 self._upstream_failed(BAD_FRAMING)
                 return
@@ -125,8 +132,8 @@ class Exchange:
             if self.mode == framing.DECHUNK:
                 out = b"".join(payloads)
             self._emit(out)
-            if self.tracker.state == 4:  # DONE
-                self.upstream_keep_alive &= not self.tracker.extra
+            if tracker.state == 4:  # DONE
+                self.upstream_keep_alive &= not tracker.extra
                 self._end(DONE)
         elif kind == framing.LENGTH:
             if len(data) >= self.remaining:
@@ -214,6 +221,7 @@ class Exchange:
             self.tracker = ChunkTracker()
         if self.sse:
             self.scanner = SseScanner(self._first_content)
+        self._write = self.client.transport.write
         self.head_bytes = hdr.client_response(
             self.status, resp.reason or reason_phrase(self.status), raw, self.request_id,
             framing.client_chunked(self.kind, self.mode), self.client_keep_alive)
@@ -236,7 +244,7 @@ class Exchange:
 
     # ---- body ----------------------------------------------------------------------
     def _first_content(self) -> None:
-        self.first_content_at = self.loop.time()
+        self.first_content_at = time.perf_counter()
         if self.holding:
             self._release_hold()
 
@@ -257,7 +265,7 @@ class Exchange:
             if self.held_size > _HOLD_LIMIT:
                 self._release_hold()
             return
-        self.client.transport.write(out)
+        self._write(out)
 
     def _upstream_failed(self, outcome: str) -> None:
         """The upstream broke the body: the client sees the truncation (no clean end).

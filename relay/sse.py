@@ -30,7 +30,6 @@ def carries_content(event: bytes) -> bool:
 
 class SseScanner:
     __slots__ = (
-        "events",
         "content_events",
         "pending",
         "done_seen",
@@ -38,10 +37,10 @@ class SseScanner:
         "meta",
         "oversized",
         "on_first_content",
+        "first_event",
     )
 
     def __init__(self, on_first_content=None) -> None:
-        self.events = 0  # complete events seen
         self.content_events = 0  # events that carried generated content
         self.pending = b""  # unfinished event text
         self.done_seen = False  # `data: [DONE]` went by
@@ -49,6 +48,27 @@ class SseScanner:
         self.meta = b""  # last event carrying usage/timings
         self.oversized = False
         self.on_first_content = on_first_content  # called once, at the first content event
+        self.first_event = True
+
+    def feed_span(self, data: bytes, start: int, end: int) -> None:
+        """Scan data[start:end] without copying it when it is one whole content event.
+
+        That is the usual read (one token per read); anything else - several events, a
+        partial one, a meta or [DONE] event - takes the general path.
+        """
+        if not self.pending and not self.first_event and data.endswith(b"\n\n", start, end):
+            i = data.find(b'"content":"', start, end)
+            if i < 0:
+                i = data.find(b'"text":"', start, end)
+                j = i + 8
+            else:
+                j = i + 11
+            if i >= 0 and data[j] != 0x22 and data.find(b"\n\n", j, end) == end - 2:
+                self.content_events += 1
+                if self.content_events == 1 and self.on_first_content is not None:
+                    self.on_first_content()
+                return
+        self.feed(data[start:end])
 
     def feed(self, data: bytes) -> None:
         if self.pending:
@@ -77,9 +97,9 @@ class SseScanner:
         ev = ev.lstrip(b"\n")
         if not ev:
             return
-        self.events += 1
-        if self.events == 1 and ev.startswith(b'data: {"error"'):
-            self.error_first = True
+        if self.first_event:
+            self.first_event = False
+            self.error_first = ev.startswith(b'data: {"error"')
         if carries_content(ev):
             self.content_events += 1
             if self.content_events == 1 and self.on_first_content is not None:
