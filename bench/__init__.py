@@ -1,0 +1,1 @@
+"""Side-by-side benchmark: direct vs relay vs nginx (see bench/__main__.py)."""

@@ -1,0 +1,199 @@
+"""python -m bench: direct vs relay vs nginx, side by side, in one run.
+
+Starts the upstream (simulator, or a real llama-server with --real), then for
+every scenario and target a FRESH proxy process (so its peak RSS belongs to
+that scenario), samples the proxy's and the upstream's CPU time around one
+run of the load client (``python -m bench.load``, its own process), stops the
+proxy, and finally prints a Markdown report and writes it to bench/RESULTS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import nginx, procs, relay_conf, report
+from bench.upstreams import RealUpstream, SimUpstream
+
+HOST = "127.0.0.1"
+TARGETS = ("direct", "relay", "nginx")
+
+
+def scenarios(a) -> dict[str, dict]:
+    q = a.quick
+    return {
+        # 200 streams x 50 tok/s, ~10 s (quick ~3 s)
+        "paced": dict(concurrency=a.streams, requests=a.streams, max_tokens=150 if q else 500,
+                      interval_ms=20, ramp_s=0.5),
+        # one short stream at a time, new connection each
+        "ttft": dict(concurrency=1, requests=a.ttft_requests or (50 if q else 200),
+                     max_tokens=4, interval_ms=5, ramp_s=0),
+        # 1000 slow streams (1 token / 1.5 s) held ~10 s (quick: 1 / s, ~3 s)
+        "idle": dict(concurrency=a.idle_streams, requests=a.idle_streams,
+                     max_tokens=4 if q else 8, interval_ms=1000 if q else 1500, ramp_s=1.0),
+        # real llama-server: sequential streams, no sim knobs
+        "real": dict(concurrency=1, requests=a.real_requests or (5 if q else 20),
+                     max_tokens=a.real_tokens, interval_ms=0, ramp_s=0,
+                     extra=["--no-sim", "--no-expect"]),
+    }
+
+
+def start_proxy(target: str, up, logdir: Path, a) -> procs.Proc | None:
+    if target == "direct":
+        return None
+    port = procs.free_port(HOST)
+    if target == "relay":
+        # The upstream is in the generated config (with parallel = 4096), so
+        # no --upstream here: the relay refuses both.
+        conf = relay_conf.write(up.url, logdir, a.relay_config)
+        argv = [sys.executable, "-m", "relay", "serve", "--config", str(conf),
+                "--host", HOST, "--port", str(port)]
+        p = procs.Proc("relay", argv, logdir)
+    else:
+        tmp = logdir / "nginx"
+        p = procs.Proc("nginx", nginx.argv(tmp, nginx.write_conf(tmp, HOST, port, up.host, up.port)),
+                       logdir)
+    p.port = port
+    p.wait_http(HOST, port, "/health")
+    return p
+
+
+def run_load(port: int, sc: dict, logdir: Path, timeout: float) -> dict:
+    argv = [sys.executable, "-m", "bench.load", "--host", HOST, "--port", str(port),
+            "--concurrency", str(sc["concurrency"]), "--requests", str(sc["requests"]),
+            "--max-tokens", str(sc["max_tokens"]), "--interval-ms", str(sc["interval_ms"]),
+            "--ramp-s", str(sc["ramp_s"]), "--timeout", str(timeout)] + sc.get("extra", [])
+    p = procs.Proc("load", argv, logdir)
+    try:
+        p.popen.wait(timeout + 60)
+    finally:
+        p.stop()
+    lines = [ln for ln in p.out_path.read_text().splitlines() if ln.startswith("{")]
+    if p.popen.returncode != 0 or not lines:
+        raise RuntimeError(f"load client failed ({p.popen.returncode}): {p.tail()}")
+    return json.loads(lines[-1])
+
+
+def measure(scenario: str, sc: dict, target: str, up, logdir: Path, a) -> dict:
+    row = {"scenario": scenario, "target": target}
+    if target == "nginx" and not nginx.binary():
+        return {**row, "skipped": "nginx: not found"}
+    proxy = start_proxy(target, up, logdir, a)
+    try:
+        time.sleep(0.3)  # let startup settle before the window opens
+        p0, s0 = (proxy.cpu_us() if proxy else 0.0), up.cpu_us()
+        b0, t0 = procs.system_busy_us(), time.monotonic()
+        est = sc["ramp_s"] + sc["requests"] / sc["concurrency"] * (
+            sc["max_tokens"] * sc["interval_ms"] / 1000 + 1)
+        load = run_load(proxy.port if proxy else up.port, sc, logdir, timeout=est * 3 + 30)
+        p1, s1 = (proxy.cpu_us() if proxy else 0.0), up.cpu_us()
+        busy, wall = procs.system_busy_us() - b0, time.monotonic() - t0
+        row.update(load=load, sim_cpu_us=s1 - s0)
+        # CPU used on this machine by anything but sim, proxy and load client:
+        # the noise from other work, as a share of all cores.
+        other = busy - (s1 - s0) - (p1 - p0) - load.get("client_cpu_total_s", load["client_cpu_s"]) * 1e6
+        row["other_cpu_frac"] = max(0.0, other) / (wall * 1e6 * (os.cpu_count() or 1))
+        if proxy:
+            row.update(proxy_cpu_us=p1 - p0, proxy_hwm_kb=proxy.hwm_kb())
+    finally:
+        if proxy:
+            proxy.stop()
+    if target == "nginx":
+        row["nginx_upstream_errors"] = nginx.upstream_errors(logdir / "nginx")
+    return row
+
+
+def measure_safely(name: str, sc: dict, target: str, up, logdir: Path, a) -> dict:
+    """measure(), but if the upstream died meanwhile (e.g. killed by someone
+    else on a shared machine), restart it and measure once more."""
+    for attempt in (1, 2):
+        if up.exit_code() is not None:
+            up.stop()
+            up.start(logdir)
+        row = measure(name, sc, target, up, logdir, a)
+        rc = up.exit_code()
+        if rc is None:
+            return {**row, "upstream_restarts": attempt - 1}
+        msg = f"upstream ({up.kind}) exited with {rc} during {name}/{target}"
+        print(f"bench: {msg}; restarting it" + (" and measuring again" if attempt == 1 else ""),
+              file=sys.stderr, flush=True)
+    raise RuntimeError(msg + " twice")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="~3 s scenarios instead of ~10 s")
+    p.add_argument("--repeat", type=int, default=1, help="repeat every measurement; report medians")
+    p.add_argument("--scenarios", default="paced,ttft,idle", help="comma list of paced,ttft,idle")
+    p.add_argument("--targets", default=",".join(TARGETS), help="comma list of direct,relay,nginx")
+    p.add_argument("--streams", type=int, default=200, help="paced: concurrent streams")
+    p.add_argument("--idle-streams", type=int, default=1000, help="idle: open slow streams")
+    p.add_argument("--ttft-requests", type=int, default=0, help="ttft: sequential requests")
+    p.add_argument("--real", action="store_true", help="against a real llama-server instead")
+    p.add_argument("--real-requests", type=int, default=0)
+    p.add_argument("--real-tokens", type=int, default=32)
+    p.add_argument("--relay-config", help="TOML merged over the generated relay config (see bench/relay_conf.py)")
+    p.add_argument("--output", help="report file (default bench/RESULTS.md, --real: RESULTS-real.md)")
+    p.add_argument("--json", help="also write the raw per-run results here")
+    p.add_argument("--keep-logs", action="store_true", help="keep the temp dir with child logs")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    procs.raise_nofile()
+    scs = scenarios(a)
+    names = ["real"] if a.real else [s.strip() for s in a.scenarios.split(",") if s.strip()]
+    targets = [t.strip() for t in a.targets.split(",") if t.strip()]
+    bad = [n for n in names if n not in scs] + [t for t in targets if t not in TARGETS]
+    if bad:
+        raise SystemExit(f"unknown scenario/target: {bad}")
+    logdir = Path(tempfile.mkdtemp(prefix="relay-bench-"))
+    up = RealUpstream() if a.real else SimUpstream(HOST)
+    rows: list[dict] = []
+    try:
+        up.start(logdir)
+        for rep in range(a.repeat):
+            for name in names:
+                k = rep % len(targets)  # rotate target order between repeats
+                for target in targets[k:] + targets[:k]:
+                    print(f"bench: [{rep + 1}/{a.repeat}] {name} -> {target} ...",
+                          file=sys.stderr, flush=True)
+                    row = measure_safely(name, scs[name], target, up, logdir, a)
+                    rows.append({**row, "repeat": rep})
+                    print("bench:   " + report.brief(row), file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        print("bench: interrupted; stopping processes", file=sys.stderr)
+        return 130
+    except Exception as e:
+        print(f"bench: error: {e}\nbench: logs in {logdir}", file=sys.stderr)
+        a.keep_logs = True
+        if isinstance(e, (RuntimeError, TimeoutError, OSError)):
+            return 2
+        raise
+    finally:
+        up.stop()
+        procs.stop_all()
+        if not a.keep_logs:
+            import shutil
+            shutil.rmtree(logdir, ignore_errors=True)
+    text = report.render(rows, scs, names, targets, a, up.kind)
+    print(text)
+    out = Path(a.output) if a.output else Path(__file__).parent / (
+        "RESULTS-real.md" if a.real else "RESULTS.md")
+    out.write_text(text)
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    print(f"bench: wrote {out}", file=sys.stderr)
+    return 1 if report.failures(rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
