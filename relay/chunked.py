@@ -12,6 +12,14 @@ from __future__ import annotations
 
 SIZE, DATA, DATA_END, TRAILER, DONE = range(5)
 _MAX_LINE = 4096
+_HEX = b"0123456789abcdefABCDEF"
+
+
+def _size(text: bytes) -> int:
+    """A chunk size: hex digits only (int() alone would take 0x5, +5, 0_5, -0)."""
+    if not text or text.translate(None, _HEX):
+        return -1
+    return int(text, 16)
 
 
 class ChunkError(ValueError):
@@ -41,23 +49,35 @@ class ChunkTracker:
     def done(self) -> bool:
         return self.state == DONE
 
-    def single(self, data: bytes) -> int:
-        """Offset of the payload when `data` is exactly one whole chunk (the usual read), else -1.
+    def spans(self, data: bytes) -> list[int] | None:
+        """Payload bounds [a0, b0, a1, b1, ...] when `data` is one or more whole chunks.
 
-        The caller then forwards `data` as is and scans data[offset:-2]; nothing is copied.
+        That is the usual read (one token per chunk, a few when reads coalesce under load);
+        the caller then forwards `data` as is and scans the payloads in place: nothing is
+        copied. None when the read is anything else (the general path handles it).
         """
         if self.state != SIZE or self.held:
-            return -1
-        nl = data.find(b"\r\n", 0, 18)
-        if nl <= 0:
-            return -1
-        try:
-            size = int(data[:nl], 16)
-        except ValueError:
-            return -1
-        if size > 0 and len(data) == nl + 4 + size and data.endswith(b"\r\n"):
-            return nl + 2
-        return -1
+            return None
+        out = []
+        pos, n = 0, len(data)
+        while pos < n:
+            nl = data.find(b"\r\n", pos, pos + 18)
+            if nl <= pos:
+                return None
+            text = data[pos:nl]
+            if text.translate(None, _HEX):
+                return None
+            size = int(text, 16)
+            if not size:  # the last chunk: the general path ends the body
+                return None
+            start = nl + 2
+            end = start + size
+            if end + 2 > n or data[end] != 13 or data[end + 1] != 10:
+                return None
+            out.append(start)
+            out.append(end)
+            pos = end + 2
+        return out
 
     def feed(self, data: bytes) -> tuple[bytes, list[bytes]]:
         """Take received bytes; return (bytes safe to forward now, chunk payloads found)."""
@@ -84,13 +104,10 @@ class ChunkTracker:
                     if n - pos > _MAX_LINE:
                         raise ChunkError("chunk-size line too long")
                     break
-                line = buf[pos:nl].rstrip(b"\r").split(b";", 1)[0].strip()
-                try:
-                    size = int(line, 16)
-                except ValueError:
-                    raise ChunkError(f"bad chunk size {line[:20]!r}") from None
+                line = buf[pos:nl].rstrip(b"\r").split(b";", 1)[0].strip(b" \t")
+                size = _size(line)
                 if size < 0:
-                    raise ChunkError("negative chunk size")
+                    raise ChunkError(f"bad chunk size {line[:20]!r}")
                 pos = nl + 1
                 if size == 0:
                     self.state = TRAILER  # hold the last chunk until its trailer ends
@@ -138,6 +155,8 @@ class ChunkTracker:
         front with newlines when the payload is shorter (blank lines are ignored by SSE
         parsers; the first one ends a half-sent line). Held-back bytes are dropped.
         """
+        if self.state == DONE:
+            return b""  # the body is already whole: nothing may follow it
         out = []
         if self.state == DATA:
             owed = self.remaining

@@ -36,6 +36,7 @@ class DispatcherConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     stream_total_timeout_s: Annotated[float, Meta(ge=0.0, le=86400.0)] = 900.0
     stream_idle_timeout_s: Annotated[float, Meta(ge=0.0, le=86400.0)] = 300.0
     upstream_keepalive_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 4.0
+    health_interval_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 5.0
 
 
 class UpstreamConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -44,6 +45,7 @@ class UpstreamConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     models: list[str] = msgspec.field(default_factory=list)
     parallel: Annotated[int, Meta(ge=1, le=4096)] = 1
     queue: Annotated[int, Meta(ge=0, le=100000)] = 64
+    aliases: list[str] = msgspec.field(default_factory=list)
     fallback: list[str] = msgspec.field(default_factory=list)
     auth_header: str | None = None
     auth_value_env: str | None = None
@@ -60,6 +62,7 @@ class KeyConfig(Struct, forbid_unknown_fields=True, kw_only=True):
 
 class StoreConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     path: str = "relay.db"
+    retention_days: Annotated[float, Meta(ge=0.0, le=36500.0)] = 30.0
 
 
 class Config(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -81,9 +84,13 @@ def parse_url(url: str) -> tuple[str, int]:
     if parts.scheme != "http" or not parts.hostname:
         raise ConfigError(f"upstream url {url!r}: expected http://host[:port]")
     try:
-        port = parts.port or 80
+        port = parts.port
     except ValueError as exc:
         raise ConfigError(f"upstream url {url!r}: {exc}") from None
+    if port is None:
+        port = 80
+    elif port == 0:
+        raise ConfigError(f"upstream url {url!r}: port 0 is not a port to connect to")
     if parts.path not in ("", "/") or parts.query:
         raise ConfigError(f"upstream url {url!r}: a path prefix is not supported")
     return parts.hostname, port
@@ -95,6 +102,10 @@ def _key_path(msg: str) -> str:
     if not sep:
         return msg
     key = where.rstrip("`").removeprefix("$").lstrip(".")
+    unknown = text.removeprefix("Object contains unknown field `")
+    if unknown != text:  # name the key itself: `server.bogus: unknown key`
+        name = unknown.rstrip("`")
+        return f"{key + '.' if key else ''}{name}: unknown key"
     return f"{key or '<top>'}: {text}"
 
 
@@ -133,5 +144,5 @@ def load_config(path: str) -> dict:
             return tomllib.load(fh)
     except OSError as exc:
         raise ConfigError(f"cannot read config {path!r}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config {path!r}: {exc}") from None

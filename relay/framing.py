@@ -20,10 +20,10 @@ def upstream_body(method: bytes, status: int, headers: Headers) -> tuple[str, in
     """(kind, content length) of an upstream response body (RFC 9112 section 6.3)."""
     if method == b"HEAD" or status < 200 or status in (204, 304):
         return EMPTY, 0
-    if has_token(headers, b"transfer-encoding", b"chunked"):
-        return CHUNKED, -1
-    if get(headers, b"transfer-encoding") is not None:
-        return UNTIL_CLOSE, -1
+    te = get(headers, b"transfer-encoding")
+    if te is not None:  # chunked only when it is the final coding (RFC 9112 6.3)
+        last = te.split(b",")[-1].strip().lower()
+        return (CHUNKED, -1) if last == b"chunked" else (UNTIL_CLOSE, -1)
     cl = get(headers, b"content-length")
     if cl is not None:
         try:

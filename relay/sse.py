@@ -63,7 +63,9 @@ class SseScanner:
                 j = i + 8
             else:
                 j = i + 11
-            if i >= 0 and data[j] != 0x22 and data.find(b"\n\n", j, end) == end - 2:
+            if (i >= 0 and data[j] != 0x22 and data.find(b"\n\n", start, end) == end - 2
+                    and data.find(b'"usage"', j, end) < 0
+                    and data.find(b'"timings"', j, end) < 0):
                 self.content_events += 1
                 if self.content_events == 1 and self.on_first_content is not None:
                     self.on_first_content()
@@ -75,6 +77,10 @@ class SseScanner:
             data = self.pending + data
             self.pending = b""
         if b"\r" in data:
+            if data.endswith(b"\r") and not data.endswith((b"\r\r", b"\n\r")):
+                # a lone CR may be half of a CRLF: its meaning waits for the next read
+                self.pending = data
+                return
             data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         start = 0
         find = data.find

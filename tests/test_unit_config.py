@@ -1,0 +1,257 @@
+"""Unit tests for relay/config.py: defaults, unknown keys, ranges, cross-field rules, TOML."""
+
+from __future__ import annotations
+
+import pytest
+
+from relay.config import Config, ConfigError, load_config, parse_config, parse_url
+
+SHA = "ab" * 32
+UP = {"name": "llm", "url": "http://127.0.0.1:8081"}
+
+
+def test_defaults_match_design_table():
+    cfg = parse_config({})
+    assert isinstance(cfg, Config)
+    s, d = cfg.server, cfg.dispatcher
+    assert (s.host, s.port) == ("127.0.0.1", 8080)
+    assert s.max_body_bytes == 8 * 1024 * 1024
+    assert s.header_timeout_s == 10
+    assert s.keepalive_timeout_s == 75
+    assert d.connect_timeout_s == 5.0
+    assert d.write_timeout_s == 10.0
+    assert d.pool_timeout_s == 5.0
+    assert d.direct_read_timeout_s == 300.0
+    assert d.stream_total_timeout_s == 900.0
+    assert d.stream_idle_timeout_s == 300.0
+    assert cfg.store.path == "relay.db"
+    assert cfg.upstream == [] and cfg.key == []  # no [[key]]: auth off
+    assert cfg.admin_key_sha256 is None
+
+
+def test_upstream_and_key_defaults():
+    cfg = parse_config({"upstream": [UP], "key": [{"id": "k1", "sha256": SHA}]})
+    [up] = cfg.upstream
+    assert (up.name, up.url, up.models, up.parallel, up.queue, up.fallback) == (
+        "llm", "http://127.0.0.1:8081", [], 1, 64, [])
+    assert (up.auth_header, up.auth_value_env) == (None, None)
+    [k] = cfg.key
+    assert (k.id, k.sha256, k.requests_per_day, k.tokens_per_day, k.requests_per_month,
+            k.tokens_per_month) == ("k1", SHA, 0, 0, 0, 0)
+
+
+def test_full_valid_config():
+    cfg = parse_config({
+        "server": {"host": "0.0.0.0", "port": 9000, "max_body_bytes": 2048},
+        "dispatcher": {"direct_read_timeout_s": 30, "stream_total_timeout_s": 0,
+                       "stream_idle_timeout_s": 86400},
+        "upstream": [
+            {"name": "a", "url": "http://a:1", "models": ["m"], "parallel": 4, "queue": 0,
+             "fallback": ["b"], "auth_header": "Authorization", "auth_value_env": "A_KEY"},
+            {"name": "b", "url": "http://b"},
+        ],
+        "key": [{"id": "k", "sha256": SHA.upper(), "tokens_per_day": 1000}],
+        "store": {"path": ":memory:"},
+        "admin_key_sha256": SHA,
+    })
+    assert cfg.dispatcher.direct_read_timeout_s == 30.0
+    assert cfg.dispatcher.stream_total_timeout_s == 0.0
+    assert cfg.upstream[0].fallback == ["b"] and cfg.upstream[0].parallel == 4
+    assert cfg.key[0].tokens_per_day == 1000 and cfg.store.path == ":memory:"
+
+
+@pytest.mark.parametrize("data,where", [
+    ({"server": {"bogus": 1}}, "server"),
+    ({"dispatcher": {"bogus": 1}}, "dispatcher"),
+    ({"store": {"bogus": 1}}, "store"),
+    ({"upstream": [dict(UP, bogus=1)]}, "upstream[0]"),
+    ({"key": [{"id": "k", "sha256": SHA, "bogus": 1}]}, "key[0]"),
+])
+def test_unknown_keys_rejected(data, where):
+    with pytest.raises(ConfigError) as exc:
+        parse_config(data)
+    assert str(exc.value) == f"{where}.bogus: unknown key"
+
+
+def test_unknown_top_level_key_rejected():
+    with pytest.raises(ConfigError, match="unknown field `bogus`"):
+        parse_config({"bogus": {}})
+
+
+def test_unknown_key_message_names_dotted_path():
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"server": {"bogus": 1}})
+    assert "server.bogus" in str(exc.value)
+
+
+@pytest.mark.parametrize("section,key,value,msg", [
+    ("dispatcher", "direct_read_timeout_s", 29, "Expected `float` >= 30.0"),
+    ("dispatcher", "direct_read_timeout_s", 29.999, "Expected `float` >= 30.0"),
+    ("dispatcher", "direct_read_timeout_s", 601, "Expected `float` <= 600.0"),
+    ("dispatcher", "stream_idle_timeout_s", -1, "Expected `float` >= 0.0"),
+    ("dispatcher", "stream_idle_timeout_s", 86401, "Expected `float` <= 86400.0"),
+    ("dispatcher", "stream_total_timeout_s", -0.5, "Expected `float` >= 0.0"),
+    ("dispatcher", "stream_total_timeout_s", 86400.5, "Expected `float` <= 86400.0"),
+    ("server", "port", 65536, "Expected `int` <= 65535"),
+    ("server", "port", -1, "Expected `int` >= 0"),
+    ("server", "port", "8080", "Expected `int`, got `str`"),
+])
+def test_out_of_range_names_key_and_bound(section, key, value, msg):
+    with pytest.raises(ConfigError) as exc:
+        parse_config({section: {key: value}})
+    assert str(exc.value) == f"{section}.{key}: {msg}"
+
+
+@pytest.mark.parametrize("section,key,value", [
+    ("dispatcher", "direct_read_timeout_s", 30), ("dispatcher", "direct_read_timeout_s", 600),
+    ("dispatcher", "stream_idle_timeout_s", 0), ("dispatcher", "stream_idle_timeout_s", 86400),
+    ("dispatcher", "stream_total_timeout_s", 0), ("dispatcher", "stream_total_timeout_s", 86400),
+])
+def test_bounds_inclusive(section, key, value):
+    assert getattr(getattr(parse_config({section: {key: value}}), section), key) == value
+
+
+@pytest.mark.parametrize("field", ["requests_per_day", "tokens_per_day", "requests_per_month",
+                                   "tokens_per_month"])
+def test_negative_budget_rejected(field):
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"key": [{"id": "k", "sha256": SHA}, {"id": "j", "sha256": SHA,
+                                                           field: -1}]})
+    assert str(exc.value) == f"key[1].{field}: Expected `int` >= 0"
+
+
+def test_bad_key_hash_and_admin_hash():
+    with pytest.raises(ConfigError, match=r"^key\[0\]\.sha256: Expected `str` matching regex"):
+        parse_config({"key": [{"id": "k", "sha256": "xyz"}]})
+    with pytest.raises(ConfigError, match=r"^admin_key_sha256: "):
+        parse_config({"admin_key_sha256": "a" * 63})
+
+
+def test_missing_required_upstream_field():
+    with pytest.raises(ConfigError, match=r"^upstream\[0\]: Object missing required field `url`"):
+        parse_config({"upstream": [{"name": "a"}]})
+
+
+@pytest.mark.parametrize("url", ["https://h:443", "h:80", "http://", "http:///x", "ftp://h",
+                                 "http://h/v1", "http://h:8080/v1/", "http://h?x=1",
+                                 "http://h:notaport", "http://h:70000", "", "127.0.0.1:8081"])
+def test_bad_upstream_url(url):
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"upstream": [{"name": "a", "url": url}]})
+    assert str(exc.value).startswith(f"upstream url {url!r}: ")
+
+
+@pytest.mark.parametrize("url,want", [
+    ("http://127.0.0.1:8081", ("127.0.0.1", 8081)),
+    ("http://llm", ("llm", 80)),
+    ("http://llm/", ("llm", 80)),
+    ("http://[::1]:9000", ("::1", 9000)),
+    ("http://LLM.example:1", ("llm.example", 1)),
+])
+def test_parse_url(url, want):
+    assert parse_url(url) == want
+
+
+def test_port_zero_url_rejected():
+    with pytest.raises(ConfigError):
+        parse_url("http://h:0")
+
+
+def test_duplicate_upstream_names():
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"upstream": [UP, dict(UP, url="http://other:1")]})
+    assert str(exc.value) == "upstream.name: names must be unique"
+
+
+def test_duplicate_key_ids():
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"key": [{"id": "k", "sha256": SHA}, {"id": "k", "sha256": SHA}]})
+    assert str(exc.value) == "key.id: ids must be unique"
+
+
+@pytest.mark.parametrize("fallback", ["zzz", "llm"])  # unknown, and itself
+def test_unknown_fallback(fallback):
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"upstream": [dict(UP, fallback=[fallback])]})
+    assert str(exc.value) == f"upstream.llm.fallback: unknown upstream {fallback!r}"
+
+
+@pytest.mark.parametrize("extra", [{"auth_header": "Authorization"},
+                                   {"auth_value_env": "LLM_KEY"}])
+def test_auth_header_and_env_go_together(extra):
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"upstream": [dict(UP, **extra)]})
+    assert str(exc.value) == "upstream.llm: auth_header and auth_value_env go together"
+
+
+def test_non_object_config():
+    with pytest.raises(ConfigError, match="Expected `object`"):
+        parse_config([])  # type: ignore[arg-type]
+
+
+# ---- load_config ---------------------------------------------------------------------------
+TOML = b"""
+[server]
+port = 9090
+
+[dispatcher]
+stream_idle_timeout_s = 60
+
+[[upstream]]
+name = "llm"
+url = "http://127.0.0.1:8081"
+models = ["tiny"]
+
+[[upstream]]
+name = "backup"
+url = "http://127.0.0.1:8082"
+
+[store]
+path = ":memory:"
+"""
+
+
+def test_load_config_roundtrip(tmp_path):
+    p = tmp_path / "relay.toml"
+    p.write_bytes(TOML)
+    data = load_config(str(p))
+    assert data["server"] == {"port": 9090}
+    cfg = parse_config(data)
+    assert cfg.server.port == 9090 and cfg.server.host == "127.0.0.1"
+    assert cfg.dispatcher.stream_idle_timeout_s == 60.0
+    assert [u.name for u in cfg.upstream] == ["llm", "backup"]
+    assert cfg.upstream[0].models == ["tiny"] and cfg.store.path == ":memory:"
+
+
+def test_load_config_then_parse_rejects_unknown(tmp_path):
+    p = tmp_path / "relay.toml"
+    p.write_text("[server]\nbogus = 1\n")
+    with pytest.raises(ConfigError, match="^server.bogus: unknown key$"):
+        parse_config(load_config(str(p)))
+
+
+def test_load_config_missing_file(tmp_path):
+    path = str(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    assert str(exc.value) == f"cannot read config {path!r}: No such file or directory"
+
+
+def test_load_config_directory(tmp_path):
+    with pytest.raises(ConfigError, match="^cannot read config "):
+        load_config(str(tmp_path))
+
+
+def test_load_config_invalid_toml(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text("[server\nport = 1\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(str(p))
+    assert str(exc.value).startswith(f"config {str(p)!r}: ")
+
+
+def test_load_config_invalid_utf8(tmp_path):
+    p = tmp_path / "latin1.toml"
+    p.write_bytes(b'[store]\npath = "caf\xe9.db"\n')
+    with pytest.raises(ConfigError):
+        load_config(str(p))

@@ -1,0 +1,101 @@
+"""Unit tests for relay/framing.py: upstream body kinds and client carriage."""
+
+from __future__ import annotations
+
+import pytest
+
+from relay.framing import (CHUNK, CHUNKED, DECHUNK, EMPTY, LENGTH, PASS, UNTIL_CLOSE,
+                           FramingError, carriage, client_chunked, self_delimited,
+                           upstream_body)
+
+TE_CHUNKED = [(b"Transfer-Encoding", b"chunked")]
+CL = lambda n: [(b"Content-Length", n)]  # noqa: E731
+
+
+def test_constants():
+    assert (EMPTY, LENGTH, CHUNKED, UNTIL_CLOSE) == ("empty", "length", "chunked", "close")
+    assert (PASS, DECHUNK, CHUNK) == ("pass", "dechunk", "chunk")
+
+
+@pytest.mark.parametrize("method,status,headers,want", [
+    # HEAD: never a body, whatever the headers say
+    (b"HEAD", 200, TE_CHUNKED, (EMPTY, 0)),
+    (b"HEAD", 200, CL(b"646"), (EMPTY, 0)),
+    (b"HEAD", 200, [], (EMPTY, 0)),
+    # 1xx / 204 / 304
+    (b"GET", 100, [], (EMPTY, 0)),
+    (b"GET", 101, TE_CHUNKED, (EMPTY, 0)),
+    (b"POST", 199, CL(b"5"), (EMPTY, 0)),
+    (b"POST", 204, TE_CHUNKED, (EMPTY, 0)),
+    (b"GET", 304, CL(b"100"), (EMPTY, 0)),
+    # chunked
+    (b"POST", 200, TE_CHUNKED, (CHUNKED, -1)),
+    (b"POST", 200, [(b"transfer-encoding", b"Chunked")], (CHUNKED, -1)),
+    (b"POST", 200, [(b"Transfer-Encoding", b"gzip, chunked")], (CHUNKED, -1)),
+    (b"POST", 400, TE_CHUNKED + CL(b"10"), (CHUNKED, -1)),  # TE wins over Content-Length
+    (b"POST", 500, TE_CHUNKED, (CHUNKED, -1)),
+    # other transfer coding: until close
+    (b"POST", 200, [(b"Transfer-Encoding", b"gzip")], (UNTIL_CLOSE, -1)),
+    (b"POST", 200, [(b"Transfer-Encoding", b"identity")] + CL(b"5"), (UNTIL_CLOSE, -1)),
+    # Content-Length
+    (b"POST", 200, CL(b"0"), (EMPTY, 0)),
+    (b"POST", 200, CL(b"646"), (LENGTH, 646)),
+    (b"POST", 404, [(b"content-length", b"74")], (LENGTH, 74)),
+    (b"POST", 205, CL(b"3"), (LENGTH, 3)),
+    # close-delimited
+    (b"POST", 200, [], (UNTIL_CLOSE, -1)),
+    (b"GET", 200, [(b"Content-Type", b"text/event-stream")], (UNTIL_CLOSE, -1)),
+])
+def test_upstream_body(method, status, headers, want):
+    assert upstream_body(method, status, headers) == want
+
+
+@pytest.mark.parametrize("value", [b"abc", b"", b"1.5", b"0x10", b"-1", b"-100"])
+def test_bad_content_length(value):
+    with pytest.raises(FramingError):
+        upstream_body(b"POST", 200, CL(value))
+
+
+def test_bad_content_length_ignored_when_no_body_allowed():
+    assert upstream_body(b"HEAD", 200, CL(b"junk")) == (EMPTY, 0)
+    assert upstream_body(b"POST", 304, CL(b"-1")) == (EMPTY, 0)
+
+
+def test_chunked_not_final_is_until_close():
+    assert upstream_body(b"POST", 200, [(b"Transfer-Encoding", b"chunked, gzip")]) == (
+        UNTIL_CLOSE, -1)
+
+
+# kind, client_http11 -> (carriage, client sees chunked, self-delimited)
+TABLE = [
+    (EMPTY, True, PASS, False, True),
+    (EMPTY, False, PASS, False, True),
+    (LENGTH, True, PASS, False, True),
+    (LENGTH, False, PASS, False, True),
+    (CHUNKED, True, PASS, True, True),
+    (CHUNKED, False, DECHUNK, False, False),
+    (UNTIL_CLOSE, True, CHUNK, True, True),
+    (UNTIL_CLOSE, False, PASS, False, False),
+]
+
+
+@pytest.mark.parametrize("kind,http11,mode,chunked,delimited", TABLE)
+def test_carriage_table(kind, http11, mode, chunked, delimited):
+    assert carriage(kind, http11) == mode
+    assert client_chunked(kind, mode) is chunked
+    assert self_delimited(kind, mode) is delimited
+
+
+@pytest.mark.parametrize("method,status,headers,http11,want", [
+    (b"POST", 200, TE_CHUNKED, True, (PASS, True, True)),  # llama-server stream, 1.1 client
+    (b"POST", 200, TE_CHUNKED, False, (DECHUNK, False, False)),  # 1.0 client: close-delimited
+    (b"POST", 200, CL(b"646"), False, (PASS, False, True)),
+    (b"POST", 200, [], True, (CHUNK, True, True)),
+    (b"POST", 200, [], False, (PASS, False, False)),
+    (b"HEAD", 200, TE_CHUNKED, False, (PASS, False, True)),
+    (b"POST", 204, [], True, (PASS, False, True)),
+])
+def test_end_to_end_decision(method, status, headers, http11, want):
+    kind, _ = upstream_body(method, status, headers)
+    mode = carriage(kind, http11)
+    assert (mode, client_chunked(kind, mode), self_delimited(kind, mode)) == want
