@@ -16,6 +16,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--host", help="listen address (overrides [server].host)")
     p.add_argument("--port", type=int, help="listen port (overrides [server].port)")
     p.add_argument("--upstream", help="single upstream URL, e.g. http://127.0.0.1:8081")
+    p.add_argument("--parallel", type=int,
+                   help="with --upstream/--demo: slots of that upstream (default 4)")
     p.add_argument("--demo", action="store_true",
                    help="run in front of the built-in llama-server simulator")
 
@@ -31,7 +33,8 @@ def build_config(args, sim_url: str | None = None):
     if url:
         if data.get("upstream"):
             raise ConfigError("--upstream/--demo: the config file already has [[upstream]]")
-        data["upstream"] = [{"name": "demo" if sim_url else "default", "url": url}]
+        data["upstream"] = [{"name": "demo" if sim_url else "default", "url": url,
+                             "parallel": args.parallel or 4}]
     if not data.get("upstream"):
         raise ConfigError("no upstream: give --upstream URL, --demo, or [[upstream]] in --config")
     return parse_config(data)
@@ -90,10 +93,15 @@ def main(argv: list[str] | None = None) -> int:
         from relay import sim
 
         return sim.main(argv[1:])
+    if argv and argv[0] == "report":
+        from relay import report
+
+        return report.main(argv[1:])
     parser = argparse.ArgumentParser(prog="relay", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     _serve_parser(sub)
     sub.add_parser("sim", help="run the built-in llama-server simulator (see `relay sim -h`)")
+    sub.add_parser("report", help="summarise the request rows (see `relay report -h`)")
     args = parser.parse_args(argv)
     if args.cmd == "serve":
         try:

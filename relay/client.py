@@ -41,6 +41,7 @@ class ClientConn(asyncio.Protocol):
         self.gone = False
         self.lingering = False  # answered an error mid-request: discard input, then close
         self.exchange = None  # the Exchange relaying to us, for flow control and close
+        self.drain_waiter: asyncio.Future | None = None
         self.task: asyncio.Task | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.timer_kind = ""
@@ -86,6 +87,8 @@ class ClientConn(asyncio.Protocol):
         self.gone = True
         self.app.clients.discard(self)
         self._disarm()
+        if self.drain_waiter is not None and not self.drain_waiter.done():
+            self.drain_waiter.set_result(None)
         if self.exchange is not None:
             self.exchange.client_gone()
         elif self.task is not None and not self.task.done():
@@ -98,6 +101,29 @@ class ClientConn(asyncio.Protocol):
     def resume_writing(self) -> None:
         if self.exchange is not None:
             self.exchange.client_resumed()
+        if self.drain_waiter is not None and not self.drain_waiter.done():
+            self.drain_waiter.set_result(None)
+
+    async def drained(self, timeout: float) -> bool:
+        """Wait until everything written has left for the client (or it is gone / too slow).
+
+        With the low-water mark at 0 the transport calls resume_writing only once its buffer
+        is empty; the slot is held until then, as llama-server's client has not read it all.
+        """
+        if self.gone or self.transport.get_write_buffer_size() == 0:
+            return not self.gone
+        self.drain_waiter = self.loop.create_future()
+        self.transport.set_write_buffer_limits(high=1, low=0)
+        try:
+            await asyncio.wait_for(self.drain_waiter, timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            self.gone = True
+            self.transport.abort()
+        finally:
+            self.drain_waiter = None
+            if not self.gone:
+                self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        return not self.gone
 
     # ---- request reading ---------------------------------------------------------------
     def _process(self) -> None:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import time
 
-import h11
-
 from relay import framing, headers as hdr
-from relay.chunked import LAST_CHUNK, ChunkError, ChunkTracker, frame
+from relay.head import BadHead, ResponseHead, parse_response_head, request_bytes
+from relay.chunked import LAST_CHUNK, SIZE, ChunkError, ChunkTracker, frame
+from relay.fastpath import one_token_chunk
 from relay.errors import reason_phrase
 from relay.sse import SseScanner
+from relay.usage import JsonBody
 from relay.stall import StallPolicy, stall_frame
 
 # outcomes
@@ -25,6 +26,7 @@ DROPPED = "upstream_dropped"
 BAD_FRAMING = "upstream_bad_framing"
 CLIENT_GONE = "client_closed"
 CLIENT_SLOW = "client_write_timeout"
+ERROR_EVENT = "upstream_error_event"
 STALL = "stall"
 SHUTDOWN = "shutdown"
 _HOLD_LIMIT = 64 * 1024  # most bytes held back waiting for the first content event
@@ -60,9 +62,9 @@ class Exchange:
         self.path = path
         self.model = model
         self.upstream_name = upstream_name
-        self.h11: h11.Connection | None = h11.Connection(h11.CLIENT)
+        self.head_buf: bytes | None = b""  # the response head as it comes; None once parsed
         self.head_fut: asyncio.Future = loop.create_future()
-        self.head_resp: h11.Response | None = None
+        self.head_resp: ResponseHead | None = None
         self.done: asyncio.Future = loop.create_future()
         self.got_bytes = False
         self.body_started = False
@@ -94,31 +96,49 @@ class Exchange:
         self.timer: asyncio.TimerHandle | None = None
         self.write_timer: asyncio.TimerHandle | None = None
         self.paused = False
+        self.counted = 0  # tokens already added to the upstream's rate window
+        self.fast = False  # the next read may be recognised by fastpath.one_token_chunk
+        self.can_retry = False  # another candidate is left: fail quietly before content
+        self.on_content = None  # called at the first content event (metrics)
+        self.body_copy: JsonBody | None = None
 
     # ---- request -------------------------------------------------------------------
     def request_bytes(self, target: bytes, head: list[tuple[bytes, bytes]], body: bytes) -> bytes:
-        out = self.h11.send(h11.Request(method=self.method, target=target, headers=head))
-        if body:
-            out += self.h11.send(h11.Data(data=body))
-        return out + self.h11.send(h11.EndOfMessage())
+        return request_bytes(self.method, target, head, body)
 
     # ---- upstream callbacks (UpstreamConn) -----------------------------------------
     def upstream_data(self, data: bytes) -> None:
         if not self.body_started:
-            if self.h11 is not None:
+            if self.head_buf is not None:
                 self._head_data(data)
             else:  # head parsed, body not started yet: keep for start_body
                 self._leftover += data
             return
         self.last_read = self.loop.time()
+        if self.fast and one_token_chunk(data):  # the usual read: see relay/fastpath.py
+            self.scanner.content_events += 1
+            self.bytes_out += len(data)
+            self._write(data)
+            return
         kind = self.kind
         if kind == framing.CHUNKED:
             tracker = self.tracker
-            start = tracker.single(data)
-            if start > 0:  # one whole chunk: forward as is, scan in place
-                if self.scanner is not None:
-                    self.scanner.feed_span(data, start, len(data) - 2)
-                self._emit(data if self.mode == framing.PASS else data[start:-2])
+            spans = tracker.spans(data)
+            if spans is not None:  # whole chunks: forward as is, scan in place
+                scanner = self.scanner
+                if scanner is not None:
+                    if len(spans) == 2:
+                        scanner.feed_span(data, spans[0], spans[1])
+                    else:
+                        feed = scanner.feed_span
+                        for i in range(0, len(spans), 2):
+                            feed(data, spans[i], spans[i + 1])
+                if self.mode == framing.PASS:
+                    self._emit(data)
+                else:
+                    self._emit(b"".join(data[spans[i]:spans[i + 1]]
+                                        for i in range(0, len(spans), 2)))
+                self._check_fast()
                 return
             try:
                 out, payloads = tracker.feed(data)
@@ -135,6 +155,8 @@ class Exchange:
             if tracker.state == 4:  # DONE
                 self.upstream_keep_alive &= not tracker.extra
                 self._end(DONE)
+            else:
+                self._check_fast()
         elif kind == framing.LENGTH:
             if len(data) >= self.remaining:
                 if len(data) > self.remaining:
@@ -154,10 +176,10 @@ class Exchange:
             self._emit(frame(data) if self.mode == framing.CHUNK else data)
 
     def upstream_closed(self, exc) -> None:
-        if self.h11 is not None:
+        if self.head_buf is not None:
             if not self.head_fut.done():
                 self.head_fut.set_exception(UpstreamGone(silent=not self.got_bytes))
-            self.h11 = None
+            self.head_buf = None
             return
         if not self.body_started:
             self._closed_early = True
@@ -175,36 +197,30 @@ class Exchange:
     # ---- head ----------------------------------------------------------------------
     def _head_data(self, data: bytes) -> None:
         self.got_bytes = True
-        conn = self.h11
+        buf = self.head_buf + data if self.head_buf else data
         try:
-            conn.receive_data(data)
-            while True:
-                ev = conn.next_event()
-                if ev is h11.NEED_DATA:
-                    return
-                if isinstance(ev, h11.InformationalResponse):
-                    continue
-                if isinstance(ev, h11.Response):
-                    break
-                raise h11.RemoteProtocolError(f"unexpected {type(ev).__name__}")
-        except h11.RemoteProtocolError as exc:
-            self.h11 = None
+            parsed = parse_response_head(buf)
+        except BadHead as exc:
+            self.head_buf = None
             if not self.head_fut.done():
                 self.head_fut.set_exception(UpstreamBadHead(str(exc)))
             return
-        leftover = conn.trailing_data[0]
-        self.h11 = None
+        if parsed is None:
+            self.head_buf = buf
+            return
+        resp, used = parsed
+        self.head_buf = None
+        self._leftover = buf[used:]
         self.head_at = self.last_read = self.loop.time()
         if not self.head_fut.done():
-            self.head_fut.set_result(ev)
-        self._leftover = leftover
+            self.head_fut.set_result(resp)
 
-    def start_body(self, resp: h11.Response, hold_for_content: bool = True) -> None:
+    def start_body(self, resp: ResponseHead, hold_for_content: bool = True) -> None:
         """Decide framing, write (or hold) the head, and relay what came with it."""
         if self.outcome is not None:
             return
         self.body_started = True
-        raw = resp.headers.raw_items()
+        raw = resp.headers
         self.status = resp.status_code
         try:
             self.kind, self.remaining = framing.upstream_body(self.method, self.status, raw)
@@ -221,13 +237,14 @@ class Exchange:
             self.tracker = ChunkTracker()
         if self.sse:
             self.scanner = SseScanner(self._first_content)
+        elif b"json" in ctype.lower():  # a whole JSON body: keep it (bounded) to read usage
+            self.scanner = self.body_copy = JsonBody()
         self._write = self.client.transport.write
         self.head_bytes = hdr.client_response(
             self.status, resp.reason or reason_phrase(self.status), raw, self.request_id,
             framing.client_chunked(self.kind, self.mode), self.client_keep_alive)
-        self.holding = hold_for_content and self.sse and 200 <= self.status < 300
-        if not self.holding:
-            self._send_head()
+        hold = hold_for_content and self.sse and 200 <= self.status < 300
+        self.holding = True  # the head and what came with it leave in one write
         if self.kind == framing.EMPTY:
             self._end(DONE)
             return
@@ -235,37 +252,47 @@ class Exchange:
         leftover, self._leftover = self._leftover, b""
         if leftover:
             self.upstream_data(leftover)
+        if not hold and self.holding and self.outcome is None:
+            self._release_hold()
         if self._closed_early:
             self.upstream_closed(None)
 
-    def _send_head(self) -> None:
-        self.head_sent = True
-        self.client.transport.write(self.head_bytes)
-
     # ---- body ----------------------------------------------------------------------
     def _first_content(self) -> None:
+        # the held head goes out with this read, in _emit: one write, one wake-up
         self.first_content_at = time.perf_counter()
-        if self.holding:
-            self._release_hold()
+        if self.on_content is not None:
+            self.on_content(self)
 
     def _release_hold(self) -> None:
         self.holding = False
-        self._send_head()
-        if self.held:
-            self.client.transport.writelines(self.held)
-            self.held = []
+        self.head_sent = True
+        self.held.insert(0, self.head_bytes)
+        self._write(b"".join(self.held))
+        self.held = []
 
     def _emit(self, out: bytes) -> None:
         if not out:
             return
         self.bytes_out += len(out)
         if self.holding:
+            if self.can_retry and self.scanner is not None and self.scanner.error_first:
+                self.conn.abort()  # an {"error": ...} first event: try the next upstream
+                self._end(ERROR_EVENT)
+                return
             self.held.append(out)
             self.held_size += len(out)
-            if self.held_size > _HOLD_LIMIT:
+            if self.first_content_at is not None or self.held_size > _HOLD_LIMIT:
                 self._release_hold()
             return
         self._write(out)
+
+    def _check_fast(self) -> None:
+        """Whether the next read may take the fast path: streaming, between chunks and events."""
+        sc, tr = self.scanner, self.tracker
+        self.fast = (self.mode == framing.PASS and not self.holding and self.outcome is None
+                     and isinstance(sc, SseScanner) and sc.content_events > 0
+                     and not sc.pending and tr.state == SIZE and not tr.held)
 
     def _upstream_failed(self, outcome: str) -> None:
         """The upstream broke the body: the client sees the truncation (no clean end).
@@ -298,6 +325,9 @@ class Exchange:
         self.stall_reason = reason
         self.stall_elapsed = self.policy.elapsed(reason, now, self.head_at, self.last_read)
         self.conn.abort()
+        if self.holding and self.can_retry:  # nothing reached the client: next upstream
+            self._end(STALL)
+            return
         if not self.sse:  # non-SSE bodies are cut: nothing injected
             self.client_keep_alive = False
             if self.holding:
@@ -356,7 +386,7 @@ class Exchange:
         self.client_keep_alive = False
         if not self.head_fut.done():
             self.head_fut.set_exception(ClientGone())
-            self.h11 = None
+            self.head_buf = None
         if self.outcome is None and self.head_at:
             self._end(CLIENT_GONE)
 
@@ -370,6 +400,7 @@ class Exchange:
         if self.outcome is not None:
             return
         self.outcome = outcome
+        self.fast = False
         self.end_at = self.loop.time()
         if self.timer is not None:
             self.timer.cancel()

@@ -87,10 +87,9 @@ class Pool:
                 return conn, True
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: UpstreamConn(self), self.host, self.port),
-                timeout,
-            )
+            async with asyncio.timeout(timeout):  # (no extra task, unlike wait_for in 3.11)
+                _, conn = await loop.create_connection(
+                    lambda: UpstreamConn(self), self.host, self.port)
         except (TimeoutError, asyncio.TimeoutError):
             raise ConnectError(f"connect timed out after {timeout}s") from None
         except OSError as exc:

@@ -75,3 +75,32 @@ def stream_usage(meta_event: bytes) -> Usage | None:
     """Usage from the last SSE event that carried usage/timings."""
     body = event_json(meta_event) if meta_event else None
     return exact_usage(body) if body else None
+
+
+class JsonBody:
+    """Keeps a non-streamed JSON body (up to a bound) to read its usage once at the end.
+
+    It stands where the SSE scanner stands on the body path, so it takes the same calls.
+    """
+
+    __slots__ = ("parts", "size", "error_first", "content_events")
+    LIMIT = 1 << 20
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.error_first = False
+        self.content_events = 0
+
+    def feed(self, data: bytes) -> None:
+        self.size += len(data)
+        if self.size <= self.LIMIT:
+            self.parts.append(data)
+
+    def feed_span(self, data: bytes, start: int, end: int) -> None:
+        self.feed(data[start:end])
+
+    def usage(self) -> Usage | None:
+        if self.size > self.LIMIT:
+            return None
+        return exact_usage(b"".join(self.parts))

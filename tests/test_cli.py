@@ -9,10 +9,15 @@ import sys
 from tests import httpc
 
 
-async def start(*args: str, env: dict | None = None):
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+async def start(*args: str, env: dict | None = None, cwd: str | None = None):
+    env = {**os.environ, **(env or {})}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "relay", *args, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env={**os.environ, **(env or {})})
+        stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd)
     return proc
 
 
@@ -29,10 +34,10 @@ async def wait_listening(proc) -> tuple[int, list[dict]]:
                 return rec["port"], seen
 
 
-async def run_to_end(*args: str) -> tuple[int, str]:
+async def run_to_end(*args: str, stdout: bool = False) -> tuple[int, str]:
     proc = await start(*args)
-    _, err = await asyncio.wait_for(proc.communicate(), 20)
-    return proc.returncode, err.decode()
+    out, err = await asyncio.wait_for(proc.communicate(), 20)
+    return proc.returncode, (out if stdout else err).decode()
 
 
 async def test_unknown_config_key_is_rejected_naming_it(tmp_path):
@@ -57,8 +62,8 @@ async def test_missing_upstream_is_a_clear_error():
     assert code == 2 and "no upstream" in err
 
 
-async def test_demo_answers_a_stream_then_sigterm_drains_and_exits_zero():
-    proc = await start("serve", "--demo", "--port", "0")
+async def test_demo_answers_a_stream_then_sigterm_drains_and_exits_zero(tmp_path):
+    proc = await start("serve", "--demo", "--port", "0", cwd=str(tmp_path))
     try:
         port, _ = await wait_listening(proc)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -76,6 +81,11 @@ async def test_demo_answers_a_stream_then_sigterm_drains_and_exits_zero():
         assert "relay_draining" in events and events[-1] == "relay_stopped"
         access = [json.loads(x) for x in rest.splitlines() if '"event":"access"' in x]
         assert access and access[-1]["outcome"] == "done"
+        # the row was flushed at shutdown and `relay report` reads it
+        code, out = await run_to_end("report", "--db", str(tmp_path / "relay.db"),
+                                     "--json", stdout=True)
+        assert code == 0
+        assert sum(g["requests"] for g in json.loads(out)["groups"]) == 1
     finally:
         if proc.returncode is None:
             proc.kill()

@@ -51,7 +51,7 @@ async def test_client_disconnect_closes_upstream_within_100ms(make_relay, sim):
     await wait_for(lambda: app.log.of("access"))
     access = app.log.of("access")[-1]
     assert access["outcome"] == "client_closed" and access["client_closed"] is True
-    assert access["content_events"] >= 3
+    assert access["completion_tokens"] >= 3
 
 
 async def test_client_disconnect_while_waiting_for_head(make_relay, sim):
@@ -79,7 +79,7 @@ async def test_upstream_drop_mid_stream_is_visible_to_the_client(make_relay, sim
     assert contents == [None, "Hello", " from", " a"]
     assert b"[DONE]" not in resp.body
     access = app.log.of("access")[-1]
-    assert access["outcome"] == "upstream_dropped" and access["content_events"] == 3
+    assert access["outcome"] == "upstream_dropped" and access["completion_tokens"] == 3
 
 
 async def test_upstream_drop_before_first_content_gives_502(make_relay, sim):

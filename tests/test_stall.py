@@ -47,7 +47,7 @@ async def test_idle_stall_ends_stream_with_chat_frame(make_relay, sim):
         ("idle", "llm", resp.header("x-request-id"))]
     assert trip[0]["elapsed_s"] == stall["elapsed_s"]
     access = app.log.of("access")[-1]
-    assert access["error_code"] == "stream_stall_idle" and access["content_events"] == 3
+    assert access["error_code"] == "stream_stall_idle" and access["completion_tokens"] == 3
 
 
 async def test_total_stall_cuts_a_chatty_stream(make_relay, sim):

@@ -1,0 +1,132 @@
+"""Per-key budgets over UTC calendar windows, reserved before a stream and settled after.
+
+Pure: the caller passes `now` (unix seconds). A reservation takes one request and an estimate
+of tokens; used + reserved may never exceed a limit, so N concurrent requests against a limit
+of k admit exactly k (the check and the reservation happen in one synchronous step).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from relay.config import KeyConfig
+
+_DAY, _MONTH = "daily", "monthly"
+
+
+def window_bounds(kind: str, now: float) -> tuple[float, float]:
+    """[start, end) of the UTC day or month holding `now`."""
+    t = datetime.fromtimestamp(now, timezone.utc)
+    if kind == _DAY:
+        start = t.replace(hour=0, minute=0, second=0, microsecond=0)
+        end = datetime.fromtimestamp(start.timestamp() + 86400, timezone.utc)
+    else:
+        start = t.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+        end = start.replace(year=start.year + 1, month=1) if start.month == 12 else \
+            start.replace(month=start.month + 1)
+    return start.timestamp(), end.timestamp()
+
+
+@dataclass
+class _Window:
+    kind: str
+    req_limit: int
+    tok_limit: int
+    start: float = 0.0
+    end: float = 0.0
+    used_req: int = 0
+    used_tok: int = 0
+    res_req: int = 0
+    res_tok: int = 0
+
+    def roll(self, now: float) -> None:
+        if not self.start <= now < self.end:
+            self.start, self.end = window_bounds(self.kind, now)
+            self.used_req = self.used_tok = 0  # in-flight reservations carry over
+
+
+class BudgetExceeded(Exception):
+    def __init__(self, limit: str, used: int, limit_value: int, resets_at: float,
+                 now: float) -> None:
+        super().__init__(f"{limit} budget exceeded")
+        self.limit = limit
+        self.used = used
+        self.limit_value = limit_value
+        self.resets_at = resets_at
+        self.retry_after = max(1, math.ceil(resets_at - now))
+
+    def details(self) -> dict:
+        iso = datetime.fromtimestamp(self.resets_at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return {"limit": self.limit, "used": self.used, "limit_value": self.limit_value,
+                "resets_at": iso}
+
+
+@dataclass
+class Reservation:
+    key_id: str
+    tokens: int
+    settled: bool = False
+
+
+@dataclass
+class _KeyBudget:
+    windows: list[_Window] = field(default_factory=list)
+
+
+class Budgets:
+    def __init__(self, keys: list[KeyConfig]) -> None:
+        self.keys: dict[str, _KeyBudget] = {}
+        for k in keys:
+            ws = [_Window(_DAY, k.requests_per_day, k.tokens_per_day),
+                  _Window(_MONTH, k.requests_per_month, k.tokens_per_month)]
+            self.keys[k.id] = _KeyBudget([w for w in ws if w.req_limit or w.tok_limit])
+
+    def restore(self, key_id: str, kind: str, requests: int, tokens: int, now: float) -> None:
+        """Set a window's used figures (rebuilt from the request rows after a restart)."""
+        for w in self.keys[key_id].windows:
+            if w.kind == kind:
+                w.roll(now)
+                w.used_req, w.used_tok = requests, tokens
+
+    def windows_of(self, key_id: str) -> list[str]:
+        return [w.kind for w in self.keys.get(key_id, _KeyBudget()).windows]
+
+    def reserve(self, key_id: str, tokens: int, now: float) -> Reservation:
+        """Check every window and reserve in all of them, or raise BudgetExceeded."""
+        kb = self.keys.get(key_id)
+        if kb is None or not kb.windows:
+            return Reservation(key_id, 0, settled=True)  # no limits: nothing to hold
+        for w in kb.windows:
+            w.roll(now)
+            if w.req_limit and w.used_req + w.res_req + 1 > w.req_limit:
+                raise BudgetExceeded(f"{w.kind}_requests", w.used_req + w.res_req,
+                                     w.req_limit, w.end, now)
+            if w.tok_limit and w.used_tok + w.res_tok + tokens > w.tok_limit:
+                raise BudgetExceeded(f"{w.kind}_tokens", w.used_tok + w.res_tok,
+                                     w.tok_limit, w.end, now)
+        for w in kb.windows:
+            w.res_req += 1
+            w.res_tok += tokens
+        return Reservation(key_id, tokens)
+
+    def settle(self, res: Reservation, requests: int, tokens: int, now: float) -> None:
+        """Replace the reservation with what was used (once; later calls do nothing)."""
+        if res.settled:
+            return
+        res.settled = True
+        for w in self.keys[res.key_id].windows:
+            w.roll(now)
+            w.res_req -= 1
+            w.res_tok -= res.tokens
+            w.used_req += requests
+            w.used_tok += tokens
+
+    def usage(self, key_id: str, now: float) -> dict:
+        out = {}
+        for w in self.keys.get(key_id, _KeyBudget()).windows:
+            w.roll(now)
+            out[w.kind] = {"requests": w.used_req, "tokens": w.used_tok,
+                           "reserved_requests": w.res_req, "reserved_tokens": w.res_tok}
+        return out

@@ -1,0 +1,362 @@
+"""The life of one request: admission, candidates, relay, and settlement exactly once.
+
+Admission: internal endpoints -> key (401) -> body peek (400) -> route (404) -> budget
+reservation (429) -> per candidate: slot (503) -> upstream (502/504) -> relay. Before the
+first content event reaches the client a retryable failure moves on to the next candidate;
+after it nothing is swapped. Every admitted request ends in `_settle`, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+
+import msgspec
+
+from relay import exchange as X
+from relay import headers as hdr
+from relay.budget import BudgetExceeded
+from relay.errors import RelayError
+from relay.health import DOWN
+from relay.record import Record
+from relay.routing import NoRoute, model_list
+from relay.slots import Busy
+from relay.upstream import ConnectError
+
+_REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
+# Paths that occupy one of llama-server's slots (others, like /health, never wait for one).
+SLOT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions",
+                        "/completions", "/completion", "/v1/embeddings", "/embeddings",
+                        "/embedding", "/infill", "/v1/responses"})
+DEFAULT_MAX_TOKENS = 1024
+
+
+class _Peek(msgspec.Struct):
+    """The few request fields the relay reads; everything else is skipped by the decoder."""
+
+    model: str | None = None
+    stream: bool | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n_predict: int | None = None
+
+
+_peek = msgspec.json.Decoder(_Peek)
+
+
+def peek_body(method: bytes, headers, body: bytes) -> _Peek:
+    if method != b"POST" or not body:
+        return _Peek()
+    ctype = (hdr.get(headers, b"content-type") or b"application/json").lower()
+    if b"json" not in ctype:
+        return _Peek()
+    try:
+        return _peek.decode(body)
+    except msgspec.ValidationError as exc:
+        raise RelayError("bad_request", f"invalid request field: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise RelayError("invalid_json", f"request body is not valid JSON: {exc}") from None
+
+
+def estimate_tokens(body: bytes, peek: _Peek) -> tuple[int, int]:
+    """(prompt, completion) estimate for the budget pre-flight: chars/4 and the asked maximum."""
+    asked = peek.max_tokens or peek.max_completion_tokens or peek.n_predict
+    if asked is None or asked < 0:
+        asked = DEFAULT_MAX_TOKENS
+    return len(body) // 4, asked
+
+
+class _Retry(Exception):
+    """A failure before the first content event: the next candidate may serve."""
+
+    def __init__(self, err: RelayError | None, response: bytes | None = None) -> None:
+        super().__init__(err.message if err else "retry")
+        self.err = err
+
+
+class Dispatcher:
+    def __init__(self, app) -> None:
+        self.app = app
+
+    def request_id(self, headers) -> bytes:
+        given = hdr.get(headers, b"x-request-id")
+        if given is not None and _REQUEST_ID.match(given):
+            return given
+        return os.urandom(12).hex().encode()
+
+    # ---- entry -------------------------------------------------------------------------
+    async def handle(self, client, req) -> None:
+        app = self.app
+        t0 = time.perf_counter()
+        rid = self.request_id(req.headers)
+        path = req.target.split(b"?", 1)[0].decode("latin-1")
+        rec = Record(ts=time.time(), request_id=rid.decode(), path=path,
+                     method=req.method.decode("latin-1"))
+        keep_alive = req.keep_alive
+        state = {"slot": None, "reservation": None, "ex": None}
+        try:
+            if self._internal(client, req, rid, path):
+                return
+            keep_alive = await self._serve(client, req, rid, rec, state, t0)
+        except RelayError as err:
+            keep_alive = self._answer_error(client, rid, rec, err, keep_alive)
+        except asyncio.CancelledError:
+            rec.outcome = rec.outcome or (X.SHUTDOWN if app.draining and not client.gone
+                                          else X.CLIENT_GONE)
+            rec.error_code = rec.error_code or rec.outcome
+            keep_alive = False
+        finally:
+            if rec.outcome is not None or rec.status is not None:
+                self._settle(client, rec, state, t0)
+            client.finish(keep_alive)
+
+    def _answer_error(self, client, rid, rec, err: RelayError, keep_alive: bool) -> bool:
+        rec.status = err.status
+        rec.error_code = rec.error_code or err.code
+        rec.outcome = rec.outcome or "error"
+        keep_alive = keep_alive and err.status < 500 and err.status != 408
+        client.respond(err.status, err.body(), rid, keep_alive, err.headers)
+        return keep_alive
+
+    # ---- admission and relay -------------------------------------------------------------
+    async def _serve(self, client, req, rid: bytes, rec: Record, state: dict, t0: float) -> bool:
+        app = self.app
+        if app.auth.enabled:
+            rec.key_id = app.auth.identify(req.headers)
+            if rec.key_id is None:
+                raise RelayError("invalid_api_key", "missing or unknown API key")
+        peek = peek_body(req.method, req.headers, req.body)
+        rec.model, rec.stream = peek.model, bool(peek.stream)
+        try:
+            candidates = app.router.candidates(peek.model)
+        except NoRoute:
+            raise RelayError("model_not_found", f"no upstream serves model {peek.model!r}",
+                             {"model": peek.model}) from None
+        rec.upstream_requested = candidates[0]
+        prompt_est, completion_est = estimate_tokens(req.body, peek)
+        state["prompt_est"] = prompt_est
+        if rec.key_id is not None:
+            try:
+                state["reservation"] = app.budgets.reserve(
+                    rec.key_id, prompt_est + completion_est, time.time())
+            except BudgetExceeded as exc:
+                raise RelayError("budget_exceeded", str(exc), exc.details(),
+                                 [(b"Retry-After", b"%d" % exc.retry_after)]) from None
+        slot_path = req.method == b"POST" and rec.path in SLOT_PATHS
+        last: _Retry | None = None
+        for i, name in enumerate(candidates):
+            up = app.upstreams[name]
+            more = i < len(candidates) - 1
+            rec.fallback_attempts = i
+            try:
+                return await self._attempt(client, req, rid, rec, state, up, slot_path, more, t0)
+            except _Retry as retry:
+                last = retry
+                self._release_slot(state)
+                if more:
+                    app.log.event("fallback", request_id=rec.request_id, upstream=name,
+                                  next=candidates[i + 1],
+                                  reason=retry.err.code if retry.err else "retry")
+        raise last.err
+
+    async def _attempt(self, client, req, rid, rec: Record, state, up, slot_path: bool,
+                       more: bool, t0: float) -> bool:
+        app = self.app
+        d = app.config.dispatcher
+        if up.health.probe == DOWN and d.health_interval_s > 0:
+            raise _Retry(RelayError("upstream_unavailable", f"upstream {up.name} is down",
+                                    {"upstream": up.name, "error": up.health.last_error}))
+        if slot_path:
+            q0 = time.perf_counter()
+            try:
+                state["slot"] = await up.slots.acquire(d.pool_timeout_s)
+            except Busy as exc:
+                retry_after = max(1, int(d.pool_timeout_s + 0.999))
+                raise _Retry(RelayError("upstream_busy", f"upstream {up.name} is busy: {exc}",
+                                        {"upstream": up.name},
+                                        [(b"Retry-After", b"%d" % retry_after)])) from None
+            finally:
+                waited = time.perf_counter() - q0
+                rec.queue_ms = round(waited * 1000, 3)
+                up.metrics.observe_queue_wait(waited)
+        ex = await self._open(client, req, up, rid, rec)
+        state["ex"] = ex
+        resp = ex.head_resp
+        if more and (resp.status_code == 429 or resp.status_code >= 500):
+            ex.conn.abort()
+            raise _Retry(RelayError("upstream_unavailable",
+                                    f"upstream {up.name} answered {resp.status_code}",
+                                    {"upstream": up.name, "status": resp.status_code}))
+        ex.can_retry = more
+        ex.on_content = lambda e, up=up: up.metrics.observe_ttft(
+            e.first_content_at - t0, time.monotonic())
+        ex.start_body(resp)
+        client.exchange = ex if ex.outcome is None else None
+        await ex.done
+        client.exchange = None
+        rec.outcome = ex.outcome
+        if not ex.head_sent:  # ended before anything reached the client
+            if ex.outcome in (X.DROPPED, X.BAD_FRAMING, X.STALL, X.ERROR_EVENT, X.SHUTDOWN):
+                err = RelayError("upstream_unavailable",
+                                 "upstream failed before the first content event",
+                                 {"upstream": up.name, "error": ex.outcome})
+                if more and ex.outcome != X.SHUTDOWN:
+                    raise _Retry(err)
+                rec.outcome = ex.outcome
+                raise err
+        rec.upstream_served = up.name
+        rec.status = ex.status
+        keep_alive = ex.client_keep_alive
+        if ex.outcome == X.DONE:
+            await client.drained(d.write_timeout_s)
+        up.pool.release(ex.conn, ex.reusable)
+        return keep_alive and not client.gone
+
+    async def _open(self, client, req, up, rid: bytes, rec: Record) -> X.Exchange:
+        """Connect (pooled or new), send the request, wait for the response head.
+
+        A pooled connection that turns out dead before one response byte is retried once on
+        a fresh connection: llama-server closes after every stream.
+        """
+        d = self.app.config.dispatcher
+        head = hdr.upstream_request_headers(req.headers, up.host_header, len(req.body), rid,
+                                            up.auth)
+        fresh = False
+        while True:
+            try:
+                conn, reused = await up.pool.acquire(d.connect_timeout_s, fresh=fresh)
+            except ConnectError as exc:
+                up.health.connect_failed(str(exc))
+                raise _Retry(RelayError("upstream_unavailable",
+                                        f"upstream {up.name} is unavailable",
+                                        {"upstream": up.name, "error": str(exc)})) from None
+            ex = X.Exchange(self.app.loop, conn, client, req.method, rid, self.app.policy,
+                            d.write_timeout_s, rec.path, rec.model or "", up.name)
+            conn.handler = ex
+            client.exchange = ex
+            conn.transport.write(ex.request_bytes(req.target, head, req.body))
+            try:
+                async with asyncio.timeout(d.direct_read_timeout_s):
+                    ex.head_resp = await ex.head_fut
+                up.health.answered()
+                return ex
+            except X.UpstreamGone as exc:
+                conn.abort()
+                if reused and exc.silent and not fresh:
+                    fresh = True
+                    continue
+                raise _Retry(RelayError("upstream_unavailable", str(exc),
+                                        {"upstream": up.name, "error": "closed"})) from None
+            except X.UpstreamBadHead as exc:
+                conn.abort()
+                raise _Retry(RelayError("upstream_bad_response",
+                                        "upstream sent a malformed response",
+                                        {"upstream": up.name, "error": str(exc)[:200]})) from None
+            except X.ClientGone:
+                raise asyncio.CancelledError from None
+            except (TimeoutError, asyncio.TimeoutError):
+                conn.abort()
+                raise _Retry(RelayError(
+                    "upstream_timeout",
+                    f"upstream {up.name} sent no response head within "
+                    f"{d.direct_read_timeout_s}s", {"upstream": up.name})) from None
+            finally:
+                client.exchange = None
+
+    # ---- endpoints the relay answers itself ---------------------------------------------
+    def _internal(self, client, req, rid: bytes, path: str) -> bool:
+        app = self.app
+        if path == "/metrics" or path.startswith("/api/"):
+            if not app.auth.admin_ok(req.headers):
+                raise RelayError("invalid_api_key", "admin key required")
+            now = time.monotonic()
+            for up in app.upstreams.values():
+                up.refresh_metrics()
+            app.registry.rows_dropped = app.store.rows_dropped
+            if path == "/metrics":
+                client.respond(200, app.registry.prometheus(now), rid, req.keep_alive,
+                               content_type=b"text/plain; version=0.0.4; charset=utf-8")
+            elif path == "/api/slots/metrics":
+                client.respond(200, app.registry.json(now), rid, req.keep_alive)
+            else:
+                raise RelayError("not_found", f"no such endpoint {path}")
+            return True
+        if path in ("/v1/models", "/models") and req.method == b"GET" and app.router.models:
+            client.respond(200, model_list(app.router.models), rid, req.keep_alive)
+            return True
+        return False
+
+    # ---- settlement: once per request --------------------------------------------------
+    def _release_slot(self, state: dict) -> None:
+        slot, state["slot"] = state.get("slot"), None
+        if slot is not None:
+            slot.release()
+
+    def _settle(self, client, rec: Record, state: dict, t0: float) -> None:
+        app = self.app
+        self._release_slot(state)
+        ex: X.Exchange | None = state.get("ex")
+        rec.total_ms = round((time.perf_counter() - t0) * 1000, 3)
+        rec.client_closed = client.gone and rec.outcome in (X.CLIENT_GONE, X.CLIENT_SLOW)
+        if ex is not None and rec.upstream_served is not None:
+            rec.bytes_out = ex.bytes_out
+            if ex.first_content_at is not None:
+                rec.ttft_ms = round((ex.first_content_at - t0) * 1000, 3)
+            self._tokens(rec, ex, state)
+            if ex.outcome == X.STALL:
+                rec.error_code = f"stream_stall_{ex.stall_reason}"
+                app.log.event("stream_stall_guard_tripped", reason=ex.stall_reason,
+                              elapsed_s=ex.stall_elapsed, upstream=ex.upstream_name,
+                              request_id=rec.request_id)
+            elif ex.outcome not in (X.DONE, None):
+                rec.error_code = rec.error_code or ex.outcome
+        rec.ok = (rec.outcome == X.DONE and rec.status is not None and rec.status < 400)
+        if rec.error_code is None and rec.status is not None and rec.status >= 400:
+            rec.error_code = f"upstream_{rec.status}"
+        res = state.get("reservation")
+        if res is not None:
+            used = 1 if rec.upstream_served is not None else 0
+            app.budgets.settle(res, used, rec.total_tokens if used else 0, time.time())
+        served = app.upstreams.get(rec.upstream_served or rec.upstream_requested or "")
+        if served is not None:
+            m = served.metrics
+            m.request_done(rec.ok, rec.error_code)
+            if ex is not None and ex.outcome == X.STALL:
+                m.stall(ex.stall_reason)
+        app.store.put(rec.row())
+        app.log.event("access", **rec.log_fields())
+
+    def _tokens(self, rec: Record, ex: X.Exchange, state: dict) -> None:
+        from relay.usage import stream_usage
+
+        scanner = ex.scanner
+        exact = None
+        approx = None
+        if ex.body_copy is not None:
+            exact = ex.body_copy.usage() if ex.outcome == X.DONE else None
+        elif scanner is not None:
+            exact = stream_usage(scanner.meta) if scanner.meta else None
+            approx = scanner.content_events
+        rec.set_tokens(exact, approx, state.get("prompt_est"))
+        if exact is not None:
+            app_m = self.app.upstreams[ex.upstream_name].metrics
+            app_m.set_flm(exact.decoding_speed_tps, exact.kv_occupancy_pct)
+        if rec.completion_tokens is not None:
+            delta = rec.completion_tokens - ex.counted
+            ex.counted = rec.completion_tokens
+            self.app.upstreams[ex.upstream_name].metrics.add_tokens(delta, time.monotonic())
+
+    def rejected(self, client, err: RelayError) -> None:
+        """A request refused before it was read whole (400/408/413/431): a row all the same."""
+        head = client.head
+        path = head.target.split(b"?", 1)[0].decode("latin-1") if head is not None else ""
+        rid = self.request_id(head.headers.raw_items()) if head is not None else \
+            os.urandom(12).hex().encode()
+        rec = Record(ts=time.time(), request_id=rid.decode(), path=path,
+                     method=head.method.decode("latin-1") if head is not None else "",
+                     status=err.status, error_code=err.code, outcome="rejected")
+        self.app.registry.rejected(err.code)
+        self.app.store.put(rec.row())
+        self.app.log.event("access", **rec.log_fields())

@@ -1,0 +1,54 @@
+"""Upstream state: ready / serving / loading / down, from a light /health probe and from
+what requests see (a refused connect marks an upstream down at once)."""
+
+from __future__ import annotations
+
+import asyncio
+
+READY, SERVING, LOADING, DOWN = "ready", "serving", "loading", "down"
+
+
+class Health:
+    def __init__(self) -> None:
+        self.probe = READY  # READY (answers), LOADING (503 on /health) or DOWN
+        self.last_error = ""
+
+    def state(self, in_flight: int) -> str:
+        if self.probe != READY:
+            return self.probe
+        return SERVING if in_flight else READY
+
+    def probed(self, status: int | None, error: str = "") -> None:
+        """One probe result: a status line, or None when no answer came."""
+        if status is None:
+            self.probe, self.last_error = DOWN, error
+        elif status == 503:
+            self.probe = LOADING
+        else:  # any answer means the server is there (a server without /health gives 404)
+            self.probe, self.last_error = READY, ""
+
+    def connect_failed(self, error: str) -> None:
+        self.probe, self.last_error = DOWN, error
+
+    def answered(self) -> None:
+        if self.probe == DOWN:
+            self.probe, self.last_error = READY, ""
+
+
+async def probe_once(host: str, port: int, host_header: bytes, timeout: float) -> int | None:
+    """GET /health; the status code, or None on connect failure / timeout / garbage."""
+    writer = None
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: " + host_header +
+                     b"\r\nUser-Agent: relay-health\r\nConnection: close\r\n\r\n")
+        line = await asyncio.wait_for(reader.readline(), timeout)
+        parts = line.split(b" ", 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/"):
+            return None
+        return int(parts[1])
+    except (OSError, asyncio.TimeoutError, TimeoutError, ValueError):
+        return None
+    finally:
+        if writer is not None:
+            writer.close()

@@ -1,0 +1,83 @@
+"""Slot accounting for one upstream: `parallel` slots, a bounded FIFO queue of waiters.
+
+A slot is held from admission until the client has drained the response or gone. `Slot`
+releases exactly once however many exit paths call `release()`; a freed slot passes straight
+to the oldest waiter, so order is first come, first served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+
+class Busy(Exception):
+    """No slot: the queue is full, or none came free within the wait bound."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Slot:
+    __slots__ = ("pool", "released")
+
+    def __init__(self, pool: "SlotPool") -> None:
+        self.pool = pool
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.pool._free()
+
+
+class SlotPool:
+    def __init__(self, parallel: int, queue: int) -> None:
+        self.parallel = parallel
+        self.queue = queue
+        self.in_flight = 0
+        self.waiters: deque[asyncio.Future] = deque()
+
+    @property
+    def queued(self) -> int:
+        return len(self.waiters)
+
+    async def acquire(self, timeout: float) -> Slot:
+        if self.in_flight < self.parallel and not self.waiters:
+            self.in_flight += 1
+            return Slot(self)
+        if len(self.waiters) >= self.queue or timeout <= 0:
+            raise Busy("queue full" if self.queue else "no free slot")
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters.append(fut)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            if fut.done() and not fut.cancelled():  # granted just as the wait ran out
+                return Slot(self)
+            fut.cancel()
+            self._forget(fut)
+            raise Busy(f"no slot free within {timeout}s") from None
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self._free()  # granted, but the caller is gone: pass it on
+            else:
+                fut.cancel()
+                self._forget(fut)
+            raise
+        return Slot(self)
+
+    def _forget(self, fut: asyncio.Future) -> None:
+        try:
+            self.waiters.remove(fut)
+        except ValueError:
+            pass
+
+    def _free(self) -> None:
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # the slot moves on: in_flight unchanged
+                return
+        self.in_flight -= 1

@@ -1,0 +1,337 @@
+"""Durable request rows in SQLite, written by one thread off the event loop.
+
+`put` (event-loop thread) only snapshots the row into a tuple and appends it to a deque: it
+never blocks and never raises. One writer thread owns the writing connection; it wakes every
+`flush_interval_s` (or at once when a batch is ready, or on flush/close/query), writes the
+rows in transactions of up to `batch_max` rows, retries a failed batch with backoff (keeping
+its rows), and prunes rows older than `retention_days` at start and about once an hour.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import pathlib
+import sqlite3
+import sys
+import threading
+import time
+
+COLUMNS = ("ts", "request_id", "key_id", "path", "model", "stream", "upstream_requested",
+           "upstream_served", "fallback_attempts", "status", "ok", "error_code", "queue_ms",
+           "ttft_ms", "total_ms", "prompt_tokens", "completion_tokens", "tokens_source",
+           "bytes_out", "client_closed")
+_TYPES = ("REAL", "TEXT", "TEXT", "TEXT", "TEXT", "INTEGER", "TEXT",
+          "TEXT", "INTEGER", "INTEGER", "INTEGER", "TEXT", "REAL",
+          "REAL", "REAL", "INTEGER", "INTEGER", "TEXT",
+          "INTEGER", "INTEGER")
+SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS request ("
+    + ", ".join(f"{c} {t}" for c, t in zip(COLUMNS, _TYPES)) + ")",
+    "CREATE INDEX IF NOT EXISTS request_ts ON request (ts)",
+    "CREATE INDEX IF NOT EXISTS request_key_ts ON request (key_id, ts)",
+)
+INSERT = (f"INSERT INTO request ({', '.join(COLUMNS)}) "
+          f"VALUES ({', '.join('?' for _ in COLUMNS)})")
+_TS = COLUMNS.index("ts")
+_PLAIN = (type(None), int, float, str, bytes)
+OVERFLOW_MAX = 100_000
+WARN_INTERVAL_S = 10.0
+
+
+def is_memory(path: str) -> bool:
+    return path in (":memory:", "")
+
+
+def open_readonly(path: str, timeout: float = 5.0) -> sqlite3.Connection:
+    """A short-lived read-only connection with rows as dicts (safe while the writer runs)."""
+    uri = pathlib.Path(path).absolute().as_uri() + "?mode=ro"
+    conn = sqlite3.connect(uri, uri=True, timeout=timeout)
+    conn.row_factory = dict_row
+    return conn
+
+
+def dict_row(cursor: sqlite3.Cursor, values: tuple) -> dict:
+    return {d[0]: v for d, v in zip(cursor.description, values)}
+
+
+def clean(values: tuple, now: float) -> tuple:
+    """Make a snapshot insertable: bool -> 0/1 (int subclass), odd types -> str, ts defaults to now."""
+    out = [v if type(v) in _PLAIN or isinstance(v, (int, float)) else str(v) for v in values]
+    if out[_TS] is None:
+        out[_TS] = now
+    return tuple(out)
+
+
+class Store:
+    retry_base_s = 0.05   # first backoff after a failed batch; doubles up to retry_max_s
+    retry_max_s = 2.0
+
+    def __init__(self, path: str, retention_days: float = 30.0, batch_max: int = 500,
+                 queue_max: int = 10000, flush_interval_s: float = 0.2, *,
+                 overflow_max: int = OVERFLOW_MAX, prune_interval_s: float = 3600.0) -> None:
+        self.path = path
+        self.retention_days = retention_days
+        self.batch_max = max(1, batch_max)
+        self.queue_max = max(1, queue_max)
+        self.overflow_max = overflow_max
+        self.flush_interval_s = flush_interval_s
+        self.prune_interval_s = prune_interval_s
+        self.rows_written = 0
+        self.rows_dropped = 0
+        self.rows_pruned = 0
+        self.write_errors = 0
+        self._accepted = 0          # rows put() took (only the loop thread writes it)
+        self._settled = 0           # accepted rows committed or given up (writer thread only)
+        self._queue: collections.deque = collections.deque()
+        self._overflow: collections.deque = collections.deque()
+        self._controls: collections.deque = collections.deque()   # (sql, params, future)
+        self._wake = threading.Event()
+        self._abandon = threading.Event()
+        self._settled_cv = threading.Condition()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._closed = False
+        self._warned_at: dict[str, float] = {}
+
+    # ---- event-loop side -------------------------------------------------------------
+    def put(self, row: dict) -> None:
+        if self._stopping:
+            self._drop("store closed")
+            return
+        values = tuple(map(row.get, COLUMNS))
+        if len(self._queue) < self.queue_max and not self._overflow:
+            self._queue.append(values)
+        elif len(self._overflow) < self.overflow_max:
+            self._overflow.append(values)
+        else:
+            self._drop("queue and overflow full")
+            return
+        self._accepted += 1
+        if len(self._queue) >= self.batch_max and not self._wake.is_set():
+            self._wake.set()
+
+    @property
+    def pending(self) -> int:
+        return self._accepted - self._settled
+
+    def _drop(self, why: str) -> None:
+        with self._settled_cv:      # rows_dropped is also counted by the writer thread
+            self.rows_dropped += 1
+        self._warn("drop", f"dropping request rows ({why}); {self.rows_dropped} dropped so far")
+
+    def _warn(self, kind: str, line: str) -> None:
+        """One stderr line per kind at most every WARN_INTERVAL_S."""
+        now = time.monotonic()
+        if now - self._warned_at.get(kind, -WARN_INTERVAL_S) < WARN_INTERVAL_S:
+            return
+        self._warned_at[kind] = now
+        try:
+            print(f"relay store: {line}", file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="relay-store", daemon=False)
+        self._thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            self._thread.join()
+            self._closed = self._stopping = True
+            raise self._start_error
+
+    def flush(self, timeout: float = 5.0) -> None:
+        target = self._accepted
+        if self._settled >= target:
+            return
+        if self._thread is None or not self._thread.is_alive():
+            raise RuntimeError("store writer is not running")
+        self._wake.set()
+        with self._settled_cv:
+            if not self._settled_cv.wait_for(lambda: self._settled >= target, timeout):
+                raise TimeoutError(f"store flush: {target - self._settled} rows not committed "
+                                   f"after {timeout}s")
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._closed:
+            return
+        if self._thread is None and self._accepted:
+            self.start()            # rows were accepted before start(): write them now
+        self._closed = self._stopping = True
+        if self._thread is None:
+            return
+        self._wake.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():     # stuck retrying a failing DB: give up the rest
+            self._abandon.set()
+            self._wake.set()
+            self._thread.join()
+
+    async def aclose(self) -> None:
+        import asyncio
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+    # ---- reading ---------------------------------------------------------------------
+    def query(self, sql: str, params=()) -> list[dict]:
+        if not is_memory(self.path):
+            conn = open_readonly(self.path)
+            try:
+                return conn.execute(sql, params).fetchall()
+            finally:
+                conn.close()
+        if self._thread is None or not self._thread.is_alive():
+            raise RuntimeError("in-memory store: query needs the running writer")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._controls.append((sql, params, fut))
+        self._wake.set()
+        return fut.result(timeout=30.0)
+
+    def usage_since(self, key_id: str | None, since_ts: float) -> tuple[int, int]:
+        row = self.query(
+            "SELECT COUNT(*) AS n, COALESCE(SUM(COALESCE(prompt_tokens, 0)"
+            " + COALESCE(completion_tokens, 0)), 0) AS tokens"
+            " FROM request WHERE key_id IS ? AND ts >= ?", (key_id, since_ts))[0]
+        return int(row["n"]), int(row["tokens"])
+
+    # ---- writer thread ---------------------------------------------------------------
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, timeout=5.0, isolation_level=None,
+                               check_same_thread=False)
+        conn.row_factory = dict_row
+        if not is_memory(self.path):
+            conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        for stmt in SCHEMA:
+            conn.execute(stmt)
+        return conn
+
+    def _run(self) -> None:
+        try:
+            conn = self._connect()
+            self._prune(conn)
+        except BaseException as exc:   # reported to start()'s caller
+            self._start_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        next_prune = time.monotonic() + self.prune_interval_s
+        try:
+            while True:
+                self._wake.wait(min(self.flush_interval_s, 1.0))
+                self._wake.clear()
+                if not threading.main_thread().is_alive():
+                    self._stopping = True   # interpreter exit without close(): flush, then end
+                self._serve_controls(conn)
+                self._drain(conn)
+                if time.monotonic() >= next_prune:
+                    next_prune = time.monotonic() + self.prune_interval_s
+                    self._prune(conn)
+                if self._abandon.is_set():
+                    self._give_up()
+                    break
+                if self._stopping and not self._queue and not self._overflow:
+                    break
+        finally:
+            self._serve_controls(conn)
+            conn.close()
+            while self._controls:
+                self._controls.popleft()[2].set_exception(RuntimeError("store closed"))
+
+    def _take_batch(self) -> list[tuple]:
+        batch: list[tuple] = []
+        for source in (self._queue, self._overflow):
+            while source and len(batch) < self.batch_max:
+                batch.append(source.popleft())
+        return batch
+
+    def _drain(self, conn: sqlite3.Connection) -> None:
+        while not self._abandon.is_set():
+            batch = self._take_batch()
+            if not batch:
+                return
+            self._write_with_retry(conn, batch)
+            self._serve_controls(conn)
+
+    def _write_with_retry(self, conn: sqlite3.Connection, batch: list[tuple]) -> None:
+        now = time.time()
+        rows = [clean(v, now) for v in batch]
+        delay = self.retry_base_s
+        while True:
+            try:
+                self._commit(conn, rows)
+                self._settle(len(rows), written=True)
+                return
+            except sqlite3.OperationalError as exc:     # locked, disk full, I/O: keep the rows
+                self.write_errors += 1
+                self._warn("write", f"write failed ({exc}); retrying, rows kept")
+            except sqlite3.Error as exc:                # a row SQLite refuses: isolate it
+                self.write_errors += 1
+                self._write_one_by_one(conn, rows, exc)
+                return
+            if self._abandon.wait(delay):
+                self._settle(len(rows), written=False)
+                return
+            delay = min(delay * 2, self.retry_max_s)
+            self._serve_controls(conn)
+
+    def _write_one_by_one(self, conn: sqlite3.Connection, rows: list[tuple], exc) -> None:
+        for row in rows:
+            try:
+                self._commit(conn, [row])
+                self._settle(1, written=True)
+            except sqlite3.Error:
+                self._settle(1, written=False)
+        self._warn("reject", f"rows SQLite rejected were dropped ({exc})")
+
+    def _commit(self, conn: sqlite3.Connection, rows: list[tuple]) -> None:
+        conn.execute("BEGIN")
+        try:
+            self._insert(conn, rows)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    def _insert(self, conn: sqlite3.Connection, rows: list[tuple]) -> None:
+        conn.executemany(INSERT, rows)
+
+    def _settle(self, n: int, written: bool) -> None:
+        with self._settled_cv:
+            if written:
+                self.rows_written += n
+            else:
+                self.rows_dropped += n
+            self._settled += n
+            self._settled_cv.notify_all()
+
+    def _give_up(self) -> None:
+        left = len(self._queue) + len(self._overflow)
+        self._queue.clear()
+        self._overflow.clear()
+        if left:
+            self._settle(left, written=False)
+        self._warn("close", f"closed with the database failing; {self.rows_dropped} rows dropped")
+
+    def _prune(self, conn: sqlite3.Connection) -> None:
+        if self.retention_days <= 0:
+            return
+        cutoff = time.time() - self.retention_days * 86400.0
+        try:
+            self.rows_pruned += conn.execute("DELETE FROM request WHERE ts < ?", (cutoff,)).rowcount
+        except sqlite3.Error as exc:
+            self.write_errors += 1
+            self._warn("prune", f"prune failed ({exc})")
+
+    def _serve_controls(self, conn: sqlite3.Connection) -> None:
+        while self._controls:
+            sql, params, fut = self._controls.popleft()
+            try:
+                fut.set_result(conn.execute(sql, params).fetchall())
+            except BaseException as exc:
+                fut.set_exception(exc)
