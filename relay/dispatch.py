@@ -103,6 +103,8 @@ class Dispatcher:
         except RelayError as err:
             keep_alive = self._answer_error(client, rid, rec, err, keep_alive)
         except asyncio.CancelledError:
+            if state["ex"] is not None:
+                state["ex"].conn.abort()
             rec.outcome = rec.outcome or (X.SHUTDOWN if app.draining and not client.gone
                                           else X.CLIENT_GONE)
             rec.error_code = rec.error_code or rec.outcome
@@ -181,19 +183,16 @@ class Dispatcher:
                 waited = time.perf_counter() - q0
                 rec.queue_ms = round(waited * 1000, 3)
                 up.metrics.observe_queue_wait(waited)
-        ex = await self._open(client, req, up, rid, rec)
-        state["ex"] = ex
-        resp = ex.head_resp
-        if more and (resp.status_code == 429 or resp.status_code >= 500):
-            ex.conn.abort()
-            raise _Retry(RelayError("upstream_unavailable",
-                                    f"upstream {up.name} answered {resp.status_code}",
-                                    {"upstream": up.name, "status": resp.status_code}))
-        ex.can_retry = more
-        ex.on_content = lambda e, up=up: up.metrics.observe_ttft(
+        on_content = lambda e, up=up: up.metrics.observe_ttft(  # noqa: E731
             e.first_content_at - t0, time.monotonic())
-        ex.start_body(resp)
-        client.exchange = ex if ex.outcome is None else None
+        ex = await self._open(client, req, up, rid, rec, more, on_content)
+        state["ex"] = ex
+        if not ex.body_started:  # 429/5xx with another candidate left
+            status = ex.head_resp.status_code
+            ex.conn.abort()
+            client.exchange = None
+            raise _Retry(RelayError("upstream_unavailable", f"upstream {up.name} answered {status}",
+                                    {"upstream": up.name, "status": status}))
         await ex.done
         client.exchange = None
         rec.outcome = ex.outcome
@@ -214,8 +213,12 @@ class Dispatcher:
         up.pool.release(ex.conn, ex.reusable)
         return keep_alive and not client.gone
 
-    async def _open(self, client, req, up, rid: bytes, rec: Record) -> X.Exchange:
+    async def _open(self, client, req, up, rid: bytes, rec: Record, more: bool,
+                    on_content) -> X.Exchange:
         """Connect (pooled or new), send the request, wait for the response head.
+
+        The exchange starts relaying the body as soon as the head is in, without waiting for
+        this coroutine to wake up; only a 429/5xx with another candidate left is held back.
 
         A pooled connection that turns out dead before one response byte is retried once on
         a fresh connection: llama-server closes after every stream.
@@ -234,12 +237,14 @@ class Dispatcher:
                                         {"upstream": up.name, "error": str(exc)})) from None
             ex = X.Exchange(self.app.loop, conn, client, req.method, rid, self.app.policy,
                             d.write_timeout_s, rec.path, rec.model or "", up.name)
+            ex.can_retry = more
+            ex.on_content = on_content
             conn.handler = ex
             client.exchange = ex
             conn.transport.write(ex.request_bytes(req.target, head, req.body))
             try:
                 async with asyncio.timeout(d.direct_read_timeout_s):
-                    ex.head_resp = await ex.head_fut
+                    await ex.head_fut
                 up.health.answered()
                 return ex
             except X.UpstreamGone as exc:
@@ -262,8 +267,9 @@ class Dispatcher:
                     "upstream_timeout",
                     f"upstream {up.name} sent no response head within "
                     f"{d.direct_read_timeout_s}s", {"upstream": up.name})) from None
-            finally:
+            except BaseException:
                 client.exchange = None
+                raise
 
     # ---- endpoints the relay answers itself ---------------------------------------------
     def _internal(self, client, req, rid: bytes, path: str) -> bool:

@@ -212,8 +212,13 @@ class Exchange:
         self.head_buf = None
         self._leftover = buf[used:]
         self.head_at = self.last_read = self.loop.time()
-        if not self.head_fut.done():
-            self.head_fut.set_result(resp)
+        self.head_resp = resp
+        if self.head_fut.done():
+            return
+        status = resp.status_code
+        if not (self.can_retry and (status == 429 or status >= 500)):
+            self.start_body(resp)  # at once: the dispatcher only awaits `done` from here
+        self.head_fut.set_result(resp)
 
     def start_body(self, resp: ResponseHead, hold_for_content: bool = True) -> None:
         """Decide framing, write (or hold) the head, and relay what came with it."""
