@@ -60,6 +60,11 @@ class KeyConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     tokens_per_month: Annotated[int, Meta(ge=0)] = 0
 
 
+class BudgetConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    # tokens reserved for the completion when a request names no max_tokens / n_predict
+    default_max_tokens: Annotated[int, Meta(ge=1, le=10_000_000)] = 1024
+
+
 class StoreConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     path: str = "relay.db"
     retention_days: Annotated[float, Meta(ge=0.0, le=36500.0)] = 30.0
@@ -71,6 +76,7 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     upstream: list[UpstreamConfig] = msgspec.field(default_factory=list)
     key: list[KeyConfig] = msgspec.field(default_factory=list)
     store: StoreConfig = msgspec.field(default_factory=StoreConfig)
+    budget: BudgetConfig = msgspec.field(default_factory=BudgetConfig)
     admin_key_sha256: Annotated[str, Meta(pattern="^[0-9a-fA-F]{64}$")] | None = None
 
 

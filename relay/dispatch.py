@@ -30,7 +30,9 @@ _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
 SLOT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions",
                         "/completions", "/completion", "/v1/embeddings", "/embeddings",
                         "/embedding", "/infill", "/v1/responses"})
-DEFAULT_MAX_TOKENS = 1024
+# Refusals decided before any upstream is chosen or contacted (counted relay-wide).
+_ADMISSION_CODES = frozenset({"invalid_api_key", "invalid_json", "bad_request",
+                              "model_not_found", "budget_exceeded", "not_found"})
 
 
 class _Peek(msgspec.Struct):
@@ -60,11 +62,11 @@ def peek_body(method: bytes, headers, body: bytes) -> _Peek:
         raise RelayError("invalid_json", f"request body is not valid JSON: {exc}") from None
 
 
-def estimate_tokens(body: bytes, peek: _Peek) -> tuple[int, int]:
+def estimate_tokens(body: bytes, peek: _Peek, default_max: int) -> tuple[int, int]:
     """(prompt, completion) estimate for the budget pre-flight: chars/4 and the asked maximum."""
     asked = peek.max_tokens or peek.max_completion_tokens or peek.n_predict
     if asked is None or asked < 0:
-        asked = DEFAULT_MAX_TOKENS
+        asked = default_max
     return len(body) // 4, asked
 
 
@@ -137,7 +139,8 @@ class Dispatcher:
             raise RelayError("model_not_found", f"no upstream serves model {peek.model!r}",
                              {"model": peek.model}) from None
         rec.upstream_requested = candidates[0]
-        prompt_est, completion_est = estimate_tokens(req.body, peek)
+        prompt_est, completion_est = estimate_tokens(req.body, peek,
+                                                     app.config.budget.default_max_tokens)
         state["prompt_est"] = prompt_est
         if rec.key_id is not None:
             try:
@@ -326,7 +329,9 @@ class Dispatcher:
             used = 1 if rec.upstream_served is not None else 0
             app.budgets.settle(res, used, rec.total_tokens if used else 0, time.time())
         served = app.upstreams.get(rec.upstream_served or rec.upstream_requested or "")
-        if served is not None:
+        if rec.error_code in _ADMISSION_CODES or served is None:
+            app.registry.rejected(rec.error_code or "unknown")  # no upstream involved
+        else:
             m = served.metrics
             m.request_done(rec.ok, rec.error_code)
             if ex is not None and ex.outcome == X.STALL:
