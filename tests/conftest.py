@@ -56,3 +56,12 @@ async def wait_for(predicate, timeout: float = 5.0, step: float = 0.005):
         if loop.time() > end:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(step)
+
+
+def pytest_asyncio_loop_factories(config, item):
+    """The relay runs on uvloop where it is installed (`relay serve` does): test it there."""
+    try:
+        import uvloop
+    except ImportError:
+        return {"asyncio": asyncio.new_event_loop}
+    return {"uvloop": uvloop.new_event_loop}

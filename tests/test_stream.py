@@ -237,3 +237,8 @@ async def test_two_hundred_concurrent_streams_all_correct(make_relay, sim):
     access = app.log.of("access")
     assert len(access) == 200 and {a["outcome"] for a in access} == {"done"}
     assert sim.tokens_sent_total == 200 * 20
+
+
+async def test_suite_runs_on_uvloop_when_installed():
+    uvloop = pytest.importorskip("uvloop")
+    assert isinstance(asyncio.get_running_loop(), uvloop.Loop)
