@@ -137,6 +137,7 @@ class App:
         await self.store.aclose()
         self.log.event("relay_stopped", unfinished=len([t for t in pending if not t.done()]),
                        rows_written=self.store.rows_written, rows_dropped=self.store.rows_dropped)
+        self.log.flush()
 
     # ---- requests ----------------------------------------------------------------------
     async def handle(self, client: ClientConn, req) -> None:

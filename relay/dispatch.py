@@ -245,9 +245,9 @@ class Dispatcher:
             conn.handler = ex
             client.exchange = ex
             conn.transport.write(ex.request_bytes(req.target, head, req.body))
+            timer = self.app.loop.call_later(d.direct_read_timeout_s, ex.head_timeout)
             try:
-                async with asyncio.timeout(d.direct_read_timeout_s):
-                    await ex.head_fut
+                await ex.head_fut
                 up.health.answered()
                 return ex
             except X.UpstreamGone as exc:
@@ -273,6 +273,8 @@ class Dispatcher:
             except BaseException:
                 client.exchange = None
                 raise
+            finally:
+                timer.cancel()
 
     # ---- endpoints the relay answers itself ---------------------------------------------
     def _internal(self, client, req, rid: bytes, path: str) -> bool:

@@ -406,6 +406,11 @@ class Exchange:
             self.client_keep_alive = False
             self._end(CLIENT_SLOW)
 
+    def head_timeout(self) -> None:
+        if not self.head_fut.done():
+            self.head_fut.set_exception(TimeoutError())
+            self.head_buf = None
+
     def client_gone(self) -> None:
         """The client closed or reset: close the upstream socket at once."""
         self.conn.abort()

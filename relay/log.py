@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from typing import Callable
@@ -12,20 +13,40 @@ _encode = msgspec.json.Encoder().encode
 
 
 class Log:
-    def __init__(self, sink: Callable[[bytes], object] | None = None) -> None:
+    """Lines are buffered and written together at most `flush_s` later (one write syscall
+    per batch, not per request) when an event loop runs; immediately otherwise."""
+
+    def __init__(self, sink: Callable[[bytes], object] | None = None,
+                 flush_s: float = 0.05) -> None:
         self._sink = sink
+        self.flush_s = flush_s
         self.lines: list[dict] | None = None  # set to a list to keep records (tests)
+        self._pending: list[bytes] = []
+        self._timer = None
 
     def event(self, event: str, **fields) -> None:
         record = {"ts": round(time.time(), 3), "event": event, **fields}
         if self.lines is not None:
             self.lines.append(record)
-        line = _encode(record) + b"\n"
+        self._pending.append(_encode(record) + b"\n")
+        if self._timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self.flush()
+                return
+            self._timer = loop.call_later(self.flush_s, self.flush)
+
+    def flush(self) -> None:
+        self._timer = None
+        data, self._pending = b"".join(self._pending), []
+        if not data:
+            return
         try:
             if self._sink is not None:
-                self._sink(line)
+                self._sink(data)
             else:
-                sys.stderr.buffer.write(line)
+                sys.stderr.buffer.write(data)
                 sys.stderr.buffer.flush()
         except (OSError, ValueError):
             pass  # a closed stderr never stops the relay

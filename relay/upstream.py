@@ -9,7 +9,6 @@ connection may be dead by the time it is reused (the caller retries once on a fr
 from __future__ import annotations
 
 import asyncio
-import socket
 
 
 class UpstreamConn(asyncio.Protocol):
@@ -23,13 +22,7 @@ class UpstreamConn(asyncio.Protocol):
         self.idle_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
-        self.transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
+        self.transport = transport  # (asyncio and uvloop both set TCP_NODELAY on TCP sockets)
 
     def data_received(self, data: bytes) -> None:
         handler = self.handler
