@@ -68,6 +68,7 @@ class Reservation:
     key_id: str
     tokens: int
     settled: bool = False
+    starts: tuple[float, ...] = ()  # the start of each window it was taken in
 
 
 @dataclass
@@ -109,19 +110,20 @@ class Budgets:
         for w in kb.windows:
             w.res_req += 1
             w.res_tok += tokens
-        return Reservation(key_id, tokens)
+        return Reservation(key_id, tokens, starts=tuple(w.start for w in kb.windows))
 
     def settle(self, res: Reservation, requests: int, tokens: int, now: float) -> None:
         """Replace the reservation with what was used (once; later calls do nothing)."""
         if res.settled:
             return
         res.settled = True
-        for w in self.keys[res.key_id].windows:
+        for w, start in zip(self.keys[res.key_id].windows, res.starts):
             w.roll(now)
             w.res_req -= 1
             w.res_tok -= res.tokens
-            w.used_req += requests
-            w.used_tok += tokens
+            if w.start == start:  # usage counts in the window the request was admitted in,
+                w.used_req += requests  # as its row does (ts = admission time)
+                w.used_tok += tokens
 
     def usage(self, key_id: str, now: float) -> dict:
         out = {}

@@ -104,14 +104,16 @@ class ClientConn(asyncio.Protocol):
         if self.drain_waiter is not None and not self.drain_waiter.done():
             self.drain_waiter.set_result(None)
 
-    async def drained(self, timeout: float) -> bool:
+    async def drained(self, timeout: float) -> str:
         """Wait until everything written has left for the client (or it is gone / too slow).
 
         With the low-water mark at 0 the transport calls resume_writing only once its buffer
         is empty; the slot is held until then, as llama-server's client has not read it all.
         """
-        if self.gone or self.transport.get_write_buffer_size() == 0:
-            return not self.gone
+        if self.gone:
+            return "gone"
+        if self.transport.get_write_buffer_size() == 0:
+            return "drained"
         self.drain_waiter = self.loop.create_future()
         self.transport.set_write_buffer_limits(high=1, low=0)
         try:
@@ -119,11 +121,12 @@ class ClientConn(asyncio.Protocol):
         except (TimeoutError, asyncio.TimeoutError):
             self.gone = True
             self.transport.abort()
+            return "timeout"
         finally:
             self.drain_waiter = None
             if not self.gone:
                 self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
-        return not self.gone
+        return "gone" if self.gone else "drained"
 
     # ---- request reading ---------------------------------------------------------------
     def _process(self) -> None:

@@ -23,6 +23,7 @@ from relay.health import DOWN
 from relay.record import Record
 from relay.routing import NoRoute, model_list
 from relay.slots import Busy
+from relay.sse import SseScanner
 from relay.upstream import ConnectError
 
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
@@ -188,7 +189,7 @@ class Dispatcher:
                 up.metrics.observe_queue_wait(waited)
         on_content = lambda e, up=up: up.metrics.observe_ttft(  # noqa: E731
             e.first_content_at - t0, time.monotonic())
-        ex = await self._open(client, req, up, rid, rec, more, on_content)
+        ex = await self._open(client, req, up, rid, rec, more, on_content, state)
         state["ex"] = ex
         if not ex.body_started:  # 429/5xx with another candidate left
             status = ex.head_resp.status_code
@@ -212,12 +213,15 @@ class Dispatcher:
         rec.status = ex.status
         keep_alive = ex.client_keep_alive
         if ex.outcome == X.DONE:
-            await client.drained(d.write_timeout_s)
+            drain = await client.drained(d.write_timeout_s)
+            if drain != "drained":  # the response never reached the client whole
+                rec.outcome = X.CLIENT_SLOW if drain == "timeout" else X.CLIENT_GONE
+                keep_alive = False
         up.pool.release(ex.conn, ex.reusable)
         return keep_alive and not client.gone
 
     async def _open(self, client, req, up, rid: bytes, rec: Record, more: bool,
-                    on_content) -> X.Exchange:
+                    on_content, state: dict) -> X.Exchange:
         """Connect (pooled or new), send the request, wait for the response head.
 
         The exchange starts relaying the body as soon as the head is in, without waiting for
@@ -242,6 +246,7 @@ class Dispatcher:
                             d.write_timeout_s, rec.path, rec.model or "", up.name)
             ex.can_retry = more
             ex.on_content = on_content
+            state["ex"] = ex
             conn.handler = ex
             client.exchange = ex
             conn.transport.write(ex.request_bytes(req.target, head, req.body))
@@ -264,6 +269,9 @@ class Dispatcher:
                                         {"upstream": up.name, "error": str(exc)[:200]})) from None
             except X.ClientGone:
                 raise asyncio.CancelledError from None
+            except X.RelayShutdown:
+                rec.outcome = rec.error_code = X.SHUTDOWN  # as a stream cut by shutdown is
+                raise RelayError("shutting_down", "the relay is shutting down") from None
             except (TimeoutError, asyncio.TimeoutError):
                 conn.abort()
                 raise _Retry(RelayError(
@@ -321,8 +329,11 @@ class Dispatcher:
                 app.log.event("stream_stall_guard_tripped", reason=ex.stall_reason,
                               elapsed_s=ex.stall_elapsed, upstream=ex.upstream_name,
                               request_id=rec.request_id)
-            elif ex.outcome not in (X.DONE, None):
-                rec.error_code = rec.error_code or ex.outcome
+            elif rec.outcome not in (X.DONE, None):
+                rec.error_code = rec.error_code or rec.outcome
+            elif (isinstance(ex.scanner, SseScanner) and ex.scanner.error_first
+                  and not ex.scanner.content_events):
+                rec.outcome = rec.error_code = X.ERROR_EVENT  # a 200 that carried only an error
         rec.ok = (rec.outcome == X.DONE and rec.status is not None and rec.status < 400)
         if rec.error_code is None and rec.status is not None and rec.status >= 400:
             rec.error_code = f"upstream_{rec.status}"

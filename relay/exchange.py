@@ -48,6 +48,10 @@ class ClientGone(Exception):
     pass
 
 
+class RelayShutdown(Exception):
+    """The relay stopped while this request still waited for its upstream head."""
+
+
 class Exchange:
     def __init__(self, loop, conn, client, method: bytes, request_id: bytes,
                  policy: StallPolicy, write_timeout_s: float, path: str, model: str,
@@ -422,9 +426,14 @@ class Exchange:
             self._end(CLIENT_GONE)
 
     def shutdown(self) -> None:
-        if self.outcome is None and self.head_at:
-            self.conn.abort()
+        if self.outcome is not None:
+            return
+        self.conn.abort()
+        if self.head_at:
             self._upstream_failed(SHUTDOWN)
+        elif not self.head_fut.done():
+            self.head_fut.set_exception(RelayShutdown())
+            self.head_buf = None
 
     # ---- the one way out ---------------------------------------------------------------
     def _end(self, outcome: str) -> None:
