@@ -303,6 +303,8 @@ class Dispatcher:
                 raise RelayError("not_found", f"no such endpoint {path}")
             return True
         if path in ("/v1/models", "/models") and req.method == b"GET" and app.router.models:
+            if app.auth.enabled and app.auth.identify(req.headers) is None:
+                raise RelayError("invalid_api_key", "missing or unknown API key")
             client.respond(200, model_list(app.router.models), rid, req.keep_alive)
             return True
         return False
