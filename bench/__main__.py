@@ -36,10 +36,12 @@ def scenarios(a) -> dict[str, dict]:
         # 1000 slow streams (1 token / 1.5 s) held ~10 s (quick: 1 / s, ~3 s)
         "idle": dict(concurrency=a.idle_streams, requests=a.idle_streams,
                      max_tokens=4 if q else 8, interval_ms=1000 if q else 1500, ramp_s=1.0),
-        # real llama-server: sequential streams, no sim knobs
-        "real": dict(concurrency=1, requests=a.real_requests or (5 if q else 20),
+        # real llama-server (tiny deterministic model, tests/e2e): sequential streams, no
+        # sim knobs; the model never stops early, so every stream must carry max_tokens
+        # content events (the load client checks it)
+        "real": dict(concurrency=1, requests=a.real_requests or (10 if q else 100),
                      max_tokens=a.real_tokens, interval_ms=0, ramp_s=0,
-                     extra=["--no-sim", "--no-expect"]),
+                     extra=["--no-sim"]),
     }
 
 
@@ -136,7 +138,7 @@ def parse_args(argv=None):
     p.add_argument("--ttft-requests", type=int, default=0, help="ttft: sequential requests")
     p.add_argument("--real", action="store_true", help="against a real llama-server instead")
     p.add_argument("--real-requests", type=int, default=0)
-    p.add_argument("--real-tokens", type=int, default=32)
+    p.add_argument("--real-tokens", type=int, default=64)
     p.add_argument("--relay-config", help="TOML merged over the generated relay config (see bench/relay_conf.py)")
     p.add_argument("--output", help="report file (default bench/RESULTS.md, --real: RESULTS-real.md)")
     p.add_argument("--json", help="also write the raw per-run results here")

@@ -195,6 +195,9 @@ def summarize(a, results: list[Result], wall: float, cpu: float) -> dict:
     ttft = [(r.t_first - r.t_sent) * 1e3 for r in results if r.t_first is not None]
     rates = [(r.content - 1) / (r.t_last - r.t_first) for r in results
              if r.content > 1 and r.t_last > r.t_first]
+    # request written -> last content event: the rate a caller sees, TTFT included
+    e2e = [r.content / (r.t_last - r.t_sent) for r in results
+           if r.content and r.t_last is not None and r.t_last > r.t_sent]
     gaps = [r.max_gap * 1e3 for r in results if r.content > 1]
     target = 1000.0 / a.interval_ms if a.interval_ms else None
     samples = sorted({r.error for r in errors})[:5]
@@ -210,10 +213,12 @@ def summarize(a, results: list[Result], wall: float, cpu: float) -> dict:
         "ttft_ms": {"p50": pct(ttft, 50), "p99": pct(ttft, 99), "n": len(ttft),
                     "mean": sum(ttft) / len(ttft) if ttft else None},
         "rate_tps": {"target": target, "mean": sum(rates) / len(rates) if rates else None,
-                     "min": min(rates, default=None), "p5": pct(rates, 5),
+                     "min": min(rates, default=None), "p5": pct(rates, 5), "p50": pct(rates, 50),
                      # too few tokens in a stream make its rate meaningless
                      "late": sum(1 for x in rates if target and x < 0.9 * target)
                      if a.max_tokens >= 10 else None},
+        "stream_tps": {"p50": pct(e2e, 50), "p99_low": pct(e2e, 1), "n": len(e2e)},
+        "throughput_tps": sum(r.content for r in results) / wall if wall else None,
         "max_gap_ms": {"p50": pct(gaps, 50), "max": max(gaps, default=None)},
         "wall_s": wall, "client_cpu_s": cpu, "client_cpu_frac": cpu / wall if wall else 0,
         "error_samples": samples,

@@ -96,10 +96,37 @@ def aggregate(rows, scenario, target) -> dict | None:
         "add50": _med([_added(rows, r, "p50") for r in rs]),
         "add99": _med([_added(rows, r, "p99") for r in rs]),
         "rate_mean": L("rate_tps", "mean"), "rate_min": L("rate_tps", "min"),
+        "rate_p50": L("rate_tps", "p50"), "stream_tps": L("stream_tps", "p50"),
+        "stream_tps_low": L("stream_tps", "p99_low"), "throughput": L("throughput_tps"),
         "rate_target": L("rate_tps", "target"), "late": L("rate_tps", "late"),
         "gap_max": L("max_gap_ms", "max"), "client_cpu": L("client_cpu_frac"),
         "wall": L("wall_s"), "other_cpu": _med([r.get("other_cpu_frac") for r in rs]), "samples": sorted({s for r in rs for s in r["load"]["error_samples"]}),
     }
+
+
+def real_table(aggs, targets) -> list[str]:
+    """--real: the figures a llama-server user compares - TTFT and tokens/s per target."""
+    out = ["", "TTFT and tokens/s against the real llama-server (medians over streams; same run):",
+           "", "| target | TTFT p50 ms | TTFT p99 ms | added TTFT p50 ms | added TTFT p99 ms"
+           " | tok/s per stream p50 (request → last token) | slowest stream tok/s"
+           " | decode tok/s p50 (first → last token) | aggregate tok/s (all tokens ÷ wall) |",
+           "|" + "---|" * 9]
+    for t in targets:
+        g = aggs.get(("real", t))
+        if not g or "skipped" in g:
+            out.append(f"| {t} | {g['skipped'] if g else 'not run'} |" + " |" * 7)
+            continue
+        proxy = t != "direct"
+        out.append("| " + " | ".join([
+            t, _f(g["p50"], 3), _f(g["p99"], 3), _f(g["add50"], 3) if proxy else "–",
+            _f(g["add99"], 3) if proxy else "–", _f(g["stream_tps"], 0),
+            _f(g["stream_tps_low"], 0), _f(g["rate_p50"], 0), _f(g["throughput"], 0)]) + " |")
+    out += ["", "tok/s per stream = content tokens ÷ (request written → last content event), so "
+            "it includes TTFT; decode tok/s leaves the first token out and is sensitive to a "
+            "proxy delivering several events in one read (a burst makes first → last short); "
+            "aggregate = all content tokens of the run ÷ its wall time, connection set-up "
+            "included."]
+    return out
 
 
 def render(rows, scs, names, targets, a, upstream_kind) -> str:
@@ -114,8 +141,9 @@ def render(rows, scs, names, targets, a, upstream_kind) -> str:
         out.append(f"- **{name}**: {sc['concurrency']} concurrent, {sc['requests']} requests, "
                    f"max_tokens {sc['max_tokens']}, interval {sc['interval_ms']} ms, "
                    f"ramp {sc['ramp_s']} s, new connection per request")
+    up_label = "sim" if upstream_kind == "simulator" else upstream_kind
     out += ["", "| scenario | target | requests | errors | incomplete | events | proxy CPU µs/event"
-            " | proxy CPU µs/request | proxy peak RSS MiB | sim CPU µs/event | TTFT p50 ms"
+            f" | proxy CPU µs/request | proxy peak RSS MiB | {up_label} CPU µs/event | TTFT p50 ms"
             " | TTFT p99 ms | added TTFT p50 ms | added TTFT p99 ms |",
             "|" + "---|" * 14]
     aggs = {}
@@ -134,6 +162,8 @@ def render(rows, scs, names, targets, a, upstream_kind) -> str:
                 _f(g["us_req"], 1) if proxy else "–", _f(g["rss_mib"], 1) if proxy else "–",
                 _f(g["sim_us_event"], 2), _f(g["p50"], 3), _f(g["p99"], 3),
                 _f(g["add50"], 3) if proxy else "–", _f(g["add99"], 3) if proxy else "–"]) + " |")
+    if "real" in names:
+        out += real_table(aggs, targets)
     out += ["", "Load client health (events on time? client not the bottleneck?):", "",
             "| scenario | target | tok/s per stream mean (target) | min | late streams (<90%)"
             " | max inter-token gap ms | client CPU % | other CPU on machine % | wall s |",
