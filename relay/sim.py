@@ -96,7 +96,9 @@ class _Gen:
 
     def _tail_payloads(self, tm: dict) -> list[bytes]:
         p, f = self.p, self.f
-        parts = [f.eos_event() if p.eos else b"", f.final_events(p.n or 0, p.predicted_n, p.finish, tm),
+        n = p.n or 0
+        parts = [f.stop_token_event(n, p.predicted_n, p.stop_word, p.eos, tm),
+                 f.final_events(n, p.predicted_n, p.finish, tm, p.stop_word, p.settings, p.prompt),
                  f.done_event]
         return [x for x in parts if x]
 
@@ -440,7 +442,8 @@ class _Conn(asyncio.Protocol):
 
         def body() -> bytes:
             return F.nonstream_body(p.kind, sim.defaults.model, p.prompt_n, n, p.predicted_n, p.finish,
-                                    F.timings(p.prompt_n, p.predicted_n, gen_s * 1000.0))
+                                    F.timings(p.prompt_n, p.predicted_n, gen_s * 1000.0),
+                                    p.stop_word, p.settings, p.prompt)
         self._respond(200, body, delay=p.head_delay + gen_s, setup=count)
 
 

@@ -24,6 +24,7 @@ FINGERPRINT = "b0-unknown"
 CYCLE = (" Hello", " from", " a", " tiny", " llama", ".")
 TOKEN_IDS = {"Hello": 300, " Hello": 364, " from": 368, " a": 369, " tiny": 372, " llama": 375, ".": 31}
 ID_TO_PIECE = {v: k for k, v in TOKEN_IDS.items()}
+EOS_ID = 2  # "</s>" of the tiny model: sent as its own (empty-content) native event
 N_VOCAB = 388
 N_CTX = 2048
 _ALNUM = string.ascii_letters + string.digits
@@ -60,20 +61,32 @@ def gen_text(n: int, chat: bool) -> str:
     return full[1:] if chat and n > 0 else full
 
 
-def stop_index(stop, n: int, chat: bool) -> int | None:
-    """Index of the first token (< n) whose text contains a stop string, else None."""
+def stop_words(stop) -> list[str]:
+    """The request's stop strings (``stop`` may be a string or a list)."""
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list):
-        return None
-    words = [s for s in stop if isinstance(s, str) and s]
+        return []
+    return [s for s in stop if isinstance(s, str) and s]
+
+
+def stop_match(stop, n: int, chat: bool) -> tuple[int, str] | None:
+    """(index, word) of the first token (< n) whose text contains a stop string, else None."""
+    words = stop_words(stop)
     if not words:
         return None
     for i in range(min(n, 7)):
         t = token_text(i, chat)
-        if any(w in t for w in words):
-            return i
+        for w in words:
+            if w in t:
+                return i, w
     return None
+
+
+def stop_index(stop, n: int, chat: bool) -> int | None:
+    """Index of the first token (< n) whose text contains a stop string, else None."""
+    m = stop_match(stop, n, chat)
+    return None if m is None else m[0]
 
 
 def reason(status: int) -> bytes:
@@ -205,7 +218,27 @@ class StreamFrames:
         full, rem = divmod(n - 1, 6)  # events 1..n-1 cycle through residues 1,2,3,4,5,0
         return len(self.event(0)) + full * sum(base) + sum(base[1:rem + 1])
 
-    def final_events(self, n: int, predicted_n: int, finish: str, tm: dict) -> bytes:
+    def stop_token_event(self, n: int, predicted_n: int, stop_word: str | None, eos: bool,
+                         tm: dict) -> bytes:
+        """Unframed event real llama-server sends for the stop token itself (EOS or the token
+        holding a stop word, index ``n``) before the final event; b"" when there is none.
+
+        /v1/completions: ``{"choices":[{"text":"",...,"finish_reason":null}],...}``, with
+        ``timings`` after ``id`` for a stop word. Native: ``{"content":"","tokens":[id],
+        "stop":false,...,"tokens_predicted":<predicted_n>,...}``, with ``timings`` for a stop word.
+        """
+        kind = self.kind
+        if (stop_word is None and not eos) or kind not in ("text", "native"):
+            return b""
+        tail = b'}\n\n' if stop_word is None else b',"timings":' + jdump(tm) + b'}\n\n'
+        if kind == "text":
+            return self._pre + b'""' + self._post[:-3] + tail
+        tid = EOS_ID if stop_word is None else TOKEN_IDS[token_text(n, False)]
+        return b'%s"","tokens":[%d]%s%d,"tokens_evaluated":%d%s' % (
+            self._pre, tid, self._post, predicted_n, self.prompt_n, tail)
+
+    def final_events(self, n: int, predicted_n: int, finish: str, tm: dict, stop_word: str | None = None,
+                     settings: dict | None = None, prompt: str = "") -> bytes:
         """Unframed final event(s): finish event (+ usage event for chat with include_usage)."""
         kind = self.kind
         if kind == "chat":
@@ -226,12 +259,9 @@ class StreamFrames:
                    "timings": tm}
             return b"data: " + jdump(fin) + b"\n\n"
         if kind == "native":
-            return b"data: " + jdump(native_final("", self.model, self.prompt_n, predicted_n, finish, tm)) + b"\n\n"
+            return b"data: " + jdump(native_final("", self.model, self.prompt_n, predicted_n, finish, tm,
+                                                  stop_word, settings, prompt)) + b"\n\n"
         return b""
-
-    def eos_event(self) -> bytes:
-        """Empty-text event real llama-server emits on /v1/completions for the EOS token."""
-        return self._pre + b'""' + self._post if self.kind == "text" else b""
 
     @property
     def done_event(self) -> bytes:
@@ -245,15 +275,41 @@ class StreamFrames:
         return out + TERMINATOR
 
 
-def native_final(content: str, model: str, prompt_n: int, predicted_n: int, finish: str, tm: dict) -> dict:
+# generation_settings of the native final event, in the real server's key order (split where
+# per-request values go: stop, max_tokens, n_predict / stream).
+_GEN_A = {"seed": 4294967295, "temperature": 0.800000011920929, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0,
+          "top_k": 40, "top_p": 0.949999988079071, "min_p": 0.05000000074505806, "top_n_sigma": -1.0,
+          "xtc_probability": 0.0, "xtc_threshold": 0.10000000149011612, "typical_p": 1.0, "repeat_last_n": 64,
+          "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "dry_multiplier": 0.0,
+          "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": 64,
+          "dry_sequence_breakers": ["\n", ":", "\"", "*"], "mirostat": 0, "mirostat_tau": 5.0,
+          "mirostat_eta": 0.10000000149011612, "adaptive_target": -1.0, "adaptive_decay": 0.8999999761581421}
+_GEN_B = {"n_keep": 0, "n_discard": 0, "ignore_eos": False}
+_GEN_C = {"logit_bias": [], "n_probs": 0, "min_keep": 0, "grammar": "", "grammar_lazy": False,
+          "grammar_triggers": [], "preserved_tokens": [], "chat_format": "Content-only",
+          "reasoning_format": "deepseek", "reasoning_in_content": False, "generation_prompt": "",
+          "samplers": ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"],
+          "speculative.types": "none", "timings_per_token": False, "post_sampling_probs": False,
+          "backend_sampling": False, "lora": []}
+
+
+def generation_settings(stop: list[str], limit: int, stream: bool) -> dict:
+    return {**_GEN_A, "stop": stop, "max_tokens": limit, "n_predict": limit, **_GEN_B, "stream": stream, **_GEN_C}
+
+
+def native_final(content: str, model: str, prompt_n: int, predicted_n: int, finish: str, tm: dict,
+                 stop_word: str | None = None, settings: dict | None = None, prompt: str = "") -> dict:
     return {"index": 0, "content": content, "tokens": [], "id_slot": 0, "stop": True, "model": model,
-            "tokens_predicted": predicted_n, "tokens_evaluated": prompt_n, "has_new_line": False,
-            "truncated": False, "stop_type": "limit" if finish == "length" else "eos",
-            "stopping_word": "", "tokens_cached": prompt_n + predicted_n, "timings": tm}
+            "tokens_predicted": predicted_n, "tokens_evaluated": prompt_n,
+            "generation_settings": settings if settings is not None else generation_settings([], -1, False),
+            "prompt": prompt, "has_new_line": False, "truncated": False,
+            "stop_type": "limit" if finish == "length" else ("word" if stop_word is not None else "eos"),
+            "stopping_word": stop_word or "", "tokens_cached": max(prompt_n + predicted_n - 1, 0), "timings": tm}
 
 
 def nonstream_body(kind: str, model: str, prompt_n: int, n: int, predicted_n: int, finish: str,
-                   tm: dict) -> bytes:
+                   tm: dict, stop_word: str | None = None, settings: dict | None = None,
+                   prompt: str = "") -> bytes:
     """Non-streamed completion JSON (chat.completion / text_completion / native)."""
     created, rid = int(time.time()), new_id()
     if kind == "chat":
@@ -268,7 +324,8 @@ def nonstream_body(kind: str, model: str, prompt_n: int, n: int, predicted_n: in
                       "created": created, "model": model, "system_fingerprint": FINGERPRINT,
                       "object": "text_completion", "usage": usage(prompt_n, predicted_n), "id": rid,
                       "timings": tm})
-    return jdump(native_final(gen_text(n, False), model, prompt_n, predicted_n, finish, tm))
+    return jdump(native_final(gen_text(n, False), model, prompt_n, predicted_n, finish, tm,
+                              stop_word, settings, prompt))
 
 
 # ----------------------------------------------------------------------------- request plan
@@ -290,7 +347,10 @@ class Plan:
     mid_chunk: bool = False
     drop_after: int | None = None
     content_length: bool = False
-    eos: bool = False
+    eos: bool = False        # an EOS token event before the final one (text: knob; native: default)
+    stop_word: str | None = None  # the stop string that ended generation (its token is not sent as text)
+    settings: dict | None = None  # native: generation_settings of the final event
+    prompt: str = ""         # native: "prompt" of the final event
 
 
 def as_int(v) -> int | None:
@@ -336,15 +396,28 @@ def make_plan(kind: str, body: dict, d) -> Plan:
     else:
         n, finish = d.tokens, "stop"
     predicted = n
-    si = stop_index(body.get("stop"), n, kind == "chat")
-    if si is not None:
-        n, predicted, finish = si, si + 1, "stop"
+    sm = stop_match(body.get("stop"), n, kind == "chat")
+    word = None
+    if sm is not None:
+        (n, word), predicted, finish = sm, sm[0] + 1, "stop"
     if sim.get("body_kind") == "octet":
         kind = "octet"
     cl = bool(sim.get("content_length_stream"))
-    eos = bool(sim.get("eos_event")) and kind == "text" and finish == "stop" and si is None
+    # Real llama-server sends the EOS token as an empty event on /v1/completions and /completion
+    # (not on chat); the tiny model's text never ends on its own, so the "tokens" knob stands for
+    # "the model stopped after N tokens" and an EOS event is opt-in for text, default for native.
+    eos = (kind in ("text", "native") and finish == "stop" and sm is None
+           and bool(sim.get("eos_event", kind == "native")))
     if eos:
         predicted += 1
+    settings, prompt = None, ""
+    if kind == "native":
+        settings = generation_settings(stop_words(body.get("stop")), -1 if limit is None else limit,
+                                       body.get("stream") is True)
+        p = body.get("prompt")
+        if isinstance(p, list):
+            p = "".join(x for x in p if isinstance(x, str))
+        prompt = "<s> " + p if isinstance(p, str) else ""
     interval = as_num(sim.get("interval_ms"), d.interval_ms) / 1000.0
     chatty = bool(sim.get("chatty")) and not cl
     if chatty:
@@ -356,7 +429,7 @@ def make_plan(kind: str, body: dict, d) -> Plan:
                  head_delay=as_num(sim.get("head_delay_ms"), d.head_delay_ms) / 1000.0,
                  stall_after=as_int(sim.get("stall_after")), mid_line=bool(sim.get("stall_mid_line")),
                  mid_chunk=bool(sim.get("stall_mid_chunk")), drop_after=as_int(sim.get("drop_after")),
-                 content_length=cl, eos=eos)
+                 content_length=cl, eos=eos, stop_word=word, settings=settings, prompt=prompt)
 
 
 # ----------------------------------------------------------------------------- misc endpoints

@@ -440,8 +440,9 @@ async def test_pacing_no_drift(sim):
     while (x := await c.chunk()) is not None:
         stamps.append(loop.time())
     total = stamps[-1] - t0
-    assert len(stamps) == 12 and 0.18 <= total <= 0.4, total
-    assert stamps[9] - stamps[0] >= 0.17
+    # uvloop's timers tick in whole milliseconds and may fire up to 1 ms early: 2 ms of slack
+    assert len(stamps) == 12 and 0.178 <= total <= 0.4, total
+    assert stamps[9] - stamps[0] >= 0.168
 
 
 async def test_defaults_and_max_tokens(sim):
