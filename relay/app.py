@@ -22,12 +22,13 @@ from relay.upstream import Pool
 
 
 class Upstream:
-    def __init__(self, cfg: UpstreamConfig, keepalive_s: float) -> None:
+    def __init__(self, cfg: UpstreamConfig, keepalive_s: float, prewarm: bool = False,
+                 connect_timeout_s: float = 5.0) -> None:
         self.cfg = cfg
         self.name = cfg.name
         self.host, self.port = parse_url(cfg.url)
         self.host_header = (self.host if self.port == 80 else f"{self.host}:{self.port}").encode()
-        self.pool = Pool(self.host, self.port, keepalive_s)
+        self.pool = Pool(self.host, self.port, keepalive_s, prewarm, connect_timeout_s)
         self.slots = SlotPool(cfg.parallel, cfg.queue)
         self.health = Health()
         self.metrics = UpstreamMetrics(cfg.name, cfg.parallel)
@@ -58,7 +59,8 @@ class App:
         d = config.dispatcher
         self.policy = StallPolicy(d.stream_idle_timeout_s, d.stream_total_timeout_s,
                                   d.direct_read_timeout_s)
-        self.upstreams = {u.name: Upstream(u, d.upstream_keepalive_s) for u in config.upstream}
+        self.upstreams = {u.name: Upstream(u, d.upstream_keepalive_s, d.prewarm,
+                                           d.connect_timeout_s) for u in config.upstream}
         self.router = Router(config.upstream)
         self.auth = Auth(config.key, config.admin_key_sha256)
         self.budgets = Budgets(config.key)

@@ -247,6 +247,7 @@ class Dispatcher:
             ex.can_retry = more
             ex.on_content = on_content
             state["ex"] = ex
+            conn.used = True
             conn.handler = ex
             client.exchange = ex
             conn.transport.write(ex.request_bytes(req.target, head, req.body))

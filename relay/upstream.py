@@ -12,7 +12,7 @@ import asyncio
 
 
 class UpstreamConn(asyncio.Protocol):
-    __slots__ = ("pool", "transport", "handler", "alive", "idle_timer")
+    __slots__ = ("pool", "transport", "handler", "alive", "idle_timer", "used")
 
     def __init__(self, pool: "Pool") -> None:
         self.pool = pool
@@ -20,6 +20,7 @@ class UpstreamConn(asyncio.Protocol):
         self.handler = None  # the exchange using this connection
         self.alive = True
         self.idle_timer: asyncio.TimerHandle | None = None
+        self.used = False  # carried a request (a spare that never did is not replaced)
 
     def connection_made(self, transport) -> None:
         self.transport = transport  # (asyncio and uvloop both set TCP_NODELAY on TCP sockets)
@@ -38,7 +39,7 @@ class UpstreamConn(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self._closed(exc)
-        self.pool.forget(self)
+        self.pool.forget(self, replace=self.used)
 
     def _closed(self, exc) -> None:
         self.alive = False
@@ -62,12 +63,16 @@ class ConnectError(Exception):
 class Pool:
     """Idle keep-alive connections to one upstream address."""
 
-    def __init__(self, host: str, port: int, keepalive_s: float) -> None:
+    def __init__(self, host: str, port: int, keepalive_s: float, prewarm: bool = False,
+                 connect_timeout_s: float = 5.0) -> None:
         self.host = host
         self.port = port
         self.keepalive_s = keepalive_s
+        self.prewarm = prewarm and keepalive_s > 0
+        self.connect_timeout_s = connect_timeout_s
         self.idle: list[UpstreamConn] = []
         self.connects = 0  # new TCP connections opened (tests and metrics)
+        self._warming = False
 
     async def acquire(self, timeout: float, fresh: bool = False) -> tuple[UpstreamConn, bool]:
         """(connection, reused). Raises ConnectError."""
@@ -94,23 +99,43 @@ class Pool:
         conn.handler = None
         if not reusable or not conn.alive or self.keepalive_s <= 0 or conn.transport.is_closing():
             conn.abort()
+            self._warm_spare()
             return
         conn.idle_timer = asyncio.get_running_loop().call_later(
             self.keepalive_s, self._expire, conn
         )
         self.idle.append(conn)
 
+    def _warm_spare(self) -> None:
+        """After a connection is used up (llama-server closes after every stream), open the
+        next one in the background, so the next request does not wait for a TCP connect.
+        One spare at most; it expires like any idle connection when no request comes."""
+        if self.prewarm and not self.idle and not self._warming:
+            self._warming = True
+            asyncio.get_running_loop().create_task(self._warm())
+
+    async def _warm(self) -> None:
+        try:
+            conn, _ = await self.acquire(self.connect_timeout_s, fresh=True)
+        except ConnectError:
+            return  # the request path reports it, and marks the upstream down
+        finally:
+            self._warming = False
+        self.release(conn, True)
+
     def _expire(self, conn: UpstreamConn) -> None:
         conn.idle_timer = None
         self.forget(conn)
         conn.abort()
 
-    def forget(self, conn: UpstreamConn) -> None:
+    def forget(self, conn: UpstreamConn, replace: bool = False) -> None:
         if conn in self.idle:
             self.idle.remove(conn)
             if conn.idle_timer is not None:
                 conn.idle_timer.cancel()
                 conn.idle_timer = None
+            if replace:  # the upstream closed it after a response (llama-server after a stream)
+                self._warm_spare()
 
     def close(self) -> None:
         for conn in list(self.idle):
