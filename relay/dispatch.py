@@ -161,10 +161,11 @@ class Dispatcher:
             except _Retry as retry:
                 last = retry
                 self._release_slot(state)
-                if more:
+                state["tried"] = name
+                if more:  # the attempt failed on this upstream: its metrics say so
+                    up.metrics.request_done(False, retry.err.code)
                     app.log.event("fallback", request_id=rec.request_id, upstream=name,
-                                  next=candidates[i + 1],
-                                  reason=retry.err.code if retry.err else "retry")
+                                  next=candidates[i + 1], reason=retry.err.code)
         raise last.err
 
     async def _attempt(self, client, req, rid, rec: Record, state, up, slot_path: bool,
@@ -344,7 +345,8 @@ class Dispatcher:
         if res is not None:
             used = 1 if rec.upstream_served is not None else 0
             app.budgets.settle(res, used, rec.total_tokens if used else 0, time.time())
-        served = app.upstreams.get(rec.upstream_served or rec.upstream_requested or "")
+        served = app.upstreams.get(rec.upstream_served or state.get("tried")
+                                   or rec.upstream_requested or "")
         if rec.error_code in _ADMISSION_CODES or served is None:
             app.registry.rejected(rec.error_code or "unknown")  # no upstream involved
         else:

@@ -416,3 +416,23 @@ async def test_mixed_failures_give_the_last_one(make_relay, first, second, statu
     finally:
         for s in sims:
             await s.stop()
+
+
+async def test_failed_attempts_are_counted_on_the_upstream_that_failed(make_relay, sim, canned):
+    app = await make_relay(upstreams=chain(sim.url, canned.url))
+    resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(3, status=500))
+    assert resp.status == 200 and resp.body == CANNED_BODY
+    metrics = json.loads((await httpc.fetch(app.port, "GET", "/api/slots/metrics")).body)
+    a, b = metrics["a"], metrics["b"]
+    assert (a["requests_total"], a["requests_failed"], a["failures_by_code"]) == \
+        (1, 1, {"upstream_unavailable": 1})
+    assert (b["requests_total"], b["requests_failed"], b["tokens_total"]) == (1, 0, 3)
+
+
+async def test_when_every_candidate_fails_the_last_one_carries_the_failure(make_relay):
+    app = await make_relay(upstreams=chain(dead_url(), dead_url()))
+    resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(3))
+    assert resp.status == 502 and resp.json()["error"]["details"]["upstream"] == "b"
+    metrics = json.loads((await httpc.fetch(app.port, "GET", "/api/slots/metrics")).body)
+    assert [(metrics[n]["requests_total"], metrics[n]["requests_failed"]) for n in "ab"] == \
+        [(1, 1), (1, 1)]
