@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from relay.headers import Headers, get, has_token
+from relay.headers import Headers, get
 
 # Upstream body kinds
 EMPTY, LENGTH, CHUNKED, UNTIL_CLOSE = "empty", "length", "chunked", "close"

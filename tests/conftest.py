@@ -1,4 +1,5 @@
 import asyncio
+import socket
 
 import pytest
 
@@ -65,3 +66,12 @@ def pytest_asyncio_loop_factories(config, item):
     except ImportError:
         return {"asyncio": asyncio.new_event_loop}
     return {"uvloop": uvloop.new_event_loop}
+
+
+def closed_port() -> int:
+    """A port where nothing listens (bound, then released): a connect to it is refused."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port

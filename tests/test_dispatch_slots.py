@@ -11,7 +11,7 @@ import pytest
 from relay.config import UpstreamConfig
 from relay.sim import Simulator
 from tests import httpc
-from tests.conftest import wait_for
+from tests.conftest import closed_port, wait_for
 
 CHAT = "/v1/chat/completions"
 
@@ -394,14 +394,6 @@ async def test_loading_state_from_the_health_probe(make_relay, sim):
     sim.loading = False
     await until_state(app, "llm", "ready")
     assert (await httpc.fetch(app.port, "POST", CHAT, httpc.chat(3))).status == 200
-
-
-def closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 async def test_down_upstream_fails_fast_with_502_and_recovers(make_relay):

@@ -5,6 +5,7 @@ import json
 import socket
 
 from tests import httpc
+from tests.conftest import closed_port
 from tests.fakeup import Scripted
 
 
@@ -15,14 +16,6 @@ def error_of(resp) -> dict:
     assert list(doc["error"]) == ["message", "type", "code", "param", "details"]
     assert doc["error"]["param"] is None
     return doc["error"]
-
-
-def closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 async def raw_exchange(port: int, data: bytes, timeout: float = 5.0) -> bytes:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import socket
 import time
 
 import pytest
@@ -16,7 +15,7 @@ from relay import sim_frames as F
 from relay.config import KeyConfig, UpstreamConfig
 from relay.sim import SimDefaults, Simulator
 from tests import httpc
-from tests.conftest import wait_for
+from tests.conftest import closed_port, wait_for
 from tests.fakeup import Scripted
 
 CHAT = "/v1/chat/completions"
@@ -68,11 +67,7 @@ async def sim_c():
 
 def dead_url() -> str:
     """An address where nothing listens: connect is refused."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{closed_port()}"
 
 
 def chain(*urls: str, parallel: int = 4) -> list[UpstreamConfig]:

@@ -154,14 +154,6 @@ def norm(b: bytes) -> bytes:
     return re.sub(rb'"created":\d+', b'"created":0', b)
 
 
-@pytest.fixture
-async def sim():
-    s = Simulator()
-    await s.start()
-    yield s
-    await s.stop()
-
-
 async def stream(sim, path, body):
     c = await Client.connect(sim)
     await c.send("POST", path, body)

@@ -3,10 +3,8 @@
 import asyncio
 import json
 
-import pytest
 
 from tests import httpc
-from tests.conftest import wait_for
 
 TAIL = b"data: [DONE]\n\n"
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import h11
-import pytest
 
 from relay.headers import (HOP_BY_HOP, client_response, get, has_token, relay_response,
                            upstream_request_headers)
