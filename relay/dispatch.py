@@ -112,6 +112,18 @@ class Dispatcher:
                                           else X.CLIENT_GONE)
             rec.error_code = rec.error_code or rec.outcome
             keep_alive = False
+        except Exception as exc:  # a bug: the client still gets an answer, the row is written
+            app.log.event("internal_error", request_id=rec.request_id,
+                          error=f"{type(exc).__name__}: {exc}"[:300])
+            ex = state["ex"]
+            if ex is not None:
+                ex.conn.abort()
+            rec.outcome = rec.error_code = "internal_error"
+            keep_alive = False
+            if ex is None or not ex.head_sent:
+                rec.status = 500
+                client.respond(500, RelayError("internal_error", "internal relay error").body(),
+                               rid, False)
         finally:
             if rec.outcome is not None or rec.status is not None:
                 self._settle(client, rec, state, t0)

@@ -19,6 +19,7 @@ _KINDS = {
     "request_too_large": (413, "invalid_request_error"),
     "budget_exceeded": (429, "rate_limit_error"),
     "headers_too_large": (431, "invalid_request_error"),
+    "internal_error": (500, "server_error"),
     "upstream_unavailable": (502, "upstream_error"),
     "upstream_bad_response": (502, "upstream_error"),
     "upstream_busy": (503, "server_error"),

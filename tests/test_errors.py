@@ -188,3 +188,23 @@ async def test_upstream_error_status_passes_through_verbatim(make_relay, sim):
     assert relayed.status == direct.status == 400
     assert relayed.body == direct.body
     assert relayed.header("content-length") == direct.header("content-length")
+
+
+async def test_an_internal_error_still_answers_and_writes_a_row(make_relay, sim, monkeypatch):
+    app = await make_relay()
+
+    real = app.router.candidates
+
+    def broken_once(model):
+        monkeypatch.setattr(app.router, "candidates", real)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(app.router, "candidates", broken_once)
+    resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(3))
+    assert resp.status == 500 and error_of(resp)["code"] == "internal_error"
+    assert app.log.of("internal_error")[0]["error"] == "RuntimeError: boom"
+    app.store.flush()
+    [row] = app.store.query("SELECT status, ok, error_code FROM request")
+    assert row == {"status": 500, "ok": 0, "error_code": "internal_error"}
+    ok = await httpc.fetch(app.port, "GET", "/health")  # the relay goes on serving
+    assert ok.status == 200
