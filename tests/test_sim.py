@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import pathlib
 import re
 import signal
@@ -15,8 +14,9 @@ import pytest
 
 from relay import sim_frames as F
 from relay.sim import SimDefaults, Simulator
+from tests import paths
 
-FIX = pathlib.Path(os.environ.get("LLAMA_FIXTURES", "/work/shared/fixtures/llama-server"))
+FIX = paths.FIXTURES
 needs_fixtures = pytest.mark.skipif(not FIX.is_dir(), reason="llama-server captures not available")
 T = 5.0
 SILENCE = 0.3

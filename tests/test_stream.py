@@ -3,15 +3,15 @@
 import asyncio
 import random
 import re
-from pathlib import Path
 
 import pytest
 
 from relay.chunked import frame
 from tests import httpc
 from tests.fakeup import Scripted, response_of
+from tests import paths
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "llama-server"
+FIXTURES = paths.FIXTURES
 
 
 def split_head(raw: bytes) -> tuple[bytes, bytes]:

@@ -9,8 +9,9 @@ import pytest
 
 from relay import chunked
 from relay.chunked import LAST_CHUNK, ChunkError, ChunkTracker, frame
+from tests import paths
 
-FIXTURES = "/work/shared/fixtures/llama-server"
+FIXTURES = str(paths.FIXTURES)
 SEP = b"======== RESPONSE (raw bytes) ========\n"
 HEX = frozenset(b"0123456789abcdefABCDEF")
 

@@ -8,8 +8,9 @@ import pytest
 
 from relay.chunked import ChunkTracker
 from relay.sse import SseScanner, carries_content, event_json
+from tests import paths
 
-FIXTURES = "/work/shared/fixtures/llama-server"
+FIXTURES = str(paths.FIXTURES)
 SEP = b"======== RESPONSE (raw bytes) ========\n"
 
 

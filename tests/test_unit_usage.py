@@ -7,8 +7,9 @@ import pytest
 from relay.chunked import ChunkTracker
 from relay.sse import SseScanner
 from relay.usage import Usage, exact_usage, stream_usage
+from tests import paths
 
-FIXTURES = "/work/shared/fixtures/llama-server"
+FIXTURES = str(paths.FIXTURES)
 SEP = b"======== RESPONSE (raw bytes) ========\n"
 
 
