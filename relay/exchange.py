@@ -20,36 +20,12 @@ from relay.sse import SseScanner
 from relay.usage import JsonBody
 from relay.stall import StallPolicy, stall_frame
 
-# outcomes
-DONE = "done"
-DROPPED = "upstream_dropped"
-BAD_FRAMING = "upstream_bad_framing"
-CLIENT_GONE = "client_closed"
-CLIENT_SLOW = "client_write_timeout"
-ERROR_EVENT = "upstream_error_event"
-STALL = "stall"
-SHUTDOWN = "shutdown"
+from relay.outcomes import (  # noqa: F401 - the dispatcher reads them from here
+    BAD_FRAMING, CLIENT_GONE, CLIENT_SLOW, DONE, DROPPED, ERROR_EVENT, SHUTDOWN, STALL,
+    ClientGone, RelayShutdown, UpstreamBadHead, UpstreamGone,
+)
+
 _HOLD_LIMIT = 64 * 1024  # most bytes held back waiting for the first content event
-
-
-class UpstreamGone(Exception):
-    """The upstream closed before a whole response head; `silent` if not one byte came."""
-
-    def __init__(self, silent: bool) -> None:
-        super().__init__("upstream closed the connection before a response head")
-        self.silent = silent
-
-
-class UpstreamBadHead(Exception):
-    pass
-
-
-class ClientGone(Exception):
-    pass
-
-
-class RelayShutdown(Exception):
-    """The relay stopped while this request still waited for its upstream head."""
 
 
 class Exchange:
@@ -92,7 +68,6 @@ class Exchange:
         self.head_at = 0.0
         self.last_read = 0.0
         self.first_content_at: float | None = None
-        self.end_at: float | None = None
         self.bytes_out = 0
         self.outcome: str | None = None
         self.stall_reason: str | None = None
@@ -370,17 +345,8 @@ class Exchange:
                                   self.upstream_name, int(time.time()))
         if self.holding:
             self._release_hold()
-        mode, kind = self.mode, self.kind
-        if kind == framing.CHUNKED and mode == framing.PASS:
-            tail = self.tracker.close_with(payload)
-        elif mode == framing.CHUNK:
-            tail = frame(payload) + LAST_CHUNK
-        elif kind == framing.LENGTH:
-            tail = b""  # a declared length cannot grow: cut
-            self.client_keep_alive = False
-        else:  # close-delimited to the client
-            tail = payload
-            self.client_keep_alive = False
+        tail, self_delimited = framing.closing_bytes(self.kind, self.mode, self.tracker, payload)
+        self.client_keep_alive &= self_delimited
         if tail:
             self.bytes_out += len(tail)
             self.client.transport.write(tail)
@@ -441,7 +407,6 @@ class Exchange:
             return
         self.outcome = outcome
         self.fast = False
-        self.end_at = self.loop.time()
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from relay.chunked import LAST_CHUNK, ChunkTracker, frame
 from relay.headers import Headers, get
 
 # Upstream body kinds
@@ -52,3 +53,16 @@ def client_chunked(kind: str, mode: str) -> bool:
 def self_delimited(kind: str, mode: str) -> bool:
     """Whether the client can tell where the body ends without a close (keep-alive possible)."""
     return kind in (EMPTY, LENGTH) or client_chunked(kind, mode)
+
+
+def closing_bytes(kind: str, mode: str, tracker: ChunkTracker | None,
+                  payload: bytes) -> tuple[bytes, bool]:
+    """The bytes that end a body early carrying `payload` (a stall frame), and whether the
+    client can still tell where the body ends (keep-alive possible) afterwards."""
+    if kind == CHUNKED and mode == PASS:
+        return tracker.close_with(payload), True
+    if mode == CHUNK:
+        return frame(payload) + LAST_CHUNK, True
+    if kind == LENGTH:
+        return b"", False  # a declared length cannot grow: the body is cut
+    return payload, False  # close-delimited to the client

@@ -99,3 +99,16 @@ def test_end_to_end_decision(method, status, headers, http11, want):
     kind, _ = upstream_body(method, status, headers)
     mode = carriage(kind, http11)
     assert (mode, client_chunked(kind, mode), self_delimited(kind, mode)) == want
+
+
+def test_closing_bytes_for_each_carriage():
+    from relay.chunked import ChunkTracker
+    from relay.framing import CHUNK, CHUNKED, DECHUNK, LENGTH, PASS, UNTIL_CLOSE, closing_bytes
+
+    t = ChunkTracker()
+    t.feed(b"5\r\nhel")  # the client is inside a 5-byte chunk: 2 bytes owed
+    assert closing_bytes(CHUNKED, PASS, t, b"xyz") == (b"xy\r\n1\r\nz\r\n0\r\n\r\n", True)
+    assert closing_bytes(UNTIL_CLOSE, CHUNK, None, b"xyz") == (b"3\r\nxyz\r\n0\r\n\r\n", True)
+    assert closing_bytes(LENGTH, PASS, None, b"xyz") == (b"", False)
+    assert closing_bytes(CHUNKED, DECHUNK, None, b"xyz") == (b"xyz", False)
+    assert closing_bytes(UNTIL_CLOSE, PASS, None, b"xyz") == (b"xyz", False)
