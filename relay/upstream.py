@@ -72,10 +72,14 @@ class Pool:
         self.connect_timeout_s = connect_timeout_s
         self.idle: list[UpstreamConn] = []
         self.connects = 0  # new TCP connections opened (tests and metrics)
+        self.burns = False  # the upstream closes connections after use (llama-server streams)
+        self.closed = False
         self._warming = False
 
     async def acquire(self, timeout: float, fresh: bool = False) -> tuple[UpstreamConn, bool]:
         """(connection, reused). Raises ConnectError."""
+        if not fresh and self.burns:
+            self._warm_spare(taking=True)  # this request takes the spare: ready the next one
         while self.idle and not fresh:
             conn = self.idle.pop()  # most recently used first: the likeliest alive
             if conn.idle_timer is not None:
@@ -99,18 +103,23 @@ class Pool:
         conn.handler = None
         if not reusable or not conn.alive or self.keepalive_s <= 0 or conn.transport.is_closing():
             conn.abort()
+            self.burns = self.burns or conn.used
             self._warm_spare()
             return
+        if conn.used:
+            self.burns = False
         conn.idle_timer = asyncio.get_running_loop().call_later(
             self.keepalive_s, self._expire, conn
         )
         self.idle.append(conn)
 
-    def _warm_spare(self) -> None:
-        """After a connection is used up (llama-server closes after every stream), open the
-        next one in the background, so the next request does not wait for a TCP connect.
-        One spare at most; it expires like any idle connection when no request comes."""
-        if self.prewarm and not self.idle and not self._warming:
+    def _warm_spare(self, taking: bool = False) -> None:
+        """After a connection is used up (llama-server closes after every stream), and when a
+        request takes the spare of such an upstream, open the next one in the background, so
+        the next request does not wait for a TCP connect. One spare at most; it expires like
+        any idle connection when no request comes."""
+        spares = len(self.idle) - (1 if taking else 0)
+        if self.prewarm and spares <= 0 and not self._warming and not self.closed:
             self._warming = True
             asyncio.get_running_loop().create_task(self._warm())
 
@@ -121,6 +130,9 @@ class Pool:
             return  # the request path reports it, and marks the upstream down
         finally:
             self._warming = False
+        if self.closed:
+            conn.abort()
+            return
         self.release(conn, True)
 
     def _expire(self, conn: UpstreamConn) -> None:
@@ -135,9 +147,11 @@ class Pool:
                 conn.idle_timer.cancel()
                 conn.idle_timer = None
             if replace:  # the upstream closed it after a response (llama-server after a stream)
+                self.burns = True
                 self._warm_spare()
 
     def close(self) -> None:
+        self.closed = True
         for conn in list(self.idle):
             self.forget(conn)
             conn.abort()
