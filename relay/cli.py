@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import sqlite3
 import sys
 
 from relay.config import ConfigError, load_config, parse_config
@@ -57,8 +58,9 @@ async def _serve(args) -> int:
     try:
         app = App(build_config(args, sim_url), log)
         await app.start()
-    except (ConfigError, OSError) as exc:
-        print(f"relay: {exc}", file=sys.stderr)
+    except (ConfigError, OSError, sqlite3.Error) as exc:
+        what = f"store.path {app.config.store.path!r}: " if isinstance(exc, sqlite3.Error) else ""
+        print(f"relay: {what}{exc}", file=sys.stderr)
         if sim is not None:
             await sim.stop()
         return 2

@@ -102,3 +102,13 @@ async def test_sim_subcommand_serves_health():
     finally:
         proc.send_signal(signal.SIGINT)
         assert await asyncio.wait_for(proc.wait(), 10) == 0
+
+
+async def test_unwritable_store_is_a_clear_error(tmp_path):
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text(f'[store]\npath = "{tmp_path}/missing/dir/relay.db"\n'
+                   '[[upstream]]\nname = "a"\nurl = "http://127.0.0.1:9"\n')
+    code, err = await run_to_end("serve", "--config", str(cfg), "--port", "0")
+    assert code == 2
+    assert "store.path" in err and "unable to open database file" in err
+    assert "Traceback" not in err
