@@ -99,11 +99,8 @@ class App:
         for key_id in self.budgets.keys:
             for kind in self.budgets.windows_of(key_id):
                 start, _ = window_bounds(kind, now)
-                rows = self.store.query(
-                    "SELECT COUNT(upstream_served) AS n, "
-                    "COALESCE(SUM(COALESCE(prompt_tokens,0)+COALESCE(completion_tokens,0)),0) AS t "
-                    "FROM request WHERE key_id = ? AND ts >= ?", (key_id, start))
-                self.budgets.restore(key_id, kind, rows[0]["n"], rows[0]["t"], now)
+                requests, tokens = self.store.usage_since(key_id, start, served_only=True)
+                self.budgets.restore(key_id, kind, requests, tokens, now)
 
     async def stop(self, drain_timeout_s: float | None = None) -> None:
         """Stop accepting, let in-flight requests finish (bounded), flush rows, close."""

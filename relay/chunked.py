@@ -15,11 +15,19 @@ _MAX_LINE = 4096
 _HEX = b"0123456789abcdefABCDEF"
 
 
-def _size(text: bytes) -> int:
-    """A chunk size: hex digits only (int() alone would take 0x5, +5, 0_5, -0)."""
-    if not text or text.translate(None, _HEX):
-        return -1
-    return int(text, 16)
+SIZES: dict[bytes, int] = {}  # chunk-size text -> value: the same few sizes recur
+
+
+def chunk_size(text: bytes) -> int:
+    """A chunk size: hex digits only (int() alone would take 0x5, +5, 0_5, -0); -1 if not."""
+    size = SIZES.get(text)
+    if size is None:
+        if not text or text.translate(None, _HEX):
+            return -1
+        size = int(text, 16)
+        if len(SIZES) < 4096:
+            SIZES[text] = size
+    return size
 
 
 class ChunkError(ValueError):
@@ -64,11 +72,8 @@ class ChunkTracker:
             nl = data.find(b"\r\n", pos, pos + 18)
             if nl <= pos:
                 return None
-            text = data[pos:nl]
-            if text.translate(None, _HEX):
-                return None
-            size = int(text, 16)
-            if not size:  # the last chunk: the general path ends the body
+            size = chunk_size(data[pos:nl])
+            if size <= 0:  # the last chunk (or junk): the general path ends the body
                 return None
             start = nl + 2
             end = start + size
@@ -105,7 +110,7 @@ class ChunkTracker:
                         raise ChunkError("chunk-size line too long")
                     break
                 line = buf[pos:nl].rstrip(b"\r").split(b";", 1)[0].strip(b" \t")
-                size = _size(line)
+                size = chunk_size(line)
                 if size < 0:
                     raise ChunkError(f"bad chunk size {line[:20]!r}")
                 pos = nl + 1

@@ -191,9 +191,13 @@ class Store:
         self._wake.set()
         return fut.result(timeout=30.0)
 
-    def usage_since(self, key_id: str | None, since_ts: float) -> tuple[int, int]:
+    def usage_since(self, key_id: str | None, since_ts: float,
+                    served_only: bool = False) -> tuple[int, int]:
+        """(requests, tokens) of a key since a time; `served_only` counts only requests an
+        upstream served (what a budget charges)."""
+        count = "COUNT(upstream_served)" if served_only else "COUNT(*)"
         row = self.query(
-            "SELECT COUNT(*) AS n, COALESCE(SUM(COALESCE(prompt_tokens, 0)"
+            f"SELECT {count} AS n, COALESCE(SUM(COALESCE(prompt_tokens, 0)"
             " + COALESCE(completion_tokens, 0)), 0) AS tokens"
             " FROM request WHERE key_id IS ? AND ts >= ?", (key_id, since_ts))[0]
         return int(row["n"]), int(row["tokens"])
