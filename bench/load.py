@@ -6,8 +6,8 @@
 Each request is a fresh connection (``Connection: close``) that POSTs a
 streaming chat completion.  Parsing is minimal: the HTTP head, chunked
 transfer decoding, ``\\n\\n``-separated events counted, the first content
-event (``"content":"``) timestamped for TTFT (measured from the moment the
-request was written to the socket).  Prints ONE JSON line with the results.
+event (``"content":"``) timestamped for TTFT (measured from just before the
+request is written to the socket).  Prints ONE JSON line with the results.
 """
 from __future__ import annotations
 
@@ -50,8 +50,11 @@ class Stream(asyncio.Protocol):
 
     def connection_made(self, tr):
         self.tr = tr
-        tr.write(self.request)
+        # Timed before the write: on a VM the write can hand the CPU to the woken server,
+        # which then answers before this process runs again; a stamp taken after the write
+        # would miss that time (direct TTFT read 0.08 ms while the wire showed 0.6 ms).
         self.r.t_sent = now()
+        tr.write(self.request)
 
     def data_received(self, data: bytes):
         if len(self.r.sample) < 240:
