@@ -63,9 +63,11 @@ class SseScanner:
                 j = i + 8
             else:
                 j = i + 11
-            if (i >= 0 and data[j] != 0x22 and data.find(b"\n\n", start, end) == end - 2
-                    and data.find(b'"usage"', j, end) < 0
-                    and data.find(b'"timings"', j, end) < 0):
+            if (i >= 0 and j < end - 2 and data[j] != 0x22
+                    and data.find(b"\n\n", start, end) == end - 2
+                    and data.find(b"\r", start, end) < 0  # (a CR may end a line: general path)
+                    and data.find(b'"usage"', start, end) < 0  # (kept as meta: general path)
+                    and data.find(b'"timings"', start, end) < 0):
                 self.content_events += 1
                 if self.content_events == 1 and self.on_first_content is not None:
                     self.on_first_content()
