@@ -78,7 +78,7 @@ class Exchange:
         self.counted = 0  # tokens already added to the upstream's rate window
         self.fast = False  # the next read may be recognised by fastpath.one_token_chunk
         self.can_retry = False  # another candidate is left: fail quietly before content
-        self.on_content = None  # called at the first content event (metrics)
+        self.on_content = None  # called once the first content event is written (metrics)
         self.body_copy: JsonBody | None = None
 
     # ---- request -------------------------------------------------------------------
@@ -253,21 +253,21 @@ class Exchange:
         if self.kind == framing.EMPTY:
             self._end(DONE)
             return
-        self._arm()
         leftover, self._leftover = self._leftover, b""
         if leftover:
             self.upstream_data(leftover)
         if not hold and self.holding and self.outcome is None:
             self._release_hold()
+        if self.outcome is None:
+            self._arm()  # (after the first write: it is not in the client's wait)
         if self._closed_early:
             self.upstream_closed(None)
 
     # ---- body ----------------------------------------------------------------------
     def _first_content(self) -> None:
-        # the held head goes out with this read, in _emit: one write, one wake-up
+        # the held head goes out with this read, in _emit: one write, one wake-up; the
+        # metrics hear of it after that write (`_emit`)
         self.first_content_at = time.perf_counter()
-        if self.on_content is not None:
-            self.on_content(self)
 
     def _release_hold(self) -> None:
         self.holding = False
@@ -277,20 +277,22 @@ class Exchange:
         self.held = []
 
     def _emit(self, out: bytes) -> None:
-        if not out:
-            return
-        self.bytes_out += len(out)
-        if self.holding:
-            if self.can_retry and self.scanner is not None and self.scanner.error_first:
+        if out:
+            self.bytes_out += len(out)
+            if not self.holding:
+                self._write(out)
+            elif self.can_retry and self.scanner is not None and self.scanner.error_first:
                 self.conn.abort()  # an {"error": ...} first event: try the next upstream
                 self._end(ERROR_EVENT)
                 return
-            self.held.append(out)
-            self.held_size += len(out)
-            if self.first_content_at is not None or self.held_size > _HOLD_LIMIT:
-                self._release_hold()
-            return
-        self._write(out)
+            else:
+                self.held.append(out)
+                self.held_size += len(out)
+                if self.first_content_at is not None or self.held_size > _HOLD_LIMIT:
+                    self._release_hold()
+        if self.on_content is not None and self.first_content_at is not None:
+            report, self.on_content = self.on_content, None
+            report(self)
 
     def _check_fast(self) -> None:
         """Whether the next read may take the fast path: streaming, between chunks and events."""
