@@ -9,6 +9,7 @@ after it nothing is swapped. Every admitted request ends in `_settle`, once.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import re
 import time
@@ -82,12 +83,19 @@ class _Retry(Exception):
 class Dispatcher:
     def __init__(self, app) -> None:
         self.app = app
+        # Generated ids: a random prefix per process and a counter (24 hex digits, unique,
+        # no system call per request as os.urandom would make).
+        self._id_prefix = os.urandom(6).hex().encode()
+        self._id_count = itertools.count(1)
 
     def request_id(self, headers) -> bytes:
         given = hdr.get(headers, b"x-request-id")
         if given is not None and _REQUEST_ID.match(given):
             return given
-        return os.urandom(12).hex().encode()
+        return self.new_id()
+
+    def new_id(self) -> bytes:
+        return b"%s%012x" % (self._id_prefix, next(self._id_count))
 
     # ---- entry -------------------------------------------------------------------------
     async def handle(self, client, req) -> None:
@@ -268,6 +276,7 @@ class Dispatcher:
             try:
                 await ex.head_fut
                 up.health.answered()
+                up.pool.answered()
                 return ex
             except X.UpstreamGone as exc:
                 conn.abort()
@@ -393,8 +402,7 @@ class Dispatcher:
         """A request refused before it was read whole (400/408/413/431): a row all the same."""
         head = client.head
         path = head.target.split(b"?", 1)[0].decode("latin-1") if head is not None else ""
-        rid = self.request_id(head.headers.raw_items()) if head is not None else \
-            os.urandom(12).hex().encode()
+        rid = self.request_id(head.headers.raw_items()) if head is not None else self.new_id()
         rec = Record(ts=time.time(), request_id=rid.decode(), path=path,
                      method=head.method.decode("latin-1") if head is not None else "",
                      status=err.status, error_code=err.code, outcome="rejected")

@@ -42,7 +42,7 @@ async def test_502_when_upstream_refuses(make_relay):
     assert resp.header("x-request-id")
 
 
-async def test_502_when_connect_times_out(make_relay):
+def _unanswering_listener() -> tuple[socket.socket, list[socket.socket]]:
     # a listener whose accept queue is full never completes the handshake
     lsock = socket.socket()
     lsock.bind(("127.0.0.1", 0))
@@ -54,6 +54,39 @@ async def test_502_when_connect_times_out(make_relay):
         s.setblocking(False)
         s.connect_ex(("127.0.0.1", port))
         fillers.append(s)
+    return lsock, fillers
+
+
+async def test_connect_deadline_and_an_outside_cancel_are_told_apart():
+    from relay.upstream import ConnectError, Pool
+
+    lsock, fillers = _unanswering_listener()
+    pool = Pool("127.0.0.1", lsock.getsockname()[1], keepalive_s=5.0)
+    try:
+        try:
+            await pool.acquire(0.1)
+            raise AssertionError("the connect should not have completed")
+        except ConnectError as exc:
+            assert str(exc) == "connect timed out after 0.1s"
+        assert asyncio.current_task().cancelling() == 0  # the deadline's cancel was taken back
+        task = asyncio.ensure_future(pool.acquire(5.0))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        try:
+            await task
+            raise AssertionError("an outside cancel must stay a cancel")
+        except asyncio.CancelledError:
+            pass
+        assert pool.connects == 0
+    finally:
+        for s in fillers:
+            s.close()
+        lsock.close()
+
+
+async def test_502_when_connect_times_out(make_relay):
+    lsock, fillers = _unanswering_listener()
+    port = lsock.getsockname()[1]
     try:
         app = await make_relay(url=f"http://127.0.0.1:{port}", connect_timeout_s=0.2)
         t0 = asyncio.get_running_loop().time()

@@ -131,6 +131,8 @@ async def test_request_id_generated_forwarded_and_echoed(make_relay, sim):
     rid = made.header("x-request-id")
     assert rid and re.fullmatch(r"[0-9a-f]{24}", rid)
     assert dict((k.lower(), v) for k, v in sim.requests[-1].headers)[b"x-request-id"] == rid.encode()
+    again = (await httpc.fetch(app.port, "GET", "/health")).header("x-request-id")
+    assert re.fullmatch(r"[0-9a-f]{24}", again) and again != rid
 
 
 async def test_upstream_auth_header_injected_from_environment(make_relay, sim, monkeypatch):
