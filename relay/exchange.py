@@ -29,6 +29,19 @@ _HOLD_LIMIT = 64 * 1024  # most bytes held back waiting for the first content ev
 
 
 class Exchange:
+    # Slots: nearly 50 fields is past what a shared-key instance dict holds, and the body
+    # path reads several per event.
+    __slots__ = (
+        "_closed_early", "_leftover", "_write", "body_copy", "body_started", "bytes_out",
+        "can_retry", "client", "client_keep_alive", "conn", "counted", "data_received", "done",
+        "fast", "first_content_at", "got_bytes", "head_at", "head_buf", "head_bytes",
+        "head_fut", "head_resp", "head_sent", "held", "held_size", "holding", "kind",
+        "last_read", "loop", "method", "mode", "model", "on_content", "outcome", "path",
+        "paused", "policy", "remaining", "request_id", "scanner", "sse", "stall_elapsed",
+        "stall_reason", "status", "timer", "tracker", "upstream_keep_alive", "upstream_name",
+        "write_timeout_s", "write_timer",
+    )
+
     def __init__(self, loop, conn, client, method: bytes, request_id: bytes,
                  policy: StallPolicy, write_timeout_s: float, path: str, model: str,
                  upstream_name: str) -> None:
@@ -80,6 +93,9 @@ class Exchange:
         self.can_retry = False  # another candidate is left: fail quietly before content
         self.on_content = None  # called once the first content event is written (metrics)
         self.body_copy: JsonBody | None = None
+        # While the body flows the exchange is the upstream transport's protocol itself, and
+        # its data_received is upstream_data: no hop (uvloop binds it at set_protocol time).
+        self.data_received = self.upstream_data
 
     # ---- request -------------------------------------------------------------------
     def request_bytes(self, target: bytes, head: list[tuple[bytes, bytes]], body: bytes) -> bytes:
@@ -199,11 +215,6 @@ class Exchange:
             self.start_body(resp)  # at once: the dispatcher only awaits `done` from here
         self.head_fut.set_result(resp)
 
-    # While the body flows the exchange is the upstream transport's protocol itself: one
-    # Python call less per read (uvloop caches data_received at set_protocol time).
-    def data_received(self, data: bytes) -> None:
-        self.upstream_data(data)
-
     def eof_received(self):
         return self.conn.eof_received()
 
@@ -223,7 +234,6 @@ class Exchange:
         self.body_started = True
         transport = self.conn.transport
         if transport is not None and not transport.is_closing():
-            self.data_received = self.upstream_data  # no hop through the method above
             transport.set_protocol(self)
         raw = resp.headers
         self.status = resp.status_code
