@@ -75,6 +75,18 @@ def _added(rows, r, pkey):
     return None if a is None or b is None else a - b
 
 
+def _ratios_per_repeat(rows, scenario) -> list[float]:
+    """Relay ÷ nginx CPU per event within each repeat (the two ran one after the other):
+    the spread shows how much the machine drifted between repeats."""
+    out = []
+    for rep in sorted({r["repeat"] for r in rows if r["scenario"] == scenario}):
+        us = {r["target"]: _per(r, "proxy_cpu_us", ("load", "events")) for r in rows
+              if r["scenario"] == scenario and r["repeat"] == rep and "load" in r}
+        if us.get("relay") and us.get("nginx"):
+            out.append(us["relay"] / us["nginx"])
+    return out
+
+
 def aggregate(rows, scenario, target) -> dict | None:
     rs = [r for r in rows if r["scenario"] == scenario and r["target"] == target]
     if not rs:
@@ -178,9 +190,12 @@ def render(rows, scs, names, targets, a, upstream_kind) -> str:
     for name in names:
         r, n = aggs.get((name, "relay")), aggs.get((name, "nginx"))
         if r and n and "skipped" not in r and "skipped" not in n and r["us_event"] and n["us_event"]:
+            per = _ratios_per_repeat(rows, name)
             out.append(f"**{'Key ratio' if name == 'paced' else 'Ratio'} ({name}): relay CPU per event "
                        f"÷ nginx CPU per event = {r['us_event'] / n['us_event']:.2f}×** "
-                       f"({r['us_event']:.2f} µs vs {n['us_event']:.2f} µs)")
+                       f"({r['us_event']:.2f} µs vs {n['us_event']:.2f} µs)"
+                       + (f"; repeat by repeat: {', '.join(f'{x:.2f}×' for x in per)}"
+                          if len(per) > 1 else ""))
         elif r and n and "skipped" in n:
             out.append(f"Ratio ({name}): relay vs nginx n/a ({n['skipped']})")
     total = sum(g["errors"] + g["incomplete"] for g in aggs.values() if g and "skipped" not in g)
@@ -202,7 +217,7 @@ def render(rows, scs, names, targets, a, upstream_kind) -> str:
     out += ["", "Notes: CPU = utime+stime from /proc/<pid>/stat of the proxy process tree "
             "(relay; nginx master+worker) sampled just before and after the load client ran; "
             "events = all SSE events the client received (role, content, finish, [DONE]); "
-            "TTFT = request written → first content event; added TTFT = target − direct in the "
+            "TTFT = request about to be written → first content event; added TTFT = target − direct in the "
             "same repeat; CPU resolution is one clock tick (10 ms at 100 Hz) per window; peak RSS = VmHWM of a fresh proxy process per scenario; the load "
             "client is a separate process (one asyncio loop) — if its CPU % nears 100 or "
             "streams run late, the figures are load-client-bound; other CPU is the machine's busy time not used by sim, proxy or client, over all cores (noise from other work).", ""]
