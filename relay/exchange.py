@@ -14,7 +14,7 @@ import time
 from relay import framing, headers as hdr
 from relay.head import BadHead, ResponseHead, parse_response_head, request_bytes
 from relay.chunked import LAST_CHUNK, SIZE, ChunkError, ChunkTracker, frame
-from relay.fastpath import one_token_chunk
+from relay.fastpath import same_shape, shape_of, token_event
 from relay.errors import reason_phrase
 from relay.sse import SseScanner
 from relay.usage import JsonBody
@@ -37,7 +37,7 @@ class Exchange:
         "fast", "first_content_at", "got_bytes", "head_at", "head_buf", "head_bytes",
         "head_fut", "head_resp", "head_sent", "held", "held_size", "holding", "kind",
         "last_read", "loop", "method", "mode", "model", "on_content", "outcome", "path",
-        "paused", "policy", "remaining", "request_id", "scanner", "sse", "stall_elapsed",
+        "paused", "policy", "remaining", "request_id", "scanner", "shape", "sse", "stall_elapsed",
         "stall_reason", "status", "timer", "tracker", "upstream_keep_alive", "upstream_name",
         "write_timeout_s", "write_timer",
     )
@@ -89,7 +89,8 @@ class Exchange:
         self.write_timer: asyncio.TimerHandle | None = None
         self.paused = False
         self.counted = 0  # tokens already added to the upstream's rate window
-        self.fast = False  # the next read may be recognised by fastpath.one_token_chunk
+        self.fast = False  # the next read may be recognised by the fast path (fastpath.py)
+        self.shape = None  # this stream's token event around its text (fastpath.shape_of)
         self.can_retry = False  # another candidate is left: fail quietly before content
         self.on_content = None  # called once the first content event is written (metrics)
         self.body_copy: JsonBody | None = None
@@ -110,11 +111,20 @@ class Exchange:
                 self._leftover += data
             return
         self.last_read = self.loop.time()
-        if self.fast and one_token_chunk(data):  # the usual read: see relay/fastpath.py
-            self.scanner.content_events += 1
-            self.bytes_out += len(data)
-            self._write(data)
-            return
+        if self.fast:  # the usual read, one token: see relay/fastpath.py
+            shape = self.shape
+            if shape is not None and same_shape(data, shape):
+                self.scanner.content_events += 1
+                self.bytes_out += len(data)
+                self._write(data)
+                return
+            i = token_event(data)
+            if i:
+                self.shape = shape_of(data, i) or shape
+                self.scanner.content_events += 1
+                self.bytes_out += len(data)
+                self._write(data)
+                return
         kind = self.kind
         if kind == framing.CHUNKED:
             tracker = self.tracker

@@ -1,6 +1,7 @@
 """The fast path must agree with the general chunk tracker + SSE scanner on every read it takes.
 
-`fastpath.one_token_chunk(data)` True means the exchange forwards `data` as is, counts one
+`fastpath.one_token_chunk(data)` (and `same_shape(data, shape)`, with a shape learned from an
+earlier read of the stream) True means the exchange forwards `data` as is, counts one
 content event and leaves the tracker and the scanner untouched. So for every such read the
 general path, started from the state the fast path requires (between chunks, between events,
 after the first content event), must forward the same bytes, count exactly one content event
@@ -14,7 +15,7 @@ import random
 import pytest
 
 from relay.chunked import SIZE, ChunkTracker
-from relay.fastpath import one_token_chunk
+from relay.fastpath import one_token_chunk, same_shape, shape_of, size_line, token_event
 from relay.sse import SseScanner
 
 TOKEN = (b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"Hi"}}],'
@@ -135,3 +136,74 @@ def test_scanning_a_span_in_place_agrees_with_scanning_a_copy():
         sc.feed_span(data, start, end)
         assert (sc.content_events, sc.pending, sc.meta, sc.done_seen) == \
             _scan_whole(data[start:end]), data
+
+
+def _token(text: bytes, base: bytes = TOKEN) -> bytes:
+    return chunk(base.replace(b'"Hi"', b'"' + text + b'"').replace(b'" the"', b'"' + text + b'"'))
+
+
+def _shape(base: bytes = TOKEN):
+    first = _token(b"Hello", base)
+    return shape_of(first, token_event(first))
+
+
+def test_size_line_is_the_one_a_whole_chunk_of_that_length_has():
+    for size in range(1, 4096):
+        payload = b"x" * size
+        n = len(chunk(payload))
+        assert size_line(n) == b"%x\r\n" % size
+    assert [size_line(n) for n in (0, 5, 21, 262, 4103)] == [None] * 5
+
+
+def test_a_stream_shape_takes_reads_that_differ_only_in_the_text():
+    for base in (TOKEN, LEGACY):
+        shape = _shape(base)
+        assert shape is not None
+        for text in (b"x", b" world", b"{", b"}", b"\\u00e9", b"usag", b"usages", b"a" * 3000):
+            assert same_shape(_token(text, base), shape), text
+            assert agrees(_token(text, base))
+
+
+@pytest.mark.parametrize("text", [
+    b"", b'"', b'a"b', b"a\nb", b"a\rb", b"\n\ndata: [DONE]", b"usage", b"timings",
+])
+def test_a_text_that_would_change_the_events_is_left_to_the_general_path(text):
+    assert not same_shape(_token(text), _shape())
+
+
+def test_other_reads_do_not_pass_for_the_stream_shape():
+    shape = _shape()
+    good = _token(b"ok")
+    payload = good[good.index(b"\n") + 1:-2]
+    for data in (good + good, good[:-1], good[1:], b"0" + good,           # framing
+                 chunk(payload, size_text=b"%X" % len(payload)),           # upper-case hex
+                 chunk(payload, size=len(payload) + 1),
+                 good.replace(b"chat.completion.chunk", b"chat.completion.chunX"),  # suffix
+                 good.replace(b"finish_reason", b"finish_reasoN"),         # prefix
+                 b"0\r\n\r\n"):
+        assert not same_shape(data, shape), data
+
+
+def test_no_shape_is_learned_from_a_text_with_an_escape():
+    data = _token(b'say \\"hi\\"')
+    assert token_event(data) and shape_of(data, token_event(data)) is None
+
+
+def test_the_stream_shape_agrees_with_the_general_path_on_random_reads():
+    rng = random.Random(301130)
+    taken = 0
+    for _ in range(30000):
+        base = rng.choice([TOKEN, LEGACY])
+        shape = _shape(base)
+        text = bytes(rng.choice(b'ab "\\\r\n{}:usagetimings') for _ in range(rng.randint(0, 8)))
+        if rng.random() < 0.3:
+            text = rng.choice([b"usage", b"timings", b"", b"x"])
+        data = bytearray(_token(text, base))
+        if rng.random() < 0.3:  # and now and then a change elsewhere in the read
+            at = rng.randint(0, len(data))
+            data[at:at] = rng.choice(_PIECES)
+        data = bytes(data)
+        if same_shape(data, shape):
+            taken += 1
+            assert agrees(data), data
+    assert taken > 5000
