@@ -37,9 +37,9 @@ class Exchange:
         "fast", "first_content_at", "got_bytes", "head_at", "head_buf", "head_bytes",
         "head_fut", "head_resp", "head_sent", "held", "held_size", "holding", "kind",
         "last_read", "loop", "method", "mode", "model", "on_content", "outcome", "path",
-        "paused", "policy", "remaining", "request_id", "scanner", "shape", "sse", "stall_elapsed",
-        "stall_reason", "status", "timer", "tracker", "upstream_keep_alive", "upstream_name",
-        "write_timeout_s", "write_timer",
+        "paused", "policy", "remaining", "request_id", "scanner", "shape", "sse",
+        "stall_elapsed", "stall_reason", "status", "timer", "tracker", "upstream_keep_alive",
+        "upstream_name", "write_timeout_s", "write_timer",
     )
 
     def __init__(self, loop, conn, client, method: bytes, request_id: bytes,
@@ -113,14 +113,7 @@ class Exchange:
         self.last_read = self.loop.time()
         if self.fast:  # the usual read, one token: see relay/fastpath.py
             shape = self.shape
-            if shape is not None and same_shape(data, shape):
-                self.scanner.content_events += 1
-                self.bytes_out += len(data)
-                self._write(data)
-                return
-            i = token_event(data)
-            if i:
-                self.shape = shape_of(data, i) or shape
+            if (shape is not None and same_shape(data, shape)) or self._token_read(data):
                 self.scanner.content_events += 1
                 self.bytes_out += len(data)
                 self._write(data)
@@ -179,6 +172,13 @@ class Exchange:
             if self.scanner is not None:
                 self.scanner.feed(data)
             self._emit(frame(data) if self.mode == framing.CHUNK else data)
+
+    def _token_read(self, data: bytes) -> bool:
+        """A read checked from scratch; a token event's shape is kept for the next reads."""
+        i = token_event(data)
+        if i:
+            self.shape = shape_of(data, i) or self.shape
+        return i > 0
 
     def upstream_closed(self, exc) -> None:
         if self.head_buf is not None:
@@ -449,4 +449,5 @@ class Exchange:
 
     @property
     def reusable(self) -> bool:
-        return self.outcome == DONE and self.upstream_keep_alive and self.kind != framing.UNTIL_CLOSE
+        return (self.outcome == DONE and self.upstream_keep_alive
+                and self.kind != framing.UNTIL_CLOSE)

@@ -59,10 +59,6 @@ def token_event(data: bytes) -> int:
     return 0
 
 
-def one_token_chunk(data: bytes) -> bool:
-    return token_event(data) > 0
-
-
 def size_line(n: int) -> bytes | None:
     """The chunk-size line (`<hex>\\r\\n`, no leading zeros) of a whole chunk of `n` bytes:
     1-digit sizes make chunks of 6..20 bytes, 2-digit 22..261, 3-digit 263..4102."""

@@ -1,6 +1,6 @@
 """The fast path must agree with the general chunk tracker + SSE scanner on every read it takes.
 
-`fastpath.one_token_chunk(data)` (and `same_shape(data, shape)`, with a shape learned from an
+`fastpath.token_event(data)` non-zero (and `same_shape(data, shape)`, with a shape learned from an
 earlier read of the stream) True means the exchange forwards `data` as is, counts one
 content event and leaves the tracker and the scanner untouched. So for every such read the
 general path, started from the state the fast path requires (between chunks, between events,
@@ -15,7 +15,7 @@ import random
 import pytest
 
 from relay.chunked import SIZE, ChunkTracker
-from relay.fastpath import one_token_chunk, same_shape, shape_of, size_line, token_event
+from relay.fastpath import same_shape, shape_of, size_line, token_event
 from relay.sse import SseScanner
 
 TOKEN = (b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"Hi"}}],'
@@ -59,7 +59,7 @@ def agrees(data: bytes) -> bool:
     chunk(b'data: {"choices":[{"delta":{"content":"{"}}]}\n\n'),  # a brace as the token
 ])
 def test_usual_reads_take_the_fast_path(data):
-    assert one_token_chunk(data) is True
+    assert token_event(data) > 0
     assert agrees(data)
 
 
@@ -83,7 +83,7 @@ def test_usual_reads_take_the_fast_path(data):
     b"0\r\n\r\n",                                                       # the last chunk
 ])
 def test_anything_else_takes_the_general_path(data):
-    assert one_token_chunk(data) is False
+    assert token_event(data) == 0
 
 
 _PIECES = [b'"content":"', b'"content":""', b'"text":"', b'"reasoning_content":"', b'"usage"',
@@ -112,7 +112,7 @@ def test_fast_path_agrees_with_the_general_path_on_random_reads():
     taken = 0
     for _ in range(30000):
         data = _random_read(rng)
-        if one_token_chunk(data):
+        if token_event(data):
             taken += 1
             assert agrees(data), data
     assert taken > 3000  # the generator does reach the fast path often
