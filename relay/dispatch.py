@@ -276,7 +276,6 @@ class Dispatcher:
             try:
                 await ex.head_fut
                 up.health.answered()
-                up.pool.answered()
                 return ex
             except X.UpstreamGone as exc:
                 conn.abort()

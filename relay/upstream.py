@@ -78,6 +78,8 @@ class Pool:
 
     async def acquire(self, timeout: float, fresh: bool = False) -> tuple[UpstreamConn, bool]:
         """(connection, reused). Raises ConnectError."""
+        if not fresh and self.burns:
+            self._warm_spare(taking=True)  # this request takes the spare: ready the next one
         while self.idle and not fresh:
             conn = self.idle.pop()  # most recently used first: the likeliest alive
             if conn.idle_timer is not None:
@@ -118,19 +120,14 @@ class Pool:
         )
         self.idle.append(conn)
 
-    def answered(self) -> None:
-        """A request's response head came in: for an upstream that closes connections after
-        use, ready the next spare now (after the head went on to the client, so the connect
-        is in no one's wait) rather than when the stream has ended."""
-        if self.burns:
-            self._warm_spare()
-
-    def _warm_spare(self) -> None:
+    def _warm_spare(self, taking: bool = False) -> None:
         """After a connection is used up (llama-server closes after every stream), and when a
-        request has taken the spare of such an upstream, open the next one in the background,
-        so the next request does not wait for a TCP connect. One spare at most; it expires like
-        any idle connection when no request comes."""
-        if self.prewarm and not self.idle and not self._warming and not self.closed:
+        request takes the spare of such an upstream, open the next one in the background, so
+        the next request does not wait for a TCP connect (a request that arrives while the
+        last one still waits for its head - a long prompt - finds it ready too). One spare at
+        most; it expires like any idle connection when no request comes."""
+        spares = len(self.idle) - (1 if taking else 0)
+        if self.prewarm and spares <= 0 and not self._warming and not self.closed:
             self._warming = True
             asyncio.get_running_loop().create_task(self._warm())
 

@@ -21,6 +21,20 @@ async def test_a_connected_spare_waits_for_each_next_stream(make_relay, sim):
     assert [r.path for r in sim.requests] == ["/v1/chat/completions"] * 4
 
 
+async def test_a_request_taking_the_spare_readies_the_next_before_its_head(make_relay, sim):
+    # a long prompt: the next request, arriving meanwhile, must not wait for a connect
+    app = await make_relay()
+    pool = app.upstreams["llm"].pool
+    assert (await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(2))).complete
+    await wait_for(lambda: len(pool.idle) == 1 and not pool._warming)
+    slow = asyncio.ensure_future(httpc.fetch(app.port, "POST", "/v1/chat/completions",
+                                             httpc.chat(2, head_delay_ms=600)))
+    await wait_for(lambda: len(sim.requests) == 2)  # the slow one holds the old spare
+    await wait_for(lambda: len(pool.idle) == 1 and not pool._warming)
+    assert not slow.done()  # its head has not come yet, and a spare is already connected
+    assert (await slow).complete
+
+
 async def test_no_spare_when_prewarm_is_off(make_relay, sim):
     app = await make_relay(prewarm=False)
     pool = app.upstreams["llm"].pool
