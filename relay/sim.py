@@ -1,9 +1,9 @@
 """Built-in llama-server simulator: asyncio.Protocol + h11 request parsing, raw-byte responses.
 
 Wire shape follows the real llama-server captures (see relay/sim_frames.py). Streams are paced
-with loop.call_at chains (token i due at t0 + i*interval, no drift), one transport.write per
-event, and production stops while the transport is paused. Per-request knobs come from an
-optional ``"sim": {...}`` object in the JSON request body.
+with loop.call_at chains (relay/sim_gen.py: token i due at t0 + i*interval, no drift), one
+transport.write per event, and production stops while the transport is paused. Per-request
+knobs come from an optional ``"sim": {...}`` object in the JSON request body (relay/sim_plan.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import h11
 import msgspec
 
 from relay import sim_frames as F
+from relay import sim_plan as P
+from relay.sim_gen import SSE_HEAD, Gen
 
 GEN_ROUTES = ("chat", "text", "native")
 _ROUTES = {
@@ -31,7 +33,6 @@ _ROUTES = {
     ("POST", "/tokenize"): "tokenize", ("POST", "/detokenize"): "detokenize",
     ("POST", "/v1/embeddings"): "embeddings", ("POST", "/embeddings"): "embeddings",
 }
-_SSE_HEAD = F.head(200, F.SSE_CT, sse=True)
 _LOADING = F.error_body(503, "Loading model", "unavailable_error")
 _STALLED = types.SimpleNamespace(cancel=lambda: None)  # a response that never comes
 
@@ -60,141 +61,6 @@ class SimRequest:
     status: int | None = None
     closed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _gen: bool = field(default=False, repr=False)
-
-
-class _Gen:
-    """One streamed generation response, driven by a call_at chain."""
-
-    __slots__ = ("c", "req", "p", "f", "i", "handle", "t0", "stop_at", "role", "state", "cl_tail")
-
-    def __init__(self, conn: _Conn, req: SimRequest, plan: F.Plan, frames: F.StreamFrames) -> None:
-        self.c, self.req, self.p, self.f = conn, req, plan, frames
-        self.i = 0
-        self.handle = None
-        self.state = "head"
-        self.role: bytes | None = None
-        self.cl_tail = b""
-        lim = [x for x in (plan.stall_after, plan.drop_after, plan.n) if x is not None and x >= 0]
-        self.stop_at = min(lim) if lim else None
-        self.t0 = req.started_at + plan.head_delay + plan.ftd
-
-    def start(self) -> None:
-        if self.p.head_delay > 0:
-            self.handle = self.c.loop.call_at(self.req.started_at + self.p.head_delay, self._head)
-        else:
-            self._head()
-
-    def cancel(self) -> None:
-        self.state = "done"
-        if self.handle is not None:
-            self.handle.cancel()
-            self.handle = None
-
-    def resume(self) -> None:
-        if self.state == "run" and self.handle is None:
-            self.handle = self.c.loop.call_soon(self._tick)
-
-    def _tail_payloads(self, tm: dict) -> list[bytes]:
-        p, f = self.p, self.f
-        n = p.n or 0
-        parts = [f.stop_token_event(n, p.predicted_n, p.stop_word, p.eos, tm),
-                 f.final_events(n, p.predicted_n, p.finish, tm, p.stop_word, p.settings, p.prompt),
-                 f.done_event]
-        return [x for x in parts if x]
-
-    def _tail(self, tm: dict) -> bytes:
-        parts = self._tail_payloads(tm)
-        if self.p.content_length:
-            return b"".join(parts)
-        return b"".join(map(F.chunk, parts)) + F.TERMINATOR
-
-    def _head(self) -> None:
-        self.handle = None
-        p, f = self.p, self.f
-        role = f.role_event()
-        keep = self.c._keep
-        if p.content_length:
-            n = p.n or 0
-            self.cl_tail = self._tail(F.timings(p.prompt_n, p.predicted_n, (p.ftd + max(n - 1, 0) * p.interval) * 1e3))
-            length = f.body_len(n) + len(role or b"") + len(self.cl_tail)
-            head = F.head(200, F.SSE_CT, length=length, sse=True, close=not keep)
-        elif f.kind == "octet" or not keep:
-            head = F.head(200, f.content_type, sse=True, close=not keep)
-        else:
-            head = _SSE_HEAD
-        if role is not None and (p.ftd > 0 or self.stop_at == 0):
-            head += role if p.content_length else F.chunk(role)
-        else:
-            self.role = role
-        self.c.transport.write(head)
-        self.state = "run"
-        self._tick()
-
-    def _frame(self, i: int) -> bytes:
-        if self.role is not None:
-            data, self.role = self.role + self.f.event(i), None
-            return data if self.p.content_length else F.chunk(data)
-        return self.f.event(i) if self.p.content_length else self.f.chunk(i)
-
-    def _tick(self) -> None:
-        self.handle = None
-        c = self.c
-        if self.state != "run" or c.paused:
-            return
-        loop, tr, req, sim = c.loop, c.transport, self.req, c.sim
-        now, iv, t0, stop_at = loop.time() + 0.001, self.p.interval, self.t0, self.stop_at
-        budget = 256
-        while True:
-            i = self.i
-            if i == stop_at:
-                self._boundary()
-                return
-            due = t0 + i * iv
-            if due > now:
-                self.handle = loop.call_at(due, self._tick)
-                return
-            if budget == 0:
-                self.handle = loop.call_soon(self._tick)
-                return
-            tr.write(self._frame(i))
-            self.i = i + 1
-            req.tokens_sent += 1
-            sim.tokens_sent_total += 1
-            budget -= 1
-            if c.paused:
-                return
-
-    def _boundary(self) -> None:
-        p, i = self.p, self.i
-        if p.drop_after is not None and i == p.drop_after:
-            self.state = "done"
-            self.c.abort()
-            return
-        if p.stall_after is not None and i == p.stall_after:
-            self.state = "stalled"
-            if p.mid_line or p.mid_chunk:
-                if p.n is None or i < p.n:
-                    nxt = (self.role or b"") + self.f.event(i)
-                else:
-                    nxt = (self._tail_payloads(self._timings()) or [b""])[0]
-                half = nxt[: len(nxt) // 2]
-                if not nxt:
-                    pass
-                elif p.content_length:
-                    self.c.transport.write(half)
-                elif p.mid_line:
-                    self.c.transport.write(F.chunk(half))
-                else:
-                    self.c.transport.write(b"%x\r\n" % len(nxt) + half)
-            return
-        self.state = "done"
-        self.c.transport.write(self.cl_tail if p.content_length else self._tail(self._timings()))
-        self.req.completion_tokens = p.predicted_n
-        self.c.finish_stream()
-
-    def _timings(self) -> dict:
-        ms = (self.c.loop.time() - self.t0) * 1000.0 if self.i else 0.0
-        return F.timings(self.p.prompt_n, self.p.predicted_n, ms)
 
 
 class _Conn(asyncio.Protocol):
@@ -250,7 +116,7 @@ class _Conn(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.paused = False
-        if isinstance(self.active, _Gen):
+        if isinstance(self.active, Gen):
             self.active.resume()
 
     # -- lifecycle helpers
@@ -390,9 +256,9 @@ class _Conn(asyncio.Protocol):
             req.json = data
         knobs = data.get("sim") if isinstance(data.get("sim"), dict) else {}
         d = sim.defaults
-        if F.as_int(knobs.get("status")) is not None and knobs["status"] >= 400:
+        if P.as_int(knobs.get("status")) is not None and knobs["status"] >= 400:
             return self._respond(knobs["status"], F.error_body(knobs["status"]),
-                                 delay=F.as_num(knobs.get("head_delay_ms"), d.head_delay_ms) / 1000.0)
+                                 delay=P.as_num(knobs.get("head_delay_ms"), d.head_delay_ms) / 1000.0)
         if route in GEN_ROUTES:
             return self._generate(route, data, knobs)
         if route == "metrics":
@@ -403,13 +269,13 @@ class _Conn(asyncio.Protocol):
 
     def _generate(self, route: str, data: dict, knobs: dict) -> None:
         sim, req = self.sim, self.req
-        p = F.make_plan(route, data, sim.defaults)
+        p = P.make_plan(route, data, sim.defaults)
         req._gen = True
         sim.active_generations += 1
         sim.prompt_tokens_total += p.prompt_n
         if knobs.get("error_event"):
             req.status = 200
-            out = _SSE_HEAD + F.chunk(F.ERROR_EVENT) + F.TERMINATOR
+            out = SSE_HEAD + F.chunk(F.ERROR_EVENT) + F.TERMINATOR
 
             def send():
                 self.transport.write(out)
@@ -420,7 +286,7 @@ class _Conn(asyncio.Protocol):
             req.status = 200
             include_usage = isinstance(data.get("stream_options"), dict) and \
                 data["stream_options"].get("include_usage") is True
-            g = _Gen(self, req, p, F.StreamFrames(p.kind, sim.defaults.model, p.prompt_n, include_usage))
+            g = Gen(self, req, p, F.StreamFrames(p.kind, sim.defaults.model, p.prompt_n, include_usage))
             self.active = g
             g.start()
             return
