@@ -7,7 +7,8 @@ running the general chunk tracker and event scanner, which stay the reference fo
 else: several chunks or events in a read, partial ones, empty content, a CR inside the
 payload, `usage` / `timings` anywhere in the event, a size that is not plain hex.
 
-Two steps. `token_event` checks a read from scratch (about ten C calls). The token events of
+Two steps. `token_event` checks a read from scratch: the chunk framing, then the event as
+the scanner's own in-place check sees it (`sse.content_event_at`, about ten C calls). The token events of
 one stream differ only in their text: everything before it (the prefix, up to the content
 marker) and after it (the suffix, from the closing quote) repeats. So once a read passed,
 `shape_of` keeps that prefix and suffix, and `same_shape` accepts a next read that has both
@@ -18,7 +19,8 @@ tests/test_unit_fastpath.py holds both to the general path's result on random re
 
 from __future__ import annotations
 
-from relay.chunked import SIZES, chunk_size
+from relay.chunked import chunk_size
+from relay.sse import content_event_at
 
 
 _META_WORDS = (b"usage", b"timings")  # a text that, quoted, reads as a usage/timings key
@@ -26,37 +28,17 @@ _META_WORDS = (b"usage", b"timings")  # a text that, quoted, reads as a usage/ti
 
 def token_event(data: bytes) -> int:
     """Where the token text starts when `data` is one whole chunk holding one token event
-    (nothing the scanner would treat otherwise); 0 when it is not."""
-    # (each call here costs more than its scan: as few C calls as will do, finds not `in`)
+    (nothing the scanner would treat otherwise: `sse.content_event_at`); 0 when it is not."""
     if len(data) < 12:
         return 0
     # token events are 16..4095 bytes: a size of 2 or 3 hex digits, looked at directly
     nl = 2 if data[2] == 13 else 3 if data[3] == 13 else data.find(b"\r", 0, 18)
-    if nl <= 0:
+    if nl <= 0 or data[nl + 1] != 10:
         return 0
-    text = data[:nl]
-    size = SIZES.get(text)  # (the cache hit inline: one call less on the usual read)
-    if size is None:
-        size = chunk_size(text)
-        if size < 0:
-            return 0
-    end = nl + 2 + size
-    if len(data) != end + 2 or data[-4:] != b"\n\n\r\n" or size < 4 or data[nl + 1] != 10:
+    size = chunk_size(data[:nl])
+    if size < 4 or len(data) != nl + size + 4 or not data.endswith(b"\r\n"):
         return 0
-    i = data.find(b'"content":"')
-    if i < 0:
-        i = data.find(b'"text":"')
-        if i < 0:
-            return 0
-        i += 8
-    else:
-        i += 11
-    if (i < end - 2 and data[i] != 0x22  # a string that is not empty, in the event
-            and data.find(b"\n", nl + 2) == end - 2  # one line: the blank line ends it
-            and data.find(b"\r", nl + 2) == end  # no CR in it (a CR may end a line too)
-            and data.find(b'"usage"') < 0 and data.find(b'"timings"') < 0):  # no meta
-        return i
-    return 0
+    return content_event_at(data, nl + 2, nl + 2 + size)
 
 
 def size_line(n: int) -> bytes | None:
@@ -86,9 +68,9 @@ def shape_of(data: bytes, i: int) -> tuple | None:
 def same_shape(data: bytes, shape: tuple) -> bool:
     """`data` is a whole chunk made of this stream's prefix, a token text and its suffix.
 
-    The prefix holds the first content marker and no line break, quote-closed text or meta
-    of its own, nor does the suffix (`token_event` passed them); a text with no quote, CR or
-    LF adds no marker, line, event or meta to them, except the text `usage` or `timings`,
+    The prefix ends at the first content marker, and neither it nor the suffix holds a CR,
+    a second event or meta (`token_event` passed them); a text with no quote, CR or LF adds
+    no marker, line break, event or meta to them, except the text `usage` or `timings`,
     which its quotes would turn into a key.
     """
     prefix, suffix, slen, heads = shape

@@ -28,6 +28,30 @@ def carries_content(event: bytes) -> bool:
     return False
 
 
+def content_event_at(data: bytes, start: int, end: int) -> int:
+    """Where the text starts when data[start:end] is exactly one event, ended by its blank
+    line, whose first content marker holds a non-empty string, with no CR (a CR may end a
+    line too) and no `usage` / `timings` (kept as meta) in it: the scanner would count one
+    content event and keep nothing else. 0 when it is anything else."""
+    if not data.endswith(b"\n\n", start, end):
+        return 0
+    i = data.find(b'"content":"', start, end)
+    if i < 0:
+        i = data.find(b'"text":"', start, end)
+        if i < 0:
+            return 0
+        i += 8
+    else:
+        i += 11
+    if (i < end - 2 and data[i] != 0x22
+            and data.find(b"\n\n", start, end) == end - 2
+            and data.find(b"\r", start, end) < 0
+            and data.find(b'"usage"', start, end) < 0
+            and data.find(b'"timings"', start, end) < 0):
+        return i
+    return 0
+
+
 class SseScanner:
     __slots__ = (
         "content_events",
@@ -56,22 +80,11 @@ class SseScanner:
         That is the usual read (one token per read); anything else - several events, a
         partial one, a meta or [DONE] event - takes the general path.
         """
-        if not self.pending and not self.first_event and data.endswith(b"\n\n", start, end):
-            i = data.find(b'"content":"', start, end)
-            if i < 0:
-                i = data.find(b'"text":"', start, end)
-                j = i + 8
-            else:
-                j = i + 11
-            if (i >= 0 and j < end - 2 and data[j] != 0x22
-                    and data.find(b"\n\n", start, end) == end - 2
-                    and data.find(b"\r", start, end) < 0  # (a CR may end a line: general path)
-                    and data.find(b'"usage"', start, end) < 0  # (kept as meta: general path)
-                    and data.find(b'"timings"', start, end) < 0):
-                self.content_events += 1
-                if self.content_events == 1 and self.on_first_content is not None:
-                    self.on_first_content()
-                return
+        if not self.pending and not self.first_event and content_event_at(data, start, end):
+            self.content_events += 1
+            if self.content_events == 1 and self.on_first_content is not None:
+                self.on_first_content()
+            return
         self.feed(data[start:end])
 
     def feed(self, data: bytes) -> None:

@@ -22,6 +22,7 @@ TOKEN = (b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":
          b'"created":1764000000,"id":"chatcmpl-x","model":"m","system_fingerprint":"b1",'
          b'"object":"chat.completion.chunk"}\n\n')
 LEGACY = b'data: {"choices":[{"text":" the","index":0,"logprobs":null,"finish_reason":null}]}\n\n'
+NAMED = b'event: token\ndata: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'  # two lines, one event
 
 
 def chunk(payload: bytes, size: int | None = None, size_text: bytes | None = None) -> bytes:
@@ -57,6 +58,7 @@ def agrees(data: bytes) -> bool:
     chunk(LEGACY),
     chunk(TOKEN, size_text=b"%X" % len(TOKEN)),  # upper-case hex
     chunk(b'data: {"choices":[{"delta":{"content":"{"}}]}\n\n'),  # a brace as the token
+    chunk(NAMED),
 ])
 def test_usual_reads_take_the_fast_path(data):
     assert token_event(data) > 0
@@ -92,7 +94,7 @@ _PIECES = [b'"content":"', b'"content":""', b'"text":"', b'"reasoning_content":"
 
 
 def _random_read(rng: random.Random) -> bytes:
-    base = rng.choice([TOKEN, LEGACY, TOKEN.replace(b"\n\n", b"\r\n\n")])
+    base = rng.choice([TOKEN, LEGACY, NAMED, TOKEN.replace(b"\n\n", b"\r\n\n")])
     payload = bytearray(base)
     for _ in range(rng.randint(0, 3)):  # splice fragments in at random places
         at = rng.randint(0, len(payload))
@@ -156,7 +158,7 @@ def test_size_line_is_the_one_a_whole_chunk_of_that_length_has():
 
 
 def test_a_stream_shape_takes_reads_that_differ_only_in_the_text():
-    for base in (TOKEN, LEGACY):
+    for base in (TOKEN, LEGACY, NAMED):
         shape = _shape(base)
         assert shape is not None
         for text in (b"x", b" world", b"{", b"}", b"\\u00e9", b"usag", b"usages", b"a" * 3000):
@@ -193,7 +195,7 @@ def test_the_stream_shape_agrees_with_the_general_path_on_random_reads():
     rng = random.Random(301130)
     taken = 0
     for _ in range(30000):
-        base = rng.choice([TOKEN, LEGACY])
+        base = rng.choice([TOKEN, LEGACY, NAMED])
         shape = _shape(base)
         text = bytes(rng.choice(b'ab "\\\r\n{}:usagetimings') for _ in range(rng.randint(0, 8)))
         if rng.random() < 0.3:
