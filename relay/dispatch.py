@@ -67,8 +67,9 @@ class Dispatcher:
         app = self.app
         t0 = time.perf_counter()
         rid = self.request_id(req.headers)
-        path = normalize(req.target)  # the name the upstream routes on
-        rec = Record(ts=time.time(), request_id=rid.decode(), path=bounded(path, MAX_PATH_CHARS),
+        # the name the upstream routes on, bounded: it is echoed (404), stored and logged
+        path = bounded(normalize(req.target), MAX_PATH_CHARS)
+        rec = Record(ts=time.time(), request_id=rid.decode(), path=path,
                      method=bounded(req.method.decode("latin-1"), 32))
         keep_alive = req.keep_alive
         state = {"slot": None, "reservation": None, "ex": None}

@@ -271,9 +271,13 @@ async def test_a_huge_model_name_is_bounded_in_answer_row_and_log(make_relay, si
     assert len(json.dumps(line)) < 2048
 
 
-async def test_a_long_path_is_bounded_in_the_row(make_relay, sim):
+async def test_a_long_path_is_bounded_in_the_row_and_the_error(make_relay, sim):
     app = await make_relay()
     resp = await httpc.fetch(app.port, "GET", "/v1/" + "a" * 12000)
-    assert resp.status in (404, 200)
-    row = (await rows_of(app, 1))[0]
-    assert len(row["path"]) < 2100
+    assert resp.status == 404  # the simulator's own 404, passed through
+    resp = await httpc.fetch(app.port, "GET", "/api/" + "b" * 12000)
+    assert resp.status == 404 and resp.json()["error"]["code"] == "not_found"
+    assert len(resp.body) < 2600
+    rows = await rows_of(app, 2)
+    assert [len(r["path"]) < 2100 for r in rows] == [True, True]
+    assert rows[1]["path"].startswith("/api/bbb")
