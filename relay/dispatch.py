@@ -1,6 +1,7 @@
 """The life of one request: admission, candidates, relay, and settlement exactly once.
 
-Admission: internal endpoints -> key (401) -> body peek (400) -> route (404) -> budget
+Admission (the head was already judged by the client connection, `admission.head_check`):
+internal endpoints -> key (401) -> body peek (400) -> route (404) -> budget
 reservation (429) -> per candidate: slot (503) -> upstream (502/504) -> relay. Before the
 first content event reaches the client a retryable failure moves on to the next candidate;
 after it nothing is swapped. Every admitted request ends in `_settle`, once.
@@ -32,8 +33,6 @@ _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
 # Refusals decided before any upstream is chosen or contacted (counted relay-wide).
 _ADMISSION_CODES = frozenset({"invalid_api_key", "invalid_json", "bad_request",
                               "model_not_found", "budget_exceeded", "not_found"})
-# (admission's names, for callers that import them from here)
-SLOT_PATHS, peek_body, estimate_tokens = A.SLOT_PATHS, A.peek_body, A.estimate_tokens
 
 
 class _Retry(Exception):

@@ -36,7 +36,8 @@ def responses(raw: bytes) -> list[tuple[int, bytes, bytes]]:
         head, sep, rest = raw.partition(b"\r\n\r\n")
         assert sep, raw[:200]
         lines = head.split(b"\r\n")
-        fields = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(b":") for ln in lines[1:])}
+        fields = {k.strip().lower(): v.strip()
+                  for k, _, v in (ln.partition(b":") for ln in lines[1:])}
         assert not (b"content-length" in fields and b"transfer-encoding" in fields)
         n = int(fields[b"content-length"])
         out.append((int(lines[0].split(b" ")[1]), head, rest[:n]))
@@ -144,8 +145,8 @@ async def test_401_comes_before_the_body_is_sent_and_no_100_continue(make_relay,
 
 async def test_an_authenticated_expect_100_continue_gets_its_100(make_relay, sim):
     app = await make_relay(keys=[key()])
-    reader, writer = await open_with_head(app.port, len(BODY), ["Expect: 100-continue",
-                                                                 f"Authorization: Bearer {bearer()['Authorization'][7:]}"])
+    auth = f"Authorization: {bearer()['Authorization']}"
+    reader, writer = await open_with_head(app.port, len(BODY), ["Expect: 100-continue", auth])
     try:
         line = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT)
         assert line.startswith(b"HTTP/1.1 100 ")
