@@ -31,10 +31,10 @@ _NEED, _STOP, _MORE = 0, 1, 2  # what _process leaves: wants bytes / stopped / o
 
 
 class Request:
-    __slots__ = ("method", "target", "headers", "body", "http11", "keep_alive", "key_id")
+    __slots__ = ("method", "target", "headers", "body", "http11", "keep_alive", "key_id", "path")
 
     def __init__(self, method, target, headers, body, http11, keep_alive,
-                 key_id: str | None = None) -> None:
+                 key_id: str | None = None, path: str | None = None) -> None:
         self.method: bytes = method
         self.target: bytes = target
         self.headers: list[tuple[bytes, bytes]] = headers
@@ -42,6 +42,9 @@ class Request:
         self.http11: bool = http11
         self.keep_alive: bool = keep_alive
         self.key_id = key_id  # the caller's key, identified on the head (None: auth off)
+        # the path the upstream routes on (paths.normalize), bounded for echoes and rows
+        self.path = path if path is not None else paths.bounded(paths.normalize(target),
+                                                                paths.MAX_PATH_CHARS)
 
 
 class ClientConn(asyncio.Protocol):
@@ -64,6 +67,7 @@ class ClientConn(asyncio.Protocol):
         self.head_bytes = bytearray()  # bytes handed to h11 since the last head (obs-fold check)
         self.awaiting_head = True
         self.key_id: str | None = None
+        self.path = ""
         self.body = bytearray()
         self.body_size = 0
         self.chunks = 0
@@ -88,6 +92,13 @@ class ClientConn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.lingering:
+            return
+        if not (self.busy or self.inbox or self.turn) and len(data) <= _SLICE:
+            # the common case: a small read while idle goes to h11 without a copy
+            if self.timer_kind == "idle":
+                self._arm("head", self.app.config.server.header_timeout_s)
+            self._give(data)
+            self._pump()
             return
         self.inbox += data
         if len(self.inbox) > _READ_BUFFER_LIMIT:
@@ -171,10 +182,13 @@ class ClientConn(asyncio.Protocol):
     def _feed(self) -> int:
         piece = bytes(self.inbox[:_SLICE])
         del self.inbox[:_SLICE]
+        self._give(piece)
+        return len(piece)
+
+    def _give(self, piece: bytes) -> None:
         if self.awaiting_head:
             self.head_bytes += piece
         self.h11.receive_data(piece)
-        return len(piece)
 
     def _cancel_turn(self) -> None:
         if self.turn is not None:
@@ -252,7 +266,8 @@ class ClientConn(asyncio.Protocol):
             self._reject(self._too_large())
             return
         has_body = declared > 0 or hdr.get(raw, b"transfer-encoding") is not None
-        self.key_id, err = admission.head_check(self.app.auth, paths.normalize(ev.target), raw)
+        self.path = paths.bounded(paths.normalize(ev.target), paths.MAX_PATH_CHARS)
+        self.key_id, err = admission.head_check(self.app.auth, self.path, raw)
         if err is not None and has_body:  # a bodiless request is answered the usual way
             self._reject(err)
             return
@@ -299,7 +314,7 @@ class ClientConn(asyncio.Protocol):
         body = bytes(self.body)
         self.body = bytearray()
         req = Request(ev.method, ev.target, ev.headers.raw_items(), body,
-                      self.http11, self.wants_keep_alive, self.key_id)
+                      self.http11, self.wants_keep_alive, self.key_id, self.path)
         self.head = None
         self.busy = True
         self.task = self.loop.create_task(self.app.handle(self, req))

@@ -66,8 +66,7 @@ class Dispatcher:
         app = self.app
         t0 = time.perf_counter()
         rid = self.request_id(req.headers)
-        # the name the upstream routes on, bounded: it is echoed (404), stored and logged
-        path = bounded(normalize(req.target), MAX_PATH_CHARS)
+        path = req.path  # the name the upstream routes on, bounded: echoed, stored and logged
         rec = Record(ts=time.time(), request_id=rid.decode(), path=path,
                      method=bounded(req.method.decode("latin-1"), 32))
         keep_alive = req.keep_alive
