@@ -125,7 +125,11 @@ class ClientConn(asyncio.Protocol):
             self.exchange.client_gone()
         elif self.task is not None and not self.task.done():
             self.task.cancel()
-        if not self.busy:  # a request being served gives its body back when it finishes
+        if self.busy and self.task is not None and not self.task.done():
+            # the request being served gives its body back when it ends (even if its task is
+            # cancelled before it ever ran); no next request can start on this connection
+            self.task.add_done_callback(lambda _t: self._release_body())
+        else:
             self._release_body()
 
     def pause_writing(self) -> None:

@@ -282,3 +282,16 @@ async def test_a_long_path_is_bounded_in_the_row_and_the_error(make_relay, sim):
     rows = await rows_of(app, 2)
     assert [len(r["path"]) < 2100 for r in rows] == [True, True]
     assert rows[1]["path"].startswith("/api/bbb")
+
+
+async def test_body_bytes_are_given_back_when_the_client_leaves_mid_request(make_relay, sim):
+    app = await make_relay()
+    for served in (False, True):  # gone as soon as its body is held, or once it reached upstream
+        body = httpc.chat(2, first_token_delay_ms=200)
+        reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
+        writer.write(httpc.build_request("POST", CHAT, body))
+        await wait_for(lambda: app.dispatcher.bodies.held > 0 or sim.requests)
+        if served:
+            await wait_for(lambda: sim.requests)
+        writer.transport.abort()
+        await wait_for(lambda: app.dispatcher.bodies.held == 0)
