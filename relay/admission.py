@@ -112,17 +112,27 @@ def estimate_tokens(body: bytes, peek: Peek, default_max: int) -> tuple[int, int
     return len(body) // 4, default_max if limit is None else limit
 
 
-def with_limit(body: bytes, limit: int) -> bytes:
-    """The body with `limit` in every limit field, so the upstream cannot generate more.
+# The limit field each API names when a request gives none (llama-server's native endpoints
+# read n_predict, OpenAI's Responses API max_output_tokens, its chat/completions max_tokens).
+_OWN_LIMIT = {"/completion": "n_predict", "/infill": "n_predict",
+              "/v1/responses": "max_output_tokens"}
 
-    Only called for a body `peek_body` accepted as a JSON object; decoding it whole (rather
-    than splicing bytes) keeps what the upstream reads and what the relay enforces the same
-    even for duplicate keys (the last one wins for both).
+
+def with_limit(body: bytes, limit: int, path: str) -> bytes:
+    """The body with `limit` in every limit field it has, or in the one field its API reads
+    when it has none, so the upstream cannot generate more.
+
+    Only the fields the request already carries (or its API's own) are written: a hosted API
+    refuses a field it does not know (OpenAI answers 400 to `n_predict`). Only called for a
+    body `peek_body` accepted as a JSON object; decoding it whole (rather than splicing bytes)
+    keeps what the upstream reads and what the relay enforces the same even for duplicate
+    keys (the last one wins for both).
     """
     try:
         doc = msgspec.json.decode(body)
     except (msgspec.DecodeError, RecursionError):
         raise _invalid("cannot apply the token limit") from None
-    for name in LIMIT_FIELDS:
+    present = [name for name in LIMIT_FIELDS if name in doc]
+    for name in present or [_OWN_LIMIT.get(path, "max_tokens")]:
         doc[name] = limit
     return msgspec.json.encode(doc)

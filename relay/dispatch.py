@@ -130,7 +130,7 @@ class Dispatcher:
         prompt_est, completion_est = A.estimate_tokens(req.body, peek, cap)
         if (slot_path and rec.key_id is not None and A.completion_limit(peek) is None
                 and app.budgets.limits_tokens(rec.key_id)):
-            req.body = A.with_limit(req.body, cap)  # the upstream must honour what is reserved
+            req.body = A.with_limit(req.body, cap, path)  # the upstream must honour what is reserved
         state["prompt_est"] = prompt_est
         if rec.key_id is not None:
             try:

@@ -71,13 +71,24 @@ def test_completion_limit_is_the_largest_field_or_unbounded(fields, limit):
     assert A.estimate_tokens(b"x" * 40, A.Peek(**fields), 77) == (10, 77 if limit is None else limit)
 
 
-def test_with_limit_sets_every_field_and_keeps_the_rest():
-    body = b'{"model":"m","max_tokens":-1,"x":[1.5,{"y":null}],"big":123456789012345678901234}'
-    doc = json.loads(A.with_limit(body, 64))
-    assert doc == {"model": "m", "max_tokens": 64, "x": [1.5, {"y": None}],
-                   "big": 123456789012345678901234, "n_predict": 64,
-                   "max_completion_tokens": 64, "max_output_tokens": 64}
-    assert A.completion_limit(msgspec.json.decode(A.with_limit(body, 64), type=A.Peek)) == 64
+def test_with_limit_sets_the_fields_present_and_keeps_the_rest():
+    body = (b'{"model":"m","max_tokens":-1,"n_predict":7,"x":[1.5,{"y":null}],'
+            b'"big":123456789012345678901234}')
+    doc = json.loads(A.with_limit(body, 64, "/v1/chat/completions"))
+    assert doc == {"model": "m", "max_tokens": 64, "n_predict": 64, "x": [1.5, {"y": None}],
+                   "big": 123456789012345678901234}
+    assert A.completion_limit(msgspec.json.decode(A.with_limit(body, 64, "/v1/chat/completions"),
+                                                  type=A.Peek)) == 64
+
+
+@pytest.mark.parametrize("path,field", [("/v1/chat/completions", "max_tokens"),
+                                        ("/v1/completions", "max_tokens"),
+                                        ("/completion", "n_predict"),
+                                        ("/v1/responses", "max_output_tokens")])
+def test_with_limit_adds_only_the_field_the_api_reads(path, field):
+    # a hosted API refuses fields it does not know: no n_predict sent to OpenAI's chat
+    doc = json.loads(A.with_limit(b'{"model":"m","messages":[]}', 32, path))
+    assert doc == {"model": "m", "messages": [], field: 32}
 
 
 def test_head_check():
