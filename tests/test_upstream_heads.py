@@ -137,6 +137,7 @@ def ok(body: bytes) -> bytes:
 @pytest.mark.parametrize("first", [
     ok(b"first"),  # a clean response, then junk a little later on the idle connection
     b"HTTP/1.1 204 No Content\r\n\r\n",
+    ok(b""),  # Content-Length: 0
 ])
 @pytest.mark.parametrize("together", [False, True])
 async def test_a_pooled_connection_that_received_unsolicited_bytes_is_not_reused(
@@ -206,3 +207,30 @@ async def test_a_head_over_max_head_in_one_read_is_refused(make_relay):
     resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(3))
     assert resp.status == 502 and error_code(resp) == "upstream_bad_response"
     await up.stop()
+
+
+async def test_the_pool_never_hands_out_a_connection_with_unread_bytes():
+    """Bytes the loop has not read yet (it reads them at its next poll; a connection can be
+    released and taken again before that) still retire the connection."""
+    import select
+    import socket
+    from relay.upstream import Pool
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    srv.settimeout(5)
+    pool = Pool("127.0.0.1", srv.getsockname()[1], keepalive_s=30)
+    conn, reused = await pool.acquire(5)
+    peer, _ = srv.accept()
+    pool.release(conn, True)
+    peer.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nJUNK")
+    fd = conn.transport.get_extra_info("socket").fileno()
+    assert select.select([fd], [], [], 5)[0]  # landed; the loop has not run since
+    again, reused = await pool.acquire(5)
+    assert again is not conn and not reused and pool.connects == 2
+    assert conn.transport.is_closing() and not conn.alive
+    again.abort()
+    pool.close()
+    peer.close()
+    srv.close()
