@@ -71,7 +71,7 @@ class HeadReader:
         if pending is not None:  # the slow case: a head split across reads
             scan = max(len(pending) - 3, 0)
             pending += data
-            if pending.find(b"\r\n\r\n", scan) < 0:
+            if _blank_line(pending, scan) < 0:
                 self._bound(len(pending))
                 return None
             buf, self.pending = bytes(pending), None
@@ -79,12 +79,11 @@ class HeadReader:
             buf, scan = data, 0
         pos = 0
         while True:
-            end = buf.find(b"\r\n\r\n", scan)
+            end = _blank_line(buf, scan)
             if end < 0:
                 self._bound(len(buf) - pos)
                 self.pending = bytearray(memoryview(buf)[pos:])
                 return None
-            end += 4
             self.used += end - pos
             if self.used > MAX_HEAD:
                 raise BadHead("response head too large")
@@ -99,6 +98,18 @@ class HeadReader:
     def _bound(self, unfinished: int) -> None:
         if self.used + unfinished >= MAX_HEAD:  # its blank line would end past the bound
             raise BadHead("response head too large")
+
+
+def _blank_line(buf, scan: int) -> int:
+    """Where the head that holds buf[scan:] ends (after its CRLF CRLF); -1 when not in yet.
+
+    A head ends at the first blank line however its lines end (h11 reads LF as a line end
+    too), so a bare LF there is refused at once, never waited past."""
+    end = buf.find(b"\n\r\n", scan)
+    if buf.find(b"\n\n", scan, len(buf) if end < 0 else end) >= 0 or (
+            end >= 0 and (end == 0 or buf[end - 1] != 13)):
+        raise BadHead("bare LF in the response head")
+    return end + 3 if end >= 0 else -1
 
 
 def parse_response_head(buf: bytes) -> tuple[ResponseHead, int] | None:
