@@ -64,6 +64,7 @@ BAD_HEADS = {
                      b"hello, world",
     "cl_list": b"HTTP/1.1 200 OK\r\nContent-Length: 5, 7\r\n\r\nhello, world",
     "signed_cl": b"HTTP/1.1 200 OK\r\nContent-Length: +5\r\n\r\nhello",
+    "bare_lf_ends_head": b"HTTP/1.1 200 OK\r\nContent-Length: 5\n\r\nhello",
     "reason_with_nul": b"HTTP/1.1 200 O\x00K\r\nContent-Length: 5\r\n\r\nhello",
     "reason_with_esc": b"HTTP/1.1 200 \x1b[2JOK\r\nContent-Length: 5\r\n\r\nhello",
     "reason_with_del": b"HTTP/1.1 200 OK\x7f\r\nContent-Length: 5\r\n\r\nhello",
