@@ -206,6 +206,7 @@ class Exchange:
             parsed = self.head_reader.feed(data)
         except BadHead as exc:
             self.head_reader = None
+            self.conn.abort()  # read no more of it (an endless head would pile up meanwhile)
             if not self.head_fut.done():
                 self.head_fut.set_exception(UpstreamBadHead(str(exc)))
             return
