@@ -75,6 +75,7 @@ class App:
         self.tasks: set[asyncio.Task] = set()
         self.background: list[asyncio.Task] = []
         self.draining = False
+        self._hurry = asyncio.Event()
         self.port = 0
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -103,7 +104,8 @@ class App:
                 self.budgets.restore(key_id, kind, requests, tokens, now)
 
     async def stop(self, drain_timeout_s: float | None = None) -> None:
-        """Stop accepting, let in-flight requests finish (bounded), flush rows, close."""
+        """Stop accepting, refuse the queue, let in-flight requests finish (bounded), flush
+        rows, close. `hurry()` (a second SIGTERM/SIGINT) skips what is left of the waits."""
         if drain_timeout_s is None:
             drain_timeout_s = self.config.server.drain_timeout_s
         self.draining = True
@@ -113,22 +115,22 @@ class App:
             if not client.busy and not client.gone:
                 client.gone = True
                 client.transport.close()
+        for up in self.all_upstreams():
+            up.slots.close()  # queued requests are answered 503 shutting_down now
         pending = {t for t in self.tasks if not t.done()}
         self.log.event("relay_draining", in_flight=len(pending), timeout_s=drain_timeout_s)
-        if pending:
-            _, pending = await asyncio.wait(pending, timeout=drain_timeout_s)
+        pending = await self._drain_wait(pending, drain_timeout_s)
         for client in list(self.clients):
             if client.exchange is not None:
-                client.exchange.shutdown()
-        if pending:
-            _, pending = await asyncio.wait(pending, timeout=2.0)
+                client.exchange.shutdown()  # cut: the client sees the truncation
+        pending = await self._drain_wait(pending, 2.0)
         for task in pending:
-            task.cancel()  # still waiting for a slot or a head: settled as shut down
+            task.cancel()  # still waiting for a head or a slow client: settled as shut down
         if pending:
             await asyncio.wait(pending, timeout=2.0)
         for task in self.background:
             task.cancel()
-        for up in self.upstreams.values():
+        for up in self.all_upstreams():
             up.pool.close()
         for client in list(self.clients):
             if client.transport is not None:
@@ -137,6 +139,30 @@ class App:
         self.log.event("relay_stopped", unfinished=len([t for t in pending if not t.done()]),
                        rows_written=self.store.rows_written, rows_dropped=self.store.rows_dropped)
         self.log.flush()
+
+    def hurry(self) -> None:
+        """End a drain now (the rows are still settled and flushed)."""
+        self._hurry.set()
+
+    async def _drain_wait(self, pending: set, timeout: float) -> set:
+        """Wait until the tasks are done, `timeout` ran out, or `hurry()`; the tasks left."""
+        left = {t for t in pending if not t.done()}
+        if not left or self._hurry.is_set():
+            return left
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        hurry = loop.create_task(self._hurry.wait())
+        try:
+            while left and not hurry.done() and (remaining := end - loop.time()) > 0:
+                await asyncio.wait(left | {hurry}, timeout=remaining,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                left = {t for t in left if not t.done()}
+        finally:
+            hurry.cancel()
+        return left
+
+    def all_upstreams(self) -> list:
+        return list(self.upstreams.values())
 
     # ---- requests ----------------------------------------------------------------------
     async def handle(self, client: ClientConn, req) -> None:

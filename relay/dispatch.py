@@ -23,7 +23,7 @@ from relay.errors import RelayError
 from relay.health import DOWN
 from relay.record import Record
 from relay.routing import NoRoute, model_list
-from relay.slots import Busy
+from relay.slots import Busy, SlotsClosed
 from relay.sse import SseScanner
 from relay.upstream import ConnectError
 
@@ -72,6 +72,10 @@ def estimate_tokens(body: bytes, peek: _Peek, default_max: int) -> tuple[int, in
     return len(body) // 4, asked
 
 
+def _shutting_down() -> RelayError:
+    return RelayError("shutting_down", "the relay is shutting down")
+
+
 class _Retry(Exception):
     """A failure before the first content event: the next candidate may serve."""
 
@@ -114,12 +118,8 @@ class Dispatcher:
         except RelayError as err:
             keep_alive = self._answer_error(client, rid, rec, err, keep_alive)
         except asyncio.CancelledError:
-            if state["ex"] is not None:
-                state["ex"].conn.abort()
-            rec.outcome = rec.outcome or (X.SHUTDOWN if app.draining and not client.gone
-                                          else X.CLIENT_GONE)
-            rec.error_code = rec.error_code or rec.outcome
             keep_alive = False
+            self._cancelled(client, rid, rec, state)
         except Exception as exc:  # a bug: the client still gets an answer, the row is written
             app.log.event("internal_error", request_id=rec.request_id,
                           error=f"{type(exc).__name__}: {exc}"[:300])
@@ -136,6 +136,24 @@ class Dispatcher:
             if rec.outcome is not None or rec.status is not None:
                 self._settle(client, rec, state, t0)
             client.finish(keep_alive)
+
+    def _cancelled(self, client, rid: bytes, rec: Record, state: dict) -> None:
+        """The task was cancelled (client gone, or the drain's last step): the row still says
+        what reached the client, and a client that got nothing yet gets an answer."""
+        draining = self.app.draining and not client.gone
+        ex = state["ex"]
+        if ex is not None:
+            if ex.head_at and ex.outcome is None:
+                ex.shutdown()  # ends the exchange: its timers stop, its figures stay
+            else:
+                ex.conn.abort()
+            if ex.head_sent and rec.upstream_served is None:
+                rec.upstream_served, rec.status = ex.upstream_name, ex.status
+        rec.outcome = rec.outcome or (X.SHUTDOWN if draining else X.CLIENT_GONE)
+        rec.error_code = rec.error_code or rec.outcome
+        if draining and (ex is None or not ex.head_sent):
+            rec.status = 503
+            client.respond(503, _shutting_down().body(), rid, False)
 
     def _answer_error(self, client, rid, rec, err: RelayError, keep_alive: bool) -> bool:
         rec.status = err.status
@@ -199,6 +217,8 @@ class Dispatcher:
             q0 = time.perf_counter()
             try:
                 state["slot"] = await up.slots.acquire(d.pool_timeout_s)
+            except SlotsClosed:  # the relay began draining while this request queued
+                raise _shutting_down() from None
             except Busy as exc:
                 retry_after = max(1, int(d.pool_timeout_s + 0.999))
                 raise _Retry(RelayError("upstream_busy", f"upstream {up.name} is busy: {exc}",
@@ -256,6 +276,8 @@ class Dispatcher:
                                             up.auth)
         fresh = False
         while True:
+            if self.app.draining:  # no upstream stream starts once the drain began
+                raise _shutting_down()
             try:
                 conn, reused = await up.pool.acquire(d.connect_timeout_s, fresh=fresh)
             except ConnectError as exc:
