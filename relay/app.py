@@ -186,7 +186,8 @@ class App:
             if up.health.probe != before:
                 self.log.event("upstream_state", upstream=up.name, state=up.state,
                                was=before, status=status)
-            await asyncio.sleep(d.health_interval_s)
+            await asyncio.sleep(up.health.probe_delay(d.health_interval_s,
+                                                      d.down_probe_interval_s))
 
     async def _sample_tokens(self) -> None:
         """Once a second, move each live stream's new tokens into its upstream's rate window."""

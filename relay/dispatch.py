@@ -210,27 +210,15 @@ class Dispatcher:
                        more: bool, t0: float) -> bool:
         app = self.app
         d = app.config.dispatcher
-        if up.health.probe == DOWN and d.health_interval_s > 0:
+        trial = up.health.probe == DOWN and d.health_interval_s > 0
+        if trial and not up.health.may_try():  # another request is trying it already
             raise _Retry(RelayError("upstream_unavailable", f"upstream {up.name} is down",
                                     {"upstream": up.name, "error": up.health.last_error}))
-        if slot_path:
-            q0 = time.perf_counter()
-            try:
-                state["slot"] = await up.slots.acquire(d.pool_timeout_s)
-            except SlotsClosed:  # the relay began draining while this request queued
-                raise _shutting_down() from None
-            except Busy as exc:
-                retry_after = max(1, int(d.pool_timeout_s + 0.999))
-                raise _Retry(RelayError("upstream_busy", f"upstream {up.name} is busy: {exc}",
-                                        {"upstream": up.name},
-                                        [(b"Retry-After", b"%d" % retry_after)])) from None
-            finally:
-                waited = time.perf_counter() - q0
-                rec.queue_ms = round(waited * 1000, 3)
-                up.metrics.observe_queue_wait(waited)
-        on_content = lambda e, up=up: up.metrics.observe_ttft(  # noqa: E731
-            e.first_content_at - t0, time.monotonic())
-        ex = await self._open(client, req, up, rid, rec, more, on_content, state)
+        try:
+            ex = await self._start(client, req, rid, rec, state, up, slot_path, more, t0)
+        finally:
+            if trial:
+                up.health.trial_over()
         state["ex"] = ex
         if not ex.body_started:  # 429/5xx with another candidate left
             status = ex.head_resp.status_code
@@ -260,6 +248,29 @@ class Dispatcher:
                 keep_alive = False
         up.pool.release(ex.conn, ex.reusable)
         return keep_alive and not client.gone
+
+    async def _start(self, client, req, rid, rec: Record, state, up, slot_path: bool,
+                     more: bool, t0: float) -> X.Exchange:
+        """Wait for a slot, then open the exchange (up to its response head)."""
+        d = self.app.config.dispatcher
+        if slot_path:
+            q0 = time.perf_counter()
+            try:
+                state["slot"] = await up.slots.acquire(d.pool_timeout_s)
+            except SlotsClosed:  # the relay began draining while this request queued
+                raise _shutting_down() from None
+            except Busy as exc:
+                retry_after = max(1, int(d.pool_timeout_s + 0.999))
+                raise _Retry(RelayError("upstream_busy", f"upstream {up.name} is busy: {exc}",
+                                        {"upstream": up.name},
+                                        [(b"Retry-After", b"%d" % retry_after)])) from None
+            finally:
+                waited = time.perf_counter() - q0
+                rec.queue_ms = round(waited * 1000, 3)
+                up.metrics.observe_queue_wait(waited)
+        on_content = lambda e, up=up: up.metrics.observe_ttft(  # noqa: E731
+            e.first_content_at - t0, time.monotonic())
+        return await self._open(client, req, up, rid, rec, more, on_content, state)
 
     async def _open(self, client, req, up, rid: bytes, rec: Record, more: bool,
                     on_content, state: dict) -> X.Exchange:

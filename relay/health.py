@@ -1,5 +1,9 @@
 """Upstream state: ready / serving / loading / down, from a light /health probe and from
-what requests see (a refused connect marks an upstream down at once)."""
+what requests see (a refused connect marks an upstream down at once).
+
+While an upstream is down, requests fail fast, except one at a time: that one tries the
+upstream for real (a half-open circuit), so an upstream that answers again serves the next
+request, not only after the next probe. The probe runs more often while down, too."""
 
 from __future__ import annotations
 
@@ -12,6 +16,24 @@ class Health:
     def __init__(self) -> None:
         self.probe = READY  # READY (answers), LOADING (503 on /health) or DOWN
         self.last_error = ""
+        self.trial = False  # a request is trying the upstream while it is down
+
+    def may_try(self) -> bool:
+        """Whether a request may use the upstream now; while down, the first one asking
+        becomes the trial (until `trial_over`) and the others are refused."""
+        if self.probe != DOWN:
+            return True
+        if self.trial:
+            return False
+        self.trial = True
+        return True
+
+    def trial_over(self) -> None:
+        self.trial = False
+
+    def probe_delay(self, interval_s: float, down_interval_s: float) -> float:
+        """Seconds until the next probe: sooner while down, to see it come back."""
+        return min(interval_s, down_interval_s) if self.probe == DOWN else interval_s
 
     def state(self, in_flight: int) -> str:
         if self.probe != READY:
