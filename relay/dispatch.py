@@ -16,11 +16,12 @@ import time
 
 import msgspec
 
-from relay import exchange as X
+from relay import access, exchange as X
 from relay import headers as hdr
 from relay.budget import BudgetExceeded
 from relay.errors import RelayError
 from relay.health import DOWN
+from relay.paths import normalize
 from relay.record import Record
 from relay.routing import NoRoute, model_list
 from relay.slots import Busy, SlotsClosed
@@ -34,7 +35,13 @@ SLOT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/comple
                         "/embedding", "/infill", "/v1/responses"})
 # Refusals decided before any upstream is chosen or contacted (counted relay-wide).
 _ADMISSION_CODES = frozenset({"invalid_api_key", "invalid_json", "bad_request",
-                              "model_not_found", "budget_exceeded", "not_found"})
+                              "model_not_found", "budget_exceeded", "not_found", "forbidden"})
+
+
+def _peer_host(client) -> str | None:
+    transport = client.transport
+    peer = transport.get_extra_info("peername") if transport is not None else None
+    return peer[0] if isinstance(peer, tuple) and peer else None
 
 
 class _Peek(msgspec.Struct):
@@ -112,7 +119,7 @@ class Dispatcher:
         keep_alive = req.keep_alive
         state = {"slot": None, "reservation": None, "ex": None}
         try:
-            if self._internal(client, req, rid, path):
+            if self._internal(client, req, rid, state):
                 return
             keep_alive = await self._serve(client, req, rid, rec, state, t0)
         except RelayError as err:
@@ -166,7 +173,7 @@ class Dispatcher:
     # ---- admission and relay -------------------------------------------------------------
     async def _serve(self, client, req, rid: bytes, rec: Record, state: dict, t0: float) -> bool:
         app = self.app
-        if app.auth.enabled:
+        if app.auth.enabled and not state.get("admin"):
             rec.key_id = app.auth.identify(req.headers)
             if rec.key_id is None:
                 raise RelayError("invalid_api_key", "missing or unknown API key")
@@ -340,11 +347,16 @@ class Dispatcher:
                 timer.cancel()
 
     # ---- endpoints the relay answers itself ---------------------------------------------
-    def _internal(self, client, req, rid: bytes, path: str) -> bool:
+    def _internal(self, client, req, rid: bytes, state: dict) -> bool:
         app = self.app
-        if path == "/metrics" or path.startswith("/api/"):
-            if not app.auth.admin_ok(req.headers):
-                raise RelayError("invalid_api_key", "admin key required")
+        path = normalize(req.target)
+        relay_admin = access.is_relay_admin(path)
+        if relay_admin or access.is_upstream_admin(req.method, path):
+            refused = access.admin_refusal(app.auth, req.headers, _peer_host(client))
+            if refused is not None:
+                raise RelayError(*refused)
+            state["admin"] = True  # an admin call: no API key needed on top
+        if relay_admin:
             now = time.monotonic()
             for up in app.upstreams.values():
                 up.refresh_metrics()
