@@ -67,7 +67,8 @@ class App:
         self.registry = Registry()
         for up in self.upstreams.values():
             self.registry.add(up.metrics)
-        self.store = Store(config.store.path, retention_days=config.store.retention_days)
+        self.store = Store(config.store.path, retention_days=config.store.retention_days,
+                           log=self.log)
         self.dispatcher = Dispatcher(self)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.server: asyncio.AbstractServer | None = None

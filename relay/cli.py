@@ -46,6 +46,10 @@ async def _serve(args) -> int:
     from relay.log import Log
 
     log = Log()
+    # what asyncio would print as text (a callback's exception, ...) is a JSON line too
+    asyncio.get_running_loop().set_exception_handler(
+        lambda _loop, ctx: log.event("loop_error", message=str(ctx.get("message")),
+                                     error=repr(ctx.get("exception"))[:300]))
     sim = None
     sim_url = None
     if args.demo:
@@ -60,16 +64,17 @@ async def _serve(args) -> int:
         await app.start()
     except (ConfigError, OSError, sqlite3.Error) as exc:
         what = f"store.path {app.config.store.path!r}: " if isinstance(exc, sqlite3.Error) else ""
-        print(f"relay: {what}{exc}", file=sys.stderr)
+        log.event("relay_start_failed", error=f"{what}{exc}")
+        log.flush()
         if sim is not None:
             await sim.stop()
         return 2
     if args.demo:
         host = app.config.server.host
-        print(f"relay demo: try\n  curl -N http://{host}:{app.port}/v1/chat/completions "
-              "-H 'Content-Type: application/json' -d '{\"model\":\"demo\",\"stream\":true,"
-              "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'", file=sys.stderr,
-              flush=True)
+        log.event("demo_try", command=(
+            f"curl -N http://{host}:{app.port}/v1/chat/completions "
+            "-H 'Content-Type: application/json' -d '{\"model\":\"demo\",\"stream\":true,"
+            "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'"))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -109,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return run(_serve(args))
         except ConfigError as exc:
-            print(f"relay: config error: {exc}", file=sys.stderr)
+            from relay.log import Log
+
+            Log().event("config_error", error=str(exc))
             return 2
     return 2

@@ -13,9 +13,10 @@ import collections
 import concurrent.futures
 import pathlib
 import sqlite3
-import sys
 import threading
 import time
+
+from relay.log import Log
 
 COLUMNS = ("ts", "request_id", "key_id", "path", "model", "stream", "upstream_requested",
            "upstream_served", "fallback_attempts", "status", "ok", "error_code", "queue_ms",
@@ -69,8 +70,10 @@ class Store:
 
     def __init__(self, path: str, retention_days: float = 30.0, batch_max: int = 500,
                  queue_max: int = 10000, flush_interval_s: float = 0.2, *,
-                 overflow_max: int = OVERFLOW_MAX, prune_interval_s: float = 3600.0) -> None:
+                 overflow_max: int = OVERFLOW_MAX, prune_interval_s: float = 3600.0,
+                 log: Log | None = None) -> None:
         self.path = path
+        self.log = log or Log()  # warnings are JSON log lines like every other
         self.retention_days = retention_days
         self.batch_max = max(1, batch_max)
         self.queue_max = max(1, queue_max)
@@ -123,15 +126,13 @@ class Store:
         self._warn("drop", f"dropping request rows ({why}); {self.rows_dropped} dropped so far")
 
     def _warn(self, kind: str, line: str) -> None:
-        """One stderr line per kind at most every WARN_INTERVAL_S."""
+        """One JSON log line (`store_warning`) per kind at most every WARN_INTERVAL_S."""
         now = time.monotonic()
         if now - self._warned_at.get(kind, -WARN_INTERVAL_S) < WARN_INTERVAL_S:
             return
         self._warned_at[kind] = now
-        try:
-            print(f"relay store: {line}", file=sys.stderr, flush=True)
-        except (OSError, ValueError):
-            pass
+        self.log.event("store_warning", kind=kind, message=line,
+                       rows_dropped=self.rows_dropped, write_errors=self.write_errors)
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
