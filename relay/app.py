@@ -83,6 +83,8 @@ class App:
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.store.start()
+        if self.store.recovered:  # the relay died mid-request: those requests are charged
+            self.log.event("admissions_recovered", rows=self.store.recovered)
         self._restore_budgets()
         s = self.config.server
         self.server = await self.loop.create_server(
@@ -96,7 +98,8 @@ class App:
                        upstreams=list(self.upstreams))
 
     def _restore_budgets(self) -> None:
-        """Budgets survive a restart: each window's usage is rebuilt from the rows."""
+        """Budgets survive a restart: each window's usage is rebuilt from the rows (those of
+        requests a crash cut included: relay/admission.py)."""
         now = time.time()
         for key_id in self.budgets.keys:
             for kind in self.budgets.windows_of(key_id):
@@ -179,16 +182,22 @@ class App:
 
     # ---- background ----------------------------------------------------------------------
     async def _probe(self, up: Upstream) -> None:
-        d = self.config.dispatcher
+        wake = asyncio.Event()
+        up.health.on_down = wake.set  # a request saw it down: probe now, then often
         while True:
+            d = self.config.dispatcher
+            wake.clear()
             status = await probe_once(up.host, up.port, up.host_header, d.connect_timeout_s)
             before = up.health.probe
             up.health.probed(status, "no answer to GET /health" if status is None else "")
             if up.health.probe != before:
                 self.log.event("upstream_state", upstream=up.name, state=up.state,
                                was=before, status=status)
-            await asyncio.sleep(up.health.probe_delay(d.health_interval_s,
-                                                      d.down_probe_interval_s))
+            try:
+                await asyncio.wait_for(wake.wait(), up.health.probe_delay(
+                    d.health_interval_s, d.down_probe_interval_s))
+            except (TimeoutError, asyncio.TimeoutError):
+                pass
 
     async def _sample_tokens(self) -> None:
         """Once a second, move each live stream's new tokens into its upstream's rate window."""

@@ -217,15 +217,10 @@ class Dispatcher:
                        more: bool, t0: float) -> bool:
         app = self.app
         d = app.config.dispatcher
-        trial = up.health.probe == DOWN and d.health_interval_s > 0
-        if trial and not up.health.may_try():  # another request is trying it already
+        if up.health.probe == DOWN and d.health_interval_s > 0:  # probed often while down
             raise _Retry(RelayError("upstream_unavailable", f"upstream {up.name} is down",
                                     {"upstream": up.name, "error": up.health.last_error}))
-        try:
-            ex = await self._start(client, req, rid, rec, state, up, slot_path, more, t0)
-        finally:
-            if trial:
-                up.health.trial_over()
+        ex = await self._start(client, req, rid, rec, state, up, slot_path, more, t0)
         state["ex"] = ex
         if not ex.body_started:  # 429/5xx with another candidate left
             status = ex.head_resp.status_code
@@ -275,9 +270,24 @@ class Dispatcher:
                 waited = time.perf_counter() - q0
                 rec.queue_ms = round(waited * 1000, 3)
                 up.metrics.observe_queue_wait(waited)
+        res = state["reservation"]
+        if res is not None and not res.settled and "admission" not in state:
+            await self._admit(rec, state, res.tokens)
         on_content = lambda e, up=up: up.metrics.observe_ttft(  # noqa: E731
             e.first_content_at - t0, time.monotonic())
         return await self._open(client, req, up, rid, rec, more, on_content, state)
+
+    async def _admit(self, rec: Record, state: dict, reserved: int) -> None:
+        """A key with limits: its admission is on disk before the upstream is contacted (a
+        crash then cannot give the key back what it spent; relay/admission.py)."""
+        store = self.app.store
+        state["admission"] = admission_id = store.next_admission_id()
+        prompt = min(state.get("prompt_est", 0), reserved)
+        try:
+            await store.admit(admission_id, rec, prompt, reserved - prompt)
+        except RuntimeError as exc:  # the database fails: serve, the budget still holds
+            self.app.log.event("admission_not_durable", request_id=rec.request_id,
+                               error=str(exc)[:300])
 
     async def _open(self, client, req, up, rid: bytes, rec: Record, more: bool,
                     on_content, state: dict) -> X.Exchange:
@@ -419,7 +429,9 @@ class Dispatcher:
             m.request_done(rec.ok, rec.error_code)
             if ex is not None and ex.outcome == X.STALL:
                 m.stall(ex.stall_reason)
-        app.store.put(rec.row())
+        row = rec.row()
+        row["admission_id"] = state.get("admission")  # the row replaces it, in one commit
+        app.store.put(row)
         app.log.event("access", **rec.log_fields())
 
     def _tokens(self, rec: Record, ex: X.Exchange, state: dict) -> None:

@@ -1,9 +1,9 @@
 """Upstream state: ready / serving / loading / down, from a light /health probe and from
 what requests see (a refused connect marks an upstream down at once).
 
-While an upstream is down, requests fail fast, except one at a time: that one tries the
-upstream for real (a half-open circuit), so an upstream that answers again serves the next
-request, not only after the next probe. The probe runs more often while down, too."""
+While an upstream is down, requests fail fast (no connect timeout paid per request), and the
+probe runs every `down_probe_interval_s` instead of `health_interval_s`: an upstream that
+answers again serves within that interval, not after the next regular probe."""
 
 from __future__ import annotations
 
@@ -16,20 +16,7 @@ class Health:
     def __init__(self) -> None:
         self.probe = READY  # READY (answers), LOADING (503 on /health) or DOWN
         self.last_error = ""
-        self.trial = False  # a request is trying the upstream while it is down
-
-    def may_try(self) -> bool:
-        """Whether a request may use the upstream now; while down, the first one asking
-        becomes the trial (until `trial_over`) and the others are refused."""
-        if self.probe != DOWN:
-            return True
-        if self.trial:
-            return False
-        self.trial = True
-        return True
-
-    def trial_over(self) -> None:
-        self.trial = False
+        self.on_down = None  # called when a request finds the upstream down (wakes the probe)
 
     def probe_delay(self, interval_s: float, down_interval_s: float) -> float:
         """Seconds until the next probe: sooner while down, to see it come back."""
@@ -50,7 +37,9 @@ class Health:
             self.probe, self.last_error = READY, ""
 
     def connect_failed(self, error: str) -> None:
-        self.probe, self.last_error = DOWN, error
+        was, self.probe, self.last_error = self.probe, DOWN, error
+        if was != DOWN and self.on_down is not None:
+            self.on_down()
 
     def answered(self) -> None:
         if self.probe == DOWN:

@@ -1,5 +1,5 @@
-"""An upstream marked down serves again as soon as it answers: one request at a time tries
-it while down (half-open), and the probe runs more often while it is down."""
+"""An upstream marked down serves again within a second of answering: requests fail fast
+while it is down, and the probe runs every down_probe_interval_s (0.5 s) meanwhile."""
 
 import asyncio
 
@@ -11,28 +11,26 @@ from tests.conftest import closed_port, wait_for
 CHAT = "/v1/chat/completions"
 
 
-def test_half_open_lets_one_request_try_at_a_time():
+def test_probe_runs_more_often_while_down():
     h = Health()
-    assert h.may_try() and h.may_try()  # not down: everyone
-    h.connect_failed("refused")
-    assert h.may_try()  # the trial
-    assert not h.may_try()  # the others fail fast meanwhile
-    h.trial_over()
-    assert h.may_try()
-    h.trial_over()
-    h.answered()
-    assert h.probe == READY and h.may_try() and h.may_try()
     assert h.probe_delay(5.0, 0.5) == 5.0
-    h.probed(None, "no answer")
+    h.connect_failed("refused")
     assert h.probe == DOWN and h.probe_delay(5.0, 0.5) == 0.5
+    h.probed(200)
+    assert h.probe == READY and h.probe_delay(5.0, 0.5) == 5.0
 
 
 async def test_down_upstream_serves_within_a_second_of_answering(make_relay):
     port = closed_port()
+    first_sim = Simulator(port=port)
+    await first_sim.start()
     app = await make_relay(url=f"http://127.0.0.1:{port}", health_interval_s=5.0)
     up = app.upstreams["llm"]
-    first = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(3))
-    assert first.status == 502 and up.health.probe == DOWN
+    assert (await httpc.fetch(app.port, "POST", CHAT, httpc.chat(3))).status == 200
+    await first_sim.stop()  # gone between two regular probes: a request finds out
+    await wait_for(lambda: not first_sim.open_connections)
+    down = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(3))
+    assert down.status == 502 and up.health.probe == DOWN
     loop = asyncio.get_running_loop()
     results: list[tuple[float, int]] = []
     sim = Simulator(port=port)
