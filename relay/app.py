@@ -21,6 +21,17 @@ from relay.store import Store
 from relay.upstream import Pool
 
 
+def upstream_auth(cfg: UpstreamConfig) -> tuple[bytes, bytes] | None:
+    """The header the upstream wants, its value read from the environment (never the file)."""
+    if not cfg.auth_header:
+        return None
+    value = os.environ.get(cfg.auth_value_env or "")
+    if value is None:
+        raise ConfigError(f"upstream.{cfg.name}.auth_value_env: environment variable "
+                          f"{cfg.auth_value_env} is not set")
+    return cfg.auth_header.encode(), value.encode()
+
+
 class Upstream:
     def __init__(self, cfg: UpstreamConfig, keepalive_s: float, prewarm: bool = False,
                  connect_timeout_s: float = 5.0) -> None:
@@ -32,14 +43,8 @@ class Upstream:
         self.slots = SlotPool(cfg.parallel, cfg.queue)
         self.health = Health()
         self.metrics = UpstreamMetrics(cfg.name, cfg.parallel)
-        self.auth: tuple[bytes, bytes] | None = None
-        if cfg.auth_header:
-            value = os.environ.get(cfg.auth_value_env or "")
-            if value is None:
-                raise ConfigError(
-                    f"upstream.{cfg.name}.auth_value_env: environment variable "
-                    f"{cfg.auth_value_env} is not set")
-            self.auth = (cfg.auth_header.encode(), value.encode())
+        self.auth = upstream_auth(cfg)
+        self.probe_task: asyncio.Task | None = None
 
     @property
     def state(self) -> str:
@@ -75,6 +80,7 @@ class App:
         self.clients: set[ClientConn] = set()
         self.tasks: set[asyncio.Task] = set()
         self.background: list[asyncio.Task] = []
+        self.retired: list[Upstream] = []  # removed by a reload, pool closed once idle
         self.draining = False
         self._hurry = asyncio.Event()
         self.port = 0
@@ -90,22 +96,37 @@ class App:
         self.server = await self.loop.create_server(
             lambda: ClientConn(self), s.host, s.port, backlog=4096, reuse_address=True)
         self.port = self.server.sockets[0].getsockname()[1]
-        if self.config.dispatcher.health_interval_s > 0:
-            for up in self.upstreams.values():
-                self.background.append(self.loop.create_task(self._probe(up)))
+        self.start_probes()
         self.background.append(self.loop.create_task(self._sample_tokens()))
         self.log.event("relay_listening", host=s.host, port=self.port,
                        upstreams=list(self.upstreams))
 
-    def _restore_budgets(self) -> None:
+    def start_probes(self) -> None:
+        """One /health probe task per upstream (again after a reload: the old ones end)."""
+        for up in self.all_upstreams():
+            if up.probe_task is not None:
+                up.probe_task.cancel()
+                up.probe_task = None
+        if self.config.dispatcher.health_interval_s > 0:
+            for up in self.upstreams.values():
+                up.probe_task = self.loop.create_task(self._probe(up))
+
+    def _restore_budgets(self, windows: list[tuple[str, str]] | None = None) -> None:
         """Budgets survive a restart: each window's usage is rebuilt from the rows (those of
-        requests a crash cut included: relay/admission.py)."""
+        requests a crash cut included: relay/admission.py). `windows`: only those."""
         now = time.time()
-        for key_id in self.budgets.keys:
-            for kind in self.budgets.windows_of(key_id):
-                start, _ = window_bounds(kind, now)
-                requests, tokens = self.store.usage_since(key_id, start, served_only=True)
-                self.budgets.restore(key_id, kind, requests, tokens, now)
+        if windows is None:
+            windows = [(k, kind) for k in self.budgets.keys for kind in self.budgets.windows_of(k)]
+        for key_id, kind in windows:
+            start, _ = window_bounds(kind, now)
+            requests, tokens = self.store.usage_since(key_id, start, served_only=True)
+            self.budgets.restore(key_id, kind, requests, tokens, now)
+
+    def reload(self, config: Config) -> dict:
+        """Apply a new configuration (SIGHUP): see relay/reload.py."""
+        from relay.reload import apply
+
+        return apply(self, config)
 
     async def stop(self, drain_timeout_s: float | None = None) -> None:
         """Stop accepting, refuse the queue, let in-flight requests finish (bounded), flush
@@ -134,6 +155,9 @@ class App:
             await asyncio.wait(pending, timeout=2.0)
         for task in self.background:
             task.cancel()
+        for up in self.all_upstreams():
+            if up.probe_task is not None:
+                up.probe_task.cancel()
         for up in self.all_upstreams():
             up.pool.close()
         for client in list(self.clients):
@@ -166,7 +190,8 @@ class App:
         return left
 
     def all_upstreams(self) -> list:
-        return list(self.upstreams.values())
+        """The configured upstreams and those a reload removed whose streams still run."""
+        return list(self.upstreams.values()) + self.retired
 
     # ---- requests ----------------------------------------------------------------------
     async def handle(self, client: ClientConn, req) -> None:
@@ -208,6 +233,15 @@ class App:
                 ex = client.exchange
                 if ex is not None and ex.scanner is not None:
                     n = ex.scanner.content_events - ex.counted
-                    if n:
+                    up = self.upstreams.get(ex.upstream_name)
+                    if n and up is not None:
                         ex.counted += n
-                        self.upstreams[ex.upstream_name].metrics.add_tokens(n, now)
+                        up.metrics.add_tokens(n, now)
+            self._close_retired()
+
+    def _close_retired(self) -> None:
+        """Pools of upstreams a reload removed are closed once their streams are done."""
+        for up in list(self.retired):
+            up.pool.close()  # idle connections now; the one a finishing stream frees later
+            if up.slots.in_flight == 0 and not up.slots.waiters:
+                self.retired.remove(up)

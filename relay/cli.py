@@ -77,13 +77,36 @@ async def _serve(args) -> int:
             "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'"))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_stop() -> None:
+        if stop.is_set():  # a second SIGTERM/SIGINT: end the drain now (rows still flushed)
+            log.event("relay_hurry")
+            app.hurry()
+        stop.set()
+
+    def on_hup() -> None:
+        if not stop.is_set():
+            reload_config(app, args, sim_url, log)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_stop)
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
     await stop.wait()
     await app.stop()
     if sim is not None:
         await sim.stop()
     return 0
+
+
+def reload_config(app, args, sim_url: str | None, log) -> None:
+    """SIGHUP: read the file again (flags still override it) and apply it, or keep the
+    running configuration and say why."""
+    try:
+        summary = app.reload(build_config(args, sim_url))
+    except ConfigError as exc:
+        log.event("config_reload_failed", reason=str(exc), config=args.config)
+        return
+    log.event("config_reloaded", config=args.config, **summary)
 
 
 def run(coro) -> int:

@@ -217,6 +217,7 @@ class Dispatcher:
                        more: bool, t0: float) -> bool:
         app = self.app
         d = app.config.dispatcher
+        state["up"] = up  # (a config reload may remove it from app.upstreams meanwhile)
         if up.health.probe == DOWN and d.health_interval_s > 0:  # probed often while down
             raise _Retry(RelayError("upstream_unavailable", f"upstream {up.name} is down",
                                     {"upstream": up.name, "error": up.health.last_error}))
@@ -420,8 +421,7 @@ class Dispatcher:
         if res is not None:
             used = 1 if rec.upstream_served is not None else 0
             app.budgets.settle(res, used, rec.total_tokens if used else 0, time.time())
-        served = app.upstreams.get(rec.upstream_served or state.get("tried")
-                                   or rec.upstream_requested or "")
+        served = state.get("up") or app.upstreams.get(rec.upstream_requested or "")
         if rec.error_code in _ADMISSION_CODES or served is None:
             app.registry.rejected(rec.error_code or "unknown")  # no upstream involved
         else:
@@ -446,13 +446,13 @@ class Dispatcher:
             exact = stream_usage(scanner.meta) if scanner.meta else None
             approx = scanner.content_events
         rec.set_tokens(exact, approx, state.get("prompt_est"))
+        metrics = state["up"].metrics
         if exact is not None:
-            app_m = self.app.upstreams[ex.upstream_name].metrics
-            app_m.set_flm(exact.decoding_speed_tps, exact.kv_occupancy_pct)
+            metrics.set_flm(exact.decoding_speed_tps, exact.kv_occupancy_pct)
         if rec.completion_tokens is not None:
             delta = rec.completion_tokens - ex.counted
             ex.counted = rec.completion_tokens
-            self.app.upstreams[ex.upstream_name].metrics.add_tokens(delta, time.monotonic())
+            metrics.add_tokens(delta, time.monotonic())
 
     def rejected(self, client, err: RelayError) -> None:
         """A request refused before it was read whole (400/408/413/431): a row all the same."""

@@ -52,6 +52,16 @@ class SlotPool:
             if not fut.done():
                 fut.set_exception(SlotsClosed())
 
+    def resize(self, parallel: int, queue: int) -> None:
+        """New bounds (a config reload): waiters take slots that the new bound frees; held
+        slots above a lower bound are simply not handed on when released."""
+        self.parallel, self.queue = parallel, queue
+        while self.waiters and self.in_flight < self.parallel:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                self.in_flight += 1
+                fut.set_result(None)
+
     @property
     def queued(self) -> int:
         return len(self.waiters)
@@ -91,7 +101,7 @@ class SlotPool:
             pass
 
     def _free(self) -> None:
-        while self.waiters:
+        while self.waiters and self.in_flight <= self.parallel:
             fut = self.waiters.popleft()
             if not fut.done():
                 fut.set_result(None)  # the slot moves on: in_flight unchanged
