@@ -45,6 +45,18 @@ def values(admission_id: int, rec, prompt_tokens: int, completion_tokens: int) -
             int(rec.stream), rec.upstream_requested, prompt_tokens, completion_tokens)
 
 
+def insert(conn: sqlite3.Connection, records: list[tuple]) -> None:
+    """Commit admission records (one transaction for all that are waiting)."""
+    conn.execute("BEGIN")
+    try:
+        conn.executemany(INSERT, records)
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+
+
 def recover(conn: sqlite3.Connection) -> int:
     """Turn leftover admissions into `relay_crashed` request rows; how many there were."""
     conn.execute("BEGIN IMMEDIATE")

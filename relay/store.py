@@ -378,14 +378,7 @@ class Store:
             waiting.append(self._admits.popleft())
         error = None
         try:
-            conn.execute("BEGIN")
-            try:
-                conn.executemany(admission.INSERT, [v for v, _, _ in waiting])
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
+            admission.insert(conn, [v for v, _, _ in waiting])
         except sqlite3.Error as exc:
             self.write_errors += 1
             self._warn("admit", f"admission records not written ({exc})")
