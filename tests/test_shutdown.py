@@ -82,3 +82,56 @@ async def test_shutdown_refuses_the_queue_and_settles_cut_streams(make_relay, si
         row = by_id[f"q{i}"]
         assert (row["status"], row["error_code"], row["upstream_served"], row["bytes_out"]) == \
             (503, "shutting_down", None, 0)
+
+
+async def test_sigterm_with_a_queue_on_a_relay_process(tmp_path):
+    """The issue's run: 5 streams, 15 queued, drain 2 s, SIGTERM to a real relay process."""
+    import signal
+
+    from relay.sim import Simulator
+    from tests.test_cli import start, wait_listening
+
+    sim = Simulator()
+    await sim.start()
+    db = tmp_path / "relay.db"
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text(f'[server]\nport = 0\ndrain_timeout_s = 2\n[store]\npath = "{db}"\n'
+                   f'[[upstream]]\nname = "llm"\nurl = "{sim.url}"\nparallel = 5\n')
+    proc = await start("serve", "--config", str(cfg))
+    try:
+        port, _ = await wait_listening(proc)
+        streams = [await _send(port, httpc.chat(1000, interval_ms=20), f"s{i}") for i in range(5)]
+        heads = [await asyncio.wait_for(httpc.read_head(r), 10) for r, _ in streams]
+        reading = [asyncio.create_task(httpc.read_body(r, h)) for (r, _), h in zip(streams, heads)]
+        queued = [await _send(port, httpc.chat(5), f"q{i}") for i in range(15)]
+        chats = lambda: [r for r in sim.requests if r.path == CHAT]  # noqa: E731 (no probes)
+        await wait_for(lambda: len(chats()) == 5 and all(r.tokens_sent >= 2 for r in chats()))
+        queued_now = 0
+
+        async def poll_queue():
+            nonlocal queued_now
+            while queued_now < 15:
+                m = await httpc.fetch(port, "GET", "/api/slots/metrics")
+                queued_now = m.json()["llm"]["queued"]
+                await asyncio.sleep(0.02)
+        await asyncio.wait_for(poll_queue(), 10)  # all 15 wait for a slot in the relay
+        proc.send_signal(signal.SIGTERM)
+        answers = await asyncio.gather(*(_read_all(r, w) for r, w in queued))
+        await asyncio.wait_for(asyncio.gather(*reading), 10)
+        for _, w in streams:
+            w.close()
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await sim.stop()
+    assert [a.status if a else None for a in answers] == [503] * 15
+    assert len(chats()) == 5
+    assert all(h.status == 200 and not h.complete for h in heads)
+    by_id = {r["request_id"]: r for r in rows(str(db))}
+    assert len(by_id) == 20
+    for i, h in enumerate(heads):
+        row = by_id[f"s{i}"]
+        assert (row["status"], row["upstream_served"]) == (200, "llm")
+        assert row["bytes_out"] == len(h.raw_body) and row["completion_tokens"] > 0
