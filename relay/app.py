@@ -11,6 +11,7 @@ from relay.budget import Budgets, window_bounds
 from relay.client import ClientConn
 from relay.config import Config, ConfigError, UpstreamConfig, parse_url
 from relay.dispatch import Dispatcher
+from relay.errors import RelayError
 from relay.health import Health, probe_once
 from relay.log import Log
 from relay.metrics import Registry, UpstreamMetrics
@@ -138,6 +139,8 @@ class App:
             self.server.close()
         for client in list(self.clients):
             if not client.busy and not client.gone:
+                if client.head is not None or client.h11.trailing_data[0]:
+                    self._refuse_unread(client)  # a request half-read: it gets an answer
                 client.gone = True
                 client.transport.close()
         for up in self.all_upstreams():
@@ -167,6 +170,11 @@ class App:
         self.log.event("relay_stopped", unfinished=len([t for t in pending if not t.done()]),
                        rows_written=self.store.rows_written, rows_dropped=self.store.rows_dropped)
         self.log.flush()
+
+    def _refuse_unread(self, client: ClientConn) -> None:
+        err = RelayError("shutting_down", "the relay is shutting down")
+        self.rejected(client, err)  # its row
+        client.respond(err.status, err.body(), None, keep_alive=False)
 
     def hurry(self) -> None:
         """End a drain now (the rows are still settled and flushed)."""

@@ -135,3 +135,19 @@ async def test_sigterm_with_a_queue_on_a_relay_process(tmp_path):
         row = by_id[f"s{i}"]
         assert (row["status"], row["upstream_served"]) == (200, "llm")
         assert row["bytes_out"] == len(h.raw_body) and row["completion_tokens"] > 0
+
+
+async def test_a_request_half_read_when_the_drain_begins_gets_503(make_relay, sim, tmp_path):
+    db = str(tmp_path / "relay.db")
+    app = await make_relay(store=db)
+    reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
+    body = b'{"model": "tiny", "messages": []}'
+    writer.write(httpc.build_request("POST", CHAT, body, {"X-Request-Id": "half"})[:-10])
+    await wait_for(lambda: any(c.head is not None for c in app.clients))
+    await app.stop(drain_timeout_s=1.0)
+    resp = await _read_all(reader, writer)
+    assert resp is not None, "an empty reply"
+    assert (resp.status, resp.json()["error"]["code"]) == (503, "shutting_down")
+    [row] = rows(db)
+    assert (row["request_id"], row["status"], row["error_code"]) == ("half", 503, "shutting_down")
+    assert not sim.requests
