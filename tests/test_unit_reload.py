@@ -64,3 +64,27 @@ async def test_reload_refuses_a_new_listen_address_or_store(make_relay):
         with pytest.raises(ConfigError, match="needs a restart"):
             app.reload(new)
     assert app.config.server.port == 0
+
+
+async def test_reload_timeouts_apply_to_new_streams_not_to_those_in_flight(make_relay, sim):
+    import msgspec
+
+    from tests import httpc
+    from tests.conftest import wait_for
+
+    app = await make_relay(stream_idle_timeout_s=5.0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
+    writer.write(httpc.build_request("POST", "/v1/chat/completions",
+                                     httpc.chat(4, interval_ms=300)))
+    head = await asyncio.wait_for(httpc.read_head(reader), 5)
+    d = msgspec.structs.replace(app.config.dispatcher, stream_idle_timeout_s=0.1)
+    app.reload(msgspec.structs.replace(app.config, dispatcher=d))
+    late = await httpc.fetch(app.port, "POST", "/v1/chat/completions",
+                             httpc.chat(4, interval_ms=300))
+    await asyncio.wait_for(httpc.read_body(reader, head), 5)
+    writer.close()
+    assert head.complete and head.data_events()[-1] == "[DONE]"  # on the policy it started with
+    assert late.data_events()[-2]["x_relay_stall"]["reason"] == "idle"  # the new bound
+    await wait_for(lambda: len(app.log.of("access")) == 2)
+    outcomes = sorted(r.get("error_code") or "ok" for r in app.log.of("access"))
+    assert outcomes == ["ok", "stream_stall_idle"]
