@@ -33,6 +33,7 @@ SLOT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/comple
                         "/completions", "/completion", "/v1/embeddings", "/embeddings",
                         "/embedding", "/infill", "/v1/responses"})
 
+
 def _peer_host(client) -> str | None:
     transport = client.transport
     peer = transport.get_extra_info("peername") if transport is not None else None
