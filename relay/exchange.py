@@ -14,6 +14,7 @@ import time
 from relay import framing, headers as hdr
 from relay.head import BadHead, HeadReader, ResponseHead, request_bytes
 from relay.chunked import LAST_CHUNK, SIZE, ChunkError, ChunkTracker, frame
+from relay.gaps import Gaps
 from relay.fastpath import same_shape, shape_of, token_event
 from relay.errors import reason_phrase
 from relay.sse import SseScanner
@@ -34,7 +35,7 @@ class Exchange:
     __slots__ = (
         "_closed_early", "_leftover", "_write", "body_copy", "body_started", "bytes_out",
         "can_retry", "client", "client_keep_alive", "conn", "counted", "data_received", "done",
-        "fast", "first_content_at", "got_bytes", "head_at", "head_bytes", "head_reader",
+        "fast", "first_byte_at", "first_content_at", "gaps", "got_bytes", "head_at", "head_bytes", "head_reader",
         "head_fut", "head_resp", "head_sent", "held", "held_size", "holding", "kind",
         "last_read", "loop", "method", "mode", "model", "on_content", "outcome", "path",
         "paused", "policy", "remaining", "request_id", "scanner", "shape", "sse",
@@ -81,6 +82,8 @@ class Exchange:
         self.head_at = 0.0
         self.last_read = 0.0
         self.first_content_at: float | None = None
+        self.first_byte_at: float | None = None  # perf_counter of the first write to the client
+        self.gaps: Gaps | None = None  # SSE: gaps between content events (relay/gaps.py)
         self.bytes_out = 0
         self.outcome: str | None = None
         self.stall_reason: str | None = None
@@ -110,14 +113,22 @@ class Exchange:
             else:  # head parsed, body not started yet: keep for start_body
                 self._leftover += data
             return
-        self.last_read = self.loop.time()
+        now = self.last_read = self.loop.time()
         if self.fast:  # the usual read, one token: see relay/fastpath.py
             shape = self.shape
             if (shape is not None and same_shape(data, shape)) or self._token_read(data):
                 self.scanner.content_events += 1
+                self.gaps.tick(now)
                 self.bytes_out += len(data)
                 self._write(data)
                 return
+        self._body_read(data)
+        gaps = self.gaps
+        if gaps is not None and gaps.n != self.scanner.content_events:
+            gaps.events(now, self.scanner.content_events)
+
+    def _body_read(self, data: bytes) -> None:
+        """Any read the fast path did not take: chunk tracker, scanner, then forward."""
         kind = self.kind
         if kind == framing.CHUNKED:
             tracker = self.tracker
@@ -262,6 +273,7 @@ class Exchange:
             self.tracker = ChunkTracker()
         if self.sse:
             self.scanner = SseScanner(self._first_content)
+            self.gaps = Gaps()
         elif b"json" in ctype.lower():  # a whole JSON body: keep it (bounded) to read usage
             self.scanner = self.body_copy = JsonBody()
         self._write = self.client.transport.write
@@ -294,6 +306,7 @@ class Exchange:
     def _release_hold(self) -> None:
         self.holding = False
         self.head_sent = True
+        self.first_byte_at = time.perf_counter()
         self.held.insert(0, self.head_bytes)
         self._write(b"".join(self.held))
         self.held = []

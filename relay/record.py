@@ -30,6 +30,18 @@ class Record:
     tokens_source: str | None = None
     bytes_out: int = 0
     client_closed: bool = False
+    # benchmark timings (relay/timing.py), ms measured at the relay on the client side
+    first_byte_ms: float | None = None
+    e2e_ms: float | None = None
+    tpot_ms: float | None = None
+    itl_p50_ms: float | None = None
+    itl_p99_ms: float | None = None
+    itl_max_ms: float | None = None
+    itl_hist: str | None = None  # the gaps' buckets (relay/gaps.py), pooled by `relay report`
+    # the upstream's own `timings` (llama-server), when it sent them
+    prompt_ms: float | None = None
+    prompt_per_second: float | None = None
+    predicted_per_second: float | None = None
     outcome: str | None = None  # log only: done, client_closed, stall, upstream_dropped, ...
 
     def row(self) -> dict:
@@ -59,5 +71,5 @@ class Record:
         return (self.prompt_tokens or 0) + (self.completion_tokens or 0)
 
 
-LOG_FIELDS = tuple(f.name for f in fields(Record) if f.name != "ts")
+LOG_FIELDS = tuple(f.name for f in fields(Record) if f.name not in ("ts", "itl_hist"))
 ROW_FIELDS = tuple(f.name for f in fields(Record) if f.name not in ("method", "outcome"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from relay import exchange as X
+from relay import timing
 from relay.errors import RelayError
 from relay.paths import MAX_PATH_CHARS, bounded, normalize
 from relay.record import Record
@@ -35,7 +36,7 @@ def settle(app, client, rec: Record, state: dict, t0: float) -> None:
         rec.bytes_out = ex.bytes_out
         if ex.first_content_at is not None:
             rec.ttft_ms = round((ex.first_content_at - t0) * 1000, 3)
-        _tokens(app, rec, ex, state)
+        state["exact"] = _tokens(app, rec, ex, state)
         if ex.outcome == X.STALL:
             rec.error_code = f"stream_stall_{ex.stall_reason}"
             app.log.event("stream_stall_guard_tripped", reason=ex.stall_reason,
@@ -47,6 +48,9 @@ def settle(app, client, rec: Record, state: dict, t0: float) -> None:
               and not ex.scanner.content_events):
             rec.outcome = rec.error_code = X.ERROR_EVENT  # a 200 that carried only an error
     rec.ok = (rec.outcome == X.DONE and rec.status is not None and rec.status < 400)
+    has_ex = ex is not None and rec.upstream_served is not None
+    timing.fill(rec, t0, ex.first_byte_at if has_ex else None, ex.gaps if has_ex else None,
+                state.get("exact"))
     if rec.error_code is None and rec.status is not None and rec.status >= 400:
         rec.error_code = f"upstream_{rec.status}"
     res = state.get("reservation")
@@ -67,7 +71,7 @@ def settle(app, client, rec: Record, state: dict, t0: float) -> None:
     app.log.event("access", **rec.log_fields())
 
 
-def _tokens(app, rec: Record, ex: X.Exchange, state: dict) -> None:
+def _tokens(app, rec: Record, ex: X.Exchange, state: dict):
     from relay.usage import stream_usage
 
     scanner = ex.scanner
@@ -86,6 +90,7 @@ def _tokens(app, rec: Record, ex: X.Exchange, state: dict) -> None:
         delta = rec.completion_tokens - ex.counted
         ex.counted = rec.completion_tokens
         metrics.add_tokens(delta, time.monotonic())
+    return exact
 
 
 def rejected(dispatcher, client, err: RelayError) -> None:

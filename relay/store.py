@@ -21,6 +21,7 @@ import time
 
 from relay import durable
 from relay.log import Log
+from relay.migrate import add_missing_columns
 
 COLUMNS = ("ts", "request_id", "key_id", "path", "model", "stream", "upstream_requested",
            "upstream_served", "fallback_attempts", "status", "ok", "error_code", "queue_ms",
@@ -30,6 +31,13 @@ _TYPES = ("REAL", "TEXT", "TEXT", "TEXT", "TEXT", "INTEGER", "TEXT",
           "TEXT", "INTEGER", "INTEGER", "INTEGER", "TEXT", "REAL",
           "REAL", "REAL", "INTEGER", "INTEGER", "TEXT",
           "INTEGER", "INTEGER")
+# Columns added after the first schema: databases of an older relay gain them at start.
+ADDED = (("first_byte_ms", "REAL"), ("e2e_ms", "REAL"), ("tpot_ms", "REAL"),
+         ("itl_p50_ms", "REAL"), ("itl_p99_ms", "REAL"), ("itl_max_ms", "REAL"),
+         ("itl_hist", "TEXT"), ("prompt_ms", "REAL"), ("prompt_per_second", "REAL"),
+         ("predicted_per_second", "REAL"))
+COLUMNS += tuple(c for c, _ in ADDED)
+_TYPES += tuple(t for _, t in ADDED)
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS request ("
     + ", ".join(f"{c} {t}" for c, t in zip(COLUMNS, _TYPES)) + ")",
@@ -238,6 +246,7 @@ class Store:
         conn.execute("PRAGMA synchronous=NORMAL")
         for stmt in SCHEMA + durable.SCHEMA:
             conn.execute(stmt)
+        add_missing_columns(conn, "request", tuple(zip(COLUMNS, _TYPES)))
         return conn
 
     def _run(self) -> None:
