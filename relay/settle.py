@@ -63,8 +63,12 @@ def settle(app, client, rec: Record, state: dict, t0: float) -> None:
     else:
         m = served.metrics
         m.request_done(rec.ok, rec.error_code)
+        m.observe_timings(*(None if v is None else v / 1000
+                            for v in (rec.ttft_ms, rec.tpot_ms, rec.e2e_ms)))
         if ex is not None and ex.outcome == X.STALL:
             m.stall(ex.stall_reason)
+    if rec.key_id is not None:
+        app.registry.key_used(rec.key_id, rec.prompt_tokens, rec.completion_tokens)
     row = rec.row()
     row["admission_id"] = state.get("admission")  # the row replaces it, in one commit
     app.store.put(row)
