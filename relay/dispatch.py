@@ -24,7 +24,7 @@ from relay.budget import BudgetExceeded
 from relay.errors import RelayError
 from relay.health import DOWN
 from relay.paths import bounded
-from relay.record import Record
+from relay.record import Record, user_agent
 from relay.routing import NoRoute, model_list
 from relay.slots import Busy, SlotsClosed
 from relay.upstream import ConnectError
@@ -69,7 +69,8 @@ class Dispatcher:
         rid = self.request_id(req.headers)
         path = req.path  # the name the upstream routes on, bounded: echoed, stored and logged
         rec = Record(ts=time.time(), request_id=rid.decode(), path=path,
-                     method=bounded(req.method.decode("latin-1"), 32))
+                     method=bounded(req.method.decode("latin-1"), 32),
+                     client_addr=client.peer_host, user_agent=user_agent(req.headers))
         keep_alive = req.keep_alive
         state = {"slot": None, "reservation": None, "ex": None}
         try:

@@ -43,6 +43,8 @@ class Record:
     prompt_per_second: float | None = None
     predicted_per_second: float | None = None
     outcome: str | None = None  # log only: done, client_closed, stall, upstream_dropped, ...
+    client_addr: str | None = None  # log only: the client's address
+    user_agent: str | None = None  # log only: its User-Agent, bounded (MAX_AGENT_CHARS)
 
     def row(self) -> dict:
         out = {k: getattr(self, k) for k in ROW_FIELDS}
@@ -72,4 +74,15 @@ class Record:
 
 
 LOG_FIELDS = tuple(f.name for f in fields(Record) if f.name not in ("ts", "itl_hist"))
-ROW_FIELDS = tuple(f.name for f in fields(Record) if f.name not in ("method", "outcome"))
+ROW_FIELDS = tuple(f.name for f in fields(Record)
+                   if f.name not in ("method", "outcome", "client_addr", "user_agent"))
+MAX_AGENT_CHARS = 200
+
+
+def user_agent(headers) -> str | None:
+    """The request's User-Agent for the access log: bounded, control characters replaced."""
+    for k, v in headers:
+        if k.lower() == b"user-agent":
+            text = v[:MAX_AGENT_CHARS].decode("latin-1")
+            return "".join(c if " " <= c != "\x7f" else "?" for c in text)
+    return None

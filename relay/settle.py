@@ -12,7 +12,7 @@ from relay import exchange as X
 from relay import timing
 from relay.errors import RelayError
 from relay.paths import MAX_PATH_CHARS, bounded, normalize
-from relay.record import Record
+from relay.record import Record, user_agent
 from relay.sse import SseScanner
 
 # Refusals decided before any upstream is chosen or contacted (counted relay-wide).
@@ -105,7 +105,9 @@ def rejected(dispatcher, client, err: RelayError) -> None:
     rid = dispatcher.request_id(head.headers.raw_items()) if head is not None else dispatcher.new_id()
     rec = Record(ts=time.time(), request_id=rid.decode(), path=path,
                  method=bounded(head.method.decode("latin-1"), 32) if head is not None else "",
-                 status=err.status, error_code=err.code, outcome="rejected")
+                 status=err.status, error_code=err.code, outcome="rejected",
+                 client_addr=client.peer_host,
+                 user_agent=user_agent(head.headers) if head is not None else None)
     app.registry.rejected(err.code)
     app.store.put(rec.row())
     app.log.event("access", **rec.log_fields())
