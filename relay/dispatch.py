@@ -15,7 +15,9 @@ import os
 import re
 import time
 
-from relay import access, settle
+import msgspec
+
+from relay import access, settle, ui, ui_state
 from relay import admission as A
 from relay import exchange as X
 from relay import headers as hdr
@@ -320,6 +322,9 @@ class Dispatcher:
     def _internal(self, client, req, rid: bytes, state: dict) -> bool:
         app = self.app
         path = req.path  # normalised and bounded (it is echoed in a 404)
+        if ui.is_page(path):
+            self._ui_page(client, req, rid)
+            return True
         relay_admin = access.is_relay_admin(path)
         if relay_admin or access.is_upstream_admin(req.method, path):
             refused = access.admin_refusal(app.auth, req.headers, client.peer_host)
@@ -336,6 +341,9 @@ class Dispatcher:
                                content_type=b"text/plain; version=0.0.4; charset=utf-8")
             elif path == "/api/slots/metrics":
                 client.respond(200, app.registry.json(now), rid, req.keep_alive)
+            elif path == ui.STATE_PATH:
+                client.respond(200, msgspec.json.encode(ui_state.state(app, time.time(), now)),
+                               rid, req.keep_alive, ui.NO_STORE)
             else:
                 raise RelayError("not_found", f"no such endpoint {path}")
             return True
@@ -345,6 +353,23 @@ class Dispatcher:
             client.respond(200, model_list(app.router.models), rid, req.keep_alive)
             return True
         return False
+
+    def _ui_page(self, client, req, rid: bytes) -> None:
+        """The operator page's files (relay/ui.py): no data in them, no key needed for them
+        when an admin key guards the data; loopback only when keys exist without one."""
+        auth = self.app.auth
+        if auth.admin is None:
+            refused = access.admin_refusal(auth, req.headers, client.peer_host)
+            if refused is not None:
+                raise RelayError(*refused)
+        if req.path == ui.AUTH_PATH:
+            found = (msgspec.json.encode({"admin_key": auth.admin is not None}),
+                     b"application/json")
+        else:
+            found = ui.page(req.path) if req.method in (b"GET", b"HEAD") else None
+        if found is None:
+            raise RelayError("not_found", f"no such endpoint {req.path}")
+        client.respond(200, found[0], rid, req.keep_alive, ui.PAGE_HEADERS, found[1])
 
     # ---- settlement: once per request (relay/settle.py) -------------------------------
     def _release_slot(self, state: dict) -> None:

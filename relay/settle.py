@@ -69,6 +69,7 @@ def settle(app, client, rec: Record, state: dict, t0: float) -> None:
             m.stall(ex.stall_reason)
     if rec.key_id is not None:
         app.registry.key_used(rec.key_id, rec.prompt_tokens, rec.completion_tokens)
+    app.ui_recent.add(rec)
     row = rec.row()
     row["admission_id"] = state.get("admission")  # the row replaces it, in one commit
     app.store.put(row)
@@ -109,5 +110,6 @@ def rejected(dispatcher, client, err: RelayError) -> None:
                  client_addr=client.peer_host,
                  user_agent=user_agent(head.headers) if head is not None else None)
     app.registry.rejected(err.code)
+    app.ui_recent.add(rec)
     app.store.put(rec.row())
     app.log.event("access", **rec.log_fields())
