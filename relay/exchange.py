@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from math import frexp as _frexp
 
 from relay import framing, headers as hdr
 from relay.head import BadHead, HeadReader, ResponseHead, request_bytes
@@ -118,14 +119,29 @@ class Exchange:
             shape = self.shape
             if (shape is not None and same_shape(data, shape)) or self._token_read(data):
                 self.scanner.content_events += 1
-                self.gaps.tick(now)
+                gp = self.gaps  # one inter-token gap: Gaps.add inline (relay/gaps.py)
+                g = now - gp.last
+                gp.last = now
+                if g > 0.0:
+                    if g > gp.max:
+                        gp.max = g
+                    m, e = _frexp(g)
+                    k = (e << 3) + int(m * 16.0)
+                    b = gp.buckets
+                    b[k] = b.get(k, 0) + 1
+                else:
+                    gp.zeros += 1
                 self.bytes_out += len(data)
                 self._write(data)
                 return
+        gp = self.gaps
+        if gp is None:
+            self._body_read(data)
+            return
+        before = self.scanner.content_events
         self._body_read(data)
-        gaps = self.gaps
-        if gaps is not None and gaps.n != self.scanner.content_events:
-            gaps.events(now, self.scanner.content_events)
+        if self.scanner.content_events != before:
+            gp.events(now, before, self.scanner.content_events)
 
     def _body_read(self, data: bytes) -> None:
         """Any read the fast path did not take: chunk tracker, scanner, then forward."""

@@ -1,8 +1,8 @@
 """Gaps between the content events of one stream (inter-token latency, ITL), kept bounded.
 
-The body path calls `tick(now)` once per content event with the loop-clock reading it already
-took for the read (`Exchange.last_read`): one subtraction, one compare, one `frexp` and one
-dict increment. Nothing grows with the stream: gaps land in log-linear buckets, 8 per
+The body path adds one gap per content event from the loop-clock reading it already took for
+the read (`Exchange.last_read`): one subtraction, one compare, one `frexp` and one dict
+increment, inline in the fast path (`Gaps.add` is the same arithmetic). Nothing grows with the stream: gaps land in log-linear buckets, 8 per
 octave (a bucket is at most 12.5% wide, its midpoint within 6.25% of any gap in it), held in a
 dict of the buckets actually hit (a steady stream hits a handful; every bucket from 1 us to a
 day is under 300). Gaps of exactly 0 (several events in one read, or one loop-clock tick:
@@ -18,46 +18,46 @@ from math import ceil, frexp, ldexp
 
 
 class Gaps:
-    __slots__ = ("buckets", "last", "max", "n", "zeros")
+    __slots__ = ("buckets", "last", "max", "zeros")
 
     def __init__(self) -> None:
         self.buckets: dict[int, int] = {}
-        self.last = 0.0
+        self.last = 0.0  # loop time of the last content event
         self.max = 0.0
-        self.n = 0  # content events seen (gaps = n - 1)
         self.zeros = 0
 
-    def tick(self, now: float, _frexp=frexp) -> None:
-        """One content event at loop time `now` (seconds)."""
-        n = self.n
-        self.n = n + 1
-        if n:
-            g = now - self.last
-            if g > 0.0:
-                if g > self.max:
-                    self.max = g
-                m, e = _frexp(g)
-                k = (e << 3) + int(m * 16.0)  # int(m*16) is 8..15: key = 8(e+1) + sub-bucket
-                b = self.buckets
-                b[k] = b.get(k, 0) + 1
-            else:
-                self.zeros += 1
+    def add(self, g: float, _frexp=frexp) -> None:
+        """One gap of `g` seconds. (`Exchange.upstream_data`'s fast path does exactly this
+        inline, to spare a call per token.)"""
+        if g > 0.0:
+            if g > self.max:
+                self.max = g
+            m, e = _frexp(g)
+            k = (e << 3) + int(m * 16.0)  # int(m*16) is 8..15: key = 8(e+1) + sub-bucket
+            b = self.buckets
+            b[k] = b.get(k, 0) + 1
+        else:
+            self.zeros += 1
+
+    def events(self, now: float, before: int, after: int) -> None:
+        """The count of content events went from `before` to `after` in one read at loop
+        time `now`: the first new one is a gap from the previous event (none before the
+        first event), the others arrived with it (gaps of 0)."""
+        if after <= before:
+            return
+        if before:
+            self.add(now - self.last)
+        self.zeros += after - before - 1
         self.last = now
 
-    def events(self, now: float, total: int) -> None:
-        """The scanner's count of content events went to `total` in one read: the first of
-        the new ones is a gap from the previous event, the others arrived with it (gap 0)."""
-        k = total - self.n
-        if k <= 0:
-            return
-        self.tick(now)
-        if k > 1:
-            self.n += k - 1
-            self.zeros += k - 1
+    def tick(self, now: float) -> None:
+        """One more content event at `now` after at least one (the fast path's case)."""
+        self.add(now - self.last)
+        self.last = now
 
     @property
     def count(self) -> int:
-        return max(0, self.n - 1)
+        return self.zeros + sum(self.buckets.values())
 
     def quantile(self, q: float) -> float | None:
         """Seconds: the midpoint of the bucket holding the nearest-rank q-quantile gap (0 for
@@ -66,7 +66,7 @@ class Gaps:
 
     def encode(self) -> str | None:
         """The buckets as text for a row (`z<zeros> <key>:<count> ...`); None with no gap."""
-        return encode(self.buckets, self.zeros) if self.n > 1 else None
+        return encode(self.buckets, self.zeros) if self.count else None
 
 
 def bucket_bounds(k: int) -> tuple[float, float]:

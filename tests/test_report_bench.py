@@ -19,7 +19,8 @@ T0 = 1_790_000_000.0  # the window: [T0, T0 + 100]
 
 def hist(gap_s: float, n: int) -> str:
     g = G.Gaps()
-    for i in range(n + 1):
+    g.events(0.0, 0, 1)
+    for i in range(1, n + 1):
         g.tick(i * gap_s)
     return g.encode()
 

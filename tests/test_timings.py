@@ -21,7 +21,7 @@ OLD_COLUMNS = COLUMNS[:COLUMNS.index("client_closed") + 1]  # the schema before 
 def test_gap_buckets_bound_the_error():
     for g in (1e-6, 3.3e-4, 0.001, 0.0125, 0.02, 0.05, 0.3333, 1.0, 7.5, 299.0):
         h = G.Gaps()
-        h.tick(10.0)
+        h.events(10.0, 0, 1)
         h.tick(10.0 + g)
         lo, hi = G.bucket_bounds(next(iter(h.buckets)))
         assert lo <= g < hi or abs(g - lo) < 1e-12
@@ -33,11 +33,11 @@ def test_gap_buckets_bound_the_error():
 def test_gap_quantiles_nearest_rank_and_zeros():
     h = G.Gaps()
     t = 0.0
-    h.tick(t)
+    h.events(t, 0, 1)
     for g in [0.010] * 98 + [0.100, 0.500]:
         t += g
         h.tick(t)
-    h.events(t, h.n + 3)  # three more events read at the same clock reading: three zeros
+    h.events(t, 101, 104)  # three more events read at the same clock reading: three zeros
     assert h.count == 103 and h.zeros == 3
     assert h.max == pytest.approx(0.5)
     assert h.quantile(0.01) == 0.0  # ranks 1..3 are the zeros
@@ -51,8 +51,12 @@ def test_gap_quantiles_nearest_rank_and_zeros():
 
 def test_one_event_has_no_gap():
     h = G.Gaps()
-    h.tick(5.0)
+    h.events(5.0, 0, 1)
     assert h.count == 0 and h.quantile(0.5) is None and h.encode() is None
+    h.events(5.0, 1, 1)  # a read without content
+    assert h.count == 0
+    h.events(6.0, 1, 3)  # two in one read: a gap of 1 s and one of 0
+    assert (h.count, h.zeros, h.max) == (2, 1, 1.0)
 
 
 def test_tpot_formula():
