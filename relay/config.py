@@ -38,6 +38,9 @@ class DispatcherConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     upstream_keepalive_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 4.0
     health_interval_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 5.0
     prewarm: bool = True  # keep one connected spare per upstream while it has traffic
+    # a streamed request's client gets a 200 event-stream head and a comment line when
+    # nothing reached it for this long before the first content event; 0 = off
+    heartbeat_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 15.0
 
 
 class UpstreamConfig(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -19,8 +19,9 @@ import msgspec
 from relay import exchange as X
 from relay import headers as hdr
 from relay.budget import BudgetExceeded
-from relay.errors import RelayError
+from relay.errors import RelayError, upstream_error
 from relay.health import DOWN
+from relay.hold import Hold, error_of
 from relay.record import Record
 from relay.routing import NoRoute, model_list
 from relay.slots import Busy
@@ -106,13 +107,13 @@ class Dispatcher:
         rec = Record(ts=time.time(), request_id=rid.decode(), path=path,
                      method=req.method.decode("latin-1"))
         keep_alive = req.keep_alive
-        state = {"slot": None, "reservation": None, "ex": None}
+        state = {"slot": None, "reservation": None, "ex": None, "hold": None}
         try:
             if self._internal(client, req, rid, path):
                 return
             keep_alive = await self._serve(client, req, rid, rec, state, t0)
         except RelayError as err:
-            keep_alive = self._answer_error(client, rid, rec, err, keep_alive)
+            keep_alive = self._answer_error(client, rid, rec, err, keep_alive, state["hold"])
         except asyncio.CancelledError:
             if state["ex"] is not None:
                 state["ex"].conn.abort()
@@ -128,19 +129,26 @@ class Dispatcher:
                 ex.conn.abort()
             rec.outcome = rec.error_code = "internal_error"
             keep_alive = False
-            if ex is None or not ex.head_sent:
-                rec.status = 500
-                client.respond(500, RelayError("internal_error", "internal relay error").body(),
-                               rid, False)
+            hold = state["hold"]
+            if hold is None or not hold.open:
+                self._answer_error(client, rid, rec, RelayError(
+                    "internal_error", "internal relay error"), False, hold)
         finally:
+            if state["hold"] is not None:
+                state["hold"].close()
             if rec.outcome is not None or rec.status is not None:
                 self._settle(client, rec, state, t0)
             client.finish(keep_alive)
 
-    def _answer_error(self, client, rid, rec, err: RelayError, keep_alive: bool) -> bool:
+    def _answer_error(self, client, rid, rec, err: RelayError, keep_alive: bool,
+                      hold: Hold | None) -> bool:
         rec.status = err.status
         rec.error_code = rec.error_code or err.code
         rec.outcome = rec.outcome or "error"
+        if hold is not None:
+            hold.close()
+            if hold.committed:  # a 200 event stream is out (heartbeats): the error goes in it
+                return hold.fail(err.message, err.type, err.code) and keep_alive
         keep_alive = keep_alive and err.status < 500 and err.status != 408
         client.respond(err.status, err.body(), rid, keep_alive, err.headers)
         return keep_alive
@@ -171,15 +179,20 @@ class Dispatcher:
                 raise RelayError("budget_exceeded", str(exc), exc.details(),
                                  [(b"Retry-After", b"%d" % exc.retry_after)]) from None
         slot_path = req.method == b"POST" and rec.path in SLOT_PATHS
+        hold = state["hold"] = Hold(app.loop, client, rid,
+                                    app.config.dispatcher.heartbeat_s if rec.stream else 0.0)
+        hold.start()
         last: _Retry | None = None
         for i, name in enumerate(candidates):
             up = app.upstreams[name]
             more = i < len(candidates) - 1
             rec.fallback_attempts = i
+            hold.more = more
             try:
                 return await self._attempt(client, req, rid, rec, state, up, slot_path, more, t0)
             except _Retry as retry:
                 last = retry
+                hold.retry()
                 self._release_slot(state)
                 state["tried"] = name
                 if more:  # the attempt failed on this upstream: its metrics say so
@@ -221,7 +234,8 @@ class Dispatcher:
         await ex.done
         client.exchange = None
         rec.outcome = ex.outcome
-        if not ex.head_sent:  # ended before anything reached the client
+        hold = state["hold"]
+        if not hold.open:  # ended while nothing but comments reached the client
             if ex.outcome in (X.DROPPED, X.BAD_FRAMING, X.STALL, X.ERROR_EVENT, X.SHUTDOWN):
                 err = RelayError("upstream_unavailable",
                                  "upstream failed before the first content event",
@@ -229,7 +243,20 @@ class Dispatcher:
                 if more and ex.outcome != X.SHUTDOWN:
                     raise _Retry(err)
                 rec.outcome = ex.outcome
+                if ex.outcome == X.ERROR_EVENT:  # the upstream's own words, in-band
+                    rec.upstream_served, rec.error_code = up.name, X.ERROR_EVENT
+                    err = upstream_error(ex.status, hold.error(), "upstream_error",
+                                         f"upstream {up.name} answered with an error")
                 raise err
+            if hold.committed and ex.outcome == X.DONE:  # a response that cannot continue
+                rec.upstream_served, rec.outcome = up.name, "error"  # the event stream
+                sse = 200 <= ex.status < 300
+                rec.error_code = "upstream_bad_response" if sse else f"upstream_{ex.status}"
+                body = ex.body_copy
+                raise upstream_error(
+                    ex.status, error_of(b"".join(body.parts)) if body is not None else None,
+                    rec.error_code, f"upstream {up.name} answered {ex.status}"
+                    + (" without an event stream" if sse else ""))
         rec.upstream_served = up.name
         rec.status = ex.status
         keep_alive = ex.client_keep_alive
@@ -264,8 +291,8 @@ class Dispatcher:
                                         f"upstream {up.name} is unavailable",
                                         {"upstream": up.name, "error": str(exc)})) from None
             ex = X.Exchange(self.app.loop, conn, client, req.method, rid, self.app.policy,
-                            d.write_timeout_s, rec.path, rec.model or "", up.name)
-            ex.can_retry = more
+                            d.write_timeout_s, rec.path, rec.model or "", up.name,
+                            state["hold"])
             ex.on_content = on_content
             state["ex"] = ex
             conn.used = True

@@ -14,6 +14,7 @@ import time
 from relay import framing, headers as hdr
 from relay.head import BadHead, ResponseHead, parse_response_head, request_bytes
 from relay.chunked import LAST_CHUNK, SIZE, ChunkError, ChunkTracker, frame
+from relay.hold import COMMITTED, Hold
 from relay.fastpath import same_shape, shape_of, token_event
 from relay.errors import reason_phrase
 from relay.sse import SseScanner
@@ -25,17 +26,15 @@ from relay.outcomes import (  # noqa: F401 - the dispatcher reads them from here
     ClientGone, RelayShutdown, UpstreamBadHead, UpstreamGone,
 )
 
-_HOLD_LIMIT = 64 * 1024  # most bytes held back waiting for the first content event
-
 
 class Exchange:
-    # Slots: nearly 50 fields is past what a shared-key instance dict holds, and the body
+    # Slots: over 40 fields is past what a shared-key instance dict holds, and the body
     # path reads several per event.
     __slots__ = (
         "_closed_early", "_leftover", "_write", "body_copy", "body_started", "bytes_out",
-        "can_retry", "client", "client_keep_alive", "conn", "counted", "data_received", "done",
-        "fast", "first_content_at", "got_bytes", "head_at", "head_buf", "head_bytes",
-        "head_fut", "head_resp", "head_sent", "held", "held_size", "holding", "kind",
+        "client", "client_keep_alive", "conn", "counted", "data_received", "done",
+        "fast", "first_content_at", "got_bytes", "head_at", "head_buf",
+        "head_fut", "head_resp", "hold", "kind",
         "last_read", "loop", "method", "mode", "model", "on_content", "outcome", "path",
         "paused", "policy", "remaining", "request_id", "scanner", "shape", "sse",
         "stall_elapsed", "stall_reason", "status", "timer", "tracker", "upstream_keep_alive",
@@ -44,7 +43,7 @@ class Exchange:
 
     def __init__(self, loop, conn, client, method: bytes, request_id: bytes,
                  policy: StallPolicy, write_timeout_s: float, path: str, model: str,
-                 upstream_name: str) -> None:
+                 upstream_name: str, hold: Hold) -> None:
         self.loop = loop
         self.conn = conn
         self.client = client  # ClientConn: .transport, .http11, .wants_keep_alive
@@ -73,11 +72,8 @@ class Exchange:
         self.sse = False
         self.upstream_keep_alive = False
         self.client_keep_alive = False
-        self.holding = False
-        self.held: list[bytes] = []
-        self.held_size = 0
-        self.head_bytes = b""
-        self.head_sent = False
+        # the request's hold until the first content event is out (relay/hold.py), then None
+        self.hold: Hold | None = hold
         self.head_at = 0.0
         self.last_read = 0.0
         self.first_content_at: float | None = None
@@ -91,7 +87,6 @@ class Exchange:
         self.counted = 0  # tokens already added to the upstream's rate window
         self.fast = False  # the next read may be recognised by the fast path (fastpath.py)
         self.shape = None  # this stream's token event around its text (fastpath.shape_of)
-        self.can_retry = False  # another candidate is left: fail quietly before content
         self.on_content = None  # called once the first content event is written (metrics)
         self.body_copy: JsonBody | None = None
         # While the body flows the exchange is the upstream transport's protocol itself, and
@@ -147,7 +142,7 @@ class Exchange:
             if scanner is not None:
                 for p in payloads:
                     scanner.feed(p)
-            if self.mode == framing.DECHUNK:
+            if self.mode != framing.PASS:  # DECHUNK, REFRAME: payloads only
                 out = b"".join(payloads)
             self._emit(out)
             if tracker.state == 4:  # DONE
@@ -221,7 +216,7 @@ class Exchange:
         if self.head_fut.done():
             return
         status = resp.status_code
-        if not (self.can_retry and (status == 429 or status >= 500)):
+        if not (self.hold.more and (status == 429 or status >= 500)):
             self.start_body(resp)  # at once: the dispatcher only awaits `done` from here
         self.head_fut.set_result(resp)
 
@@ -237,8 +232,8 @@ class Exchange:
     def resume_writing(self) -> None:
         pass
 
-    def start_body(self, resp: ResponseHead, hold_for_content: bool = True) -> None:
-        """Decide framing, write (or hold) the head, and relay what came with it."""
+    def start_body(self, resp: ResponseHead) -> None:
+        """Decide framing, hold (or write) the head, and relay what came with it."""
         if self.outcome is not None:
             return
         self.body_started = True
@@ -246,18 +241,28 @@ class Exchange:
         if transport is not None and not transport.is_closing():
             transport.set_protocol(self)
         raw = resp.headers
+        hold = self.hold
         self.status = resp.status_code
         try:
             self.kind, self.remaining = framing.upstream_body(self.method, self.status, raw)
         except framing.FramingError:
             self.kind, self.remaining = framing.UNTIL_CLOSE, -1
-        self.mode = framing.carriage(self.kind, self.client.http11)
         ctype = hdr.get(raw, b"content-type") or b""
         self.sse = ctype.lower().startswith(b"text/event-stream")
         self.upstream_keep_alive = resp.http_version == b"1.1" and not hdr.has_token(
             raw, b"connection", b"close")
-        self.client_keep_alive = self.client.wants_keep_alive and framing.self_delimited(
-            self.kind, self.mode)
+        holdable = self.sse and 200 <= self.status < 300
+        if hold.state == COMMITTED:  # comments reached the client: this body continues it
+            self.mode = framing.committed_carriage(self.kind, self.client.http11)
+            self.client_keep_alive = self.client.wants_keep_alive and hold.chunked
+            hold.swallow = not holdable  # answered in-band by the dispatcher instead
+        else:
+            self.mode = framing.carriage(self.kind, self.client.http11)
+            self.client_keep_alive = self.client.wants_keep_alive and framing.self_delimited(
+                self.kind, self.mode)
+            hold.head = self._client_head(resp, framing.client_chunked(self.kind, self.mode))
+            if holdable:
+                hold.on_commit = self._commit_early
         if self.kind == framing.CHUNKED:
             self.tracker = ChunkTracker()
         if self.sse:
@@ -265,23 +270,41 @@ class Exchange:
         elif b"json" in ctype.lower():  # a whole JSON body: keep it (bounded) to read usage
             self.scanner = self.body_copy = JsonBody()
         self._write = self.client.transport.write
-        self.head_bytes = hdr.client_response(
-            self.status, resp.reason or reason_phrase(self.status), raw, self.request_id,
-            framing.client_chunked(self.kind, self.mode), self.client_keep_alive)
-        hold = hold_for_content and self.sse and 200 <= self.status < 300
-        self.holding = True  # the head and what came with it leave in one write
         if self.kind == framing.EMPTY:
             self._end(DONE)
             return
         leftover, self._leftover = self._leftover, b""
         if leftover:
             self.upstream_data(leftover)
-        if not hold and self.holding and self.outcome is None:
+        if not holdable and self.hold is not None and not hold.committed and self.outcome is None:
             self._release_hold()
         if self.outcome is None:
             self._arm()  # (after the first write: it is not in the client's wait)
         if self._closed_early:
             self.upstream_closed(None)
+
+    def _client_head(self, resp: ResponseHead, chunked: bool, keep_length: bool = True) -> bytes:
+        raw = resp.headers
+        if self.hold.extra:  # CORS: the relay's answer replaces the upstream's
+            raw = hdr.with_cors(raw, self.hold.extra)
+        if not keep_length:
+            raw = [(k, v) for k, v in raw if k.lower() != b"content-length"]
+        return hdr.client_response(
+            self.status, resp.reason or reason_phrase(self.status), raw, self.request_id,
+            chunked, self.client_keep_alive)
+
+    def _commit_early(self) -> None:
+        """A heartbeat is due while this upstream's head and events are held: the head goes
+        out now, re-framed as the hold requires, and what was held becomes payload."""
+        hold = self.hold
+        sent = b"".join(hold.parts)
+        held = framing.payload_of(self.kind, self.mode, sent)
+        self.bytes_out -= len(sent)  # counted again (as payload) when fed below
+        self.mode = framing.committed_carriage(self.kind, self.client.http11)
+        self.client_keep_alive = self.client.wants_keep_alive and self.client.http11
+        hold.commit(self._client_head(self.head_resp, self.client.http11, keep_length=False))
+        if held:
+            self._emit(held)
 
     # ---- body ----------------------------------------------------------------------
     def _first_content(self) -> None:
@@ -290,34 +313,61 @@ class Exchange:
         self.first_content_at = time.perf_counter()
 
     def _release_hold(self) -> None:
-        self.holding = False
-        self.head_sent = True
-        self.held.insert(0, self.head_bytes)
-        self._write(b"".join(self.held))
-        self.held = []
+        self.hold.release()
+        self._opened()
+
+    def _opened(self) -> None:
+        """The hold is over: from here the exchange writes to the client itself."""
+        self.hold = None
+        if self.mode == framing.REFRAME:
+            self._write = self._framed  # until both sides stand between chunks (_check_fast)
+
+    def _framed(self, payload: bytes) -> None:
+        self.client.transport.write(frame(payload))
+
+    def _unframe(self) -> None:
+        """Back to passing the upstream's own chunks, once both sides stand between chunks."""
+        tr = self.tracker
+        if self.hold is None and tr is not None and tr.state == SIZE and not tr.held:
+            self.mode = framing.PASS
+            self._write = self.client.transport.write
 
     def _emit(self, out: bytes) -> None:
         if out:
             self.bytes_out += len(out)
-            if not self.holding:
+            if self.hold is None:
                 self._write(out)
-            elif self.can_retry and self.scanner is not None and self.scanner.error_first:
-                self.conn.abort()  # an {"error": ...} first event: try the next upstream
-                self._end(ERROR_EVENT)
-                return
             else:
-                self.held.append(out)
-                self.held_size += len(out)
-                if self.first_content_at is not None or self.held_size > _HOLD_LIMIT:
-                    self._release_hold()
+                self._held(out)
         if self.on_content is not None and self.first_content_at is not None:
             report, self.on_content = self.on_content, None
             report(self)
 
+    def _held(self, out: bytes) -> None:
+        hold = self.hold
+        error = self.scanner is not None and self.scanner.error_first  # {"error": ...} first
+        if hold.committed:
+            if hold.feed(out, self.first_content_at is not None and not error):
+                self._opened()
+            elif error:  # the next upstream, or the dispatcher tells it in-band
+                self.conn.abort()
+                self._end(ERROR_EVENT)
+        elif error and hold.more:  # the next upstream
+            self.conn.abort()
+            self._end(ERROR_EVENT)
+        elif hold.keep(out) or self.first_content_at is not None:
+            self._release_hold()
+
     def _check_fast(self) -> None:
         """Whether the next read may take the fast path: streaming, between chunks and events."""
+        if self.mode != framing.PASS:
+            if self.mode == framing.REFRAME:
+                self._unframe()
+            if self.mode != framing.PASS:
+                self.fast = False
+                return
         sc, tr = self.scanner, self.tracker
-        self.fast = (self.mode == framing.PASS and not self.holding and self.outcome is None
+        self.fast = (self.hold is None and self.outcome is None
                      and isinstance(sc, SseScanner) and sc.content_events > 0
                      and not sc.pending and tr.state == SIZE and not tr.held)
 
@@ -352,12 +402,13 @@ class Exchange:
         self.stall_reason = reason
         self.stall_elapsed = self.policy.elapsed(reason, now, self.head_at, self.last_read)
         self.conn.abort()
-        if self.holding and self.can_retry:  # nothing reached the client: next upstream
-            self._end(STALL)
+        hold = self.hold
+        if hold is not None and (hold.more or hold.swallow):  # only comments reached the
+            self._end(STALL)  # client: the next upstream, or an in-band error
             return
         if not self.sse:  # non-SSE bodies are cut: nothing injected
             self.client_keep_alive = False
-            if self.holding:
+            if hold is not None:
                 self._release_hold()
             self._end(STALL)
             return
@@ -365,7 +416,7 @@ class Exchange:
         if not self.scanner.done_seen:
             payload = stall_frame(self.path, self.model, reason, self.stall_elapsed,
                                   self.upstream_name, int(time.time()))
-        if self.holding:
+        if hold is not None:
             self._release_hold()
         tail, self_delimited = framing.closing_bytes(self.kind, self.mode, self.tracker, payload)
         self.client_keep_alive &= self_delimited
@@ -435,8 +486,14 @@ class Exchange:
         if self.write_timer is not None:
             self.write_timer.cancel()
             self.write_timer = None
-        if self.holding and outcome == DONE:
-            self._release_hold()
+        hold = self.hold
+        if hold is not None:  # ended before content: the hold says what the client gets
+            self.hold = None
+            hold.on_commit = None
+            if outcome == DONE:
+                hold.finish()
+        elif outcome == DONE and self.mode == framing.REFRAME:
+            self.client.transport.write(LAST_CHUNK)
         if self.conn.handler is self:
             self.conn.handler = None
         transport = self.conn.transport
