@@ -11,12 +11,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from relay import framing, headers as hdr
+from relay import framing
 from relay.head import BadHead, ResponseHead, parse_response_head, request_bytes
 from relay.chunked import LAST_CHUNK, SIZE, ChunkError, ChunkTracker, frame
-from relay.hold import COMMITTED, Hold
+from relay.hold import Hold
 from relay.fastpath import same_shape, shape_of, token_event
-from relay.errors import reason_phrase
 from relay.sse import SseScanner
 from relay.usage import JsonBody
 from relay.stall import StallPolicy, stall_frame
@@ -240,34 +239,25 @@ class Exchange:
         transport = self.conn.transport
         if transport is not None and not transport.is_closing():
             transport.set_protocol(self)
-        raw = resp.headers
         hold = self.hold
         self.status = resp.status_code
-        try:
-            self.kind, self.remaining = framing.upstream_body(self.method, self.status, raw)
-        except framing.FramingError:
-            self.kind, self.remaining = framing.UNTIL_CLOSE, -1
-        ctype = hdr.get(raw, b"content-type") or b""
-        self.sse = ctype.lower().startswith(b"text/event-stream")
-        self.upstream_keep_alive = resp.http_version == b"1.1" and not hdr.has_token(
-            raw, b"connection", b"close")
-        holdable = self.sse and 200 <= self.status < 300
-        if hold.state == COMMITTED:  # comments reached the client: this body continues it
-            self.mode = framing.committed_carriage(self.kind, self.client.http11)
-            self.client_keep_alive = self.client.wants_keep_alive and hold.chunked
+        p = framing.plan(self.method, self.status, resp.http_version, resp.headers,
+                         self.client.http11, self.client.wants_keep_alive, hold.committed)
+        self.kind, self.remaining, self.mode, self.sse = p.kind, p.remaining, p.mode, p.sse
+        self.upstream_keep_alive, self.client_keep_alive = p.upstream_keep_alive, p.client_keep_alive
+        holdable = p.holdable
+        if hold.committed:  # only comments reached the client: this body continues it
             hold.swallow = not holdable  # answered in-band by the dispatcher instead
         else:
-            self.mode = framing.carriage(self.kind, self.client.http11)
-            self.client_keep_alive = self.client.wants_keep_alive and framing.self_delimited(
-                self.kind, self.mode)
-            hold.head = self._client_head(resp, framing.client_chunked(self.kind, self.mode))
+            hold.head = hold.client_head(resp, framing.client_chunked(self.kind, self.mode),
+                                         self.client_keep_alive)
             if holdable:
                 hold.on_commit = self._commit_early
         if self.kind == framing.CHUNKED:
             self.tracker = ChunkTracker()
         if self.sse:
             self.scanner = SseScanner(self._first_content)
-        elif b"json" in ctype.lower():  # a whole JSON body: keep it (bounded) to read usage
+        elif p.json:  # a whole JSON body: keep it (bounded) to read usage
             self.scanner = self.body_copy = JsonBody()
         self._write = self.client.transport.write
         if self.kind == framing.EMPTY:
@@ -283,16 +273,6 @@ class Exchange:
         if self._closed_early:
             self.upstream_closed(None)
 
-    def _client_head(self, resp: ResponseHead, chunked: bool, keep_length: bool = True) -> bytes:
-        raw = resp.headers
-        if self.hold.extra:  # CORS: the relay's answer replaces the upstream's
-            raw = hdr.with_cors(raw, self.hold.extra)
-        if not keep_length:
-            raw = [(k, v) for k, v in raw if k.lower() != b"content-length"]
-        return hdr.client_response(
-            self.status, resp.reason or reason_phrase(self.status), raw, self.request_id,
-            chunked, self.client_keep_alive)
-
     def _commit_early(self) -> None:
         """A heartbeat is due while this upstream's head and events are held: the head goes
         out now, re-framed as the hold requires, and what was held becomes payload."""
@@ -302,7 +282,8 @@ class Exchange:
         self.bytes_out -= len(sent)  # counted again (as payload) when fed below
         self.mode = framing.committed_carriage(self.kind, self.client.http11)
         self.client_keep_alive = self.client.wants_keep_alive and self.client.http11
-        hold.commit(self._client_head(self.head_resp, self.client.http11, keep_length=False))
+        hold.commit(hold.client_head(self.head_resp, self.client.http11, self.client_keep_alive,
+                                     keep_length=False))
         if held:
             self._emit(held)
 

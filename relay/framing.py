@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from relay.chunked import LAST_CHUNK, ChunkTracker, frame
-from relay.headers import Headers, get
+from relay.headers import Headers, get, has_token
 
 # Upstream body kinds
 EMPTY, LENGTH, CHUNKED, UNTIL_CLOSE = "empty", "length", "chunked", "close"
@@ -86,3 +88,36 @@ def closing_bytes(kind: str, mode: str, tracker: ChunkTracker | None,
     if kind == LENGTH:
         return b"", False  # a declared length cannot grow: the body is cut
     return payload, False  # close-delimited to the client
+
+
+class Plan(NamedTuple):
+    """How one upstream response travels: decided once, from its head."""
+
+    kind: str
+    remaining: int  # the declared length (LENGTH)
+    mode: str
+    sse: bool
+    json: bool
+    upstream_keep_alive: bool
+    client_keep_alive: bool
+    holdable: bool  # a 2xx event stream: held until its first content event
+
+
+def plan(method: bytes, status: int, http_version: bytes, headers: Headers, client_http11: bool,
+         client_keep_alive: bool, committed: bool) -> Plan:
+    """`committed`: the client's head already went out (heartbeats): this body continues it."""
+    try:
+        kind, remaining = upstream_body(method, status, headers)
+    except FramingError:
+        kind, remaining = UNTIL_CLOSE, -1
+    ctype = (get(headers, b"content-type") or b"").lower()
+    sse = ctype.startswith(b"text/event-stream")
+    if committed:
+        mode = committed_carriage(kind, client_http11)
+        client_keep_alive = client_keep_alive and client_http11
+    else:
+        mode = carriage(kind, client_http11)
+        client_keep_alive = client_keep_alive and self_delimited(kind, mode)
+    return Plan(kind, remaining, mode, sse, not sse and b"json" in ctype,
+                http_version == b"1.1" and not has_token(headers, b"connection", b"close"),
+                client_keep_alive, sse and 200 <= status < 300)

@@ -26,8 +26,8 @@ from __future__ import annotations
 import msgspec
 
 from relay.chunked import LAST_CHUNK, frame
-from relay.errors import error_event
-from relay.headers import Headers
+from relay.errors import error_event, reason_phrase
+from relay.headers import Headers, client_response, with_cors
 from relay.sse import event_json
 from relay.stall import DONE_EVENT
 
@@ -145,6 +145,17 @@ class Hold:
     def _out(self, payload: bytes) -> None:
         if payload:
             self._write(frame(payload) if self.chunked else payload)
+
+    def client_head(self, resp, chunked: bool, keep_alive: bool, keep_length: bool = True) -> bytes:
+        """The head the client gets for an upstream response head (`resp`)."""
+        raw = resp.headers
+        if self.extra:  # CORS: the relay's answer replaces the upstream's
+            raw = with_cors(raw, self.extra)
+        if not keep_length:  # the relay frames the body itself
+            raw = [(k, v) for k, v in raw if k.lower() != b"content-length"]
+        status = resp.status_code
+        return client_response(status, resp.reason or reason_phrase(status), raw,
+                               self.request_id, chunked, keep_alive)
 
     # ---- WAITING -----------------------------------------------------------------------
     def keep(self, data: bytes) -> bool:
