@@ -22,6 +22,7 @@ from relay.budget import BudgetExceeded
 from relay.errors import RelayError, upstream_error
 from relay.health import DOWN
 from relay.hold import Hold, error_of
+from relay.model_name import served_name, with_model
 from relay.record import Record
 from relay.routing import NoRoute, model_list
 from relay.slots import Busy
@@ -107,13 +108,18 @@ class Dispatcher:
         rec = Record(ts=time.time(), request_id=rid.decode(), path=path,
                      method=req.method.decode("latin-1"))
         keep_alive = req.keep_alive
-        state = {"slot": None, "reservation": None, "ex": None, "hold": None}
+        cors = app.cors.headers(req.headers)
+        state = {"slot": None, "reservation": None, "ex": None, "hold": None, "cors": cors}
         try:
-            if self._internal(client, req, rid, path):
+            if app.cors.is_preflight(req.method, req.headers):  # before any key is asked for
+                if not client.gone:
+                    client.transport.write(app.cors.preflight(req.headers, rid, keep_alive))
+                return
+            if self._internal(client, req, rid, path, cors):
                 return
             keep_alive = await self._serve(client, req, rid, rec, state, t0)
         except RelayError as err:
-            keep_alive = self._answer_error(client, rid, rec, err, keep_alive, state["hold"])
+            keep_alive = self._answer_error(client, rid, rec, err, keep_alive, state)
         except asyncio.CancelledError:
             if state["ex"] is not None:
                 state["ex"].conn.abort()
@@ -132,7 +138,7 @@ class Dispatcher:
             hold = state["hold"]
             if hold is None or not hold.open:
                 self._answer_error(client, rid, rec, RelayError(
-                    "internal_error", "internal relay error"), False, hold)
+                    "internal_error", "internal relay error"), False, state)
         finally:
             if state["hold"] is not None:
                 state["hold"].close()
@@ -141,16 +147,17 @@ class Dispatcher:
             client.finish(keep_alive)
 
     def _answer_error(self, client, rid, rec, err: RelayError, keep_alive: bool,
-                      hold: Hold | None) -> bool:
+                      state: dict) -> bool:
         rec.status = err.status
         rec.error_code = rec.error_code or err.code
         rec.outcome = rec.outcome or "error"
+        hold = state["hold"]
         if hold is not None:
             hold.close()
             if hold.committed:  # a 200 event stream is out (heartbeats): the error goes in it
                 return hold.fail(err.message, err.type, err.code) and keep_alive
         keep_alive = keep_alive and err.status < 500 and err.status != 408
-        client.respond(err.status, err.body(), rid, keep_alive, err.headers)
+        client.respond(err.status, err.body(), rid, keep_alive, err.headers + state["cors"])
         return keep_alive
 
     # ---- admission and relay -------------------------------------------------------------
@@ -180,7 +187,8 @@ class Dispatcher:
                                  [(b"Retry-After", b"%d" % exc.retry_after)]) from None
         slot_path = req.method == b"POST" and rec.path in SLOT_PATHS
         hold = state["hold"] = Hold(app.loop, client, rid,
-                                    app.config.dispatcher.heartbeat_s if rec.stream else 0.0)
+                                    app.config.dispatcher.heartbeat_s if rec.stream else 0.0,
+                                    state["cors"])
         hold.start()
         last: _Retry | None = None
         for i, name in enumerate(candidates):
@@ -279,8 +287,13 @@ class Dispatcher:
         a fresh connection: llama-server closes after every stream.
         """
         d = self.app.config.dispatcher
-        head = hdr.upstream_request_headers(req.headers, up.host_header, len(req.body), rid,
-                                            up.auth)
+        body = req.body
+        name = served_name(up.cfg.model_map, rec.model)
+        if name is not None:  # this upstream knows the model by another name
+            body = with_model(body, name)
+        head = hdr.upstream_request_headers(
+            req.headers, up.host_header, len(body), rid, up.auth,
+            pass_credentials=not self.app.auth.enabled and up.auth is None)
         fresh = False
         while True:
             try:
@@ -298,7 +311,7 @@ class Dispatcher:
             conn.used = True
             conn.handler = ex
             client.exchange = ex
-            conn.transport.write(ex.request_bytes(req.target, head, req.body))
+            conn.transport.write(ex.request_bytes(req.target, head, body))
             timer = self.app.loop.call_later(d.direct_read_timeout_s, ex.head_timeout)
             try:
                 await ex.head_fut
@@ -334,7 +347,7 @@ class Dispatcher:
                 timer.cancel()
 
     # ---- endpoints the relay answers itself ---------------------------------------------
-    def _internal(self, client, req, rid: bytes, path: str) -> bool:
+    def _internal(self, client, req, rid: bytes, path: str, cors) -> bool:
         app = self.app
         if path == "/metrics" or path.startswith("/api/"):
             if not app.auth.admin_ok(req.headers):
@@ -344,17 +357,17 @@ class Dispatcher:
                 up.refresh_metrics()
             app.registry.rows_dropped = app.store.rows_dropped
             if path == "/metrics":
-                client.respond(200, app.registry.prometheus(now), rid, req.keep_alive,
+                client.respond(200, app.registry.prometheus(now), rid, req.keep_alive, cors,
                                content_type=b"text/plain; version=0.0.4; charset=utf-8")
             elif path == "/api/slots/metrics":
-                client.respond(200, app.registry.json(now), rid, req.keep_alive)
+                client.respond(200, app.registry.json(now), rid, req.keep_alive, cors)
             else:
                 raise RelayError("not_found", f"no such endpoint {path}")
             return True
         if path in ("/v1/models", "/models") and req.method == b"GET" and app.router.models:
             if app.auth.enabled and app.auth.identify(req.headers) is None:
                 raise RelayError("invalid_api_key", "missing or unknown API key")
-            client.respond(200, model_list(app.router.models), rid, req.keep_alive)
+            client.respond(200, model_list(app.router.models), rid, req.keep_alive, cors)
             return True
         return False
 
@@ -432,6 +445,8 @@ class Dispatcher:
         rec = Record(ts=time.time(), request_id=rid.decode(), path=path,
                      method=head.method.decode("latin-1") if head is not None else "",
                      status=err.status, error_code=err.code, outcome="rejected")
+        if head is not None:  # the answer carries the CORS headers too (client.py writes it)
+            err.headers = err.headers + self.app.cors.headers(head.headers.raw_items())
         self.app.registry.rejected(err.code)
         self.app.store.put(rec.row())
         self.app.log.event("access", **rec.log_fields())
