@@ -82,8 +82,11 @@ def candidate_binaries() -> list[Path]:
 class LlamaServer:
     """A llama-server subprocess serving the tiny model on 127.0.0.1:<free port>."""
 
-    def __init__(self, extra_args: tuple[str, ...] = (), health_timeout: float = HEALTH_TIMEOUT_S):
+    def __init__(self, extra_args: tuple[str, ...] = (), health_timeout: float = HEALTH_TIMEOUT_S,
+                 router_models: tuple[str, ...] = ()):
         self.extra_args = tuple(extra_args)
+        # router mode (--models-dir): one tiny model per name, loaded on first use
+        self.router_models = tuple(router_models)
         self.health_timeout = health_timeout
         self.proc: subprocess.Popen[bytes] | None = None
         self.port: int = 0
@@ -108,7 +111,12 @@ class LlamaServer:
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> "LlamaServer":
         t0 = time.monotonic()
-        write_tiny_model(self.model_path)
+        if self.router_models:
+            (self.dir / "models").mkdir(exist_ok=True)
+            for name in self.router_models:
+                write_tiny_model(self.dir / "models" / f"{name}.gguf")
+        else:
+            write_tiny_model(self.model_path)
         candidates = candidate_binaries()
         if not candidates:
             raise LlamaServerError(
@@ -135,7 +143,9 @@ class LlamaServer:
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
             [str(binary.parent)] + ([env["LD_LIBRARY_PATH"]] if env.get("LD_LIBRARY_PATH") else []))
-        cmd = [str(binary), "-m", str(self.model_path), "--host", "127.0.0.1",
+        model = (["--models-dir", str(self.dir / "models")] if self.router_models
+                 else ["-m", str(self.model_path)])
+        cmd = [str(binary), *model, "--host", "127.0.0.1",
                "--port", str(self.port), *DEFAULT_ARGS, *self.extra_args]
         self._log_file = open(self.log_path, "wb")
         self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
