@@ -20,6 +20,7 @@ from relay import exchange as X
 from relay import headers as hdr
 from relay.budget import BudgetExceeded
 from relay.errors import RelayError, upstream_error
+from relay.head import request_bytes
 from relay.health import DOWN
 from relay.hold import Hold, error_of
 from relay.model_name import served_name, with_model
@@ -311,7 +312,7 @@ class Dispatcher:
             conn.used = True
             conn.handler = ex
             client.exchange = ex
-            conn.transport.write(ex.request_bytes(req.target, head, body))
+            conn.transport.write(request_bytes(req.method, req.target, head, body))
             timer = self.app.loop.call_later(d.direct_read_timeout_s, ex.head_timeout)
             try:
                 await ex.head_fut

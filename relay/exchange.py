@@ -12,10 +12,11 @@ import asyncio
 import time
 
 from relay import framing
-from relay.head import BadHead, ResponseHead, parse_response_head, request_bytes
+from relay.head import BadHead, ResponseHead, parse_response_head
 from relay.chunked import LAST_CHUNK, SIZE, ChunkError, ChunkTracker, frame
-from relay.hold import Hold
+from relay.hold import ERROR, OPENED, Hold
 from relay.fastpath import same_shape, shape_of, token_event
+from relay.flow import ClientFlow
 from relay.sse import SseScanner
 from relay.usage import JsonBody
 from relay.stall import StallPolicy, stall_frame
@@ -32,12 +33,12 @@ class Exchange:
     __slots__ = (
         "_closed_early", "_leftover", "_write", "body_copy", "body_started", "bytes_out",
         "client", "client_keep_alive", "conn", "counted", "data_received", "done",
-        "fast", "first_content_at", "got_bytes", "head_at", "head_buf",
+        "fast", "first_content_at", "flow", "got_bytes", "head_at", "head_buf",
         "head_fut", "head_resp", "hold", "kind",
         "last_read", "loop", "method", "mode", "model", "on_content", "outcome", "path",
-        "paused", "policy", "remaining", "request_id", "scanner", "shape", "sse",
+        "policy", "remaining", "request_id", "scanner", "shape", "sse",
         "stall_elapsed", "stall_reason", "status", "timer", "tracker", "upstream_keep_alive",
-        "upstream_name", "write_timeout_s", "write_timer",
+        "upstream_name",
     )
 
     def __init__(self, loop, conn, client, method: bytes, request_id: bytes,
@@ -49,7 +50,7 @@ class Exchange:
         self.method = method
         self.request_id = request_id
         self.policy = policy
-        self.write_timeout_s = write_timeout_s
+        self.flow = ClientFlow(loop, write_timeout_s, self._write_stuck)
         self.path = path
         self.model = model
         self.upstream_name = upstream_name
@@ -81,8 +82,6 @@ class Exchange:
         self.stall_reason: str | None = None
         self.stall_elapsed = 0.0
         self.timer: asyncio.TimerHandle | None = None
-        self.write_timer: asyncio.TimerHandle | None = None
-        self.paused = False
         self.counted = 0  # tokens already added to the upstream's rate window
         self.fast = False  # the next read may be recognised by the fast path (fastpath.py)
         self.shape = None  # this stream's token event around its text (fastpath.shape_of)
@@ -91,10 +90,6 @@ class Exchange:
         # While the body flows the exchange is the upstream transport's protocol itself, and
         # its data_received is upstream_data: no hop (uvloop binds it at set_protocol time).
         self.data_received = self.upstream_data
-
-    # ---- request -------------------------------------------------------------------
-    def request_bytes(self, target: bytes, head: list[tuple[bytes, bytes]], body: bytes) -> bytes:
-        return request_bytes(self.method, target, head, body)
 
     # ---- upstream callbacks (UpstreamConn) -----------------------------------------
     def upstream_data(self, data: bytes) -> None:
@@ -225,11 +220,10 @@ class Exchange:
     def connection_lost(self, exc) -> None:
         self.conn.connection_lost(exc)
 
-    def pause_writing(self) -> None:
+    def pause_writing(self) -> None:  # (towards the upstream: a request is one write)
         pass
 
-    def resume_writing(self) -> None:
-        pass
+    resume_writing = pause_writing
 
     def start_body(self, resp: ResponseHead) -> None:
         """Decide framing, hold (or write) the head, and relay what came with it."""
@@ -245,13 +239,12 @@ class Exchange:
                          self.client.http11, self.client.wants_keep_alive, hold.committed)
         self.kind, self.remaining, self.mode, self.sse = p.kind, p.remaining, p.mode, p.sse
         self.upstream_keep_alive, self.client_keep_alive = p.upstream_keep_alive, p.client_keep_alive
-        holdable = p.holdable
         if hold.committed:  # only comments reached the client: this body continues it
-            hold.swallow = not holdable  # answered in-band by the dispatcher instead
+            hold.swallow = not p.holdable  # answered in-band by the dispatcher instead
         else:
             hold.head = hold.client_head(resp, framing.client_chunked(self.kind, self.mode),
                                          self.client_keep_alive)
-            if holdable:
+            if p.holdable:
                 hold.on_commit = self._commit_early
         if self.kind == framing.CHUNKED:
             self.tracker = ChunkTracker()
@@ -266,7 +259,7 @@ class Exchange:
         leftover, self._leftover = self._leftover, b""
         if leftover:
             self.upstream_data(leftover)
-        if not holdable and self.hold is not None and not hold.committed and self.outcome is None:
+        if not p.holdable and self.hold is not None and not hold.committed and self.outcome is None:
             self._release_hold()
         if self.outcome is None:
             self._arm()  # (after the first write: it is not in the client's wait)
@@ -274,16 +267,11 @@ class Exchange:
             self.upstream_closed(None)
 
     def _commit_early(self) -> None:
-        """A heartbeat is due while this upstream's head and events are held: the head goes
-        out now, re-framed as the hold requires, and what was held becomes payload."""
-        hold = self.hold
-        sent = b"".join(hold.parts)
-        held = framing.payload_of(self.kind, self.mode, sent)
-        self.bytes_out -= len(sent)  # counted again (as payload) when fed below
+        """A heartbeat is due while this upstream's head and events are held."""
+        held, sent = self.hold.commit_upstream(self.head_resp, self.kind, self.mode)
         self.mode = framing.committed_carriage(self.kind, self.client.http11)
         self.client_keep_alive = self.client.wants_keep_alive and self.client.http11
-        hold.commit(hold.client_head(self.head_resp, self.client.http11, self.client_keep_alive,
-                                     keep_length=False))
+        self.bytes_out -= sent  # counted again, as payload
         if held:
             self._emit(held)
 
@@ -298,20 +286,12 @@ class Exchange:
         self._opened()
 
     def _opened(self) -> None:
-        """The hold is over: from here the exchange writes to the client itself."""
+        """The hold is over: from here the exchange writes to the client itself (its own chunks
+        in REFRAME, until both sides stand between chunks: `_check_fast`)."""
         self.hold = None
         if self.mode == framing.REFRAME:
-            self._write = self._framed  # until both sides stand between chunks (_check_fast)
-
-    def _framed(self, payload: bytes) -> None:
-        self.client.transport.write(frame(payload))
-
-    def _unframe(self) -> None:
-        """Back to passing the upstream's own chunks, once both sides stand between chunks."""
-        tr = self.tracker
-        if self.hold is None and tr is not None and tr.state == SIZE and not tr.held:
-            self.mode = framing.PASS
-            self._write = self.client.transport.write
+            transport = self.client.transport
+            self._write = lambda payload: transport.write(frame(payload))
 
     def _emit(self, out: bytes) -> None:
         if out:
@@ -325,28 +305,24 @@ class Exchange:
             report(self)
 
     def _held(self, out: bytes) -> None:
-        hold = self.hold
-        error = self.scanner is not None and self.scanner.error_first  # {"error": ...} first
-        if hold.committed:
-            if hold.feed(out, self.first_content_at is not None and not error):
-                self._opened()
-            elif error:  # the next upstream, or the dispatcher tells it in-band
-                self.conn.abort()
-                self._end(ERROR_EVENT)
-        elif error and hold.more:  # the next upstream
+        sc = self.scanner
+        took = self.hold.take(out, self.first_content_at is not None,
+                              sc is not None and sc.error_first)
+        if took == OPENED:
+            self._opened()
+        elif took == ERROR:  # an {"error": ...} first event: the next upstream, or in-band
             self.conn.abort()
             self._end(ERROR_EVENT)
-        elif hold.keep(out) or self.first_content_at is not None:
-            self._release_hold()
 
     def _check_fast(self) -> None:
         """Whether the next read may take the fast path: streaming, between chunks and events."""
         if self.mode != framing.PASS:
-            if self.mode == framing.REFRAME:
-                self._unframe()
-            if self.mode != framing.PASS:
+            tr = self.tracker
+            if self.mode != framing.REFRAME or self.hold is not None or tr.state != SIZE or tr.held:
                 self.fast = False
                 return
+            # both sides stand between chunks: the upstream's own pass as they are again
+            self.mode, self._write = framing.PASS, self.client.transport.write
         sc, tr = self.scanner, self.tracker
         self.fast = (self.hold is None and self.outcome is None
                      and isinstance(sc, SseScanner) and sc.content_events > 0
@@ -371,7 +347,7 @@ class Exchange:
         if self.outcome is not None:
             return
         now = self.loop.time()
-        if self.paused:  # the client is the slow side: reads are not owed
+        if self.flow.paused:  # the client is the slow side: reads are not owed
             self.last_read = now
         reason = self.policy.due(now, self.head_at, self.last_read)
         if reason is None:
@@ -384,47 +360,33 @@ class Exchange:
         self.stall_elapsed = self.policy.elapsed(reason, now, self.head_at, self.last_read)
         self.conn.abort()
         hold = self.hold
-        if hold is not None and (hold.more or hold.swallow):  # only comments reached the
-            self._end(STALL)  # client: the next upstream, or an in-band error
-            return
+        if hold is not None:
+            if hold.more or hold.swallow:  # only comments reached the client: the next
+                self._end(STALL)  # upstream, or an in-band error
+                return
+            self._release_hold()
         if not self.sse:  # non-SSE bodies are cut: nothing injected
             self.client_keep_alive = False
-            if hold is not None:
-                self._release_hold()
-            self._end(STALL)
-            return
-        payload = b""
-        if not self.scanner.done_seen:
-            payload = stall_frame(self.path, self.model, reason, self.stall_elapsed,
-                                  self.upstream_name, int(time.time()))
-        if hold is not None:
-            self._release_hold()
-        tail, self_delimited = framing.closing_bytes(self.kind, self.mode, self.tracker, payload)
-        self.client_keep_alive &= self_delimited
-        if tail:
-            self.bytes_out += len(tail)
-            self.client.transport.write(tail)
+        else:
+            payload = b"" if self.scanner.done_seen else stall_frame(
+                self.path, self.model, reason, self.stall_elapsed, self.upstream_name,
+                int(time.time()))
+            tail, delimited = framing.closing_bytes(self.kind, self.mode, self.tracker, payload)
+            self.client_keep_alive &= delimited
+            if tail:
+                self.bytes_out += len(tail)
+                self.client.transport.write(tail)
         self._end(STALL)
 
     # ---- flow control (client transport) -------------------------------------------
     def client_paused(self) -> None:
-        self.paused = True
-        if self.conn.transport is not None and self.outcome is None:
-            self.conn.transport.pause_reading()
-        if self.write_timer is None:
-            self.write_timer = self.loop.call_later(self.write_timeout_s, self._write_stuck)
+        self.flow.pause(self.conn.transport if self.outcome is None else None)
 
     def client_resumed(self) -> None:
-        self.paused = False
         self.last_read = self.loop.time()
-        if self.write_timer is not None:
-            self.write_timer.cancel()
-            self.write_timer = None
-        if self.conn.transport is not None and self.outcome is None:
-            self.conn.transport.resume_reading()
+        self.flow.resume(self.conn.transport if self.outcome is None else None)
 
     def _write_stuck(self) -> None:
-        self.write_timer = None
         if self.outcome is None:
             self.conn.abort()
             self.client_keep_alive = False
@@ -464,9 +426,7 @@ class Exchange:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        if self.write_timer is not None:
-            self.write_timer.cancel()
-            self.write_timer = None
+        self.flow.cancel()
         hold = self.hold
         if hold is not None:  # ended before content: the hold says what the client gets
             self.hold = None
@@ -480,7 +440,7 @@ class Exchange:
         transport = self.conn.transport
         if transport is not None and transport.get_protocol() is self:
             transport.set_protocol(self.conn)
-        if self.paused and self.conn.transport is not None:
+        if self.flow.paused and self.conn.transport is not None:
             self.conn.transport.resume_reading()
         if not self.done.done():
             self.done.set_result(outcome)

@@ -27,11 +27,13 @@ import msgspec
 
 from relay.chunked import LAST_CHUNK, frame
 from relay.errors import error_event, reason_phrase
+from relay.framing import payload_of
 from relay.headers import Headers, client_response, with_cors
 from relay.sse import event_json
 from relay.stall import DONE_EVENT
 
 WAITING, COMMITTED, OPEN = 0, 1, 2
+HELD, OPENED, ERROR = 0, 1, 2  # what `take` made of body bytes
 LIMIT = 64 * 1024  # most bytes held back waiting for the first content event
 HEARTBEAT = b": relay heartbeat\n\n"
 
@@ -156,6 +158,32 @@ class Hold:
         status = resp.status_code
         return client_response(status, resp.reason or reason_phrase(status), raw,
                                self.request_id, chunked, keep_alive)
+
+    def take(self, out: bytes, content: bool, error_first: bool) -> int:
+        """Body bytes while held, as they would go out. `content`: the first content event is
+        in them; `error_first`: the first event is an `{"error": ...}` object. HELD: still
+        held; OPENED: written, the client gets the rest directly; ERROR: this upstream's
+        error ends its exchange (the next candidate serves, or the error is told in-band)."""
+        if self.state == COMMITTED:
+            if self.feed(out, content and not error_first):
+                return OPENED
+            return ERROR if error_first else HELD
+        if error_first and self.more:
+            return ERROR
+        if self.keep(out) or content:
+            self.release()
+            return OPENED
+        return HELD
+
+    def commit_upstream(self, resp, kind: str, mode: str) -> tuple[bytes, int]:
+        """Commit with the upstream's own head (`resp`), re-framed for the relay's chunks, as
+        a heartbeat falls due while it and its events are held: what was held comes back as
+        body payload, with the number of bytes it was held as."""
+        sent = b"".join(self.parts)
+        chunked = self.client.http11
+        self.commit(self.client_head(resp, chunked, chunked and self.client.wants_keep_alive,
+                                     keep_length=False))
+        return payload_of(kind, mode, sent), len(sent)
 
     # ---- WAITING -----------------------------------------------------------------------
     def keep(self, data: bytes) -> bool:
