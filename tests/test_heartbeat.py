@@ -516,3 +516,45 @@ async def test_unstreamed_request_gets_no_heartbeat(make_relay, upstreams):
     gate.open(0)
     resp = await task
     assert (resp.status, resp.body) == (200, doc)
+
+
+async def test_json_answer_after_heartbeats_is_told_in_band(make_relay, upstreams):
+    gate = Gate()
+    doc = b'{"choices":[{"message":{"content":"hi"}}]}'
+
+    async def script(up, index, reader, writer):
+        await up.read_request(reader)
+        await gate.at(0)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(doc), doc))
+        await writer.drain()
+
+    up = await upstreams(script)
+    app = await make_relay(up.url, heartbeat_s=0.1)
+    c = await Client.post(app.port, body())
+    await c.expect(CLIENT_HEAD + HB_CHUNK)
+    gate.open(0)
+    # an event stream was promised: a whole JSON body cannot continue it
+    await c.expect(inband("upstream llm answered 200 without an event stream", "upstream_error",
+                          "upstream_bad_response"))
+    c.close()
+    [row] = await rows_of(app, 1)
+    assert (row["status"], row["ok"], row["error_code"]) == (200, 0, "upstream_bad_response")
+
+
+async def test_no_head_in_time_after_heartbeats_is_told_in_band(make_relay, upstreams):
+    async def silent(up, index, reader, writer):
+        await up.read_request(reader)
+        await reader.read()  # never answers; ends when the relay gives up
+
+    up = await upstreams(silent)
+    app = await make_relay(up.url, heartbeat_s=0.05, direct_read_timeout_s=0.3)
+    c = await Client.post(app.port, body())
+    await c.expect(CLIENT_HEAD + HB_CHUNK)
+    tail = await c.until(b"\r\n0\r\n\r\n")
+    events = tail.replace(HB_CHUNK, b"")
+    assert events == inband("upstream llm sent no response head within 0.3s", "timeout_error",
+                            "upstream_timeout")
+    c.close()
+    [row] = await rows_of(app, 1)
+    assert (row["status"], row["ok"], row["error_code"]) == (504, 0, "upstream_timeout")
