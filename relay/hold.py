@@ -226,8 +226,20 @@ class Hold:
             self.pending += payload
             self.release()
             return True
-        buf = self.pending + payload if self.pending else payload
-        end = buf.rfind(b"\n\n") + 2
+        pending = self.pending
+        if pending and not (b"\n\n" in payload or (pending[-1] == 10 and payload[:1] == b"\n")):
+            # the unfinished event goes on: it grows in place, searched only in the new
+            # bytes (an event sent a byte at a time costs linear time, not quadratic)
+            if isinstance(pending, bytes):
+                pending = self.pending = bytearray(pending)
+            pending += payload
+            if self.size + len(pending) > LIMIT:
+                self.release()
+                return True
+            return False
+        buf = bytes(pending) + payload if pending else payload
+        end = buf.rfind(b"\n\n")
+        end = end + 2 if end >= 0 else 0  # whole events first, an unfinished one after
         whole, self.pending = buf[:end], buf[end:]
         if whole and not self.parts:
             n = comment_prefix(whole)

@@ -14,8 +14,9 @@ import msgspec
 
 _WS = re.compile(rb"[ \t\r\n]*")
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
-_STRUCT = re.compile(rb'["{}\[\]]')
-_SCALAR = re.compile(rb"[^,}\]\s]*")
+# The top-level members, each value as the exact bytes it was sent as (msgspec, in C): the
+# walk below then only jumps from member to member, whatever is nested inside them.
+_members = msgspec.json.Decoder(dict[str, msgspec.Raw])
 
 
 class NotJson(ValueError):
@@ -26,75 +27,43 @@ def _ws(body: bytes, i: int) -> int:
     return _WS.match(body, i).end()
 
 
-def _string_end(body: bytes, i: int) -> int:
-    m = _STRING.match(body, i)
-    if m is None:
-        raise NotJson(f"unterminated string at {i}")
-    return m.end()
-
-
-def _value_end(body: bytes, i: int) -> int:
-    """Where the JSON value starting at `i` ends."""
-    if i >= len(body):
-        raise NotJson("value expected")
-    c = body[i]
-    if c == 0x22:  # "
-        return _string_end(body, i)
-    if c not in (0x7B, 0x5B):  # a number or a literal
-        return _SCALAR.match(body, i).end()
-    depth = 0
-    while True:
-        m = _STRUCT.search(body, i)
-        if m is None:
-            raise NotJson("unterminated object or array")
-        c = body[m.start()]
-        if c == 0x22:
-            i = _string_end(body, m.start())
-            continue
-        i = m.end()
-        depth += 1 if c in (0x7B, 0x5B) else -1
-        if depth == 0:
-            return i
-
-
-def _is_model(key: bytes) -> bool:
-    if key == b'"model"':
-        return True
-    return b"\\" in key and msgspec.json.decode(key) == "model"  # e.g. "mod\u0065l"
-
-
 def model_spans(body: bytes) -> list[tuple[int, int]]:
-    """(start, end) of every top-level `"model"` member's string value, quotes included.
-    Raises NotJson when the body is not one JSON object."""
-    i = _ws(body, 0)
-    if body[i:i + 1] != b"{":
-        raise NotJson("not a JSON object")
+    """(start, end) of the top-level `"model"` member's string value, quotes included.
+
+    Raises NotJson when the body is not one JSON object, or names a member twice (which one
+    an upstream reads is its parser's choice: no rewrite is safe then).
+    """
+    try:
+        members = _members.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        raise NotJson("not a JSON object") from None
     spans = []
-    i = _ws(body, i + 1)
-    if body[i:i + 1] == b"}":
-        return spans
-    while True:
-        key_end = _string_end(body, i)
-        key = body[i:key_end]
-        i = _ws(body, key_end)
-        if body[i:i + 1] != b":":
-            raise NotJson(f"':' expected at {i}")
-        start = _ws(body, i + 1)
-        end = _value_end(body, start)
-        if body[start:start + 1] == b'"' and _is_model(key):
-            spans.append((start, end))
+    i = _ws(body, 0) + 1  # after the opening brace
+    for key, raw in members.items():  # in the order they were sent (first time each)
+        i = _ws(body, i)
+        m = _STRING.match(body, i)
+        if m is None:
+            raise NotJson(f"member name expected at {i}")
+        name = m.group()
+        if (msgspec.json.decode(name) if b"\\" in name else name[1:-1].decode()) != key:
+            raise NotJson("a member named twice")  # the dict kept its first place only
+        i = _ws(body, _ws(body, m.end()) + 1)  # past the colon (the decoder saw it)
+        end = i + len(raw)
+        if body[i:end] != bytes(raw):
+            raise NotJson("a member named twice")  # (the value is a later one's)
+        if key == "model" and body[i] == 0x22:
+            spans.append((i, end))
         i = _ws(body, end)
-        sep = body[i:i + 1]
-        if sep == b"}":
-            return spans
-        if sep != b",":
-            raise NotJson(f"',' or '}}' expected at {i}")
-        i = _ws(body, i + 1)
+        last = body[i]  # the comma or the closing brace
+        i += 1
+    if members and last != 0x7D:
+        raise NotJson("a member named twice")  # members left over: names repeated
+    return spans
 
 
 def with_model(body: bytes, name: str) -> bytes:
     """`body` with the top-level `model` string set to `name` (JSON-escaped); the body as is
-    when it names no model or is not a JSON object."""
+    when it names no model, is not a JSON object or names a member twice."""
     try:
         spans = model_spans(body)
     except NotJson:

@@ -215,3 +215,29 @@ def test_client_gone_stops_the_heartbeat():
 def test_no_interval_no_timer():
     hold, loop, out = make(interval=0)
     assert loop.timers == []
+
+
+def test_an_event_a_byte_at_a_time_is_held_in_linear_time():
+    import time
+
+    hold, loop, out = make(interval=1.0)
+    loop.run_until(1.0)
+    del out[:]
+    event = b"data: " + b"x" * 60000 + b"\n\n"
+    t0 = time.process_time()
+    for i in range(len(event)):
+        assert not hold.feed(event[i:i + 1], False)
+    assert time.process_time() - t0 < 1.0
+    assert out == [] and hold.parts == [event] and hold.pending == b""
+    hold.feed(b": c\n\nda", False)
+    assert hold.parts == [event, b": c\n\n"] and hold.pending == b"da"
+
+
+def test_a_partial_event_alone_is_pending_not_judged():
+    hold, loop, out = make(interval=1.0)
+    loop.run_until(1.0)
+    del out[:]
+    assert not hold.feed(b": pi", False)
+    assert (out, hold.parts, hold.pending) == ([], [], b": pi")
+    assert not hold.feed(b"ng\n\n", False)
+    assert out == [frame(b": ping\n\n")] and hold.parts == []
