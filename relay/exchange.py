@@ -12,7 +12,7 @@ import asyncio
 import time
 
 from relay import framing
-from relay.head import BadHead, ResponseHead, parse_response_head
+from relay.head import BadHead, HeadReader, ResponseHead
 from relay.chunked import LAST_CHUNK, SIZE, ChunkError, ChunkTracker, frame
 from relay.hold import ERROR, OPENED, Hold
 from relay.fastpath import same_shape, shape_of, token_event
@@ -33,7 +33,7 @@ class Exchange:
     __slots__ = (
         "_closed_early", "_leftover", "_write", "body_copy", "body_started", "bytes_out",
         "client", "client_keep_alive", "conn", "counted", "data_received", "done",
-        "fast", "first_content_at", "flow", "got_bytes", "head_at", "head_buf",
+        "fast", "first_content_at", "flow", "got_bytes", "head_at", "head_reader",
         "head_fut", "head_resp", "hold", "kind",
         "last_read", "loop", "method", "mode", "model", "on_content", "outcome", "path",
         "policy", "remaining", "request_id", "scanner", "shape", "sse",
@@ -54,7 +54,7 @@ class Exchange:
         self.path = path
         self.model = model
         self.upstream_name = upstream_name
-        self.head_buf: bytes | None = b""  # the response head as it comes; None once parsed
+        self.head_reader: HeadReader | None = HeadReader()  # None once the head is parsed
         self.head_fut: asyncio.Future = loop.create_future()
         self.head_resp: ResponseHead | None = None
         self.done: asyncio.Future = loop.create_future()
@@ -94,7 +94,7 @@ class Exchange:
     # ---- upstream callbacks (UpstreamConn) -----------------------------------------
     def upstream_data(self, data: bytes) -> None:
         if not self.body_started:
-            if self.head_buf is not None:
+            if self.head_reader is not None:
                 self._head_data(data)
             else:  # head parsed, body not started yet: keep for start_body
                 self._leftover += data
@@ -170,10 +170,10 @@ class Exchange:
         return i > 0
 
     def upstream_closed(self, exc) -> None:
-        if self.head_buf is not None:
+        if self.head_reader is not None:
             if not self.head_fut.done():
                 self.head_fut.set_exception(UpstreamGone(silent=not self.got_bytes))
-            self.head_buf = None
+            self.head_reader = None
             return
         if not self.body_started:
             self._closed_early = True
@@ -191,20 +191,18 @@ class Exchange:
     # ---- head ----------------------------------------------------------------------
     def _head_data(self, data: bytes) -> None:
         self.got_bytes = True
-        buf = self.head_buf + data if self.head_buf else data
         try:
-            parsed = parse_response_head(buf)
+            parsed = self.head_reader.feed(data)
         except BadHead as exc:
-            self.head_buf = None
+            self.head_reader = None
+            self.conn.abort()  # read no more of it (an endless head would pile up meanwhile)
             if not self.head_fut.done():
                 self.head_fut.set_exception(UpstreamBadHead(str(exc)))
             return
         if parsed is None:
-            self.head_buf = buf
             return
-        resp, used = parsed
-        self.head_buf = None
-        self._leftover = buf[used:]
+        resp, self._leftover = parsed
+        self.head_reader = None
         self.head_at = self.last_read = self.loop.time()
         self.head_resp = resp
         if self.head_fut.done():
@@ -235,8 +233,13 @@ class Exchange:
             transport.set_protocol(self)
         hold = self.hold
         self.status = resp.status_code
-        p = framing.plan(self.method, self.status, resp.http_version, resp.headers,
-                         self.client.http11, self.client.wants_keep_alive, hold.committed)
+        try:
+            p = framing.plan(self.method, self.status, resp.http_version, resp.headers,
+                             self.client.http11, self.client.wants_keep_alive, hold.committed)
+        except framing.FramingError:  # (head.py refuses these heads first) nothing is sent
+            self.conn.abort()
+            self._upstream_failed(BAD_FRAMING)
+            return
         self.kind, self.remaining, self.mode, self.sse = p.kind, p.remaining, p.mode, p.sse
         self.upstream_keep_alive, self.client_keep_alive = p.upstream_keep_alive, p.client_keep_alive
         if hold.committed:  # only comments reached the client: this body continues it
@@ -254,6 +257,8 @@ class Exchange:
             self.scanner = self.body_copy = JsonBody()
         self._write = self.client.transport.write
         if self.kind == framing.EMPTY:
+            # bytes after a head with no body: the upstream is out of step, do not reuse it
+            self.upstream_keep_alive &= not self._leftover
             self._end(DONE)
             return
         leftover, self._leftover = self._leftover, b""
@@ -395,7 +400,7 @@ class Exchange:
     def head_timeout(self) -> None:
         if not self.head_fut.done():
             self.head_fut.set_exception(TimeoutError())
-            self.head_buf = None
+            self.head_reader = None
 
     def client_gone(self) -> None:
         """The client closed or reset: close the upstream socket at once."""
@@ -403,7 +408,7 @@ class Exchange:
         self.client_keep_alive = False
         if not self.head_fut.done():
             self.head_fut.set_exception(ClientGone())
-            self.head_buf = None
+            self.head_reader = None
         if self.outcome is None and self.head_at:
             self._end(CLIENT_GONE)
 
@@ -415,7 +420,7 @@ class Exchange:
             self._upstream_failed(SHUTDOWN)
         elif not self.head_fut.done():
             self.head_fut.set_exception(RelayShutdown())
-            self.head_buf = None
+            self.head_reader = None
 
     # ---- the one way out ---------------------------------------------------------------
     def _end(self, outcome: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from relay.chunked import LAST_CHUNK, ChunkTracker, frame
+from relay.head import MAX_LENGTH_DIGITS
 from relay.headers import Headers, get, has_token
 
 # Upstream body kinds
@@ -27,17 +28,20 @@ def upstream_body(method: bytes, status: int, headers: Headers) -> tuple[str, in
     if method == b"HEAD" or status < 200 or status in (204, 304):
         return EMPTY, 0
     te = get(headers, b"transfer-encoding")
-    if te is not None:  # chunked only when it is the final coding (RFC 9112 6.3)
-        last = te.split(b",")[-1].strip().lower()
-        return (CHUNKED, -1) if last == b"chunked" else (UNTIL_CLOSE, -1)
     cl = get(headers, b"content-length")
+    if te is not None:
+        # `chunked` alone: another coding would reach the client dropped or mangled, and a
+        # Content-Length beside it makes the framing ambiguous (RFC 9112 6.1, 6.3 item 3).
+        # relay/head.py refuses such heads first; this stays total on its own.
+        if te.strip(b" \t").lower() != b"chunked":
+            raise FramingError(f"unknown Transfer-Encoding {te[:40]!r}")
+        if cl is not None:
+            raise FramingError("Content-Length and Transfer-Encoding together")
+        return CHUNKED, -1
     if cl is not None:
-        try:
-            n = int(cl)
-        except ValueError:
-            raise FramingError(f"bad Content-Length {cl[:20]!r}") from None
-        if n < 0:
-            raise FramingError("negative Content-Length")
+        if not cl.isdigit() or len(cl) > MAX_LENGTH_DIGITS:
+            raise FramingError(f"bad Content-Length {cl[:20]!r}")
+        n = int(cl)
         return (LENGTH, n) if n else (EMPTY, 0)
     return UNTIL_CLOSE, -1
 
@@ -106,10 +110,7 @@ class Plan(NamedTuple):
 def plan(method: bytes, status: int, http_version: bytes, headers: Headers, client_http11: bool,
          client_keep_alive: bool, committed: bool) -> Plan:
     """`committed`: the client's head already went out (heartbeats): this body continues it."""
-    try:
-        kind, remaining = upstream_body(method, status, headers)
-    except FramingError:
-        kind, remaining = UNTIL_CLOSE, -1
+    kind, remaining = upstream_body(method, status, headers)  # (FramingError: the caller's)
     ctype = (get(headers, b"content-type") or b"").lower()
     sse = ctype.startswith(b"text/event-stream")
     if committed:

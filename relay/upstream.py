@@ -4,11 +4,31 @@ A connection is handed to one exchange at a time (`conn.handler`); the exchange 
 bytes and the close. A connection goes back to the pool only after a cleanly finished
 response; llama-server closes after every stream although it says Keep-Alive, so a pooled
 connection may be dead by the time it is reused (the caller retries once on a fresh one).
+
+A connection on which the upstream sent anything it was not asked for is never reused: bytes
+read while no exchange holds it retire it at once (`data_received`), and since the loop reads
+them only at its next poll - a connection can be released and taken again within one pass of
+ready callbacks - the pool also looks at the socket's receive queue before handing one out.
+(Bytes that arrive only after the next request went out cannot be told from its response.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import struct
+import termios
+
+
+def unread_bytes(transport) -> int:
+    """Bytes waiting in the socket's receive queue, not yet read by the loop (FIONREAD)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+    except OSError:
+        return 1  # a socket that cannot say is not trusted with a request
 
 
 class UpstreamConn(asyncio.Protocol):
@@ -86,7 +106,9 @@ class Pool:
                 conn.idle_timer.cancel()
                 conn.idle_timer = None
             if conn.alive and not conn.transport.is_closing():
-                return conn, True
+                if not unread_bytes(conn.transport):
+                    return conn, True
+                conn.abort()  # unsolicited bytes, not read yet: out of step with us
         loop = asyncio.get_running_loop()
         # The deadline cancels this task, as asyncio.timeout would, at a third of its cost
         # (no extra task either, unlike wait_for in 3.11).
