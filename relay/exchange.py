@@ -282,8 +282,7 @@ class Exchange:
 
     # ---- body ----------------------------------------------------------------------
     def _first_content(self) -> None:
-        # the held head goes out with this read, in _emit: one write, one wake-up; the
-        # metrics hear of it after that write (`_emit`)
+        # the held head goes out with this read (_emit: one write), then the metrics hear
         self.first_content_at = time.perf_counter()
 
     def _release_hold(self) -> None:
@@ -334,11 +333,8 @@ class Exchange:
                      and not sc.pending and tr.state == SIZE and not tr.held)
 
     def _upstream_failed(self, outcome: str) -> None:
-        """The upstream broke the body: the client sees the truncation (no clean end).
-
-        While the head is still held nothing has reached the client: the caller answers
-        with an error of its own (or tries another upstream) instead.
-        """
+        """The upstream broke the body: the client sees the truncation (no clean end). While
+        held, only comments reached the client: the caller answers or tries another upstream."""
         self.client_keep_alive = False
         self._end(outcome)
 
