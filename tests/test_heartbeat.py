@@ -558,3 +558,23 @@ async def test_no_head_in_time_after_heartbeats_is_told_in_band(make_relay, upst
     c.close()
     [row] = await rows_of(app, 1)
     assert (row["status"], row["ok"], row["error_code"]) == (504, 0, "upstream_timeout")
+
+
+async def test_openai_client_streams_through_heartbeats(make_relay, upstreams):
+    openai = pytest.importorskip("openai")
+
+    async def script(up, index, reader, writer):
+        await up.read_request(reader)
+        await wait_for(lambda: beats(app) >= 2)  # the client has its head and heartbeats
+        writer.write(SSE_HEAD + F.chunk(PING) + F.chunk(ROLE) + F.chunk(TOKENS[0]) + REST)
+        await writer.drain()
+
+    up = await upstreams(script)
+    app = await make_relay(up.url, heartbeat_s=0.05)
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{app.port}/v1", api_key="sk-x",
+                                max_retries=0, timeout=10)
+    stream = await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+    text = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+    await client.close()
+    assert "".join(text) == "Hello there friend"
