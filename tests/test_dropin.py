@@ -230,3 +230,28 @@ async def test_cors_off_by_default(make_relay, upstreams):
     resp = await httpc.fetch(app.port, "OPTIONS", CHAT, headers=PREFLIGHT)
     assert resp.status == 204 and len(up.heads) == 1  # relayed as any request
     assert resp.header("access-control-allow-origin") == "*"  # the upstream's own answer
+
+
+async def test_reload_turns_cors_and_model_map_on(make_relay, upstreams):
+    import msgspec
+
+    up = await upstreams()
+    app = await make_relay(upstreams=[UpstreamConfig(name="u", url=up.url)])
+    server = msgspec.structs.replace(app.config.server, cors_origins=[ORIGIN])
+    ups = [msgspec.structs.replace(app.config.upstream[0], model_map={"m": "served-m"})]
+    app.reload(msgspec.structs.replace(app.config, server=server, upstream=ups))
+    resp = await httpc.fetch(app.port, "POST", CHAT, chat("m"), headers={"Origin": ORIGIN})
+    assert resp.header("access-control-allow-origin") == ORIGIN
+    assert json.loads(up.bodies[-1])["model"] == "served-m"
+
+
+async def test_admin_key_is_not_passed_to_the_upstream(make_relay, upstreams):
+    up = await upstreams(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+    admin = "sk-admin"
+    app = await make_relay(up.url, admin_key_sha256=hashlib.sha256(admin.encode()).hexdigest())
+    resp = await httpc.fetch(app.port, "POST", "/props", {"x": 1},
+                             headers={"Authorization": f"Bearer {admin}"})
+    assert resp.status == 200
+    assert header(up.heads[-1], b"authorization") == []  # the relay's own secret stays here
+    await httpc.fetch(app.port, "POST", CHAT, chat(), headers={"Authorization": "Bearer up"})
+    assert header(up.heads[-1], b"authorization") == [b"Bearer up"]  # not an admin call
