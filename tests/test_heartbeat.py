@@ -578,3 +578,22 @@ async def test_openai_client_streams_through_heartbeats(make_relay, upstreams):
     text = [c.choices[0].delta.content or "" async for c in stream if c.choices]
     await client.close()
     assert "".join(text) == "Hello there friend"
+
+
+async def test_drain_after_heartbeats_is_told_in_band(make_relay, upstreams):
+    async def silent(up, index, reader, writer):
+        await up.read_request(reader)
+        await reader.read()  # never answers
+
+    up = await upstreams(silent)
+    app = await make_relay(up.url, heartbeat_s=0.05)
+    c = await Client.post(app.port, body())
+    await c.expect(CLIENT_HEAD + HB_CHUNK)
+    stop = asyncio.ensure_future(app.stop(drain_timeout_s=0.1))
+    tail = await c.until(b"\r\n0\r\n\r\n")
+    assert tail.replace(HB_CHUNK, b"") == inband("the relay is shutting down", "server_error",
+                                                 "shutting_down")
+    await stop
+    c.close()
+    [line] = app.log.of("access")
+    assert (line["status"], line["error_code"]) == (503, "shutdown")
