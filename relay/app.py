@@ -10,6 +10,7 @@ from relay.auth import Auth
 from relay.budget import Budgets, window_bounds
 from relay.client import ClientConn
 from relay.config import Config, ConfigError, UpstreamConfig, parse_url
+from relay.cors import Cors
 from relay.dispatch import Dispatcher
 from relay.errors import RelayError
 from relay.health import Health, probe_once
@@ -39,7 +40,8 @@ class Upstream:
         self.cfg = cfg
         self.name = cfg.name
         self.host, self.port = parse_url(cfg.url)
-        self.host_header = (self.host if self.port == 80 else f"{self.host}:{self.port}").encode()
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 literal
+        self.host_header = (host if self.port == 80 else f"{host}:{self.port}").encode()
         self.pool = Pool(self.host, self.port, keepalive_s, prewarm, connect_timeout_s)
         self.slots = SlotPool(cfg.parallel, cfg.queue)
         self.health = Health()
@@ -69,6 +71,7 @@ class App:
                                            d.connect_timeout_s) for u in config.upstream}
         self.router = Router(config.upstream)
         self.auth = Auth(config.key, config.admin_key_sha256)
+        self.cors = Cors(config.server.cors_origins)
         self.budgets = Budgets(config.key)
         self.registry = Registry()
         for up in self.upstreams.values():

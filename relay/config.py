@@ -30,6 +30,8 @@ class ServerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     header_timeout_s: Seconds = 10.0
     keepalive_timeout_s: Seconds = 75.0
     drain_timeout_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 30.0
+    # browser origins allowed to call the relay ("*" = any); empty = no CORS answers
+    cors_origins: list[Annotated[str, Meta(min_length=1)]] = msgspec.field(default_factory=list)
 
 
 class DispatcherConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -44,6 +46,9 @@ class DispatcherConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     # while an upstream is down it is probed this often (and one request at a time tries it)
     down_probe_interval_s: Annotated[float, Meta(ge=0.05, le=3600.0)] = 0.5
     prewarm: bool = True  # keep one connected spare per upstream while it has traffic
+    # a streamed request's client gets a 200 event-stream head and a comment line when
+    # nothing reached it for this long before the first content event; 0 = off
+    heartbeat_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 15.0
 
 
 class UpstreamConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -54,6 +59,10 @@ class UpstreamConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     queue: Annotated[int, Meta(ge=0, le=100000)] = 64
     aliases: list[str] = msgspec.field(default_factory=list)
     fallback: list[str] = msgspec.field(default_factory=list)
+    # public name (model, alias, or one reaching it as a fallback; "*" for any other) -> the
+    # name this upstream expects in the request body's "model"
+    model_map: dict[Annotated[str, Meta(min_length=1)], Annotated[str, Meta(min_length=1)]] = \
+        msgspec.field(default_factory=dict)
     auth_header: str | None = None
     auth_value_env: str | None = None
 

@@ -18,6 +18,7 @@ a file that changes them is refused.
 from __future__ import annotations
 
 from relay.auth import Auth
+from relay.cors import Cors
 from relay.config import Config, ConfigError
 from relay.routing import Router
 from relay.stall import StallPolicy
@@ -56,6 +57,7 @@ def apply(app, new: Config) -> dict:
         ups[cfg.name] = up
     router = Router(new.upstream)
     auth = Auth(new.key, new.admin_key_sha256)
+    cors = Cors(new.server.cors_origins)
     policy = StallPolicy(d.stream_idle_timeout_s, d.stream_total_timeout_s,
                          d.direct_read_timeout_s)
     # ---- swap (cannot fail) ----
@@ -73,6 +75,7 @@ def apply(app, new: Config) -> dict:
     app.upstreams = ups
     app.router = router
     app.auth = auth
+    app.cors = cors
     app.policy = policy
     app.registry.set_upstreams([up.metrics for up in ups.values()])
     app.store.retention_days = new.store.retention_days

@@ -97,6 +97,8 @@ def rejected(dispatcher, client, err: RelayError) -> None:
     rec = Record(ts=time.time(), request_id=rid.decode(), path=path,
                  method=bounded(head.method.decode("latin-1"), 32) if head is not None else "",
                  status=err.status, error_code=err.code, outcome="rejected")
+    if head is not None:  # the answer carries the CORS headers too (client.py writes it)
+        err.headers = err.headers + app.cors.headers(head.headers.raw_items())
     app.registry.rejected(err.code)
     app.store.put(rec.row())
     app.log.event("access", **rec.log_fields())

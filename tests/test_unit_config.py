@@ -255,3 +255,26 @@ def test_load_config_invalid_utf8(tmp_path):
     p.write_bytes(b'[store]\npath = "caf\xe9.db"\n')
     with pytest.raises(ConfigError):
         load_config(str(p))
+
+
+def test_drop_in_keys(tmp_path):
+    """Issue 11's keys: heartbeat_s (default 15, 0 = off), cors_origins (off), model_map."""
+    cfg = parse_config({"upstream": [UP]})
+    assert cfg.dispatcher.heartbeat_s == 15.0
+    assert cfg.server.cors_origins == [] and cfg.upstream[0].model_map == {}
+    path = tmp_path / "relay.toml"
+    path.write_text('[server]\ncors_origins = ["*", "https://chat.example"]\n'
+                    "[dispatcher]\nheartbeat_s = 0\n"
+                    '[[upstream]]\nname = "llm"\nurl = "http://[::1]:8081"\n'
+                    'aliases = ["gpt-4o-mini"]\n'
+                    'model_map = { "gpt-4o-mini" = "Qwen/Qwen2.5-7B-Instruct", "*" = "qwen" }\n')
+    cfg = parse_config(load_config(str(path)))
+    assert cfg.server.cors_origins == ["*", "https://chat.example"]
+    assert cfg.dispatcher.heartbeat_s == 0
+    assert cfg.upstream[0].model_map == {"gpt-4o-mini": "Qwen/Qwen2.5-7B-Instruct", "*": "qwen"}
+    assert parse_url(cfg.upstream[0].url) == ("::1", 8081)
+    for bad in ({"dispatcher": {"heartbeat_s": -1}},
+                {"upstream": [{**UP, "model_map": {"a": ""}}]},
+                {"server": {"cors_origins": [""]}}):
+        with pytest.raises(ConfigError):
+            parse_config(bad)
