@@ -1,0 +1,57 @@
+"""What an `[[upstream]]` adds to every request it is sent: static headers and its own key.
+
+`headers = { "OpenAI-Organization" = "org-x" }` is for what a provider needs that is not a
+secret. Anything that looks like a credential is refused at start: secrets come only from
+the environment (`auth_header` + `auth_value_env`), so a config file never holds one.
+
+When an upstream has its own key, none of the client's credentials go to it (the relay's
+key is the one the provider bills): `CLIENT_CREDENTIALS` are dropped from what crosses.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Header names that carry a caller's credential.
+CLIENT_CREDENTIALS = frozenset({
+    b"authorization", b"proxy-authorization", b"x-api-key", b"api-key", b"cookie",
+})
+# Words in a header name that say it carries a secret (x-goog-api-key, x-auth-token, ...).
+_SECRET_WORDS = ("auth", "key", "token", "secret", "passw", "cookie", "credential", "session")
+# Set by the relay itself, or hop-by-hop: a static value would break the exchange.
+_RELAY_OWNED = frozenset({
+    "host", "content-length", "transfer-encoding", "connection", "keep-alive", "te",
+    "trailer", "upgrade", "expect", "proxy-connection", "x-request-id",
+})
+_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_VALUE = re.compile(r"^[^\x00-\x08\x0a-\x1f\x7f]*$")
+
+
+def looks_like_credential(name: str) -> bool:
+    low = name.lower()
+    return low.encode() in CLIENT_CREDENTIALS or any(w in low for w in _SECRET_WORDS)
+
+
+def check_static_headers(headers: dict[str, str], auth_header: str | None = None) -> None:
+    """Raises ValueError naming the first header that cannot be a static upstream header."""
+    for name, value in headers.items():
+        if not _TOKEN.match(name):
+            raise ValueError(f"{name!r} is not a header name")
+        if not _VALUE.match(value) or value != value.strip(" \t"):
+            raise ValueError(f"{name!r}: the value has control characters or edge spaces")
+        low = name.lower()
+        if low in _RELAY_OWNED:
+            raise ValueError(f"{name!r} is set by the relay")
+        if looks_like_credential(name) or (auth_header and low == auth_header.lower()):
+            raise ValueError(
+                f"{name!r} looks like a credential: secrets only through auth_header + "
+                "auth_value_env (read from the environment), never in the file")
+
+
+def fixed_headers(headers: dict[str, str],
+                  auth: tuple[bytes, bytes] | None) -> list[tuple[bytes, bytes]]:
+    """The headers an upstream adds to every request: its static ones, then its key."""
+    out = [(k.encode(), v.encode()) for k, v in headers.items()]
+    if auth is not None:
+        out.append(auth)
+    return out
