@@ -9,7 +9,9 @@ connection may be dead by the time it is reused (the caller retries once on a fr
 from __future__ import annotations
 
 import asyncio
+import ssl
 
+from relay.tls import describe
 
 class UpstreamConn(asyncio.Protocol):
     __slots__ = ("pool", "transport", "handler", "alive", "idle_timer", "used")
@@ -64,14 +66,17 @@ class Pool:
     """Idle keep-alive connections to one upstream address."""
 
     def __init__(self, host: str, port: int, keepalive_s: float, prewarm: bool = False,
-                 connect_timeout_s: float = 5.0) -> None:
+                 connect_timeout_s: float = 5.0, tls: ssl.SSLContext | None = None) -> None:
         self.host = host
         self.port = port
+        # TLS (an https upstream): SNI and the name checked are the URL's host. The handshake
+        # is part of the connect (and of its timeout); pooled connections skip it.
+        self.tls = {} if tls is None else {"ssl": tls, "server_hostname": host}
         self.keepalive_s = keepalive_s
         self.prewarm = prewarm and keepalive_s > 0
         self.connect_timeout_s = connect_timeout_s
         self.idle: list[UpstreamConn] = []
-        self.connects = 0  # new TCP connections opened (tests and metrics)
+        self.connects = 0  # new connections opened, TLS handshakes included (tests, metrics)
         self.burns = False  # the upstream closes connections after use (llama-server streams)
         self.closed = False
         self._warming = False
@@ -94,11 +99,14 @@ class Pool:
         expired = []
         timer = loop.call_later(timeout, lambda: expired.append(task.cancel()))
         try:
-            _, conn = await loop.create_connection(lambda: UpstreamConn(self), self.host, self.port)
+            _, conn = await loop.create_connection(lambda: UpstreamConn(self), self.host,
+                                                   self.port, **self.tls)
         except asyncio.CancelledError:
             if not expired or task.uncancel() > 0:
                 raise  # cancelled from outside: not ours to swallow
             raise ConnectError(f"connect timed out after {timeout}s") from None
+        except ssl.SSLError as exc:  # (an OSError too) a refused certificate, a bad handshake
+            raise ConnectError(f"TLS handshake failed: {describe(exc)}") from None
         except OSError as exc:
             raise ConnectError(f"connect failed: {exc.strerror or exc}") from None
         finally:
