@@ -9,7 +9,7 @@ import time
 from relay.auth import Auth
 from relay.budget import Budgets, window_bounds
 from relay.client import ClientConn
-from relay.config import Config, ConfigError, UpstreamConfig, parse_url
+from relay.config import Config, ConfigError, UpstreamConfig, parse_target_url
 from relay.dispatch import Dispatcher
 from relay.health import Health, probe_once
 from relay.log import Log
@@ -18,7 +18,13 @@ from relay.routing import Router
 from relay.slots import SlotPool
 from relay.stall import StallPolicy
 from relay.store import Store
+from relay.tls import client_context
 from relay.upstream import Pool
+from relay.upstream_headers import fixed_headers
+
+# An idle pooled connection to an https upstream (a hosted API keeps one open for minutes,
+# and a new one costs a TLS handshake) is kept this long unless `keepalive_s` says otherwise.
+TLS_KEEPALIVE_S = 60.0
 
 
 class Upstream:
@@ -26,9 +32,21 @@ class Upstream:
                  connect_timeout_s: float = 5.0) -> None:
         self.cfg = cfg
         self.name = cfg.name
-        self.host, self.port = parse_url(cfg.url)
-        self.host_header = (self.host if self.port == 80 else f"{self.host}:{self.port}").encode()
-        self.pool = Pool(self.host, self.port, keepalive_s, prewarm, connect_timeout_s)
+        self.target = parse_target_url(cfg.url)
+        self.host, self.port = self.target.host, self.target.port
+        self.host_header = self.target.host_header
+        self.tls = None
+        if self.target.tls:
+            try:
+                self.tls = client_context(cfg.verify, cfg.ca_file)
+            except (OSError, ValueError) as exc:  # (ssl.SSLError is an OSError)
+                raise ConfigError(f"upstream.{cfg.name}.ca_file: cannot load {cfg.ca_file!r}: "
+                                  f"{getattr(exc, 'strerror', None) or exc}") from None
+            if keepalive_s > 0:  # (0: no pooling at all, as chosen)
+                keepalive_s = max(keepalive_s, TLS_KEEPALIVE_S)
+        if cfg.keepalive_s is not None:
+            keepalive_s = cfg.keepalive_s
+        self.pool = Pool(self.host, self.port, keepalive_s, prewarm, connect_timeout_s, self.tls)
         self.slots = SlotPool(cfg.parallel, cfg.queue)
         self.health = Health()
         self.metrics = UpstreamMetrics(cfg.name, cfg.parallel)
@@ -40,6 +58,7 @@ class Upstream:
                     f"upstream.{cfg.name}.auth_value_env: environment variable "
                     f"{cfg.auth_value_env} is not set")
             self.auth = (cfg.auth_header.encode(), value.encode())
+        self.static = fixed_headers(cfg.headers, None)  # sent with every request
 
     @property
     def state(self) -> str:
@@ -92,6 +111,10 @@ class App:
         self.background.append(self.loop.create_task(self._sample_tokens()))
         self.log.event("relay_listening", host=s.host, port=self.port,
                        upstreams=list(self.upstreams))
+        for up in self.upstreams.values():
+            if up.target.tls and not up.cfg.verify:
+                self.log.event("upstream_tls_unverified", upstream=up.name, url=up.cfg.url,
+                               note="verify = false: certificate and hostname are not checked")
 
     def _restore_budgets(self) -> None:
         """Budgets survive a restart: each window's usage is rebuilt from the rows."""
@@ -154,9 +177,11 @@ class App:
     async def _probe(self, up: Upstream) -> None:
         d = self.config.dispatcher
         while True:
-            status = await probe_once(up.host, up.port, up.host_header, d.connect_timeout_s)
+            status, error = await probe_once(up.host, up.port, up.host_header,
+                                             d.connect_timeout_s, up.tls,
+                                             up.target.join(b"/health"))
             before = up.health.probe
-            up.health.probed(status, "no answer to GET /health" if status is None else "")
+            up.health.probed(status, error)
             if up.health.probe != before:
                 self.log.event("upstream_state", upstream=up.name, state=up.state,
                                was=before, status=status)

@@ -21,9 +21,11 @@ from relay import headers as hdr
 from relay.budget import BudgetExceeded
 from relay.errors import RelayError
 from relay.health import DOWN
+from relay.paths import bounded
 from relay.record import Record
 from relay.routing import NoRoute, model_list
 from relay.slots import Busy
+from relay.target import TargetError
 from relay.sse import SseScanner
 from relay.upstream import ConnectError
 
@@ -140,6 +142,9 @@ class Dispatcher:
     def _answer_error(self, client, rid, rec, err: RelayError, keep_alive: bool) -> bool:
         rec.status = err.status
         rec.error_code = rec.error_code or err.code
+        why = err.details.get("error")
+        if rec.error is None and isinstance(why, str) and why:
+            rec.error = bounded(why)  # e.g. the TLS reason of a refused certificate
         rec.outcome = rec.outcome or "error"
         keep_alive = keep_alive and err.status < 500 and err.status != 408
         client.respond(err.status, err.body(), rid, keep_alive, err.headers)
@@ -185,7 +190,8 @@ class Dispatcher:
                 if more:  # the attempt failed on this upstream: its metrics say so
                     up.metrics.request_done(False, retry.err.code)
                     app.log.event("fallback", request_id=rec.request_id, upstream=name,
-                                  next=candidates[i + 1], reason=retry.err.code)
+                                  next=candidates[i + 1], reason=retry.err.code,
+                                  error=retry.err.details.get("error"))
         raise last.err
 
     async def _attempt(self, client, req, rid, rec: Record, state, up, slot_path: bool,
@@ -193,7 +199,8 @@ class Dispatcher:
         app = self.app
         d = app.config.dispatcher
         if up.health.probe == DOWN and d.health_interval_s > 0:
-            raise _Retry(RelayError("upstream_unavailable", f"upstream {up.name} is down",
+            raise _Retry(RelayError("upstream_unavailable",
+                                    f"upstream {up.name} is down: {up.health.last_error}",
                                     {"upstream": up.name, "error": up.health.last_error}))
         if slot_path:
             q0 = time.perf_counter()
@@ -252,8 +259,13 @@ class Dispatcher:
         a fresh connection: llama-server closes after every stream.
         """
         d = self.app.config.dispatcher
+        try:
+            target = up.target.join(req.target)  # under the URL's path prefix, if any
+        except TargetError as exc:
+            raise RelayError("bad_request", f"upstream {up.name}: {exc}",
+                             {"upstream": up.name}) from None
         head = hdr.upstream_request_headers(req.headers, up.host_header, len(req.body), rid,
-                                            up.auth)
+                                            up.auth, up.static)
         fresh = False
         while True:
             try:
@@ -261,7 +273,7 @@ class Dispatcher:
             except ConnectError as exc:
                 up.health.connect_failed(str(exc))
                 raise _Retry(RelayError("upstream_unavailable",
-                                        f"upstream {up.name} is unavailable",
+                                        f"upstream {up.name} is unavailable: {exc}",
                                         {"upstream": up.name, "error": str(exc)})) from None
             ex = X.Exchange(self.app.loop, conn, client, req.method, rid, self.app.policy,
                             d.write_timeout_s, rec.path, rec.model or "", up.name)
@@ -271,7 +283,7 @@ class Dispatcher:
             conn.used = True
             conn.handler = ex
             client.exchange = ex
-            conn.transport.write(ex.request_bytes(req.target, head, req.body))
+            conn.transport.write(ex.request_bytes(target, head, req.body))
             timer = self.app.loop.call_later(d.direct_read_timeout_s, ex.head_timeout)
             try:
                 await ex.head_fut

@@ -20,7 +20,7 @@ def make_row(i: int, **over) -> dict:
         "status": 200, "ok": 1, "error_code": None, "queue_ms": i / 4, "ttft_ms": 10.5 + i,
         "total_ms": 100.25 + i, "prompt_tokens": i, "completion_tokens": 2 * i,
         "tokens_source": "exact" if i % 2 else "approx", "bytes_out": 1000 + i,
-        "client_closed": 0,
+        "client_closed": 0, "error": None,
     }
     row.update(over)
     return row
