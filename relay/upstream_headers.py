@@ -6,6 +6,11 @@ the environment (`auth_header` + `auth_value_env`), so a config file never holds
 
 When an upstream has its own key, none of the client's credentials go to it (the relay's
 key is the one the provider bills): `CLIENT_CREDENTIALS` are dropped from what crosses.
+
+Every upstream is asked for an unencoded body (`Accept-Encoding: identity`): the relay reads
+what passes (content events, `usage`), which a hosted API would otherwise gzip when the client
+says it accepts that (the openai client does), leaving the row without tokens and the hold
+before the first content event waiting for an event it cannot see.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ _SECRET_WORDS = ("auth", "key", "token", "secret", "passw", "cookie", "credentia
 # Set by the relay itself, or hop-by-hop: a static value would break the exchange.
 _RELAY_OWNED = frozenset({
     "host", "content-length", "transfer-encoding", "connection", "keep-alive", "te",
-    "trailer", "upgrade", "expect", "proxy-connection", "x-request-id",
+    "trailer", "upgrade", "expect", "proxy-connection", "x-request-id", "accept-encoding",
 })
+IDENTITY = (b"Accept-Encoding", b"identity")
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _VALUE = re.compile(r"^[^\x00-\x08\x0a-\x1f\x7f]*$")
 
@@ -50,8 +56,9 @@ def check_static_headers(headers: dict[str, str], auth_header: str | None = None
 
 def fixed_headers(headers: dict[str, str],
                   auth: tuple[bytes, bytes] | None) -> list[tuple[bytes, bytes]]:
-    """The headers an upstream adds to every request: its static ones, then its key."""
-    out = [(k.encode(), v.encode()) for k, v in headers.items()]
+    """The headers an upstream adds to every request: identity coding, its static ones, then
+    its key."""
+    out = [IDENTITY] + [(k.encode(), v.encode()) for k, v in headers.items()]
     if auth is not None:
         out.append(auth)
     return out

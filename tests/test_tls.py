@@ -260,11 +260,13 @@ async def test_remote_key_from_environment_static_headers_no_client_credential(
     resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(1, False),
                              headers={"Authorization": "Bearer sk-client", "api-key": "az",
                                       "x-api-key": "xk", "OpenAI-Organization": "org-client",
-                                      "Cookie": "session=1"})
+                                      "Cookie": "session=1", "Accept-Encoding": "gzip, br"})
     assert resp.status == 200
     head = up.heads[0].decode()
     assert "Authorization: Bearer sk-remote\r\n" in head
     assert "OpenAI-Organization: org-x\r\n" in head
+    # the relay reads what passes (tokens, usage): it asks for an unencoded body
+    assert "Accept-Encoding: identity\r\n" in head and "gzip" not in head
     for leak in ("sk-client", "az", "xk", "org-client", "session=1"):
         assert leak not in head.replace("Authorization", "").replace("OpenAI-Org", "")
     assert "sk-remote" not in repr(app.log.lines)
@@ -380,3 +382,5 @@ async def test_openai_client_through_relay_to_tls_upstream(make_relay, pki, tls_
     assert usage.completion_tokens == 12
     assert whole.choices[0].message.content == httpc.sim_text(5)
     assert [r.path for r in tls_sim.requests] == ["/v1/chat/completions"] * 2
+    for r in tls_sim.requests:  # the client accepts gzip; the relay asks for identity
+        assert [v for k, v in r.headers if k == b"accept-encoding"] == [b"identity"]

@@ -308,6 +308,7 @@ def test_credential_like_static_header_refused(name):
 @pytest.mark.parametrize("headers,why", [
     ({"Host": "x"}, "is set by the relay"), ({"Content-Length": "1"}, "is set by the relay"),
     ({"Connection": "close"}, "is set by the relay"), ({"Bad Name": "x"}, "not a header name"),
+    ({"Accept-Encoding": "gzip"}, "is set by the relay"),
     ({"X-Ok": "a\r\nX-Injected: 1"}, "control characters"),
 ])
 def test_bad_static_header_refused(headers, why):
