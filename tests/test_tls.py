@@ -384,3 +384,27 @@ async def test_openai_client_through_relay_to_tls_upstream(make_relay, pki, tls_
     assert [r.path for r in tls_sim.requests] == ["/v1/chat/completions"] * 2
     for r in tls_sim.requests:  # the client accepts gzip; the relay asks for identity
         assert [v for k, v in r.headers if k == b"accept-encoding"] == [b"identity"]
+
+
+# ---- backpressure holds over TLS too --------------------------------------------------------
+async def test_slow_reader_pauses_the_tls_upstream(make_relay, pki, tls_sim):
+    from relay.client import WRITE_HIGH_WATER
+    from tests.test_flow import READ_SIZE, open_stream, settled
+
+    app = await make_relay(upstreams=[remote(tls_sim.url, pki)])
+    n = 40000  # about 20 MB of events, more than the socket buffers on the way absorb
+    reader, writer, resp = await open_stream(app.port, httpc.chat(n), rcvbuf=4096)
+    assert resp.status == 200
+    client = next(iter(app.clients))
+    await wait_for(lambda: client.exchange is not None and client.exchange.paused)
+    ex = client.exchange
+    sent = await settled(lambda: tls_sim.requests[-1].tokens_sent)
+    buffered = client.transport.get_write_buffer_size() + ex.held_size
+    assert buffered <= WRITE_HIGH_WATER + READ_SIZE, buffered
+    assert not ex.conn.transport.is_reading()
+    assert sent < n * 0.8  # the simulator was held back: TLS passes the pause on
+    import socket
+    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    await httpc.read_body(reader, resp)
+    writer.close()
+    assert resp.complete and resp.body.count(b'"delta":{"content":') == n
