@@ -115,6 +115,27 @@ def test_wal_mode_and_nulls_stay_null(db):
     store.close()
 
 
+def test_a_table_from_before_the_error_column_gets_it(db):
+    import sqlite3
+
+    old = [c for c in COLUMNS if c != "error"]
+    conn = sqlite3.connect(db)
+    conn.execute(f"CREATE TABLE request ({', '.join(old)})")
+    conn.execute("INSERT INTO request (ts, request_id) VALUES (1.0, 'old')")
+    conn.commit()
+    conn.close()
+    store = Store(db, retention_days=0)
+    store.start()
+    store.put(make_row(1, ok=0, status=502, error_code="upstream_unavailable",
+                       error="TLS handshake failed: certificate verify failed: x"))
+    store.flush()
+    got = store.query("SELECT request_id, error FROM request ORDER BY ts")
+    assert got == [{"request_id": "old", "error": None},
+                   {"request_id": "req-1",
+                    "error": "TLS handshake failed: certificate verify failed: x"}]
+    store.close()
+
+
 def test_close_flushes_pending_and_rows_survive_a_new_store(db):
     store = Store(db, flush_interval_s=60.0)       # the writer would sleep for a minute
     store.start()

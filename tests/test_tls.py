@@ -408,3 +408,25 @@ async def test_slow_reader_pauses_the_tls_upstream(make_relay, pki, tls_sim):
     await httpc.read_body(reader, resp)
     writer.close()
     assert resp.complete and resp.body.count(b'"delta":{"content":') == n
+
+
+async def test_a_handshake_that_never_completes_is_bounded_by_the_connect_timeout(make_relay):
+    async def silent(up, index, reader, writer):  # takes the TCP connection, says nothing
+        await reader.read()
+
+    up = await Scripted(silent).start()
+    app = await make_relay(upstreams=[remote(f"https://127.0.0.1:{up.port}")],
+                           connect_timeout_s=0.2)
+    resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(2))
+    assert resp.status == 502
+    assert resp.json()["error"]["details"]["error"] == "connect timed out after 0.2s"
+    await up.stop()
+
+
+async def test_plain_http_server_behind_an_https_url_is_a_502(make_relay, sim):
+    app = await make_relay(upstreams=[remote(sim.url.replace("http://", "https://"))])
+    resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(2))
+    assert resp.status == 502 and resp.json()["error"]["code"] == "upstream_unavailable"
+    [row] = await rows(app)
+    # its plain-text answer is not a TLS record: the reason in words
+    assert row["error"] == "TLS handshake failed: wrong version number"
