@@ -21,7 +21,7 @@ from bench import nginx, procs, relay_conf, report, tls
 from bench.upstreams import RealUpstream, SimUpstream
 
 HOST = "127.0.0.1"
-TARGETS = ("direct", "relay", "nginx")
+TARGETS = ("direct", "relay", "nginx", "baseline")
 
 
 def scenarios(a) -> dict[str, dict]:
@@ -60,14 +60,15 @@ def start_proxy(target: str, up, logdir: Path, a) -> procs.Proc | None:
         return None
     port = procs.free_port(HOST)
     pki = getattr(up, "pki", None)
-    if target == "relay":
+    if target in ("relay", "baseline"):
         # The upstream is in the generated config (with parallel = 4096), so
         # no --upstream here: the relay refuses both.
         conf = relay_conf.write(up.url, logdir, a.relay_config,
                                 str(pki.ca) if pki else None)
         argv = [sys.executable, "-m", "relay", "serve", "--config", str(conf),
                 "--host", HOST, "--port", str(port)]
-        p = procs.Proc("relay", argv, logdir)
+        env = {"PYTHONPATH": str(a.baseline_dir)} if target == "baseline" else None
+        p = procs.Proc(target, argv, logdir, env=env)
     else:
         tmp = logdir / "nginx"
         conf = nginx.write_conf(tmp, HOST, port, up.host, up.port, pki.ca if pki else None,
@@ -142,6 +143,22 @@ def measure_safely(name: str, sc: dict, target: str, up, logdir: Path, a) -> dic
     raise RuntimeError(msg + " twice")
 
 
+def extract_baseline(rev: str, logdir: Path) -> Path:
+    """The relay package of git revision `rev`, unpacked for the 'baseline' target."""
+    import subprocess
+    import tarfile
+
+    out = logdir / "baseline"
+    out.mkdir()
+    root = Path(__file__).resolve().parents[1]
+    tar = subprocess.run(["git", "-C", str(root), "archive", rev, "relay"], check=True,
+                         capture_output=True).stdout
+    import io
+    with tarfile.open(fileobj=io.BytesIO(tar)) as tf:
+        tf.extractall(out, filter="data")
+    return out
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="~3 s scenarios instead of ~10 s")
@@ -158,6 +175,8 @@ def parse_args(argv=None):
     p.add_argument("--real-tokens", type=int, default=64)
     p.add_argument("--relay-config", help="TOML merged over the generated relay config (see bench/relay_conf.py)")
     p.add_argument("--output", help="report file (default bench/RESULTS.md, --real: RESULTS-real.md)")
+    p.add_argument("--baseline", metavar="REV",
+                   help="also run the relay of git revision REV (target 'baseline'), side by side")
     p.add_argument("--json", help="also write the raw per-run results here")
     p.add_argument("--keep-logs", action="store_true", help="keep the temp dir with child logs")
     return p.parse_args(argv)
@@ -171,6 +190,8 @@ def main(argv=None) -> int:
     scs = scenarios(a)
     names = ["real"] if a.real else [s.strip() for s in a.scenarios.split(",") if s.strip()]
     targets = [t.strip() for t in a.targets.split(",") if t.strip()]
+    if a.baseline and "baseline" not in targets:
+        targets.append("baseline")
     bad = [n for n in names if n not in scs] + [t for t in targets if t not in TARGETS]
     if bad:
         raise SystemExit(f"unknown scenario/target: {bad}")
@@ -179,6 +200,8 @@ def main(argv=None) -> int:
     ups = {None: up}  # by scenario "upstream": the default one, "tls", "keep"
     rows: list[dict] = []
     try:
+        if "baseline" in targets:
+            a.baseline_dir = extract_baseline(a.baseline or "HEAD", logdir)
         if any(scs[n].get("upstream") is None for n in names):
             up.start(logdir)
         for n in names:

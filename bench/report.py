@@ -75,15 +75,16 @@ def _added(rows, r, pkey):
     return None if a is None or b is None else a - b
 
 
-def _ratios_per_repeat(rows, scenario, per: str = "events") -> list[float]:
-    """Relay ÷ nginx CPU per event (or per request) within each repeat (the two ran one
-    after the other): the spread shows how much the machine drifted between repeats."""
+def _ratios_per_repeat(rows, scenario, target="relay", per: str = "events") -> list[float]:
+    """`target` (relay) ÷ nginx CPU per event (or per request) within each repeat (the two
+    ran one after the other): the spread shows how much the machine drifted between
+    repeats."""
     out = []
     for rep in sorted({r["repeat"] for r in rows if r["scenario"] == scenario}):
         us = {r["target"]: _per(r, "proxy_cpu_us", ("load", per)) for r in rows
               if r["scenario"] == scenario and r["repeat"] == rep and "load" in r}
-        if us.get("relay") and us.get("nginx"):
-            out.append(us["relay"] / us["nginx"])
+        if us.get(target) and us.get("nginx"):
+            out.append(us[target] / us["nginx"])
     return out
 
 
@@ -187,18 +188,19 @@ def render(rows, scs, names, targets, a, upstream_kind) -> str:
                        f"{_f(g['rate_min'], nd)} | {_f(g['late'], 0)} | {_f(g['gap_max'], 1)} | "
                        f"{_pct(g['client_cpu'])} | {_pct(g['other_cpu'])} | {_f(g['wall'], 1)} |")
     out.append("")
-    for name in names:
-        r, n = aggs.get((name, "relay")), aggs.get((name, "nginx"))
+    for name, who in [(n, t) for n in names for t in ("relay", "baseline")]:
+        r, n = aggs.get((name, who)), aggs.get((name, "nginx"))
         if r and n and "skipped" not in r and "skipped" not in n and r["us_event"] and n["us_event"]:
-            per = _ratios_per_repeat(rows, name)
-            out.append(f"**{'Key ratio' if name == 'paced' else 'Ratio'} ({name}): relay CPU per event "
+            per = _ratios_per_repeat(rows, name, who)
+            label = "relay" if who == "relay" else f"baseline relay ({a.baseline or 'HEAD'})"
+            out.append(f"**{'Key ratio' if name == 'paced' else 'Ratio'} ({name}): {label} CPU per event "
                        f"÷ nginx CPU per event = {r['us_event'] / n['us_event']:.2f}×** "
                        f"({r['us_event']:.2f} µs vs {n['us_event']:.2f} µs)"
                        + (f"; repeat by repeat: {', '.join(f'{x:.2f}×' for x in per)}"
                           if len(per) > 1 else ""))
             if name.startswith(("tls", "keep")) and r["us_req"] and n["us_req"]:
-                per = _ratios_per_repeat(rows, name, "requests")
-                out.append(f"**Ratio ({name}): relay CPU per request ÷ nginx CPU per request = "
+                per = _ratios_per_repeat(rows, name, who, "requests")
+                out.append(f"**Ratio ({name}): {label} CPU per request ÷ nginx CPU per request = "
                            f"{r['us_req'] / n['us_req']:.2f}×** ({r['us_req']:.1f} µs vs "
                            f"{n['us_req']:.1f} µs)"
                            + (f"; repeat by repeat: {', '.join(f'{x:.2f}×' for x in per)}"

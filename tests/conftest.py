@@ -75,3 +75,15 @@ def closed_port() -> int:
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+def pytest_report_header(config):
+    """Which llama-server binary each e2e parameter runs against (and which are not run)."""
+    from tests.e2e.llama_server import builds, missing_e2e_modules, skipped_builds
+
+    lines = [f"e2e llama-server [{b.name}]: {b.binary or 'missing'} ({b.note})" for b in builds()]
+    lines += [f"e2e llama-server {s}" for s in skipped_builds()]
+    missing = missing_e2e_modules()
+    if missing:
+        lines.append(f"e2e: missing {', '.join(missing)}: install the 'e2e' extra")
+    return lines

@@ -130,7 +130,7 @@ async def test_shutdown_lets_in_flight_streams_finish(make_relay, sim):
     app = await make_relay()
     reader, writer, resp = await open_stream(app.port, httpc.chat(30, interval_ms=10))
     stopping = asyncio.create_task(app.stop(drain_timeout_s=5))
-    await asyncio.sleep(0.05)
+    await wait_for(lambda: app.draining)  # (the listener is closed in the same step)
     # no new connections are accepted while draining
     try:
         r2, w2 = await asyncio.open_connection("127.0.0.1", app.port)

@@ -60,9 +60,10 @@ async def test_spares_closed_unused_by_the_upstream_are_not_replaced(make_relay)
               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
 
     async def script(up, index, reader, writer):
-        # answers one request then closes; closes a connection idle for 50 ms unanswered
+        # answers one request then closes; closes a connection idle for 0.5 s unanswered (the
+        # request's own connection carries its request at once: 0.5 s is far beyond that)
         try:
-            head = await asyncio.wait_for(up.read_request(reader), 0.05)
+            head = await asyncio.wait_for(up.read_request(reader), 0.5)
         except asyncio.TimeoutError:
             return
         if head is not None:

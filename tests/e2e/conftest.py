@@ -1,4 +1,11 @@
-"""e2e fixtures: a session-scoped real llama-server on the tiny deterministic model."""
+"""e2e fixtures: real llama-servers on the tiny deterministic model.
+
+`llama_server` is the reference build (the pinned llama.cpp the simulator and the fixtures
+follow): use it for anything that compares with the simulator or asserts version-specific
+server behaviour. `llama_any` is parametrized over every build that runs on this machine,
+reference first (`[pinned]`, then e.g. `[skulk]` on AVX-512 CPUs): use it for the relay's own
+promises, which must hold in front of any llama-server.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .llama_server import LlamaServer, start_or_fail
+from .llama_server import Build, LlamaServer, builds, start_or_fail
 
 _E2E_DIR = Path(__file__).parent
 
@@ -24,14 +31,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.e2e)
 
 
-@pytest.fixture(scope="session")
-def llama_server() -> Iterator[LlamaServer]:
-    """A running llama-server (fails under CI=true if it cannot start; skips otherwise)."""
+def _serve(build: Build) -> Iterator[LlamaServer]:
     t0 = time.monotonic()
-    srv = start_or_fail()
-    print(f"\n[e2e] llama-server {srv.binary} on {srv.url} ready in {time.monotonic() - t0:.2f}s"
-          f" (log: {srv.log_path})")
+    srv = start_or_fail(binary=build.binary)
+    print(f"\n[e2e] llama-server [{build.name}] {srv.binary} on {srv.url} ready in "
+          f"{time.monotonic() - t0:.2f}s (log: {srv.log_path})")
     try:
         yield srv
     finally:
         srv.cleanup()
+
+
+_BUILDS = builds()
+
+
+@pytest.fixture(scope="session")
+def llama_server() -> Iterator[LlamaServer]:
+    """The reference llama-server (fails under CI=true if it cannot start; skips otherwise)."""
+    yield from _serve(_BUILDS[0])
+
+
+@pytest.fixture(scope="session", params=_BUILDS, ids=[b.name for b in _BUILDS])
+def llama_build(request) -> Build:
+    """Each llama-server build that runs on this machine, the reference first."""
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def llama_any(llama_build: Build, llama_server: LlamaServer) -> Iterator[LlamaServer]:
+    """A running llama-server of `llama_build` (the reference one is shared)."""
+    if llama_build is _BUILDS[0]:
+        yield llama_server
+    else:
+        yield from _serve(llama_build)

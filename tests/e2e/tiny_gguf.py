@@ -33,9 +33,10 @@ next token depends only on the current token and wins by e^(50/T) under any samp
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-from gguf import GGUFWriter, LlamaFileType, TokenType
+if TYPE_CHECKING:  # numpy and gguf come with the 'e2e' extra; importing this module needs
+    import numpy as np  # neither (the tests read its constants), writing a model needs both
 
 N_EMBD = 64
 N_LAYER = 2
@@ -87,6 +88,8 @@ STOP_TEXT = " Fine, thanks!"
 
 def build_vocab() -> tuple[list[str], list[float], list[int]]:
     """Return (tokens, scores, token types) of the SentencePiece-style vocabulary."""
+    from gguf import TokenType
+
     tokens: list[str] = ["<unk>", "<s>", "</s>"]
     scores: list[float] = [0.0, 0.0, 0.0]
     types: list[int] = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL]
@@ -115,6 +118,8 @@ def build_vocab() -> tuple[list[str], list[float], list[int]]:
 
 def build_weights(tokens: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Return (token_embd [n_vocab, n_embd], output [n_vocab, n_embd]) implementing NEXT."""
+    import numpy as np
+
     index = {t: i for i, t in enumerate(tokens)}
     targets = [DEFAULT_NEXT] + sorted(set(NEXT.values()) - {DEFAULT_NEXT})
     assert len(targets) <= N_EMBD
@@ -136,6 +141,9 @@ def build_weights(tokens: list[str]) -> tuple[np.ndarray, np.ndarray]:
 
 def write_tiny_model(path: str | Path) -> None:
     """Write the tiny deterministic model (see the module docstring) to ``path``."""
+    import numpy as np
+    from gguf import GGUFWriter, LlamaFileType, TokenType
+
     tokens, scores, types = build_vocab()
     embd, output = build_weights(tokens)
     n_vocab = len(tokens)
