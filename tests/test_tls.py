@@ -430,3 +430,17 @@ async def test_plain_http_server_behind_an_https_url_is_a_502(make_relay, sim):
     [row] = await rows(app)
     # its plain-text answer is not a TLS record: the reason in words
     assert row["error"] == "TLS handshake failed: wrong version number"
+
+
+async def test_sni_and_host_come_from_the_url(make_relay, pki):
+    names = []
+    ctx = server_ctx(pki.cert)
+    ctx.sni_callback = lambda sock, name, _ctx: names.append(name)
+    up = await Scripted(_ok_json(), ssl=ctx).start()
+    app = await make_relay(upstreams=[remote(f"https://localhost:{up.port}", pki)])
+    resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(1, False),
+                             headers={"Host": "relay.example"})
+    assert resp.status == 200
+    assert names == ["localhost"]
+    assert b"\r\nHost: localhost:%d\r\n" % up.port in up.heads[0]
+    await up.stop()
