@@ -58,7 +58,7 @@ class Upstream:
                     f"upstream.{cfg.name}.auth_value_env: environment variable "
                     f"{cfg.auth_value_env} is not set")
             self.auth = (cfg.auth_header.encode(), value.encode())
-        self.static = fixed_headers(cfg.headers, None)  # sent with every request
+        self.static = fixed_headers(cfg.headers)  # sent with every request
 
     @property
     def state(self) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import tomllib
 from typing import Annotated
+
 import msgspec
 from msgspec import Meta, Struct
 

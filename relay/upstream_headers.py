@@ -54,11 +54,7 @@ def check_static_headers(headers: dict[str, str], auth_header: str | None = None
                 "auth_value_env (read from the environment), never in the file")
 
 
-def fixed_headers(headers: dict[str, str],
-                  auth: tuple[bytes, bytes] | None) -> list[tuple[bytes, bytes]]:
-    """The headers an upstream adds to every request: identity coding, its static ones, then
-    its key."""
-    out = [IDENTITY] + [(k.encode(), v.encode()) for k, v in headers.items()]
-    if auth is not None:
-        out.append(auth)
-    return out
+def fixed_headers(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    """The headers an upstream adds to every request besides its key: identity coding, then
+    its static ones (`headers.upstream_request_headers` puts the key last)."""
+    return [IDENTITY] + [(k.encode(), v.encode()) for k, v in headers.items()]
