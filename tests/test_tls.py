@@ -444,3 +444,18 @@ async def test_sni_and_host_come_from_the_url(make_relay, pki):
     assert names == ["localhost"]
     assert b"\r\nHost: localhost:%d\r\n" % up.port in up.heads[0]
     await up.stop()
+
+
+async def test_tls_upstream_drop_mid_stream_is_visible_and_before_content_is_a_502(
+        make_relay, pki, tls_sim):
+    app = await make_relay(upstreams=[remote(tls_sim.url, pki)])
+    resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions",
+                             httpc.chat(20, drop_after=3))
+    assert resp.status == 200 and not resp.complete  # the cut is not disguised as an end
+    assert b"[DONE]" not in resp.body
+    resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions",
+                             httpc.chat(20, drop_after=0))
+    assert resp.status == 502 and resp.json()["error"]["code"] == "upstream_unavailable"
+    first, second = await rows(app)
+    assert (first["ok"], first["error_code"]) == (0, "upstream_dropped")
+    assert (second["status"], second["ok"]) == (502, 0)
