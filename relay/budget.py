@@ -94,6 +94,10 @@ class Budgets:
     def windows_of(self, key_id: str) -> list[str]:
         return [w.kind for w in self.keys.get(key_id, _KeyBudget()).windows]
 
+    def limits_tokens(self, key_id: str) -> bool:
+        """Whether a token window applies to the key (then no request may be unbounded)."""
+        return any(w.tok_limit for w in self.keys.get(key_id, _KeyBudget()).windows)
+
     def reserve(self, key_id: str, tokens: int, now: float) -> Reservation:
         """Check every window and reserve in all of them, or raise BudgetExceeded."""
         kb = self.keys.get(key_id)

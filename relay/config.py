@@ -25,6 +25,10 @@ class ServerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     port: Port = 8080
     max_body_bytes: Annotated[int, Meta(ge=1024, le=1 << 30)] = 8 * 1024 * 1024
     max_header_bytes: Annotated[int, Meta(ge=1024, le=1 << 20)] = 16 * 1024
+    # a chunked request body in more chunks than this is refused (413): each costs a parse step
+    max_body_chunks: Annotated[int, Meta(ge=1, le=1 << 24)] = 8192
+    # request-body bytes held at once over all connections; a body beyond it -> 503
+    max_buffered_body_bytes: Annotated[int, Meta(ge=1024, le=1 << 40)] = 64 * 1024 * 1024
     header_timeout_s: Seconds = 10.0
     keepalive_timeout_s: Seconds = 75.0
     drain_timeout_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 30.0

@@ -1,6 +1,7 @@
 """The life of one request: admission, candidates, relay, and settlement exactly once.
 
-Admission: internal endpoints -> key (401) -> body peek (400) -> route (404) -> budget
+Admission (the head was already judged by the client connection, `admission.head_check`):
+internal endpoints -> key (401) -> body peek (400) -> route (404) -> budget
 reservation (429) -> per candidate: slot (503) -> upstream (502/504) -> relay. Before the
 first content event reaches the client a retryable failure moves on to the next candidate;
 after it nothing is swapped. Every admitted request ends in `_settle`, once.
@@ -14,14 +15,14 @@ import os
 import re
 import time
 
-import msgspec
-
+from relay import admission as A
 from relay import exchange as X
 from relay import headers as hdr
+from relay.bodies import BodyBytes
 from relay.budget import BudgetExceeded
 from relay.errors import RelayError
 from relay.health import DOWN
-from relay.paths import bounded
+from relay.paths import MAX_PATH_CHARS, bounded, normalize
 from relay.record import Record
 from relay.routing import NoRoute, model_list
 from relay.slots import Busy
@@ -30,48 +31,9 @@ from relay.sse import SseScanner
 from relay.upstream import ConnectError
 
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
-# Paths that occupy one of llama-server's slots (others, like /health, never wait for one).
-SLOT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions",
-                        "/completions", "/completion", "/v1/embeddings", "/embeddings",
-                        "/embedding", "/infill", "/v1/responses"})
 # Refusals decided before any upstream is chosen or contacted (counted relay-wide).
 _ADMISSION_CODES = frozenset({"invalid_api_key", "invalid_json", "bad_request",
                               "model_not_found", "budget_exceeded", "not_found"})
-
-
-class _Peek(msgspec.Struct):
-    """The few request fields the relay reads; everything else is skipped by the decoder."""
-
-    model: str | None = None
-    stream: bool | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    n_predict: int | None = None
-
-
-_peek = msgspec.json.Decoder(_Peek)
-
-
-def peek_body(method: bytes, headers, body: bytes) -> _Peek:
-    if method != b"POST" or not body:
-        return _Peek()
-    ctype = (hdr.get(headers, b"content-type") or b"application/json").lower()
-    if b"json" not in ctype:
-        return _Peek()
-    try:
-        return _peek.decode(body)
-    except msgspec.ValidationError as exc:
-        raise RelayError("bad_request", f"invalid request field: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise RelayError("invalid_json", f"request body is not valid JSON: {exc}") from None
-
-
-def estimate_tokens(body: bytes, peek: _Peek, default_max: int) -> tuple[int, int]:
-    """(prompt, completion) estimate for the budget pre-flight: chars/4 and the asked maximum."""
-    asked = peek.max_tokens or peek.max_completion_tokens or peek.n_predict
-    if asked is None or asked < 0:
-        asked = default_max
-    return len(body) // 4, asked
 
 
 class _Retry(Exception):
@@ -89,6 +51,7 @@ class Dispatcher:
         # no system call per request as os.urandom would make).
         self._id_prefix = os.urandom(6).hex().encode()
         self._id_count = itertools.count(1)
+        self.bodies = BodyBytes(app.config.server.max_buffered_body_bytes)
 
     def request_id(self, headers) -> bytes:
         given = hdr.get(headers, b"x-request-id")
@@ -104,15 +67,15 @@ class Dispatcher:
         app = self.app
         t0 = time.perf_counter()
         rid = self.request_id(req.headers)
-        path = req.target.split(b"?", 1)[0].decode("latin-1")
+        path = req.path  # the name the upstream routes on, bounded: echoed, stored and logged
         rec = Record(ts=time.time(), request_id=rid.decode(), path=path,
-                     method=req.method.decode("latin-1"))
+                     method=bounded(req.method.decode("latin-1"), 32))
         keep_alive = req.keep_alive
         state = {"slot": None, "reservation": None, "ex": None}
         try:
             if self._internal(client, req, rid, path):
                 return
-            keep_alive = await self._serve(client, req, rid, rec, state, t0)
+            keep_alive = await self._serve(client, req, rid, rec, state, t0, path)
         except RelayError as err:
             keep_alive = self._answer_error(client, rid, rec, err, keep_alive)
         except asyncio.CancelledError:
@@ -151,22 +114,27 @@ class Dispatcher:
         return keep_alive
 
     # ---- admission and relay -------------------------------------------------------------
-    async def _serve(self, client, req, rid: bytes, rec: Record, state: dict, t0: float) -> bool:
+    async def _serve(self, client, req, rid: bytes, rec: Record, state: dict, t0: float,
+                     path: str) -> bool:
         app = self.app
         if app.auth.enabled:
-            rec.key_id = app.auth.identify(req.headers)
+            rec.key_id = req.key_id or app.auth.identify(req.headers)
             if rec.key_id is None:
                 raise RelayError("invalid_api_key", "missing or unknown API key")
-        peek = peek_body(req.method, req.headers, req.body)
-        rec.model, rec.stream = peek.model, bool(peek.stream)
+        slot_path = req.method == b"POST" and path in A.SLOT_PATHS
+        peek = A.peek_body(req.method, req.headers, req.body, slot_path)
+        rec.model, rec.stream = bounded(peek.model, A.MAX_ECHO), bool(peek.stream)
         try:
             candidates = app.router.candidates(peek.model)
         except NoRoute:
-            raise RelayError("model_not_found", f"no upstream serves model {peek.model!r}",
-                             {"model": peek.model}) from None
+            raise RelayError("model_not_found", f"no upstream serves model {rec.model!r}",
+                             {"model": rec.model}) from None
         rec.upstream_requested = candidates[0]
-        prompt_est, completion_est = estimate_tokens(req.body, peek,
-                                                     app.config.budget.default_max_tokens)
+        cap = app.config.budget.default_max_tokens
+        prompt_est, completion_est = A.estimate_tokens(req.body, peek, cap)
+        if (slot_path and rec.key_id is not None and A.completion_limit(peek) is None
+                and app.budgets.limits_tokens(rec.key_id)):
+            req.body = A.with_limit(req.body, cap, path)  # the upstream must honour what is reserved
         state["prompt_est"] = prompt_est
         if rec.key_id is not None:
             try:
@@ -175,7 +143,6 @@ class Dispatcher:
             except BudgetExceeded as exc:
                 raise RelayError("budget_exceeded", str(exc), exc.details(),
                                  [(b"Retry-After", b"%d" % exc.retry_after)]) from None
-        slot_path = req.method == b"POST" and rec.path in SLOT_PATHS
         last: _Retry | None = None
         for i, name in enumerate(candidates):
             up = app.upstreams[name]
@@ -412,10 +379,10 @@ class Dispatcher:
     def rejected(self, client, err: RelayError) -> None:
         """A request refused before it was read whole (400/408/413/431): a row all the same."""
         head = client.head
-        path = head.target.split(b"?", 1)[0].decode("latin-1") if head is not None else ""
+        path = bounded(normalize(head.target), MAX_PATH_CHARS) if head is not None else ""
         rid = self.request_id(head.headers.raw_items()) if head is not None else self.new_id()
         rec = Record(ts=time.time(), request_id=rid.decode(), path=path,
-                     method=head.method.decode("latin-1") if head is not None else "",
+                     method=bounded(head.method.decode("latin-1"), 32) if head else "",
                      status=err.status, error_code=err.code, outcome="rejected")
         self.app.registry.rejected(err.code)
         self.app.store.put(rec.row())

@@ -20,10 +20,12 @@ _KINDS = {
     "budget_exceeded": (429, "rate_limit_error"),
     "headers_too_large": (431, "invalid_request_error"),
     "internal_error": (500, "server_error"),
+    "not_implemented": (501, "invalid_request_error"),
     "upstream_unavailable": (502, "upstream_error"),
     "upstream_bad_response": (502, "upstream_error"),
     "upstream_busy": (503, "server_error"),
     "shutting_down": (503, "server_error"),
+    "server_busy": (503, "server_error"),
     "upstream_timeout": (504, "timeout_error"),
 }
 

@@ -14,6 +14,7 @@ import signal
 import time
 import types
 from dataclasses import dataclass, field
+from urllib.parse import unquote
 
 import h11
 import msgspec
@@ -244,7 +245,8 @@ class _Conn(asyncio.Protocol):
         self.req = req
         conn_hdr = b",".join(v for k, v in ev.headers if k == b"connection").lower()
         self._keep = not (b"close" in conn_hdr or ev.http_version == b"1.0" or self.nreq >= 100)
-        route = _ROUTES.get((req.method, req.path.split("?", 1)[0]))
+        # llama-server (cpp-httplib) percent-decodes the path before routing
+        route = _ROUTES.get((req.method, unquote(req.path.split("?", 1)[0])))
         if route is None:
             return self._respond(404, F.NOT_FOUND_BODY)
         if sim.loading and (route in GEN_ROUTES or route in ("health", "embeddings")):

@@ -2,7 +2,7 @@
 
 Knobs come from an optional ``"sim": {...}`` object in the request body (tokens, pacing,
 first-token and head delays, stall / drop points, body shapes); the rest follows llama-server
-(max_tokens and its aliases, stop words, the EOS event of the text routes).
+(n_predict, then max_tokens and its alias, stop words, the EOS event of the text routes).
 """
 
 from __future__ import annotations
@@ -63,11 +63,13 @@ def make_plan(kind: str, body: dict, d) -> Plan:
     """d: SimDefaults (tokens, interval_ms, first_token_delay_ms, head_delay_ms)."""
     sim = body.get("sim")
     sim = sim if isinstance(sim, dict) else {}
+    # llama-server: n_predict if given, else max_tokens (max_completion_tokens on chat);
+    # the first one present wins, and a negative one means no limit
     limit = None
-    for k in ("max_tokens", "max_completion_tokens", "n_predict"):
+    for k in ("n_predict", "max_tokens", "max_completion_tokens"):
         v = as_int(body.get(k))
-        if v is not None and v >= 0:
-            limit = v
+        if v is not None:
+            limit = v if v >= 0 else None
             break
     n = as_int(sim.get("tokens"))
     if n is not None and n >= 0:

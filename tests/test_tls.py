@@ -392,7 +392,7 @@ async def test_slow_reader_pauses_the_tls_upstream(make_relay, pki, tls_sim):
     from tests.test_flow import READ_SIZE, open_stream, settled
 
     app = await make_relay(upstreams=[remote(tls_sim.url, pki)])
-    n = 40000  # about 20 MB of events, more than the socket buffers on the way absorb
+    n = 60000  # about 30 MB of events, more than the socket buffers on the way absorb
     reader, writer, resp = await open_stream(app.port, httpc.chat(n), rcvbuf=4096)
     assert resp.status == 200
     client = next(iter(app.clients))
