@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import msgspec
 
+from relay import access
 from relay import headers as hdr
 from relay.errors import RelayError
 from relay.paths import bounded
@@ -44,17 +45,13 @@ class Peek(msgspec.Struct):
 _peek = msgspec.json.Decoder(Peek)
 
 
-def is_admin_path(path: str) -> bool:
-    return path == "/metrics" or path.startswith("/api/")
-
-
-def head_check(auth, path: str, headers) -> tuple[str | None, RelayError | None]:
-    """(key id, refusal) decided on the head alone: 401 for a caller the request will be
-    refused for anyway, so its body is never read."""
-    if is_admin_path(path):
-        if auth.admin_ok(headers):
-            return None, None
-        return None, RelayError("invalid_api_key", "admin key required")
+def head_check(auth, method: bytes, path: str, headers,
+               peer_host: str | None) -> tuple[str | None, RelayError | None]:
+    """(key id, refusal) decided on the head alone: 401/403 for a caller the request will be
+    refused for anyway, so its body is never read. Admin endpoints follow `relay.access`."""
+    if access.is_relay_admin(path) or access.is_upstream_admin(method, path):
+        refused = access.admin_refusal(auth, headers, peer_host)
+        return None, (RelayError(*refused) if refused is not None else None)
     if not auth.enabled:
         return None, None
     key_id = auth.identify(headers)

@@ -11,6 +11,7 @@ from relay.budget import Budgets, window_bounds
 from relay.client import ClientConn
 from relay.config import Config, ConfigError, UpstreamConfig, parse_target_url
 from relay.dispatch import Dispatcher
+from relay.errors import RelayError
 from relay.health import Health, probe_once
 from relay.log import Log
 from relay.metrics import Registry, UpstreamMetrics
@@ -18,6 +19,7 @@ from relay.routing import Router
 from relay.slots import SlotPool
 from relay.stall import StallPolicy
 from relay.store import Store
+from relay.target import Target
 from relay.tls import client_context
 from relay.upstream import Pool
 from relay.upstream_headers import fixed_headers
@@ -25,6 +27,38 @@ from relay.upstream_headers import fixed_headers
 # An idle pooled connection to an https upstream (a hosted API keeps one open for minutes,
 # and a new one costs a TLS handshake) is kept this long unless `keepalive_s` says otherwise.
 TLS_KEEPALIVE_S = 60.0
+
+
+def upstream_auth(cfg: UpstreamConfig) -> tuple[bytes, bytes] | None:
+    """The header the upstream wants, its value read from the environment (never the file)."""
+    if not cfg.auth_header:
+        return None
+    value = os.environ.get(cfg.auth_value_env or "")
+    if value is None:
+        raise ConfigError(f"upstream.{cfg.name}.auth_value_env: environment variable "
+                          f"{cfg.auth_value_env} is not set")
+    return cfg.auth_header.encode(), value.encode()
+
+
+def upstream_tls(cfg: UpstreamConfig, target: Target):
+    """The TLS context of an https upstream (None for http); ConfigError naming ca_file."""
+    if not target.tls:
+        return None
+    try:
+        return client_context(cfg.verify, cfg.ca_file)
+    except (OSError, ValueError) as exc:  # (ssl.SSLError is an OSError)
+        raise ConfigError(f"upstream.{cfg.name}.ca_file: cannot load {cfg.ca_file!r}: "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
+
+
+def upstream_keepalive(cfg: UpstreamConfig, target: Target, keepalive_s: float) -> float:
+    """How long an idle pooled connection is kept: `keepalive_s` of the upstream, else
+    `[dispatcher].upstream_keepalive_s`, raised to TLS_KEEPALIVE_S for https (unless 0)."""
+    if cfg.keepalive_s is not None:
+        return cfg.keepalive_s
+    if target.tls and keepalive_s > 0:
+        return max(keepalive_s, TLS_KEEPALIVE_S)
+    return keepalive_s
 
 
 class Upstream:
@@ -35,30 +69,15 @@ class Upstream:
         self.target = parse_target_url(cfg.url)
         self.host, self.port = self.target.host, self.target.port
         self.host_header = self.target.host_header
-        self.tls = None
-        if self.target.tls:
-            try:
-                self.tls = client_context(cfg.verify, cfg.ca_file)
-            except (OSError, ValueError) as exc:  # (ssl.SSLError is an OSError)
-                raise ConfigError(f"upstream.{cfg.name}.ca_file: cannot load {cfg.ca_file!r}: "
-                                  f"{getattr(exc, 'strerror', None) or exc}") from None
-            if keepalive_s > 0:  # (0: no pooling at all, as chosen)
-                keepalive_s = max(keepalive_s, TLS_KEEPALIVE_S)
-        if cfg.keepalive_s is not None:
-            keepalive_s = cfg.keepalive_s
-        self.pool = Pool(self.host, self.port, keepalive_s, prewarm, connect_timeout_s, self.tls)
+        self.tls = upstream_tls(cfg, self.target)
+        self.pool = Pool(self.host, self.port, upstream_keepalive(cfg, self.target, keepalive_s),
+                         prewarm, connect_timeout_s, self.tls)
         self.slots = SlotPool(cfg.parallel, cfg.queue)
         self.health = Health()
         self.metrics = UpstreamMetrics(cfg.name, cfg.parallel)
-        self.auth: tuple[bytes, bytes] | None = None
-        if cfg.auth_header:
-            value = os.environ.get(cfg.auth_value_env or "")
-            if value is None:
-                raise ConfigError(
-                    f"upstream.{cfg.name}.auth_value_env: environment variable "
-                    f"{cfg.auth_value_env} is not set")
-            self.auth = (cfg.auth_header.encode(), value.encode())
+        self.auth = upstream_auth(cfg)
         self.static = fixed_headers(cfg.headers)  # sent with every request
+        self.probe_task: asyncio.Task | None = None
 
     @property
     def state(self) -> str:
@@ -86,28 +105,31 @@ class App:
         self.registry = Registry()
         for up in self.upstreams.values():
             self.registry.add(up.metrics)
-        self.store = Store(config.store.path, retention_days=config.store.retention_days)
+        self.store = Store(config.store.path, retention_days=config.store.retention_days,
+                           log=self.log)
         self.dispatcher = Dispatcher(self)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.server: asyncio.AbstractServer | None = None
         self.clients: set[ClientConn] = set()
         self.tasks: set[asyncio.Task] = set()
         self.background: list[asyncio.Task] = []
+        self.retired: list[Upstream] = []  # removed by a reload, pool closed once idle
         self.draining = False
+        self._hurry = asyncio.Event()
         self.port = 0
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.store.start()
+        if self.store.recovered:  # the relay died mid-request: those requests are charged
+            self.log.event("admissions_recovered", rows=self.store.recovered)
         self._restore_budgets()
         s = self.config.server
         self.server = await self.loop.create_server(
             lambda: ClientConn(self), s.host, s.port, backlog=4096, reuse_address=True)
         self.port = self.server.sockets[0].getsockname()[1]
-        if self.config.dispatcher.health_interval_s > 0:
-            for up in self.upstreams.values():
-                self.background.append(self.loop.create_task(self._probe(up)))
+        self.start_probes()
         self.background.append(self.loop.create_task(self._sample_tokens()))
         self.log.event("relay_listening", host=s.host, port=self.port,
                        upstreams=list(self.upstreams))
@@ -116,17 +138,36 @@ class App:
                 self.log.event("upstream_tls_unverified", upstream=up.name, url=up.cfg.url,
                                note="verify = false: certificate and hostname are not checked")
 
-    def _restore_budgets(self) -> None:
-        """Budgets survive a restart: each window's usage is rebuilt from the rows."""
+    def start_probes(self) -> None:
+        """One /health probe task per upstream (again after a reload: the old ones end)."""
+        for up in self.all_upstreams():
+            if up.probe_task is not None:
+                up.probe_task.cancel()
+                up.probe_task = None
+        if self.config.dispatcher.health_interval_s > 0:
+            for up in self.upstreams.values():
+                up.probe_task = self.loop.create_task(self._probe(up))
+
+    def _restore_budgets(self, windows: list[tuple[str, str]] | None = None) -> None:
+        """Budgets survive a restart: each window's usage is rebuilt from the rows (those of
+        requests a crash cut included: relay/durable.py). `windows`: only those."""
         now = time.time()
-        for key_id in self.budgets.keys:
-            for kind in self.budgets.windows_of(key_id):
-                start, _ = window_bounds(kind, now)
-                requests, tokens = self.store.usage_since(key_id, start, served_only=True)
-                self.budgets.restore(key_id, kind, requests, tokens, now)
+        if windows is None:
+            windows = [(k, kind) for k in self.budgets.keys for kind in self.budgets.windows_of(k)]
+        for key_id, kind in windows:
+            start, _ = window_bounds(kind, now)
+            requests, tokens = self.store.usage_since(key_id, start, served_only=True)
+            self.budgets.restore(key_id, kind, requests, tokens, now)
+
+    def reload(self, config: Config) -> dict:
+        """Apply a new configuration (SIGHUP): see relay/reload.py."""
+        from relay.reload import apply
+
+        return apply(self, config)
 
     async def stop(self, drain_timeout_s: float | None = None) -> None:
-        """Stop accepting, let in-flight requests finish (bounded), flush rows, close."""
+        """Stop accepting, refuse the queue, let in-flight requests finish (bounded), flush
+        rows, close. `hurry()` (a second SIGTERM/SIGINT) skips what is left of the waits."""
         if drain_timeout_s is None:
             drain_timeout_s = self.config.server.drain_timeout_s
         self.draining = True
@@ -134,24 +175,29 @@ class App:
             self.server.close()
         for client in list(self.clients):
             if not client.busy and not client.gone:
+                if client.head is not None or client.h11.trailing_data[0]:
+                    self._refuse_unread(client)  # a request half-read: it gets an answer
                 client.gone = True
                 client.transport.close()
+        for up in self.all_upstreams():
+            up.slots.close()  # queued requests are answered 503 shutting_down now
         pending = {t for t in self.tasks if not t.done()}
         self.log.event("relay_draining", in_flight=len(pending), timeout_s=drain_timeout_s)
-        if pending:
-            _, pending = await asyncio.wait(pending, timeout=drain_timeout_s)
+        pending = await self._drain_wait(pending, drain_timeout_s)
         for client in list(self.clients):
             if client.exchange is not None:
-                client.exchange.shutdown()
-        if pending:
-            _, pending = await asyncio.wait(pending, timeout=2.0)
+                client.exchange.shutdown()  # cut: the client sees the truncation
+        pending = await self._drain_wait(pending, 2.0)
         for task in pending:
-            task.cancel()  # still waiting for a slot or a head: settled as shut down
+            task.cancel()  # still waiting for a head or a slow client: settled as shut down
         if pending:
             await asyncio.wait(pending, timeout=2.0)
         for task in self.background:
             task.cancel()
-        for up in self.upstreams.values():
+        for up in self.all_upstreams():
+            if up.probe_task is not None:
+                up.probe_task.cancel()
+        for up in self.all_upstreams():
             up.pool.close()
         for client in list(self.clients):
             if client.transport is not None:
@@ -160,6 +206,36 @@ class App:
         self.log.event("relay_stopped", unfinished=len([t for t in pending if not t.done()]),
                        rows_written=self.store.rows_written, rows_dropped=self.store.rows_dropped)
         self.log.flush()
+
+    def _refuse_unread(self, client: ClientConn) -> None:
+        err = RelayError("shutting_down", "the relay is shutting down")
+        self.rejected(client, err)  # its row
+        client.respond(err.status, err.body(), None, keep_alive=False)
+
+    def hurry(self) -> None:
+        """End a drain now (the rows are still settled and flushed)."""
+        self._hurry.set()
+
+    async def _drain_wait(self, pending: set, timeout: float) -> set:
+        """Wait until the tasks are done, `timeout` ran out, or `hurry()`; the tasks left."""
+        left = {t for t in pending if not t.done()}
+        if not left or self._hurry.is_set():
+            return left
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        hurry = loop.create_task(self._hurry.wait())
+        try:
+            while left and not hurry.done() and (remaining := end - loop.time()) > 0:
+                await asyncio.wait(left | {hurry}, timeout=remaining,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                left = {t for t in left if not t.done()}
+        finally:
+            hurry.cancel()
+        return left
+
+    def all_upstreams(self) -> list:
+        """The configured upstreams and those a reload removed whose streams still run."""
+        return list(self.upstreams.values()) + self.retired
 
     # ---- requests ----------------------------------------------------------------------
     async def handle(self, client: ClientConn, req) -> None:
@@ -175,8 +251,11 @@ class App:
 
     # ---- background ----------------------------------------------------------------------
     async def _probe(self, up: Upstream) -> None:
-        d = self.config.dispatcher
+        wake = asyncio.Event()
+        up.health.on_down = wake.set  # a request saw it down: probe now, then often
         while True:
+            d = self.config.dispatcher
+            wake.clear()
             status, error = await probe_once(up.host, up.port, up.host_header,
                                              d.connect_timeout_s, up.tls,
                                              up.target.join(b"/health"))
@@ -185,7 +264,11 @@ class App:
             if up.health.probe != before:
                 self.log.event("upstream_state", upstream=up.name, state=up.state,
                                was=before, status=status)
-            await asyncio.sleep(d.health_interval_s)
+            try:
+                await asyncio.wait_for(wake.wait(), up.health.probe_delay(
+                    d.health_interval_s, d.down_probe_interval_s))
+            except (TimeoutError, asyncio.TimeoutError):
+                pass
 
     async def _sample_tokens(self) -> None:
         """Once a second, move each live stream's new tokens into its upstream's rate window."""
@@ -196,6 +279,15 @@ class App:
                 ex = client.exchange
                 if ex is not None and ex.scanner is not None:
                     n = ex.scanner.content_events - ex.counted
-                    if n:
+                    up = self.upstreams.get(ex.upstream_name)
+                    if n and up is not None:
                         ex.counted += n
-                        self.upstreams[ex.upstream_name].metrics.add_tokens(n, now)
+                        up.metrics.add_tokens(n, now)
+            self._close_retired()
+
+    def _close_retired(self) -> None:
+        """Pools of upstreams a reload removed are closed once their streams are done."""
+        for up in list(self.retired):
+            up.pool.close()  # idle connections now; the one a finishing stream frees later
+            if up.slots.in_flight == 0 and not up.slots.waiters:
+                self.retired.remove(up)

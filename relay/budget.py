@@ -69,6 +69,7 @@ class Reservation:
     tokens: int
     settled: bool = False
     starts: tuple[float, ...] = ()  # the start of each window it was taken in
+    windows: tuple = ()  # the windows it holds (a reload may replace a key's list)
 
 
 @dataclass
@@ -76,13 +77,36 @@ class _KeyBudget:
     windows: list[_Window] = field(default_factory=list)
 
 
+def _limits(k: KeyConfig) -> list[tuple[str, int, int]]:
+    return [(kind, r, t) for kind, r, t in ((_DAY, k.requests_per_day, k.tokens_per_day),
+                                            (_MONTH, k.requests_per_month, k.tokens_per_month))
+            if r or t]
+
+
 class Budgets:
     def __init__(self, keys: list[KeyConfig]) -> None:
-        self.keys: dict[str, _KeyBudget] = {}
+        self.keys: dict[str, _KeyBudget] = {
+            k.id: _KeyBudget([_Window(kind, r, t) for kind, r, t in _limits(k)]) for k in keys}
+
+    def reload(self, keys: list[KeyConfig]) -> list[tuple[str, str]]:
+        """New keys and limits; a window kept across the reload keeps its used and reserved
+        figures (only its limits change). Returns the (key, kind) windows that are new: their
+        used figures are to be rebuilt from the rows (`restore`)."""
+        fresh: list[tuple[str, str]] = []
+        table: dict[str, _KeyBudget] = {}
         for k in keys:
-            ws = [_Window(_DAY, k.requests_per_day, k.tokens_per_day),
-                  _Window(_MONTH, k.requests_per_month, k.tokens_per_month)]
-            self.keys[k.id] = _KeyBudget([w for w in ws if w.req_limit or w.tok_limit])
+            old = {w.kind: w for w in self.keys.get(k.id, _KeyBudget()).windows}
+            ws = []
+            for kind, r, t in _limits(k):
+                w = old.get(kind)
+                if w is None:
+                    w = _Window(kind, r, t)
+                    fresh.append((k.id, kind))
+                w.req_limit, w.tok_limit = r, t
+                ws.append(w)
+            table[k.id] = _KeyBudget(ws)
+        self.keys = table
+        return fresh
 
     def restore(self, key_id: str, kind: str, requests: int, tokens: int, now: float) -> None:
         """Set a window's used figures (rebuilt from the request rows after a restart)."""
@@ -114,14 +138,15 @@ class Budgets:
         for w in kb.windows:
             w.res_req += 1
             w.res_tok += tokens
-        return Reservation(key_id, tokens, starts=tuple(w.start for w in kb.windows))
+        return Reservation(key_id, tokens, starts=tuple(w.start for w in kb.windows),
+                           windows=tuple(kb.windows))
 
     def settle(self, res: Reservation, requests: int, tokens: int, now: float) -> None:
         """Replace the reservation with what was used (once; later calls do nothing)."""
         if res.settled:
             return
         res.settled = True
-        for w, start in zip(self.keys[res.key_id].windows, res.starts):
+        for w, start in zip(res.windows, res.starts):
             w.roll(now)
             w.res_req -= 1
             w.res_tok -= res.tokens

@@ -46,6 +46,10 @@ async def _serve(args) -> int:
     from relay.log import Log
 
     log = Log()
+    # what asyncio would print as text (a callback's exception, ...) is a JSON line too
+    asyncio.get_running_loop().set_exception_handler(
+        lambda _loop, ctx: log.event("loop_error", message=str(ctx.get("message")),
+                                     error=repr(ctx.get("exception"))[:300]))
     sim = None
     sim_url = None
     if args.demo:
@@ -60,25 +64,49 @@ async def _serve(args) -> int:
         await app.start()
     except (ConfigError, OSError, sqlite3.Error) as exc:
         what = f"store.path {app.config.store.path!r}: " if isinstance(exc, sqlite3.Error) else ""
-        print(f"relay: {what}{exc}", file=sys.stderr)
+        log.event("relay_start_failed", error=f"{what}{exc}")
+        log.flush()
         if sim is not None:
             await sim.stop()
         return 2
     if args.demo:
         host = app.config.server.host
-        print(f"relay demo: try\n  curl -N http://{host}:{app.port}/v1/chat/completions "
-              "-H 'Content-Type: application/json' -d '{\"model\":\"demo\",\"stream\":true,"
-              "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'", file=sys.stderr,
-              flush=True)
+        log.event("demo_try", command=(
+            f"curl -N http://{host}:{app.port}/v1/chat/completions "
+            "-H 'Content-Type: application/json' -d '{\"model\":\"demo\",\"stream\":true,"
+            "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'"))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_stop() -> None:
+        if stop.is_set():  # a second SIGTERM/SIGINT: end the drain now (rows still flushed)
+            log.event("relay_hurry")
+            app.hurry()
+        stop.set()
+
+    def on_hup() -> None:
+        if not stop.is_set():
+            reload_config(app, args, sim_url, log)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_stop)
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
     await stop.wait()
     await app.stop()
     if sim is not None:
         await sim.stop()
     return 0
+
+
+def reload_config(app, args, sim_url: str | None, log) -> None:
+    """SIGHUP: read the file again (flags still override it) and apply it, or keep the
+    running configuration and say why."""
+    try:
+        summary = app.reload(build_config(args, sim_url))
+    except ConfigError as exc:
+        log.event("config_reload_failed", reason=str(exc), config=args.config)
+        return
+    log.event("config_reloaded", config=args.config, **summary)
 
 
 def run(coro) -> int:
@@ -109,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return run(_serve(args))
         except ConfigError as exc:
-            print(f"relay: config error: {exc}", file=sys.stderr)
+            from relay.log import Log
+
+            Log().event("config_error", error=str(exc))
             return 2
     return 2

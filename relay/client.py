@@ -67,6 +67,7 @@ class ClientConn(asyncio.Protocol):
         self.head_bytes = bytearray()  # bytes handed to h11 since the last head (obs-fold check)
         self.awaiting_head = True
         self.key_id: str | None = None
+        self.peer_host: str | None = None  # the client's address (admin access: relay.access)
         self.path = ""
         self.body = bytearray()
         self.body_size = 0
@@ -83,6 +84,8 @@ class ClientConn(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        peer = transport.get_extra_info("peername")
+        self.peer_host = peer[0] if isinstance(peer, tuple) and peer else None
         self.app.clients.add(self)
         if self.app.draining:
             self.gone = True
@@ -271,7 +274,8 @@ class ClientConn(asyncio.Protocol):
             return
         has_body = declared > 0 or hdr.get(raw, b"transfer-encoding") is not None
         self.path = paths.bounded(paths.normalize(ev.target), paths.MAX_PATH_CHARS)
-        self.key_id, err = admission.head_check(self.app.auth, self.path, raw)
+        self.key_id, err = admission.head_check(self.app.auth, ev.method, self.path, raw,
+                                                 self.peer_host)
         if err is not None and has_body:  # a bodiless request is answered the usual way
             self._reject(err)
             return

@@ -43,6 +43,8 @@ class DispatcherConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     stream_idle_timeout_s: Annotated[float, Meta(ge=0.0, le=86400.0)] = 300.0
     upstream_keepalive_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 4.0
     health_interval_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 5.0
+    # while an upstream is down it is probed this often (and one request at a time tries it)
+    down_probe_interval_s: Annotated[float, Meta(ge=0.05, le=3600.0)] = 0.5
     prewarm: bool = True  # keep one connected spare per upstream while it has traffic
 
 

@@ -15,6 +15,7 @@ import os
 import re
 import time
 
+from relay import access, settle
 from relay import admission as A
 from relay import exchange as X
 from relay import headers as hdr
@@ -22,18 +23,18 @@ from relay.bodies import BodyBytes
 from relay.budget import BudgetExceeded
 from relay.errors import RelayError
 from relay.health import DOWN
-from relay.paths import MAX_PATH_CHARS, bounded, normalize
+from relay.paths import bounded
 from relay.record import Record
 from relay.routing import NoRoute, model_list
-from relay.slots import Busy
+from relay.slots import Busy, SlotsClosed
 from relay.target import TargetError
-from relay.sse import SseScanner
 from relay.upstream import ConnectError
 
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
-# Refusals decided before any upstream is chosen or contacted (counted relay-wide).
-_ADMISSION_CODES = frozenset({"invalid_api_key", "invalid_json", "bad_request",
-                              "model_not_found", "budget_exceeded", "not_found"})
+
+
+def _shutting_down() -> RelayError:
+    return RelayError("shutting_down", "the relay is shutting down")
 
 
 class _Retry(Exception):
@@ -73,18 +74,14 @@ class Dispatcher:
         keep_alive = req.keep_alive
         state = {"slot": None, "reservation": None, "ex": None}
         try:
-            if self._internal(client, req, rid, path):
+            if self._internal(client, req, rid, state):
                 return
             keep_alive = await self._serve(client, req, rid, rec, state, t0, path)
         except RelayError as err:
             keep_alive = self._answer_error(client, rid, rec, err, keep_alive)
         except asyncio.CancelledError:
-            if state["ex"] is not None:
-                state["ex"].conn.abort()
-            rec.outcome = rec.outcome or (X.SHUTDOWN if app.draining and not client.gone
-                                          else X.CLIENT_GONE)
-            rec.error_code = rec.error_code or rec.outcome
             keep_alive = False
+            self._cancelled(client, rid, rec, state)
         except Exception as exc:  # a bug: the client still gets an answer, the row is written
             app.log.event("internal_error", request_id=rec.request_id,
                           error=f"{type(exc).__name__}: {exc}"[:300])
@@ -102,6 +99,24 @@ class Dispatcher:
                 self._settle(client, rec, state, t0)
             client.finish(keep_alive)
 
+    def _cancelled(self, client, rid: bytes, rec: Record, state: dict) -> None:
+        """The task was cancelled (client gone, or the drain's last step): the row still says
+        what reached the client, and a client that got nothing yet gets an answer."""
+        draining = self.app.draining and not client.gone
+        ex = state["ex"]
+        if ex is not None:
+            if ex.head_at and ex.outcome is None:
+                ex.shutdown()  # ends the exchange: its timers stop, its figures stay
+            else:
+                ex.conn.abort()
+            if ex.head_sent and rec.upstream_served is None:
+                rec.upstream_served, rec.status = ex.upstream_name, ex.status
+        rec.outcome = rec.outcome or (X.SHUTDOWN if draining else X.CLIENT_GONE)
+        rec.error_code = rec.error_code or rec.outcome
+        if draining and (ex is None or not ex.head_sent):
+            rec.status = 503
+            client.respond(503, _shutting_down().body(), rid, False)
+
     def _answer_error(self, client, rid, rec, err: RelayError, keep_alive: bool) -> bool:
         rec.status = err.status
         rec.error_code = rec.error_code or err.code
@@ -117,7 +132,7 @@ class Dispatcher:
     async def _serve(self, client, req, rid: bytes, rec: Record, state: dict, t0: float,
                      path: str) -> bool:
         app = self.app
-        if app.auth.enabled:
+        if app.auth.enabled and not state.get("admin"):
             rec.key_id = req.key_id or app.auth.identify(req.headers)
             if rec.key_id is None:
                 raise RelayError("invalid_api_key", "missing or unknown API key")
@@ -165,26 +180,12 @@ class Dispatcher:
                        more: bool, t0: float) -> bool:
         app = self.app
         d = app.config.dispatcher
-        if up.health.probe == DOWN and d.health_interval_s > 0:
+        state["up"] = up  # (a config reload may remove it from app.upstreams meanwhile)
+        if up.health.probe == DOWN and d.health_interval_s > 0:  # probed often while down
             raise _Retry(RelayError("upstream_unavailable",
                                     f"upstream {up.name} is down: {up.health.last_error}",
                                     {"upstream": up.name, "error": up.health.last_error}))
-        if slot_path:
-            q0 = time.perf_counter()
-            try:
-                state["slot"] = await up.slots.acquire(d.pool_timeout_s)
-            except Busy as exc:
-                retry_after = max(1, int(d.pool_timeout_s + 0.999))
-                raise _Retry(RelayError("upstream_busy", f"upstream {up.name} is busy: {exc}",
-                                        {"upstream": up.name},
-                                        [(b"Retry-After", b"%d" % retry_after)])) from None
-            finally:
-                waited = time.perf_counter() - q0
-                rec.queue_ms = round(waited * 1000, 3)
-                up.metrics.observe_queue_wait(waited)
-        on_content = lambda e, up=up: up.metrics.observe_ttft(  # noqa: E731
-            e.first_content_at - t0, time.monotonic())
-        ex = await self._open(client, req, up, rid, rec, more, on_content, state)
+        ex = await self._start(client, req, rid, rec, state, up, slot_path, more, t0)
         state["ex"] = ex
         if not ex.body_started:  # 429/5xx with another candidate left
             status = ex.head_resp.status_code
@@ -215,6 +216,44 @@ class Dispatcher:
         up.pool.release(ex.conn, ex.reusable)
         return keep_alive and not client.gone
 
+    async def _start(self, client, req, rid, rec: Record, state, up, slot_path: bool,
+                     more: bool, t0: float) -> X.Exchange:
+        """Wait for a slot, then open the exchange (up to its response head)."""
+        d = self.app.config.dispatcher
+        if slot_path:
+            q0 = time.perf_counter()
+            try:
+                state["slot"] = await up.slots.acquire(d.pool_timeout_s)
+            except SlotsClosed:  # the relay began draining while this request queued
+                raise _shutting_down() from None
+            except Busy as exc:
+                retry_after = max(1, int(d.pool_timeout_s + 0.999))
+                raise _Retry(RelayError("upstream_busy", f"upstream {up.name} is busy: {exc}",
+                                        {"upstream": up.name},
+                                        [(b"Retry-After", b"%d" % retry_after)])) from None
+            finally:
+                waited = time.perf_counter() - q0
+                rec.queue_ms = round(waited * 1000, 3)
+                up.metrics.observe_queue_wait(waited)
+        res = state["reservation"]
+        if res is not None and not res.settled and "admission" not in state:
+            await self._admit(rec, state, res.tokens)
+        on_content = lambda e, up=up: up.metrics.observe_ttft(  # noqa: E731
+            e.first_content_at - t0, time.monotonic())
+        return await self._open(client, req, up, rid, rec, more, on_content, state)
+
+    async def _admit(self, rec: Record, state: dict, reserved: int) -> None:
+        """A key with limits: its admission is on disk before the upstream is contacted (a
+        crash then cannot give the key back what it spent; relay/admission.py)."""
+        store = self.app.store
+        state["admission"] = admission_id = store.next_admission_id()
+        prompt = min(state.get("prompt_est", 0), reserved)
+        try:
+            await store.admit(admission_id, rec, prompt, reserved - prompt)
+        except RuntimeError as exc:  # the database fails: serve, the budget still holds
+            self.app.log.event("admission_not_durable", request_id=rec.request_id,
+                               error=str(exc)[:300])
+
     async def _open(self, client, req, up, rid: bytes, rec: Record, more: bool,
                     on_content, state: dict) -> X.Exchange:
         """Connect (pooled or new), send the request, wait for the response head.
@@ -235,6 +274,8 @@ class Dispatcher:
                                             up.auth, up.static)
         fresh = False
         while True:
+            if self.app.draining:  # no upstream stream starts once the drain began
+                raise _shutting_down()
             try:
                 conn, reused = await up.pool.acquire(d.connect_timeout_s, fresh=fresh)
             except ConnectError as exc:
@@ -286,11 +327,16 @@ class Dispatcher:
                 timer.cancel()
 
     # ---- endpoints the relay answers itself ---------------------------------------------
-    def _internal(self, client, req, rid: bytes, path: str) -> bool:
+    def _internal(self, client, req, rid: bytes, state: dict) -> bool:
         app = self.app
-        if path == "/metrics" or path.startswith("/api/"):
-            if not app.auth.admin_ok(req.headers):
-                raise RelayError("invalid_api_key", "admin key required")
+        path = req.path  # normalised and bounded (it is echoed in a 404)
+        relay_admin = access.is_relay_admin(path)
+        if relay_admin or access.is_upstream_admin(req.method, path):
+            refused = access.admin_refusal(app.auth, req.headers, client.peer_host)
+            if refused is not None:
+                raise RelayError(*refused)
+            state["admin"] = True  # an admin call: no API key needed on top
+        if relay_admin:
             now = time.monotonic()
             for up in app.upstreams.values():
                 up.refresh_metrics()
@@ -310,80 +356,13 @@ class Dispatcher:
             return True
         return False
 
-    # ---- settlement: once per request --------------------------------------------------
+    # ---- settlement: once per request (relay/settle.py) -------------------------------
     def _release_slot(self, state: dict) -> None:
-        slot, state["slot"] = state.get("slot"), None
-        if slot is not None:
-            slot.release()
+        settle.release_slot(state)
 
     def _settle(self, client, rec: Record, state: dict, t0: float) -> None:
-        app = self.app
-        self._release_slot(state)
-        ex: X.Exchange | None = state.get("ex")
-        rec.total_ms = round((time.perf_counter() - t0) * 1000, 3)
-        rec.client_closed = client.gone and rec.outcome in (X.CLIENT_GONE, X.CLIENT_SLOW)
-        if ex is not None and rec.upstream_served is not None:
-            rec.bytes_out = ex.bytes_out
-            if ex.first_content_at is not None:
-                rec.ttft_ms = round((ex.first_content_at - t0) * 1000, 3)
-            self._tokens(rec, ex, state)
-            if ex.outcome == X.STALL:
-                rec.error_code = f"stream_stall_{ex.stall_reason}"
-                app.log.event("stream_stall_guard_tripped", reason=ex.stall_reason,
-                              elapsed_s=ex.stall_elapsed, upstream=ex.upstream_name,
-                              request_id=rec.request_id)
-            elif rec.outcome not in (X.DONE, None):
-                rec.error_code = rec.error_code or rec.outcome
-            elif (isinstance(ex.scanner, SseScanner) and ex.scanner.error_first
-                  and not ex.scanner.content_events):
-                rec.outcome = rec.error_code = X.ERROR_EVENT  # a 200 that carried only an error
-        rec.ok = (rec.outcome == X.DONE and rec.status is not None and rec.status < 400)
-        if rec.error_code is None and rec.status is not None and rec.status >= 400:
-            rec.error_code = f"upstream_{rec.status}"
-        res = state.get("reservation")
-        if res is not None:
-            used = 1 if rec.upstream_served is not None else 0
-            app.budgets.settle(res, used, rec.total_tokens if used else 0, time.time())
-        served = app.upstreams.get(rec.upstream_served or state.get("tried")
-                                   or rec.upstream_requested or "")
-        if rec.error_code in _ADMISSION_CODES or served is None:
-            app.registry.rejected(rec.error_code or "unknown")  # no upstream involved
-        else:
-            m = served.metrics
-            m.request_done(rec.ok, rec.error_code)
-            if ex is not None and ex.outcome == X.STALL:
-                m.stall(ex.stall_reason)
-        app.store.put(rec.row())
-        app.log.event("access", **rec.log_fields())
-
-    def _tokens(self, rec: Record, ex: X.Exchange, state: dict) -> None:
-        from relay.usage import stream_usage
-
-        scanner = ex.scanner
-        exact = None
-        approx = None
-        if ex.body_copy is not None:
-            exact = ex.body_copy.usage() if ex.outcome == X.DONE else None
-        elif scanner is not None:
-            exact = stream_usage(scanner.meta) if scanner.meta else None
-            approx = scanner.content_events
-        rec.set_tokens(exact, approx, state.get("prompt_est"))
-        if exact is not None:
-            app_m = self.app.upstreams[ex.upstream_name].metrics
-            app_m.set_flm(exact.decoding_speed_tps, exact.kv_occupancy_pct)
-        if rec.completion_tokens is not None:
-            delta = rec.completion_tokens - ex.counted
-            ex.counted = rec.completion_tokens
-            self.app.upstreams[ex.upstream_name].metrics.add_tokens(delta, time.monotonic())
+        settle.settle(self.app, client, rec, state, t0)
 
     def rejected(self, client, err: RelayError) -> None:
         """A request refused before it was read whole (400/408/413/431): a row all the same."""
-        head = client.head
-        path = bounded(normalize(head.target), MAX_PATH_CHARS) if head is not None else ""
-        rid = self.request_id(head.headers.raw_items()) if head is not None else self.new_id()
-        rec = Record(ts=time.time(), request_id=rid.decode(), path=path,
-                     method=bounded(head.method.decode("latin-1"), 32) if head else "",
-                     status=err.status, error_code=err.code, outcome="rejected")
-        self.app.registry.rejected(err.code)
-        self.app.store.put(rec.row())
-        self.app.log.event("access", **rec.log_fields())
+        settle.rejected(self, client, err)

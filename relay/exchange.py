@@ -12,7 +12,7 @@ import asyncio
 import time
 
 from relay import framing, headers as hdr
-from relay.head import BadHead, ResponseHead, parse_response_head, request_bytes
+from relay.head import BadHead, HeadReader, ResponseHead, request_bytes
 from relay.chunked import LAST_CHUNK, SIZE, ChunkError, ChunkTracker, frame
 from relay.fastpath import same_shape, shape_of, token_event
 from relay.errors import reason_phrase
@@ -34,7 +34,7 @@ class Exchange:
     __slots__ = (
         "_closed_early", "_leftover", "_write", "body_copy", "body_started", "bytes_out",
         "can_retry", "client", "client_keep_alive", "conn", "counted", "data_received", "done",
-        "fast", "first_content_at", "got_bytes", "head_at", "head_buf", "head_bytes",
+        "fast", "first_content_at", "got_bytes", "head_at", "head_bytes", "head_reader",
         "head_fut", "head_resp", "head_sent", "held", "held_size", "holding", "kind",
         "last_read", "loop", "method", "mode", "model", "on_content", "outcome", "path",
         "paused", "policy", "remaining", "request_id", "scanner", "shape", "sse",
@@ -55,7 +55,7 @@ class Exchange:
         self.path = path
         self.model = model
         self.upstream_name = upstream_name
-        self.head_buf: bytes | None = b""  # the response head as it comes; None once parsed
+        self.head_reader: HeadReader | None = HeadReader()  # None once the head is parsed
         self.head_fut: asyncio.Future = loop.create_future()
         self.head_resp: ResponseHead | None = None
         self.done: asyncio.Future = loop.create_future()
@@ -105,7 +105,7 @@ class Exchange:
     # ---- upstream callbacks (UpstreamConn) -----------------------------------------
     def upstream_data(self, data: bytes) -> None:
         if not self.body_started:
-            if self.head_buf is not None:
+            if self.head_reader is not None:
                 self._head_data(data)
             else:  # head parsed, body not started yet: keep for start_body
                 self._leftover += data
@@ -181,10 +181,10 @@ class Exchange:
         return i > 0
 
     def upstream_closed(self, exc) -> None:
-        if self.head_buf is not None:
+        if self.head_reader is not None:
             if not self.head_fut.done():
                 self.head_fut.set_exception(UpstreamGone(silent=not self.got_bytes))
-            self.head_buf = None
+            self.head_reader = None
             return
         if not self.body_started:
             self._closed_early = True
@@ -202,20 +202,18 @@ class Exchange:
     # ---- head ----------------------------------------------------------------------
     def _head_data(self, data: bytes) -> None:
         self.got_bytes = True
-        buf = self.head_buf + data if self.head_buf else data
         try:
-            parsed = parse_response_head(buf)
+            parsed = self.head_reader.feed(data)
         except BadHead as exc:
-            self.head_buf = None
+            self.head_reader = None
+            self.conn.abort()  # read no more of it (an endless head would pile up meanwhile)
             if not self.head_fut.done():
                 self.head_fut.set_exception(UpstreamBadHead(str(exc)))
             return
         if parsed is None:
-            self.head_buf = buf
             return
-        resp, used = parsed
-        self.head_buf = None
-        self._leftover = buf[used:]
+        resp, self._leftover = parsed
+        self.head_reader = None
         self.head_at = self.last_read = self.loop.time()
         self.head_resp = resp
         if self.head_fut.done():
@@ -249,8 +247,10 @@ class Exchange:
         self.status = resp.status_code
         try:
             self.kind, self.remaining = framing.upstream_body(self.method, self.status, raw)
-        except framing.FramingError:
-            self.kind, self.remaining = framing.UNTIL_CLOSE, -1
+        except framing.FramingError:  # (head.py refuses these heads first) nothing is sent
+            self.conn.abort()
+            self._upstream_failed(BAD_FRAMING)
+            return
         self.mode = framing.carriage(self.kind, self.client.http11)
         ctype = hdr.get(raw, b"content-type") or b""
         self.sse = ctype.lower().startswith(b"text/event-stream")
@@ -271,6 +271,8 @@ class Exchange:
         hold = hold_for_content and self.sse and 200 <= self.status < 300
         self.holding = True  # the head and what came with it leave in one write
         if self.kind == framing.EMPTY:
+            # bytes after a head with no body: the upstream is out of step, do not reuse it
+            self.upstream_keep_alive &= not self._leftover
             self._end(DONE)
             return
         leftover, self._leftover = self._leftover, b""
@@ -401,7 +403,7 @@ class Exchange:
     def head_timeout(self) -> None:
         if not self.head_fut.done():
             self.head_fut.set_exception(TimeoutError())
-            self.head_buf = None
+            self.head_reader = None
 
     def client_gone(self) -> None:
         """The client closed or reset: close the upstream socket at once."""
@@ -409,7 +411,7 @@ class Exchange:
         self.client_keep_alive = False
         if not self.head_fut.done():
             self.head_fut.set_exception(ClientGone())
-            self.head_buf = None
+            self.head_reader = None
         if self.outcome is None and self.head_at:
             self._end(CLIENT_GONE)
 
@@ -421,7 +423,7 @@ class Exchange:
             self._upstream_failed(SHUTDOWN)
         elif not self.head_fut.done():
             self.head_fut.set_exception(RelayShutdown())
-            self.head_buf = None
+            self.head_reader = None
 
     # ---- the one way out ---------------------------------------------------------------
     def _end(self, outcome: str) -> None:

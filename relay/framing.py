@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from relay.chunked import LAST_CHUNK, ChunkTracker, frame
+from relay.head import MAX_LENGTH_DIGITS
 from relay.headers import Headers, get
 
 # Upstream body kinds
@@ -22,17 +23,20 @@ def upstream_body(method: bytes, status: int, headers: Headers) -> tuple[str, in
     if method == b"HEAD" or status < 200 or status in (204, 304):
         return EMPTY, 0
     te = get(headers, b"transfer-encoding")
-    if te is not None:  # chunked only when it is the final coding (RFC 9112 6.3)
-        last = te.split(b",")[-1].strip().lower()
-        return (CHUNKED, -1) if last == b"chunked" else (UNTIL_CLOSE, -1)
     cl = get(headers, b"content-length")
+    if te is not None:
+        # `chunked` alone: another coding would reach the client dropped or mangled, and a
+        # Content-Length beside it makes the framing ambiguous (RFC 9112 6.1, 6.3 item 3).
+        # relay/head.py refuses such heads first; this stays total on its own.
+        if te.strip(b" \t").lower() != b"chunked":
+            raise FramingError(f"unknown Transfer-Encoding {te[:40]!r}")
+        if cl is not None:
+            raise FramingError("Content-Length and Transfer-Encoding together")
+        return CHUNKED, -1
     if cl is not None:
-        try:
-            n = int(cl)
-        except ValueError:
-            raise FramingError(f"bad Content-Length {cl[:20]!r}") from None
-        if n < 0:
-            raise FramingError("negative Content-Length")
+        if not cl.isdigit() or len(cl) > MAX_LENGTH_DIGITS:
+            raise FramingError(f"bad Content-Length {cl[:20]!r}")
+        n = int(cl)
         return (LENGTH, n) if n else (EMPTY, 0)
     return UNTIL_CLOSE, -1
 

@@ -13,6 +13,9 @@ _NOT_UPSTREAM = HOP_BY_HOP | {
     b"host", b"content-length", b"authorization", b"x-api-key", b"x-request-id", b"expect",
 }
 _NOT_DOWNSTREAM = HOP_BY_HOP | {b"x-request-id"}
+# ... and no Content-Length where the client's framing is the relay's chunking, or where
+# the status has no body and forbids one (204, 1xx: RFC 9110 8.6).
+_NOT_DOWNSTREAM_NO_LENGTH = _NOT_DOWNSTREAM | {b"content-length"}
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -69,9 +72,12 @@ def client_response(status: int, reason: bytes, upstream: Headers, request_id: b
     """The response head sent to the client: upstream headers minus hop-by-hop ones.
 
     Content-Length crosses unchanged when the upstream gave one (the body is passed through
-    as is); `chunked` adds the relay's own Transfer-Encoding.
+    as is); `chunked` adds the relay's own Transfer-Encoding instead, so the head never holds
+    both. A 204 or 1xx never carries a Content-Length.
     """
-    drop = _NOT_DOWNSTREAM | _listed_in_connection(upstream)
+    no_length = chunked or status == 204 or status < 200
+    drop = (_NOT_DOWNSTREAM_NO_LENGTH if no_length else _NOT_DOWNSTREAM) | _listed_in_connection(
+        upstream)
     lines = [b"HTTP/1.1 %d %s" % (status, reason)]
     lines.extend(k + b": " + v for k, v in upstream if k.lower() not in drop)
     if chunked:

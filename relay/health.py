@@ -1,5 +1,9 @@
 """Upstream state: ready / serving / loading / down, from a light /health probe and from
-what requests see (a refused connect marks an upstream down at once)."""
+what requests see (a refused connect marks an upstream down at once).
+
+While an upstream is down, requests fail fast (no connect timeout paid per request), and the
+probe runs every `down_probe_interval_s` instead of `health_interval_s`: an upstream that
+answers again serves within that interval, not after the next regular probe."""
 
 from __future__ import annotations
 
@@ -15,6 +19,11 @@ class Health:
     def __init__(self) -> None:
         self.probe = READY  # READY (answers), LOADING (503 on /health) or DOWN
         self.last_error = ""
+        self.on_down = None  # called when a request finds the upstream down (wakes the probe)
+
+    def probe_delay(self, interval_s: float, down_interval_s: float) -> float:
+        """Seconds until the next probe: sooner while down, to see it come back."""
+        return min(interval_s, down_interval_s) if self.probe == DOWN else interval_s
 
     def state(self, in_flight: int) -> str:
         if self.probe != READY:
@@ -31,7 +40,9 @@ class Health:
             self.probe, self.last_error = READY, ""
 
     def connect_failed(self, error: str) -> None:
-        self.probe, self.last_error = DOWN, error
+        was, self.probe, self.last_error = self.probe, DOWN, error
+        if was != DOWN and self.on_down is not None:
+            self.on_down()
 
     def answered(self) -> None:
         if self.probe == DOWN:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -14,7 +15,8 @@ _encode = msgspec.json.Encoder().encode
 
 class Log:
     """Lines are buffered and written together at most `flush_s` later (one write syscall
-    per batch, not per request) when an event loop runs; immediately otherwise."""
+    per batch, not per request) when an event loop runs; immediately otherwise (another
+    thread, such as the store's writer, writes its line at once: a lock keeps lines whole)."""
 
     def __init__(self, sink: Callable[[bytes], object] | None = None,
                  flush_s: float = 0.05) -> None:
@@ -23,25 +25,32 @@ class Log:
         self.lines: list[dict] | None = None  # set to a list to keep records (tests)
         self._pending: list[bytes] = []
         self._timer = None
+        self._lock = threading.Lock()
 
     def event(self, event: str, **fields) -> None:
         record = {"ts": round(time.time(), 3), "event": event, **fields}
-        if self.lines is not None:
-            self.lines.append(record)
-        self._pending.append(_encode(record) + b"\n")
+        line = _encode(record) + b"\n"
+        with self._lock:
+            if self.lines is not None:
+                self.lines.append(record)
+            self._pending.append(line)
         if self._timer is None:
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:
-                self.flush()
+                self.flush(timer=False)
                 return
             self._timer = loop.call_later(self.flush_s, self.flush)
 
-    def flush(self) -> None:
-        self._timer = None
-        data, self._pending = b"".join(self._pending), []
-        if not data:
-            return
+    def flush(self, timer: bool = True) -> None:
+        if timer:
+            self._timer = None
+        with self._lock:
+            data, self._pending = b"".join(self._pending), []
+            if data:
+                self._write(data)
+
+    def _write(self, data: bytes) -> None:
         try:
             if self._sink is not None:
                 self._sink(data)

@@ -206,6 +206,10 @@ class Registry:
             raise ValueError(f"duplicate upstream {m.name!r}")
         self._upstreams[m.name] = m
 
+    def set_upstreams(self, metrics: list[UpstreamMetrics]) -> None:
+        """The upstreams after a config reload (a kept one keeps its counters)."""
+        self._upstreams = {m.name: m for m in metrics}
+
     def get(self, name: str) -> UpstreamMetrics:
         return self._upstreams[name]
 

@@ -19,6 +19,10 @@ class Busy(Exception):
         self.reason = reason
 
 
+class SlotsClosed(Exception):
+    """The relay is shutting down: no slot will be handed out any more."""
+
+
 class Slot:
     __slots__ = ("pool", "released")
 
@@ -38,12 +42,33 @@ class SlotPool:
         self.queue = queue
         self.in_flight = 0
         self.waiters: deque[asyncio.Future] = deque()
+        self.closed = False
+
+    def close(self) -> None:
+        """No slot from now on: every waiter is told at once (the relay is draining)."""
+        self.closed = True
+        waiters, self.waiters = self.waiters, deque()
+        for fut in waiters:
+            if not fut.done():
+                fut.set_exception(SlotsClosed())
+
+    def resize(self, parallel: int, queue: int) -> None:
+        """New bounds (a config reload): waiters take slots that the new bound frees; held
+        slots above a lower bound are simply not handed on when released."""
+        self.parallel, self.queue = parallel, queue
+        while self.waiters and self.in_flight < self.parallel:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                self.in_flight += 1
+                fut.set_result(None)
 
     @property
     def queued(self) -> int:
         return len(self.waiters)
 
     async def acquire(self, timeout: float) -> Slot:
+        if self.closed:
+            raise SlotsClosed()
         if self.in_flight < self.parallel and not self.waiters:
             self.in_flight += 1
             return Slot(self)
@@ -54,13 +79,14 @@ class SlotPool:
         try:
             await asyncio.wait_for(asyncio.shield(fut), timeout)
         except (TimeoutError, asyncio.TimeoutError):
-            if fut.done() and not fut.cancelled():  # granted just as the wait ran out
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                # granted just as the wait ran out
                 return Slot(self)
             fut.cancel()
             self._forget(fut)
             raise Busy(f"no slot free within {timeout}s") from None
         except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self._free()  # granted, but the caller is gone: pass it on
             else:
                 fut.cancel()
@@ -75,7 +101,7 @@ class SlotPool:
             pass
 
     def _free(self) -> None:
-        while self.waiters:
+        while self.waiters and self.in_flight <= self.parallel:
             fut = self.waiters.popleft()
             if not fut.done():
                 fut.set_result(None)  # the slot moves on: in_flight unchanged

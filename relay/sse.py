@@ -4,7 +4,9 @@ It never changes a byte; it only watches. Per event it decides whether the event
 generated content (a token), whether it is the terminal `data: [DONE]`, whether it is an
 `{"error": ...}` object, and keeps the last event that carries `usage` or `timings` so the
 exact figures can be read once at the end. Events are cut at blank lines, so a marker split
-across two reads is seen whole: the unfinished tail of one read waits for the next.
+across two reads is seen whole: the unfinished tail of one read waits for the next (up to
+1 MiB; a larger event is relayed unscanned), and is searched for its end only in the new
+bytes, so scanning stays linear however an event is split.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ _CONTENT_MARKERS = (b'"content":"', b'"text":"', b'"reasoning_content":"', b'"ar
 _META_MARKERS = (b'"usage"', b'"timings"')
 _MAX_PENDING = 1 << 20  # an event larger than this is not scanned (still relayed)
 _MAX_META = 64 * 1024
+# Two raw bytes that make a blank line (an event's end) however the lines end: LF LF, CR CR,
+# LF CR (CRLF CRLF holds it; a lone CR and a lone LF end a line each, and CRLF once).
+_RAW_ENDS = (b"\n\n", b"\r\r", b"\n\r")
 
 
 def carries_content(event: bytes) -> bool:
@@ -88,13 +93,32 @@ class SseScanner:
         self.feed(data[start:end])
 
     def feed(self, data: bytes) -> None:
-        if self.pending:
-            data = self.pending + data
+        pending = self.pending
+        if pending:
+            # An unfinished event grows in place until a read ends it: only the new bytes
+            # (and the one before them) are searched for its end, and it is joined once, so
+            # an event split over any number of reads costs time linear in its size.
+            # (an int `in` is a memchr: no line end in the new bytes, no event end)
+            if not data.endswith(b"\n\n") and (
+                    (10 not in data and 13 not in data)
+                    or not (b"\n\n" in data or b"\r\r" in data or b"\n\r" in data
+                            or pending[-1:] + data[:1] in _RAW_ENDS)):
+                if len(pending) + len(data) > _MAX_PENDING:
+                    self.oversized = True  # give up on this event, keep relaying
+                    self.pending = b""
+                elif isinstance(pending, bytes):
+                    self.pending = bytearray(pending) + data
+                else:
+                    pending += data
+                return
+            data = (pending if pending.__class__ is bytes else bytes(pending)) + data
             self.pending = b""
         if b"\r" in data:
             if data.endswith(b"\r") and not data.endswith((b"\r\r", b"\n\r")):
-                # a lone CR may be half of a CRLF: its meaning waits for the next read
-                self.pending = data
+                # a lone CR may be half of a CRLF: its meaning waits for the next read (what
+                # comes before it is scanned now: the pending tail never holds an event end)
+                self.feed(data[:-1])
+                self.pending += b"\r"
                 return
             data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         start = 0

@@ -1,7 +1,9 @@
 """Durable request rows in SQLite, written by one thread off the event loop.
 
 `put` (event-loop thread) only snapshots the row into a tuple and appends it to a deque: it
-never blocks and never raises. One writer thread owns the writing connection; it wakes every
+never blocks and never raises. `admit` is the one awaited write: a keyed request's admission
+record (relay/durable.py), committed before its upstream is contacted and deleted in the
+transaction that writes its row. One writer thread owns the writing connection; it wakes every
 `flush_interval_s` (or at once when a batch is ready, or on flush/close/query), writes the
 rows in transactions of up to `batch_max` rows, retries a failed batch with backoff (keeping
 its rows), and prunes rows older than `retention_days` at start and about once an hour.
@@ -9,13 +11,16 @@ its rows), and prunes rows older than `retention_days` at start and about once a
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import pathlib
 import sqlite3
-import sys
 import threading
 import time
+
+from relay import durable
+from relay.log import Log
 
 COLUMNS = ("ts", "request_id", "key_id", "path", "model", "stream", "upstream_requested",
            "upstream_served", "fallback_attempts", "status", "ok", "error_code", "queue_ms",
@@ -33,6 +38,7 @@ SCHEMA = (
 )
 INSERT = (f"INSERT INTO request ({', '.join(COLUMNS)}) "
           f"VALUES ({', '.join('?' for _ in COLUMNS)})")
+_KEYS = COLUMNS + ("admission_id",)  # a queued row: its columns, then its admission (or None)
 _TS = COLUMNS.index("ts")
 _PLAIN = (type(None), int, float, str, bytes)
 OVERFLOW_MAX = 100_000
@@ -69,8 +75,10 @@ class Store:
 
     def __init__(self, path: str, retention_days: float = 30.0, batch_max: int = 500,
                  queue_max: int = 10000, flush_interval_s: float = 0.2, *,
-                 overflow_max: int = OVERFLOW_MAX, prune_interval_s: float = 3600.0) -> None:
+                 overflow_max: int = OVERFLOW_MAX, prune_interval_s: float = 3600.0,
+                 log: Log | None = None) -> None:
         self.path = path
+        self.log = log or Log()  # warnings are JSON log lines like every other
         self.retention_days = retention_days
         self.batch_max = max(1, batch_max)
         self.queue_max = max(1, queue_max)
@@ -86,6 +94,9 @@ class Store:
         self._queue: collections.deque = collections.deque()
         self._overflow: collections.deque = collections.deque()
         self._controls: collections.deque = collections.deque()   # (sql, params, future)
+        self._admits: collections.deque = collections.deque()     # (values, loop, future)
+        self._admission_ids = 0
+        self.recovered = 0  # admissions left by a crash, turned into rows at start
         self._wake = threading.Event()
         self._abandon = threading.Event()
         self._settled_cv = threading.Condition()
@@ -101,7 +112,7 @@ class Store:
         if self._stopping:
             self._drop("store closed")
             return
-        values = tuple(map(row.get, COLUMNS))
+        values = tuple(map(row.get, _KEYS))
         if len(self._queue) < self.queue_max and not self._overflow:
             self._queue.append(values)
         elif len(self._overflow) < self.overflow_max:
@@ -113,6 +124,24 @@ class Store:
         if len(self._queue) >= self.batch_max and not self._wake.is_set():
             self._wake.set()
 
+    def next_admission_id(self) -> int:
+        """An id for `admit`: the caller keeps it before awaiting, so a cancelled caller's
+        row still deletes the record, which is written all the same."""
+        self._admission_ids += 1
+        return self._admission_ids
+
+    async def admit(self, admission_id: int, rec, prompt_tokens: int,
+                    completion_tokens: int) -> None:
+        """Commit a request's admission record (relay/durable.py) before going on."""
+        if self._stopping or self._thread is None or not self._thread.is_alive():
+            raise RuntimeError("store is not running")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._admits.append((durable.values(admission_id, rec, prompt_tokens,
+                                              completion_tokens), loop, fut))
+        self._wake.set()
+        await fut
+
     @property
     def pending(self) -> int:
         return self._accepted - self._settled
@@ -123,15 +152,13 @@ class Store:
         self._warn("drop", f"dropping request rows ({why}); {self.rows_dropped} dropped so far")
 
     def _warn(self, kind: str, line: str) -> None:
-        """One stderr line per kind at most every WARN_INTERVAL_S."""
+        """One JSON log line (`store_warning`) per kind at most every WARN_INTERVAL_S."""
         now = time.monotonic()
         if now - self._warned_at.get(kind, -WARN_INTERVAL_S) < WARN_INTERVAL_S:
             return
         self._warned_at[kind] = now
-        try:
-            print(f"relay store: {line}", file=sys.stderr, flush=True)
-        except (OSError, ValueError):
-            pass
+        self.log.event("store_warning", kind=kind, message=line,
+                       rows_dropped=self.rows_dropped, write_errors=self.write_errors)
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -173,7 +200,6 @@ class Store:
             self._thread.join()
 
     async def aclose(self) -> None:
-        import asyncio
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
     # ---- reading ---------------------------------------------------------------------
@@ -195,9 +221,9 @@ class Store:
                     served_only: bool = False) -> tuple[int, int]:
         """(requests, tokens) of a key since a time; `served_only` counts only requests an
         upstream served (what a budget charges)."""
-        count = "COUNT(upstream_served)" if served_only else "COUNT(*)"
+        count = f"SUM({durable.CHARGED})" if served_only else "COUNT(*)"
         row = self.query(
-            f"SELECT {count} AS n, COALESCE(SUM(COALESCE(prompt_tokens, 0)"
+            f"SELECT COALESCE({count}, 0) AS n, COALESCE(SUM(COALESCE(prompt_tokens, 0)"
             " + COALESCE(completion_tokens, 0)), 0) AS tokens"
             " FROM request WHERE key_id IS ? AND ts >= ?", (key_id, since_ts))[0]
         return int(row["n"]), int(row["tokens"])
@@ -210,7 +236,7 @@ class Store:
         if not is_memory(self.path):
             conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
-        for stmt in SCHEMA:
+        for stmt in SCHEMA + durable.SCHEMA:
             conn.execute(stmt)
         have = {r["name"] for r in conn.execute("PRAGMA table_info(request)")}
         for col, kind in zip(COLUMNS, _TYPES):  # a table from before a column was added
@@ -221,6 +247,7 @@ class Store:
     def _run(self) -> None:
         try:
             conn = self._connect()
+            self.recovered = durable.recover(conn)
             self._prune(conn)
         except BaseException as exc:   # reported to start()'s caller
             self._start_error = exc
@@ -234,6 +261,7 @@ class Store:
                 self._wake.clear()
                 if not threading.main_thread().is_alive():
                     self._stopping = True   # interpreter exit without close(): flush, then end
+                self._serve_admits(conn)
                 self._serve_controls(conn)
                 self._drain(conn)
                 if time.monotonic() >= next_prune:
@@ -245,6 +273,7 @@ class Store:
                 if self._stopping and not self._queue and not self._overflow:
                     break
         finally:
+            self._serve_admits(conn)
             self._serve_controls(conn)
             conn.close()
             while self._controls:
@@ -262,12 +291,15 @@ class Store:
             batch = self._take_batch()
             if not batch:
                 return
+            # an admission queued before its row was put is on disk before the row's delete
+            self._serve_admits(conn)
             self._write_with_retry(conn, batch)
+            self._serve_admits(conn)
             self._serve_controls(conn)
 
     def _write_with_retry(self, conn: sqlite3.Connection, batch: list[tuple]) -> None:
         now = time.time()
-        rows = [clean(v, now) for v in batch]
+        rows = [(clean(v[:-1], now), v[-1]) for v in batch]
         delay = self.retry_base_s
         while True:
             try:
@@ -285,6 +317,7 @@ class Store:
                 self._settle(len(rows), written=False)
                 return
             delay = min(delay * 2, self.retry_max_s)
+            self._serve_admits(conn)
             self._serve_controls(conn)
 
     def _write_one_by_one(self, conn: sqlite3.Connection, rows: list[tuple], exc) -> None:
@@ -297,9 +330,13 @@ class Store:
         self._warn("reject", f"rows SQLite rejected were dropped ({exc})")
 
     def _commit(self, conn: sqlite3.Connection, rows: list[tuple]) -> None:
+        """Rows as (values, admission id or None): each row replaces its admission."""
         conn.execute("BEGIN")
         try:
-            self._insert(conn, rows)
+            self._insert(conn, [r for r, _ in rows])
+            done = [(a,) for _, a in rows if a is not None]
+            if done:
+                conn.executemany(durable.DELETE, done)
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:
@@ -336,6 +373,26 @@ class Store:
             self.write_errors += 1
             self._warn("prune", f"prune failed ({exc})")
 
+    def _serve_admits(self, conn: sqlite3.Connection) -> None:
+        """Commit every waiting admission in one transaction, then wake their callers."""
+        if not self._admits:
+            return
+        waiting = []
+        while self._admits:
+            waiting.append(self._admits.popleft())
+        error = None
+        try:
+            durable.insert(conn, [v for v, _, _ in waiting])
+        except sqlite3.Error as exc:
+            self.write_errors += 1
+            self._warn("admit", f"admission records not written ({exc})")
+            error = exc
+        for _, loop, fut in waiting:
+            try:
+                loop.call_soon_threadsafe(_resolve, fut, error)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
+
     def _serve_controls(self, conn: sqlite3.Connection) -> None:
         while self._controls:
             sql, params, fut = self._controls.popleft()
@@ -343,3 +400,12 @@ class Store:
                 fut.set_result(conn.execute(sql, params).fetchall())
             except BaseException as exc:
                 fut.set_exception(exc)
+
+
+def _resolve(fut, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(RuntimeError(f"admission not durable: {error}"))

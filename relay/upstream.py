@@ -4,14 +4,38 @@ A connection is handed to one exchange at a time (`conn.handler`); the exchange 
 bytes and the close. A connection goes back to the pool only after a cleanly finished
 response; llama-server closes after every stream although it says Keep-Alive, so a pooled
 connection may be dead by the time it is reused (the caller retries once on a fresh one).
+
+A connection on which the upstream sent anything it was not asked for is never reused: bytes
+read while no exchange holds it retire it at once (`data_received`), and since the loop reads
+them only at its next poll - a connection can be released and taken again within one pass of
+ready callbacks - the pool also looks at the socket's receive queue before handing one out.
+(Bytes that arrive only after the next request went out cannot be told from its response.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import ssl
+import struct
+import termios
 
 from relay.tls import describe
+
+
+def unread_bytes(transport) -> int:
+    """Bytes waiting in the socket's receive queue, not yet read by the loop (FIONREAD).
+
+    (On a TLS connection these are TLS records: application bytes, or the rare post-handshake
+    message such as a session ticket the loop has not read yet; either retires a pooled
+    connection, which costs at most a handshake.)"""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+    except OSError:
+        return 1  # a socket that cannot say is not trusted with a request
 
 class UpstreamConn(asyncio.Protocol):
     __slots__ = ("pool", "transport", "handler", "alive", "idle_timer", "used")
@@ -71,7 +95,7 @@ class Pool:
         self.port = port
         # TLS (an https upstream): SNI and the name checked are the URL's host. The handshake
         # is part of the connect (and of its timeout); pooled connections skip it.
-        self.tls = {} if tls is None else {"ssl": tls, "server_hostname": host}
+        self.use_tls(tls)
         self.keepalive_s = keepalive_s
         self.prewarm = prewarm and keepalive_s > 0
         self.connect_timeout_s = connect_timeout_s
@@ -80,6 +104,10 @@ class Pool:
         self.burns = False  # the upstream closes connections after use (llama-server streams)
         self.closed = False
         self._warming = False
+
+    def use_tls(self, tls: ssl.SSLContext | None) -> None:
+        """New connections use this context (a reload); pooled ones keep theirs."""
+        self.tls = {} if tls is None else {"ssl": tls, "server_hostname": self.host}
 
     async def acquire(self, timeout: float, fresh: bool = False) -> tuple[UpstreamConn, bool]:
         """(connection, reused). Raises ConnectError."""
@@ -91,7 +119,9 @@ class Pool:
                 conn.idle_timer.cancel()
                 conn.idle_timer = None
             if conn.alive and not conn.transport.is_closing():
-                return conn, True
+                if not unread_bytes(conn.transport):
+                    return conn, True
+                conn.abort()  # unsolicited bytes, not read yet: out of step with us
         loop = asyncio.get_running_loop()
         # The deadline cancels this task, as asyncio.timeout would, at a third of its cost
         # (no extra task either, unlike wait_for in 3.11).

@@ -128,3 +128,40 @@ async def test_a_secret_in_the_file_or_an_unreadable_ca_file_stops_the_start(tmp
                    f'ca_file = "{tmp_path / "missing.pem"}"\n')
     code, err = await run_to_end("serve", "--config", str(cfg))
     assert code == 2 and "upstream.openai.ca_file: cannot load" in err
+
+
+def _all_json(err: str) -> list[dict]:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert lines
+    out = []
+    for ln in lines:
+        assert ln.startswith("{"), f"a plain-text line on stderr: {ln!r}"
+        out.append(json.loads(ln))
+    return out
+
+
+async def test_every_stderr_line_is_json(tmp_path):
+    # a config error, a store that cannot open: one JSON line each, naming the problem
+    code, err = await run_to_end("serve", "--port", "0")
+    assert code == 2 and "no upstream" in _all_json(err)[0]["error"]
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text(f'[store]\npath = "{tmp_path}/missing/dir/relay.db"\n'
+                   '[[upstream]]\nname = "a"\nurl = "http://127.0.0.1:9"\n')
+    code, err = await run_to_end("serve", "--config", str(cfg), "--port", "0")
+    [rec] = _all_json(err)
+    assert code == 2 and rec["event"] == "relay_start_failed" and "store.path" in rec["error"]
+    # a demo run, served and stopped
+    proc = await start("serve", "--demo", "--port", "0", cwd=str(tmp_path))
+    try:
+        port, _ = await wait_listening(proc)
+        resp = await httpc.fetch(port, "POST", "/v1/chat/completions", httpc.chat(3))
+        assert resp.status == 200
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    _, err = await proc.communicate()
+    events = [r["event"] for r in _all_json(err.decode())]
+    assert "demo_try" in events and events[-1] == "relay_stopped"

@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 import pytest
 
 import relay.dispatch
+import relay.settle
 from relay.budget import Budgets, BudgetExceeded, window_bounds
 from relay.config import KeyConfig, UpstreamConfig
 from tests import httpc
@@ -75,7 +76,8 @@ def budget_error(limit: str, used: int, limit_value: int, resets_at: float) -> d
 
 
 class Clock:
-    """A settable wall clock for relay.dispatch (perf_counter / monotonic stay real)."""
+    """A settable wall clock for relay.dispatch and relay.settle (perf_counter / monotonic
+    stay real)."""
 
     def __init__(self, t: float) -> None:
         self.t = t
@@ -84,6 +86,7 @@ class Clock:
         fake = types.SimpleNamespace(time=lambda: self.t, perf_counter=time.perf_counter,
                                      monotonic=time.monotonic)
         monkeypatch.setattr(relay.dispatch, "time", fake)
+        monkeypatch.setattr(relay.settle, "time", fake)
         return self
 
 

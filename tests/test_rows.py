@@ -224,7 +224,8 @@ async def test_shutdown_flushes_every_row(make_relay, sim, tmp_path):
     await app.stop(drain_timeout_s=0.2)
     late = await asyncio.wait_for(queued, 5)
     writer.close()
-    assert late.status == 200 and late.complete  # admitted before the stop: still served
+    # queued when the drain began: refused at once (issue 10), no stream started for it
+    assert late.status == 503 and late.json()["error"]["code"] == "shutting_down"
     conn = sqlite3.connect(path)
     try:
         got = conn.execute(
@@ -235,7 +236,7 @@ async def test_shutdown_flushes_every_row(make_relay, sim, tmp_path):
     assert len(got) == 5
     by_id = {rid: (ok, code) for rid, ok, code in got}
     assert by_id.pop("running") == (0, "shutdown")
-    assert by_id.pop("queued") == (1, None)
+    assert by_id.pop("queued") == (0, "shutting_down")
     assert list(by_id.values()) == [(1, None)] * 3
 
 

@@ -1,4 +1,5 @@
 import asyncio
+import json
 import sqlite3
 import subprocess
 import sys
@@ -187,6 +188,8 @@ def test_drop_beyond_overflow_is_counted_exactly(db, capsys):
     assert sqlite3.connect(db).execute("SELECT COUNT(*) FROM request").fetchone() == (110,)
     warnings = [ln for ln in capsys.readouterr().err.splitlines() if "dropping" in ln]
     assert len(warnings) == 1                       # at most one warning per 10 s
+    warning = json.loads(warnings[0])               # a JSON log line like every other
+    assert warning["event"] == "store_warning" and warning["kind"] == "drop"
 
 
 def test_prune_at_start_deletes_only_old_rows(db):

@@ -459,3 +459,19 @@ async def test_tls_upstream_drop_mid_stream_is_visible_and_before_content_is_a_5
     first, second = await rows(app)
     assert (first["ok"], first["error_code"]) == (0, "upstream_dropped")
     assert (second["status"], second["ok"]) == (502, 0)
+
+
+async def test_reload_applies_ca_file_headers_and_keepalive_in_place(make_relay, pki):
+    import msgspec
+
+    up = await Scripted(_ok_json(), ssl=server_ctx(pki.cert)).start()
+    app = await make_relay(upstreams=[remote(up.url, ca_file=pki.other_file)])
+    resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(1, False))
+    assert resp.status == 502  # the wrong CA
+    fixed = remote(up.url, pki, headers={"OpenAI-Project": "p1"}, keepalive_s=120)
+    app.reload(msgspec.structs.replace(app.config, upstream=[fixed]))
+    resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(1, False))
+    assert resp.status == 200
+    assert b"\r\nOpenAI-Project: p1\r\n" in up.heads[-1]
+    assert app.upstreams["remote"].pool.keepalive_s == 120.0
+    await up.stop()

@@ -96,12 +96,19 @@ def test_head_check():
     auth = Auth([KeyConfig(id="k", sha256=hashlib.sha256(b"s").hexdigest())],
                 hashlib.sha256(b"adm").hexdigest())
     ok = [(b"Authorization", b"Bearer s")]
-    assert A.head_check(auth, "/v1/chat/completions", ok) == ("k", None)
-    assert A.head_check(auth, "/v1/chat/completions", [])[1].status == 401
-    assert A.head_check(auth, "/metrics", ok)[1].status == 401
-    assert A.head_check(auth, "/metrics", [(b"x-api-key", b"adm")]) == (None, None)
+    lo, far = "127.0.0.1", "192.0.2.2"
+    assert A.head_check(auth, b"POST", "/v1/chat/completions", ok, far) == ("k", None)
+    assert A.head_check(auth, b"POST", "/v1/chat/completions", [], far)[1].status == 401
+    assert A.head_check(auth, b"GET", "/metrics", ok, lo)[1].status == 401
+    assert A.head_check(auth, b"GET", "/metrics", [(b"x-api-key", b"adm")], far) == (None, None)
+    assert A.head_check(auth, b"POST", "/props", ok, lo)[1].status == 401  # an API key is no admin
+    assert A.head_check(auth, b"POST", "/props", [(b"x-api-key", b"adm")], far) == (None, None)
+    keys_only = Auth([KeyConfig(id="k", sha256=hashlib.sha256(b"s").hexdigest())], None)
+    assert A.head_check(keys_only, b"POST", "/slots/0", ok, far)[1].status == 403
+    assert A.head_check(keys_only, b"POST", "/slots/0", [], lo) == (None, None)
     open_auth = Auth([], None)
-    assert A.head_check(open_auth, "/v1/chat/completions", []) == (None, None)
+    assert A.head_check(open_auth, b"POST", "/v1/chat/completions", [], far) == (None, None)
+    assert A.head_check(open_auth, b"POST", "/props", [], far) == (None, None)
 
 
 def test_body_bytes_bound():

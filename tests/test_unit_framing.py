@@ -31,12 +31,8 @@ def test_constants():
     # chunked
     (b"POST", 200, TE_CHUNKED, (CHUNKED, -1)),
     (b"POST", 200, [(b"transfer-encoding", b"Chunked")], (CHUNKED, -1)),
-    (b"POST", 200, [(b"Transfer-Encoding", b"gzip, chunked")], (CHUNKED, -1)),
-    (b"POST", 400, TE_CHUNKED + CL(b"10"), (CHUNKED, -1)),  # TE wins over Content-Length
     (b"POST", 500, TE_CHUNKED, (CHUNKED, -1)),
-    # other transfer coding: until close
-    (b"POST", 200, [(b"Transfer-Encoding", b"gzip")], (UNTIL_CLOSE, -1)),
-    (b"POST", 200, [(b"Transfer-Encoding", b"identity")] + CL(b"5"), (UNTIL_CLOSE, -1)),
+    (b"POST", 200, [(b"Transfer-Encoding", b" CHUNKED ")], (CHUNKED, -1)),
     # Content-Length
     (b"POST", 200, CL(b"0"), (EMPTY, 0)),
     (b"POST", 200, CL(b"646"), (LENGTH, 646)),
@@ -50,7 +46,8 @@ def test_upstream_body(method, status, headers, want):
     assert upstream_body(method, status, headers) == want
 
 
-@pytest.mark.parametrize("value", [b"abc", b"", b"1.5", b"0x10", b"-1", b"-100"])
+@pytest.mark.parametrize("value", [b"abc", b"", b"1.5", b"0x10", b"-1", b"-100", b"+5", b" 5",
+                                   b"5, 5", b"1" * 19, b"9" * 5000, "\u0665".encode()])
 def test_bad_content_length(value):
     with pytest.raises(FramingError):
         upstream_body(b"POST", 200, CL(value))
@@ -61,9 +58,22 @@ def test_bad_content_length_ignored_when_no_body_allowed():
     assert upstream_body(b"POST", 304, CL(b"-1")) == (EMPTY, 0)
 
 
-def test_chunked_not_final_is_until_close():
-    assert upstream_body(b"POST", 200, [(b"Transfer-Encoding", b"chunked, gzip")]) == (
-        UNTIL_CLOSE, -1)
+def test_eighteen_digits_are_a_length():
+    assert upstream_body(b"POST", 200, CL(b"9" * 18)) == (LENGTH, 10 ** 18 - 1)
+
+
+@pytest.mark.parametrize("headers", [
+    [(b"Transfer-Encoding", b"chunked, gzip")],  # chunked not final
+    [(b"Transfer-Encoding", b"gzip, chunked")],  # the gzip coding would be dropped
+    [(b"Transfer-Encoding", b"gzip")],
+    [(b"Transfer-Encoding", b"identity")] + CL(b"5"),
+    TE_CHUNKED + CL(b"10"),  # ambiguous: never TE-wins-over-CL
+    CL(b"10") + TE_CHUNKED,
+])
+def test_only_a_lone_chunked_coding_without_a_length_is_carried(headers):
+    """(RFC 9112 6.1 / 6.3, as nginx: a 502) relay/head.py refuses these heads first."""
+    with pytest.raises(FramingError):
+        upstream_body(b"POST", 200, headers)
 
 
 # kind, client_http11 -> (carriage, client sees chunked, self-delimited)

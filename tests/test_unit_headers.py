@@ -190,3 +190,26 @@ def test_static_headers_replace_the_clients_of_that_name():
     assert out == [(b"Host", b"h"), (b"Accept", b"a"), (b"OpenAI-Organization", b"org-x"),
                    (b"Authorization", b"Bearer k"), (b"X-Request-Id", b"r"),
                    (b"Content-Length", b"0")]
+
+
+def _names(head: bytes) -> list[bytes]:
+    return [line.split(b":", 1)[0].lower() for line in head.split(b"\r\n")[1:] if line]
+
+
+def test_client_response_never_holds_a_length_beside_the_relays_chunking():
+    upstream = [(b"Content-Type", b"text/event-stream"), (b"Content-Length", b"5"),
+                (b"content-length", b"7"), (b"Transfer-Encoding", b"gzip")]
+    head = client_response(200, b"OK", upstream, b"r", chunked=True, keep_alive=True)
+    assert head == (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                    b"Transfer-Encoding: chunked\r\nX-Request-Id: r\r\n\r\n")
+    head = client_response(200, b"OK", upstream, b"r", chunked=False, keep_alive=False)
+    assert b"transfer-encoding" not in _names(head)
+
+
+def test_client_response_204_carries_no_content_length():
+    up = [(b"Content-Length", b"5"), (b"X-Kept", b"1")]
+    assert client_response(204, b"No Content", up, b"r", chunked=False, keep_alive=True) == (
+        b"HTTP/1.1 204 No Content\r\nX-Kept: 1\r\nX-Request-Id: r\r\n\r\n")
+    # a 304's Content-Length describes the representation: it stays
+    assert b"content-length" in _names(client_response(304, b"Not Modified", up, b"r",
+                                                       chunked=False, keep_alive=True))

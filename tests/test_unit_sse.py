@@ -380,3 +380,73 @@ def test_feed_span_keeps_meta_like_feed(span):
     fast, slow = _span_vs_feed(ev(CHAT % "first"), span)
     assert slow[3] != b""  # the general path keeps the event
     assert fast == slow
+
+
+class _Rejoining(SseScanner):
+    """The scanner as it was before issue 10: the unfinished event re-joined on every read
+    (quadratic when one event spans many reads). The reference the linear one is held to."""
+    __slots__ = ()
+
+    def feed(self, data: bytes) -> None:
+        if self.pending:
+            data = self.pending + data
+            self.pending = b""
+        if b"\r" in data:
+            if data.endswith(b"\r") and not data.endswith((b"\r\r", b"\n\r")):
+                self.pending = data
+                return
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        start = 0
+        while True:
+            end = data.find(b"\n\n", start)
+            if end < 0:
+                break
+            if end > start:
+                self._event(data[start:end])
+            start = end + 2
+        rest = data[start:]
+        if rest.strip(b"\n"):
+            self.pending = rest
+
+
+_BITS = [b"data: ", b'{"choices":[{"delta":{"content":"a"}}]}', b'{"usage":{"x":1}}', b"[DONE]",
+         b'{"error":{}}', b"\n", b"\r", b"\r\n", b"\n\n", b"\r\r", b": c", b"event: t", b"x" * 50,
+         b'"content":"', b'"text":""', b'"timings"', b"\n\r"]
+
+
+def test_linear_scanner_agrees_with_the_rejoining_one_on_random_splits():
+    import random
+    rng = random.Random(1010)
+    for _ in range(4000):
+        body = b"".join(rng.choice(_BITS) for _ in range(rng.randint(1, 40)))
+        cuts = sorted(rng.randint(0, len(body)) for _ in range(rng.randint(0, 12)))
+        pieces = [body[a:b] for a, b in zip([0] + cuts, cuts + [len(body)])]
+        got, want = [], []
+        new, old = SseScanner(lambda: got.append(1)), _Rejoining(lambda: want.append(1))
+        for p in pieces + [b"x\n\n"]:  # a last event flushes a CR held by either
+            new.feed(p)
+            old.feed(p)
+        assert (new.content_events, new.done_seen, new.error_first, new.meta, new.first_event,
+                bytes(new.pending), got) == (old.content_events, old.done_seen, old.error_first,
+                                            old.meta, old.first_event, old.pending, want), pieces
+
+
+def test_one_event_over_many_reads_costs_linear_time():
+    import time
+    big = b'data: {"choices":[{"delta":{"content":"' + b"x" * (4 << 20) + b'"}}]}\n\n'
+    for line_ends in (b"", b"\n"):  # one long line, or many lines (each read has a line end)
+        data = big if not line_ends else big.replace(b"x" * 512, b"x" * 511 + b"\n")
+        s = SseScanner()
+        t = time.process_time()
+        for i in range(0, len(data), 1024):
+            s.feed(data[i:i + 1024])
+        assert time.process_time() - t < 0.5
+        assert s.oversized and not s.pending
+
+
+def test_an_event_under_the_bound_in_many_reads_is_scanned_whole():
+    ev = b'data: {"choices":[{"delta":{"content":"' + b"y" * 300000 + b'"}}],"usage":{}}\n\n'
+    s = SseScanner()
+    for i in range(0, len(ev), 1000):
+        s.feed(ev[i:i + 1000])
+    assert s.content_events == 1 and not s.oversized and s.pending == b"" and s.meta == b""

@@ -142,7 +142,7 @@ def build_weights(tokens: list[str]) -> tuple[np.ndarray, np.ndarray]:
 def write_tiny_model(path: str | Path) -> None:
     """Write the tiny deterministic model (see the module docstring) to ``path``."""
     import numpy as np
-    from gguf import GGUFWriter, LlamaFileType, TokenType
+    from gguf import GGUFWriter, LlamaFileType
 
     tokens, scores, types = build_vocab()
     embd, output = build_weights(tokens)

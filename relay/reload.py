@@ -1,0 +1,88 @@
+"""A new configuration applied to a running relay (SIGHUP), as nginx reloads.
+
+Everything is built and checked first; only then is anything swapped, in one synchronous
+step, so a bad file changes nothing. What changes:
+
+- keys and budgets: new keys, new limits; a window kept across the reload keeps its used and
+  reserved figures, a new one is rebuilt from the rows;
+- upstreams: added ones start; removed ones take no new request, and their pools are closed
+  once their streams are done; one whose URL changed is a new upstream under the same name
+  (its metrics carry on); otherwise slots, queue, models, fallback, auth, static headers,
+  keep-alive and TLS settings (new connections: ca_file read again) change in place;
+- timeouts and the rest of `[dispatcher]`, `[server]` bounds, `[budget]`, retention.
+
+Streams in flight finish on what they started with (their exchange holds its own stall
+policy, upstream and connection). The listen address and the store path need a restart:
+a file that changes them is refused.
+"""
+
+from __future__ import annotations
+
+from relay.auth import Auth
+from relay.config import Config, ConfigError
+from relay.routing import Router
+from relay.stall import StallPolicy
+
+
+def apply(app, new: Config) -> dict:
+    """Apply `new` to `app`, or raise ConfigError leaving it as it was; a summary."""
+    from relay.app import Upstream, upstream_auth, upstream_keepalive, upstream_tls
+    from relay.upstream_headers import fixed_headers
+
+    old = app.config
+    for what, a, b in (("server.host", old.server.host, new.server.host),
+                       ("server.port", old.server.port, new.server.port),
+                       ("store.path", old.store.path, new.store.path)):
+        if a != b:
+            raise ConfigError(f"{what}: changing it needs a restart ({a!r} -> {b!r})")
+    if not new.upstream:
+        raise ConfigError("upstream: at least one [[upstream]] is required")
+    d = new.dispatcher
+    # ---- build (may raise: nothing has changed yet) ----
+    ups: dict = {}
+    in_place: list = []
+    added, changed = [], []
+    for cfg in new.upstream:
+        cur = app.upstreams.get(cfg.name)
+        if cur is not None and cur.cfg.url == cfg.url:
+            in_place.append((cur, cfg, upstream_auth(cfg), upstream_tls(cfg, cur.target)))
+            ups[cfg.name] = cur
+            continue
+        up = Upstream(cfg, d.upstream_keepalive_s, d.prewarm, d.connect_timeout_s)
+        if cur is not None:
+            up.metrics = cur.metrics  # same name: its counters carry on
+            up.metrics.parallel = cfg.parallel
+            changed.append(cfg.name)
+        else:
+            added.append(cfg.name)
+        ups[cfg.name] = up
+    router = Router(new.upstream)
+    auth = Auth(new.key, new.admin_key_sha256)
+    policy = StallPolicy(d.stream_idle_timeout_s, d.stream_total_timeout_s,
+                         d.direct_read_timeout_s)
+    # ---- swap (cannot fail) ----
+    for up, cfg, up_auth, up_tls in in_place:
+        up.cfg, up.auth, up.static, up.tls = cfg, up_auth, fixed_headers(cfg.headers), up_tls
+        up.slots.resize(cfg.parallel, cfg.queue)
+        up.metrics.parallel = cfg.parallel
+        pool = up.pool
+        pool.keepalive_s = upstream_keepalive(cfg, up.target, d.upstream_keepalive_s)
+        pool.connect_timeout_s = d.connect_timeout_s
+        pool.prewarm = d.prewarm and pool.keepalive_s > 0
+        pool.use_tls(up_tls)
+    removed = [name for name in app.upstreams if name not in ups or name in changed]
+    app.retired.extend(up for name, up in app.upstreams.items()
+                       if ups.get(name) is not up)
+    app.config = new
+    app.upstreams = ups
+    app.router = router
+    app.auth = auth
+    app.policy = policy
+    app.registry.set_upstreams([up.metrics for up in ups.values()])
+    app.store.retention_days = new.store.retention_days
+    fresh = app.budgets.reload(new.key)
+    app._restore_budgets(fresh)
+    app.start_probes()
+    return {"upstreams": list(ups), "added": added,
+            "removed": [n for n in removed if n not in changed], "changed": changed,
+            "keys": len(new.key)}

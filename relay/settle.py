@@ -1,0 +1,102 @@
+"""Settlement: what an admitted request used, written down exactly once on every exit path.
+
+Release the slot, replace the budget reservation with actual usage, write one request row
+(replacing its admission record, relay/durable.py), update the metrics, log the access line.
+"""
+
+from __future__ import annotations
+
+import time
+
+from relay import exchange as X
+from relay.errors import RelayError
+from relay.paths import MAX_PATH_CHARS, bounded, normalize
+from relay.record import Record
+from relay.sse import SseScanner
+
+# Refusals decided before any upstream is chosen or contacted (counted relay-wide).
+ADMISSION_CODES = frozenset({"invalid_api_key", "invalid_json", "bad_request",
+                             "model_not_found", "budget_exceeded", "not_found", "forbidden"})
+
+
+def release_slot(state: dict) -> None:
+    slot, state["slot"] = state.get("slot"), None
+    if slot is not None:
+        slot.release()
+
+
+def settle(app, client, rec: Record, state: dict, t0: float) -> None:
+    """Release the slot, settle the budget, write the row and the access line: once."""
+    release_slot(state)
+    ex: X.Exchange | None = state.get("ex")
+    rec.total_ms = round((time.perf_counter() - t0) * 1000, 3)
+    rec.client_closed = client.gone and rec.outcome in (X.CLIENT_GONE, X.CLIENT_SLOW)
+    if ex is not None and rec.upstream_served is not None:
+        rec.bytes_out = ex.bytes_out
+        if ex.first_content_at is not None:
+            rec.ttft_ms = round((ex.first_content_at - t0) * 1000, 3)
+        _tokens(app, rec, ex, state)
+        if ex.outcome == X.STALL:
+            rec.error_code = f"stream_stall_{ex.stall_reason}"
+            app.log.event("stream_stall_guard_tripped", reason=ex.stall_reason,
+                          elapsed_s=ex.stall_elapsed, upstream=ex.upstream_name,
+                          request_id=rec.request_id)
+        elif rec.outcome not in (X.DONE, None):
+            rec.error_code = rec.error_code or rec.outcome
+        elif (isinstance(ex.scanner, SseScanner) and ex.scanner.error_first
+              and not ex.scanner.content_events):
+            rec.outcome = rec.error_code = X.ERROR_EVENT  # a 200 that carried only an error
+    rec.ok = (rec.outcome == X.DONE and rec.status is not None and rec.status < 400)
+    if rec.error_code is None and rec.status is not None and rec.status >= 400:
+        rec.error_code = f"upstream_{rec.status}"
+    res = state.get("reservation")
+    if res is not None:
+        used = 1 if rec.upstream_served is not None else 0
+        app.budgets.settle(res, used, rec.total_tokens if used else 0, time.time())
+    served = state.get("up") or app.upstreams.get(rec.upstream_requested or "")
+    if rec.error_code in ADMISSION_CODES or served is None:
+        app.registry.rejected(rec.error_code or "unknown")  # no upstream involved
+    else:
+        m = served.metrics
+        m.request_done(rec.ok, rec.error_code)
+        if ex is not None and ex.outcome == X.STALL:
+            m.stall(ex.stall_reason)
+    row = rec.row()
+    row["admission_id"] = state.get("admission")  # the row replaces it, in one commit
+    app.store.put(row)
+    app.log.event("access", **rec.log_fields())
+
+
+def _tokens(app, rec: Record, ex: X.Exchange, state: dict) -> None:
+    from relay.usage import stream_usage
+
+    scanner = ex.scanner
+    exact = None
+    approx = None
+    if ex.body_copy is not None:
+        exact = ex.body_copy.usage() if ex.outcome == X.DONE else None
+    elif scanner is not None:
+        exact = stream_usage(scanner.meta) if scanner.meta else None
+        approx = scanner.content_events
+    rec.set_tokens(exact, approx, state.get("prompt_est"))
+    metrics = state["up"].metrics
+    if exact is not None:
+        metrics.set_flm(exact.decoding_speed_tps, exact.kv_occupancy_pct)
+    if rec.completion_tokens is not None:
+        delta = rec.completion_tokens - ex.counted
+        ex.counted = rec.completion_tokens
+        metrics.add_tokens(delta, time.monotonic())
+
+
+def rejected(dispatcher, client, err: RelayError) -> None:
+    """A request refused before it was read whole (400/408/413/431): a row all the same."""
+    app = dispatcher.app
+    head = client.head
+    path = bounded(normalize(head.target), MAX_PATH_CHARS) if head is not None else ""
+    rid = dispatcher.request_id(head.headers.raw_items()) if head is not None else dispatcher.new_id()
+    rec = Record(ts=time.time(), request_id=rid.decode(), path=path,
+                 method=bounded(head.method.decode("latin-1"), 32) if head is not None else "",
+                 status=err.status, error_code=err.code, outcome="rejected")
+    app.registry.rejected(err.code)
+    app.store.put(rec.row())
+    app.log.event("access", **rec.log_fields())

@@ -1,0 +1,90 @@
+"""The pure parts of a config reload: budgets keep what was used, slots take new bounds."""
+
+import asyncio
+
+import pytest
+
+from relay.budget import Budgets
+from relay.config import ConfigError, KeyConfig, StoreConfig
+from relay.slots import SlotPool
+
+SHA = "a" * 64
+NOW = 1_700_000_000.0
+
+
+def test_budget_reload_keeps_used_and_reserved_and_reports_new_windows():
+    b = Budgets([KeyConfig(id="k", sha256=SHA, requests_per_day=10)])
+    done = b.reserve("k", 5, NOW)
+    b.settle(done, 1, 7, NOW)
+    flying = b.reserve("k", 3, NOW)
+    fresh = b.reload([KeyConfig(id="k", sha256=SHA, requests_per_day=2, tokens_per_month=100),
+                      KeyConfig(id="new", sha256=SHA, requests_per_day=1)])
+    assert fresh == [("k", "monthly"), ("new", "daily")]
+    assert b.usage("k", NOW)["daily"] == {"requests": 1, "tokens": 7,
+                                          "reserved_requests": 1, "reserved_tokens": 3}
+    with pytest.raises(Exception):  # 1 used + 1 reserved: the new limit of 2 is reached
+        b.reserve("k", 1, NOW)
+    b.settle(flying, 1, 2, NOW)  # settles in the window it reserved in
+    assert b.usage("k", NOW)["daily"]["requests"] == 2
+    b.reload([])  # a removed key: a reservation taken before still settles
+    assert b.keys == {}
+
+
+def test_budget_settle_after_the_key_was_removed():
+    b = Budgets([KeyConfig(id="k", sha256=SHA, requests_per_day=10)])
+    res = b.reserve("k", 5, NOW)
+    b.reload([])
+    b.settle(res, 1, 5, NOW)  # no KeyError
+    assert res.settled
+
+
+async def test_slot_resize_grants_waiters_and_shrinks_on_release():
+    pool = SlotPool(1, 8)
+    held = await pool.acquire(1.0)
+    waiter = asyncio.ensure_future(pool.acquire(5.0))
+    await asyncio.sleep(0)
+    assert pool.queued == 1
+    pool.resize(2, 8)
+    second = await asyncio.wait_for(waiter, 1)
+    assert pool.in_flight == 2
+    pool.resize(1, 8)
+    held.release()
+    assert pool.in_flight == 1
+    second.release()
+    assert pool.in_flight == 0
+
+
+async def test_reload_refuses_a_new_listen_address_or_store(make_relay):
+    import msgspec
+
+    app = await make_relay()
+    for change in ({"server": msgspec.structs.replace(app.config.server, port=1)},
+                   {"store": StoreConfig(path="/tmp/other.db")}):
+        new = msgspec.structs.replace(app.config, **change)
+        with pytest.raises(ConfigError, match="needs a restart"):
+            app.reload(new)
+    assert app.config.server.port == 0
+
+
+async def test_reload_timeouts_apply_to_new_streams_not_to_those_in_flight(make_relay, sim):
+    import msgspec
+
+    from tests import httpc
+    from tests.conftest import wait_for
+
+    app = await make_relay(stream_idle_timeout_s=5.0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
+    writer.write(httpc.build_request("POST", "/v1/chat/completions",
+                                     httpc.chat(4, interval_ms=300)))
+    head = await asyncio.wait_for(httpc.read_head(reader), 5)
+    d = msgspec.structs.replace(app.config.dispatcher, stream_idle_timeout_s=0.1)
+    app.reload(msgspec.structs.replace(app.config, dispatcher=d))
+    late = await httpc.fetch(app.port, "POST", "/v1/chat/completions",
+                             httpc.chat(4, interval_ms=300))
+    await asyncio.wait_for(httpc.read_body(reader, head), 5)
+    writer.close()
+    assert head.complete and head.data_events()[-1] == "[DONE]"  # on the policy it started with
+    assert late.data_events()[-2]["x_relay_stall"]["reason"] == "idle"  # the new bound
+    await wait_for(lambda: len(app.log.of("access")) == 2)
+    outcomes = sorted(r.get("error_code") or "ok" for r in app.log.of("access"))
+    assert outcomes == ["ok", "stream_stall_idle"]
