@@ -30,6 +30,7 @@ from relay.paths import bounded
 from relay.record import Record
 from relay.routing import NoRoute, model_list
 from relay.slots import Busy, SlotsClosed
+from relay.target import TargetError
 from relay.upstream import ConnectError
 
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
@@ -134,6 +135,9 @@ class Dispatcher:
                       state: dict) -> bool:
         rec.status = err.status
         rec.error_code = rec.error_code or err.code
+        why = err.details.get("error")
+        if rec.error is None and isinstance(why, str) and why:
+            rec.error = bounded(why)  # e.g. the TLS reason of a refused certificate
         rec.outcome = rec.outcome or "error"
         hold = state["hold"]
         if hold is not None:
@@ -195,7 +199,8 @@ class Dispatcher:
                 if more:  # the attempt failed on this upstream: its metrics say so
                     up.metrics.request_done(False, retry.err.code)
                     app.log.event("fallback", request_id=rec.request_id, upstream=name,
-                                  next=candidates[i + 1], reason=retry.err.code)
+                                  next=candidates[i + 1], reason=retry.err.code,
+                                  error=retry.err.details.get("error"))
         raise last.err
 
     async def _attempt(self, client, req, rid, rec: Record, state, up, slot_path: bool,
@@ -204,7 +209,8 @@ class Dispatcher:
         d = app.config.dispatcher
         state["up"] = up  # (a config reload may remove it from app.upstreams meanwhile)
         if up.health.probe == DOWN and d.health_interval_s > 0:  # probed often while down
-            raise _Retry(RelayError("upstream_unavailable", f"upstream {up.name} is down",
+            raise _Retry(RelayError("upstream_unavailable",
+                                    f"upstream {up.name} is down: {up.health.last_error}",
                                     {"upstream": up.name, "error": up.health.last_error}))
         ex = await self._start(client, req, rid, rec, state, up, slot_path, more, t0)
         state["ex"] = ex
@@ -300,6 +306,11 @@ class Dispatcher:
         a fresh connection: llama-server closes after every stream.
         """
         d = self.app.config.dispatcher
+        try:
+            target = up.target.join(req.target)  # under the URL's path prefix, if any
+        except TargetError as exc:
+            raise RelayError("bad_request", f"upstream {up.name}: {exc}",
+                             {"upstream": up.name}) from None
         body = req.body
         name = served_name(up.cfg.model_map, state.get("model"))
         if name is not None:  # this upstream knows the model by another name
@@ -309,7 +320,7 @@ class Dispatcher:
         auth = self.app.auth
         mine = auth.enabled or (state.get("admin") and auth.admin is not None)
         head = hdr.upstream_request_headers(
-            req.headers, up.host_header, len(body), rid, up.auth,
+            req.headers, up.host_header, len(body), rid, up.auth, up.static,
             pass_credentials=not mine and up.auth is None)
         fresh = False
         while True:
@@ -320,7 +331,7 @@ class Dispatcher:
             except ConnectError as exc:
                 up.health.connect_failed(str(exc))
                 raise _Retry(RelayError("upstream_unavailable",
-                                        f"upstream {up.name} is unavailable",
+                                        f"upstream {up.name} is unavailable: {exc}",
                                         {"upstream": up.name, "error": str(exc)})) from None
             ex = X.Exchange(self.app.loop, conn, client, req.method, rid, self.app.policy,
                             d.write_timeout_s, rec.path, rec.model or "", up.name,
@@ -330,7 +341,7 @@ class Dispatcher:
             conn.used = True
             conn.handler = ex
             client.exchange = ex
-            conn.transport.write(request_bytes(req.method, req.target, head, body))
+            conn.transport.write(request_bytes(req.method, target, head, body))
             timer = self.app.loop.call_later(d.direct_read_timeout_s, ex.head_timeout)
             try:
                 await ex.head_fut

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from relay.upstream_headers import CLIENT_CREDENTIALS
+
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
     b"proxy-authorization", b"te", b"trailer", b"transfer-encoding", b"upgrade",
@@ -44,19 +46,24 @@ def has_token(headers: Headers, name: bytes, token: bytes) -> bool:
 
 def upstream_request_headers(client: Headers, host: bytes, body_len: int,
                              request_id: bytes, auth: tuple[bytes, bytes] | None,
-                             pass_credentials: bool = False) -> Headers:
+                             static: Headers = (), pass_credentials: bool = False) -> Headers:
     """The request headers sent upstream (the body goes with Content-Length).
 
     The caller's Authorization / x-api-key cross only with `pass_credentials` (the relay
     checks no keys and sends no credential of its own: the upstream checks them).
+    `static`: the upstream's configured headers, which replace the client's of those names;
+    `auth`: the upstream's own key, with which none of the client's credentials cross.
     """
     drop = _NOT_UPSTREAM | _listed_in_connection(client)
     if not pass_credentials:
         drop = drop | CREDENTIALS
     if auth is not None:
-        drop = drop | {auth[0].lower()}
+        drop = drop | CLIENT_CREDENTIALS | {auth[0].lower()}
+    if static:
+        drop = drop | {k.lower() for k, _ in static}
     out = [(b"Host", host)]
     out.extend((k, v) for k, v in client if k.lower() not in drop)
+    out.extend(static)
     if auth is not None:
         out.append(auth)
     out.append((b"X-Request-Id", request_id))

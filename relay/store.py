@@ -25,11 +25,11 @@ from relay.log import Log
 COLUMNS = ("ts", "request_id", "key_id", "path", "model", "stream", "upstream_requested",
            "upstream_served", "fallback_attempts", "status", "ok", "error_code", "queue_ms",
            "ttft_ms", "total_ms", "prompt_tokens", "completion_tokens", "tokens_source",
-           "bytes_out", "client_closed")
+           "bytes_out", "client_closed", "error")
 _TYPES = ("REAL", "TEXT", "TEXT", "TEXT", "TEXT", "INTEGER", "TEXT",
           "TEXT", "INTEGER", "INTEGER", "INTEGER", "TEXT", "REAL",
           "REAL", "REAL", "INTEGER", "INTEGER", "TEXT",
-          "INTEGER", "INTEGER")
+          "INTEGER", "INTEGER", "TEXT")
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS request ("
     + ", ".join(f"{c} {t}" for c, t in zip(COLUMNS, _TYPES)) + ")",
@@ -238,6 +238,10 @@ class Store:
         conn.execute("PRAGMA synchronous=NORMAL")
         for stmt in SCHEMA + durable.SCHEMA:
             conn.execute(stmt)
+        have = {r["name"] for r in conn.execute("PRAGMA table_info(request)")}
+        for col, kind in zip(COLUMNS, _TYPES):  # a table from before a column was added
+            if col not in have:
+                conn.execute(f"ALTER TABLE request ADD COLUMN {col} {kind}")
         return conn
 
     def _run(self) -> None:

@@ -378,7 +378,8 @@ async def test_every_candidate_failed_after_heartbeats_is_told_in_band(make_rela
     c = await Client.post(app.port, body())
     await c.expect(CLIENT_HEAD + HB_CHUNK)
     gate.open(0)
-    await c.expect(inband("upstream b is unavailable", "upstream_error",
+    await c.expect(inband("upstream b is unavailable: connect failed: Connection refused",
+                          "upstream_error",
                           "upstream_unavailable"))
     # a clean end: the connection stays usable
     c.writer.write(httpc.build_request("GET", "/v1/models", None))
