@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import nginx, procs, relay_conf, report
+from bench import nginx, procs, relay_conf, report, tls
 from bench.upstreams import RealUpstream, SimUpstream
 
 HOST = "127.0.0.1"
@@ -37,6 +37,16 @@ def scenarios(a) -> dict[str, dict]:
         # 1000 slow streams (1 token / 1.5 s) held ~10 s (quick: 1 / s, ~3 s)
         "idle": dict(concurrency=a.idle_streams, requests=a.idle_streams,
                      max_tokens=4 if q else 8, interval_ms=1000 if q else 1500, ramp_s=1.0),
+        # issue 12: a TLS upstream that keeps its connections after a stream (as a hosted API
+        # does), so both proxies pool them. "tls": 50 streams at a time in 3 waves (CPU per
+        # event); "tls-req": short streams one at a time, a new client connection each, the
+        # upstream connection pooled (CPU per request). "keep" / "keep-req": the same loads
+        # against the upstream over plain HTTP, so tls - keep is what TLS costs each proxy.
+        **{f"{up}{sfx}": dict(sc, upstream=up) for up in ("tls", "keep") for sfx, sc in (
+            ("", dict(concurrency=50, requests=100 if q else 150, max_tokens=100 if q else 300,
+                      interval_ms=10, ramp_s=0.5)),
+            ("-req", dict(concurrency=1, requests=a.ttft_requests or (50 if q else 200),
+                          max_tokens=4, interval_ms=5, ramp_s=0)))},
         # real llama-server (tiny deterministic model, tests/e2e): sequential streams, no
         # sim knobs; the model never stops early, so every stream must carry max_tokens
         # content events (the load client checks it)
@@ -50,18 +60,21 @@ def start_proxy(target: str, up, logdir: Path, a) -> procs.Proc | None:
     if target == "direct":
         return None
     port = procs.free_port(HOST)
+    pki = getattr(up, "pki", None)
     if target in ("relay", "baseline", "relay_ui"):
         # The upstream is in the generated config (with parallel = 4096), so
         # no --upstream here: the relay refuses both.
-        conf = relay_conf.write(up.url, logdir, a.relay_config)
+        conf = relay_conf.write(up.url, logdir, a.relay_config,
+                                str(pki.ca) if pki else None)
         argv = [sys.executable, "-m", "relay", "serve", "--config", str(conf),
                 "--host", HOST, "--port", str(port)]
         env = {"PYTHONPATH": str(a.baseline_dir)} if target == "baseline" else None
         p = procs.Proc(target, argv, logdir, env=env)
     else:
         tmp = logdir / "nginx"
-        p = procs.Proc("nginx", nginx.argv(tmp, nginx.write_conf(tmp, HOST, port, up.host, up.port)),
-                       logdir)
+        conf = nginx.write_conf(tmp, HOST, port, up.host, up.port, pki.ca if pki else None,
+                                tls.NAME)
+        p = procs.Proc("nginx", nginx.argv(tmp, conf), logdir)
     p.port = port
     p.wait_http(HOST, port, "/health")
     p.poller = None
@@ -91,6 +104,8 @@ def measure(scenario: str, sc: dict, target: str, up, logdir: Path, a) -> dict:
     row = {"scenario": scenario, "target": target}
     if target == "nginx" and not nginx.binary():
         return {**row, "skipped": "nginx: not found"}
+    if target == "direct" and getattr(up, "pki", None):
+        return {**row, "skipped": "direct: the load client speaks no TLS"}
     proxy = start_proxy(target, up, logdir, a)
     try:
         time.sleep(0.3)  # let startup settle before the window opens
@@ -156,7 +171,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="~3 s scenarios instead of ~10 s")
     p.add_argument("--repeat", type=int, default=1, help="repeat every measurement; report medians")
-    p.add_argument("--scenarios", default="paced,ttft,idle", help="comma list of paced,ttft,idle")
+    p.add_argument("--scenarios", default="paced,ttft,idle",
+                   help="comma list of paced,ttft,idle,tls,tls-req,keep,keep-req (tls*: a TLS "
+                        "upstream; keep*: the same loads over plain HTTP)")
     p.add_argument("--targets", default=",".join(TARGETS), help="comma list of direct,relay,nginx")
     p.add_argument("--streams", type=int, default=200, help="paced: concurrent streams")
     p.add_argument("--idle-streams", type=int, default=1000, help="idle: open slow streams")
@@ -188,18 +205,28 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown scenario/target: {bad}")
     logdir = Path(tempfile.mkdtemp(prefix="relay-bench-"))
     up = RealUpstream() if a.real else SimUpstream(HOST)
+    ups = {None: up}  # by scenario "upstream": the default one, "tls", "keep"
     rows: list[dict] = []
     try:
         if "baseline" in targets:
             a.baseline_dir = extract_baseline(a.baseline or "HEAD", logdir)
-        up.start(logdir)
+        if any(scs[n].get("upstream") is None for n in names):
+            up.start(logdir)
+        for n in names:
+            kind = scs[n].get("upstream")
+            if kind is not None and kind not in ups:
+                ups[kind] = SimUpstream(HOST, tls.make(logdir / "pki") if kind == "tls" else None)
+                if kind == "keep":
+                    ups[kind].extra = ["--keep-alive-streams"]
+                ups[kind].start(logdir)
         for rep in range(a.repeat):
             for name in names:
                 k = rep % len(targets)  # rotate target order between repeats
                 for target in targets[k:] + targets[:k]:
                     print(f"bench: [{rep + 1}/{a.repeat}] {name} -> {target} ...",
                           file=sys.stderr, flush=True)
-                    row = measure_safely(name, scs[name], target, up, logdir, a)
+                    row = measure_safely(name, scs[name], target, ups[scs[name].get("upstream")],
+                                         logdir, a)
                     rows.append({**row, "repeat": rep})
                     print("bench:   " + report.brief(row), file=sys.stderr, flush=True)
     except KeyboardInterrupt:
@@ -212,7 +239,8 @@ def main(argv=None) -> int:
             return 2
         raise
     finally:
-        up.stop()
+        for u in ups.values():
+            u.stop()
         procs.stop_all()
         if not a.keep_logs:
             import shutil
@@ -220,7 +248,8 @@ def main(argv=None) -> int:
     text = report.render(rows, scs, names, targets, a, up.kind)
     print(text)
     out = Path(a.output) if a.output else Path(__file__).parent / (
-        "RESULTS-real.md" if a.real else "RESULTS.md")
+        "RESULTS-real.md" if a.real else "RESULTS-tls.md" if all(scs[n].get("upstream") for n in names)
+        else "RESULTS.md")
     out.write_text(text)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))

@@ -37,7 +37,7 @@ http {{
     server {{
         listen {host}:{port} backlog=4096;
         location / {{
-            proxy_pass http://llm;
+            proxy_pass {scheme}://llm;{tls}
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_set_header Host $host;
@@ -68,7 +68,19 @@ def version() -> str:
     return (out.stderr or out.stdout).strip().replace("nginx version: ", "")
 
 
-def write_conf(tmp: Path, host: str, port: int, up_host: str, up_port: int) -> Path:
+# The TLS scenario: nginx verifies the upstream as the relay does, reuses TLS sessions, and
+# speaks the same protocol versions (1.22's default stops at TLS 1.2).
+TLS = """
+            proxy_ssl_protocols TLSv1.2 TLSv1.3;
+            proxy_ssl_session_reuse on;
+            proxy_ssl_server_name on;
+            proxy_ssl_name {name};
+            proxy_ssl_verify on;
+            proxy_ssl_trusted_certificate {ca};"""
+
+
+def write_conf(tmp: Path, host: str, port: int, up_host: str, up_port: int,
+               ca: Path | None = None, ssl_name: str = "localhost") -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     # As root the workers would switch to "nobody"; keep them as us so they
     # can use the temp dir.
@@ -77,8 +89,10 @@ def write_conf(tmp: Path, host: str, port: int, up_host: str, up_port: int) -> P
     (tmp / "error.log").unlink(missing_ok=True)  # fresh per proxy start, see upstream_errors()
     nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     nofile = 65536 if nofile == resource.RLIM_INFINITY else min(nofile, 65536)
+    tls = TLS.format(name=ssl_name, ca=ca) if ca else ""
     conf.write_text(CONF.format(tmp=tmp, user=user, host=host, port=port, nofile=nofile,
-                                up_host=up_host, up_port=up_port))
+                                up_host=up_host, up_port=up_port, scheme="https" if ca else "http",
+                                tls=tls))
     return conf
 
 

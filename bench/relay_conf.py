@@ -15,11 +15,14 @@ import tomllib
 from pathlib import Path
 
 
-def build(up_url: str, tmp: Path, user_file: str | None = None) -> dict:
+def build(up_url: str, tmp: Path, user_file: str | None = None,
+          ca_file: str | None = None) -> dict:
     conf: dict = {
         "upstream": [{"name": "bench", "url": up_url, "parallel": 4096}],
         "store": {"path": str(tmp / "relay.db")},
     }
+    if ca_file:  # a TLS upstream with the bench's private CA (bench/tls.py)
+        conf["upstream"][0]["ca_file"] = ca_file
     if user_file:
         with open(user_file, "rb") as f:
             user = tomllib.load(f)
@@ -59,9 +62,10 @@ def dumps(conf: dict) -> str:
     return "\n".join(out)
 
 
-def write(up_url: str, tmp: Path, user_file: str | None = None) -> Path:
+def write(up_url: str, tmp: Path, user_file: str | None = None,
+          ca_file: str | None = None) -> Path:
     for suffix in ("", "-wal", "-shm"):  # every relay starts with an empty store
         (tmp / f"relay.db{suffix}").unlink(missing_ok=True)
     path = tmp / "relay.toml"
-    path.write_text(dumps(build(up_url, tmp, user_file)))
+    path.write_text(dumps(build(up_url, tmp, user_file, ca_file)))
     return path

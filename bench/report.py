@@ -75,12 +75,13 @@ def _added(rows, r, pkey):
     return None if a is None or b is None else a - b
 
 
-def _ratios_per_repeat(rows, scenario, target="relay") -> list[float]:
-    """`target` (relay) ÷ nginx CPU per event within each repeat (the two ran one after the
-    other): the spread shows how much the machine drifted between repeats."""
+def _ratios_per_repeat(rows, scenario, target="relay", per: str = "events") -> list[float]:
+    """`target` (relay) ÷ nginx CPU per event (or per request) within each repeat (the two
+    ran one after the other): the spread shows how much the machine drifted between
+    repeats."""
     out = []
     for rep in sorted({r["repeat"] for r in rows if r["scenario"] == scenario}):
-        us = {r["target"]: _per(r, "proxy_cpu_us", ("load", "events")) for r in rows
+        us = {r["target"]: _per(r, "proxy_cpu_us", ("load", per)) for r in rows
               if r["scenario"] == scenario and r["repeat"] == rep and "load" in r}
         if us.get(target) and us.get("nginx"):
             out.append(us[target] / us["nginx"])
@@ -198,8 +199,22 @@ def render(rows, scs, names, targets, a, upstream_kind) -> str:
                        f"({r['us_event']:.2f} µs vs {n['us_event']:.2f} µs)"
                        + (f"; repeat by repeat: {', '.join(f'{x:.2f}×' for x in per)}"
                           if len(per) > 1 else ""))
+            if name.startswith(("tls", "keep")) and r["us_req"] and n["us_req"]:
+                per = _ratios_per_repeat(rows, name, who, "requests")
+                out.append(f"**Ratio ({name}): {label} CPU per request ÷ nginx CPU per request = "
+                           f"{r['us_req'] / n['us_req']:.2f}×** ({r['us_req']:.1f} µs vs "
+                           f"{n['us_req']:.1f} µs)"
+                           + (f"; repeat by repeat: {', '.join(f'{x:.2f}×' for x in per)}"
+                              if len(per) > 1 else ""))
         elif r and n and "skipped" in n:
             out.append(f"Ratio ({name}): relay vs nginx n/a ({n['skipped']})")
+    for sfx in ("", "-req"):
+        for t in ("relay", "nginx"):
+            a_, b_ = aggs.get((f"tls{sfx}", t)), aggs.get((f"keep{sfx}", t))
+            if a_ and b_ and "skipped" not in a_ and "skipped" not in b_ and a_["us_event"]:
+                out.append(f"What TLS costs {t} (tls{sfx} − keep{sfx}, same load): "
+                           f"{a_['us_event'] - b_['us_event']:+.2f} µs/event, "
+                           f"{a_['us_req'] - b_['us_req']:+.1f} µs/request")
     total = sum(g["errors"] + g["incomplete"] for g in aggs.values() if g and "skipped" not in g)
     out += ["", f"Errors + incomplete streams, all targets and repeats: **{total}** "
             "(the errors/incomplete columns are summed over repeats, the rest are medians)"]

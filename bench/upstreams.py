@@ -15,23 +15,31 @@ from bench import procs
 
 
 class SimUpstream:
-    """``python -m relay sim`` (override the command with $BENCH_SIM_CMD)."""
+    """``python -m relay sim`` (override the command with $BENCH_SIM_CMD).
+
+    With ``pki`` (bench/tls.py) it serves over TLS and, like a hosted API, keeps the
+    connection after a stream (the TLS scenario: pooled connections, not a handshake each).
+    """
 
     kind = "simulator"
 
-    def __init__(self, host: str = "127.0.0.1"):
-        self.host, self.port, self.proc = host, 0, None
+    def __init__(self, host: str = "127.0.0.1", pki=None):
+        self.host, self.port, self.proc, self.pki = host, 0, None, pki
+        self.extra: list[str] = []  # more sim flags (the "keep" scenario: --keep-alive-streams)
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.pki else 'http'}://{self.host}:{self.port}"
 
     def start(self, logdir: Path) -> None:
         cmd = os.environ.get("BENCH_SIM_CMD")
         base = shlex.split(cmd) if cmd else [sys.executable, "-m", "relay", "sim"]
         port = procs.free_port(self.host)
-        self.proc = procs.Proc("sim", base + [
-            "--host", self.host, "--port", str(port), "--first-token-delay-ms", "0"], logdir)
+        tls = ["--tls-cert", str(self.pki.cert), "--tls-key", str(self.pki.key),
+               "--keep-alive-streams"] if self.pki else []
+        self.proc = procs.Proc("sim-tls" if self.pki else "sim-keep" if self.extra else "sim", base + [
+            "--host", self.host, "--port", str(port), "--first-token-delay-ms", "0"] + tls
+            + self.extra, logdir)
         ev = self.proc.wait_json_event("sim_listening")
         self.port = int(ev.get("port") or port)
         procs.wait_tcp(self.host, self.port)

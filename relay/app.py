@@ -9,7 +9,8 @@ import time
 from relay.auth import Auth
 from relay.budget import Budgets, window_bounds
 from relay.client import ClientConn
-from relay.config import Config, ConfigError, UpstreamConfig, parse_url
+from relay.config import Config, ConfigError, UpstreamConfig, parse_target_url
+from relay.cors import Cors
 from relay.dispatch import Dispatcher
 from relay.errors import RelayError
 from relay.health import Health, probe_once
@@ -19,8 +20,15 @@ from relay.routing import Router
 from relay.slots import SlotPool
 from relay.stall import StallPolicy
 from relay.store import Store
+from relay.target import Target
+from relay.tls import client_context
 from relay.ui_state import Recent, Trend
 from relay.upstream import Pool
+from relay.upstream_headers import fixed_headers
+
+# An idle pooled connection to an https upstream (a hosted API keeps one open for minutes,
+# and a new one costs a TLS handshake) is kept this long unless `keepalive_s` says otherwise.
+TLS_KEEPALIVE_S = 60.0
 
 
 def upstream_auth(cfg: UpstreamConfig) -> tuple[bytes, bytes] | None:
@@ -34,18 +42,43 @@ def upstream_auth(cfg: UpstreamConfig) -> tuple[bytes, bytes] | None:
     return cfg.auth_header.encode(), value.encode()
 
 
+def upstream_tls(cfg: UpstreamConfig, target: Target):
+    """The TLS context of an https upstream (None for http); ConfigError naming ca_file."""
+    if not target.tls:
+        return None
+    try:
+        return client_context(cfg.verify, cfg.ca_file)
+    except (OSError, ValueError) as exc:  # (ssl.SSLError is an OSError)
+        raise ConfigError(f"upstream.{cfg.name}.ca_file: cannot load {cfg.ca_file!r}: "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
+
+
+def upstream_keepalive(cfg: UpstreamConfig, target: Target, keepalive_s: float) -> float:
+    """How long an idle pooled connection is kept: `keepalive_s` of the upstream, else
+    `[dispatcher].upstream_keepalive_s`, raised to TLS_KEEPALIVE_S for https (unless 0)."""
+    if cfg.keepalive_s is not None:
+        return cfg.keepalive_s
+    if target.tls and keepalive_s > 0:
+        return max(keepalive_s, TLS_KEEPALIVE_S)
+    return keepalive_s
+
+
 class Upstream:
     def __init__(self, cfg: UpstreamConfig, keepalive_s: float, prewarm: bool = False,
                  connect_timeout_s: float = 5.0) -> None:
         self.cfg = cfg
         self.name = cfg.name
-        self.host, self.port = parse_url(cfg.url)
-        self.host_header = (self.host if self.port == 80 else f"{self.host}:{self.port}").encode()
-        self.pool = Pool(self.host, self.port, keepalive_s, prewarm, connect_timeout_s)
+        self.target = parse_target_url(cfg.url)
+        self.host, self.port = self.target.host, self.target.port
+        self.host_header = self.target.host_header
+        self.tls = upstream_tls(cfg, self.target)
+        self.pool = Pool(self.host, self.port, upstream_keepalive(cfg, self.target, keepalive_s),
+                         prewarm, connect_timeout_s, self.tls)
         self.slots = SlotPool(cfg.parallel, cfg.queue)
         self.health = Health()
         self.metrics = UpstreamMetrics(cfg.name, cfg.parallel)
         self.auth = upstream_auth(cfg)
+        self.static = fixed_headers(cfg.headers)  # sent with every request
         self.probe_task: asyncio.Task | None = None
 
     @property
@@ -70,6 +103,7 @@ class App:
                                            d.connect_timeout_s) for u in config.upstream}
         self.router = Router(config.upstream)
         self.auth = Auth(config.key, config.admin_key_sha256)
+        self.cors = Cors(config.server.cors_origins)
         self.budgets = Budgets(config.key)
         self.registry = Registry()
         for up in self.upstreams.values():
@@ -104,6 +138,10 @@ class App:
         self.background.append(self.loop.create_task(self._sample_tokens()))
         self.log.event("relay_listening", host=s.host, port=self.port,
                        upstreams=list(self.upstreams))
+        for up in self.upstreams.values():
+            if up.target.tls and not up.cfg.verify:
+                self.log.event("upstream_tls_unverified", upstream=up.name, url=up.cfg.url,
+                               note="verify = false: certificate and hostname are not checked")
 
     def start_probes(self) -> None:
         """One /health probe task per upstream (again after a reload: the old ones end)."""
@@ -223,9 +261,11 @@ class App:
         while True:
             d = self.config.dispatcher
             wake.clear()
-            status = await probe_once(up.host, up.port, up.host_header, d.connect_timeout_s)
+            status, error = await probe_once(up.host, up.port, up.host_header,
+                                             d.connect_timeout_s, up.tls,
+                                             up.target.join(b"/health"))
             before = up.health.probe
-            up.health.probed(status, "no answer to GET /health" if status is None else "")
+            up.health.probed(status, error)
             if up.health.probe != before:
                 self.log.event("upstream_state", upstream=up.name, state=up.state,
                                was=before, status=status)

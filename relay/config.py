@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import tomllib
 from typing import Annotated
-from urllib.parse import urlsplit
 
 import msgspec
 from msgspec import Meta, Struct
+
+from relay.target import Target, TargetError, parse_target
+from relay.upstream_headers import check_static_headers
 
 Seconds = Annotated[float, Meta(ge=0.001, le=86400.0)]
 Port = Annotated[int, Meta(ge=0, le=65535)]
@@ -30,6 +32,8 @@ class ServerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     header_timeout_s: Seconds = 10.0
     keepalive_timeout_s: Seconds = 75.0
     drain_timeout_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 30.0
+    # browser origins allowed to call the relay ("*" = any); empty = no CORS answers
+    cors_origins: list[Annotated[str, Meta(min_length=1)]] = msgspec.field(default_factory=list)
 
 
 class DispatcherConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -44,6 +48,9 @@ class DispatcherConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     # while an upstream is down it is probed this often (and one request at a time tries it)
     down_probe_interval_s: Annotated[float, Meta(ge=0.05, le=3600.0)] = 0.5
     prewarm: bool = True  # keep one connected spare per upstream while it has traffic
+    # a streamed request's client gets a 200 event-stream head and a comment line when
+    # nothing reached it for this long before the first content event; 0 = off
+    heartbeat_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 15.0
 
 
 class UpstreamConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -54,8 +61,17 @@ class UpstreamConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     queue: Annotated[int, Meta(ge=0, le=100000)] = 64
     aliases: list[str] = msgspec.field(default_factory=list)
     fallback: list[str] = msgspec.field(default_factory=list)
+    # public name (model, alias, or one reaching it as a fallback; "*" for any other) -> the
+    # name this upstream expects in the request body's "model"
+    model_map: dict[Annotated[str, Meta(min_length=1)], Annotated[str, Meta(min_length=1)]] = \
+        msgspec.field(default_factory=dict)
     auth_header: str | None = None
     auth_value_env: str | None = None
+    # https upstreams (relay/tls.py): verify against the system store or ca_file (PEM)
+    verify: bool = True
+    ca_file: str | None = None
+    headers: dict[str, str] = msgspec.field(default_factory=dict)  # static, never secrets
+    keepalive_s: Annotated[float, Meta(ge=0.0, le=3600.0)] | None = None  # idle pooled conn
 
 
 class KeyConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -91,22 +107,18 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key."""
 
 
-def parse_url(url: str) -> tuple[str, int]:
-    """`http://host:port` -> (host, port). Only plain http upstreams are supported."""
-    parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ConfigError(f"upstream url {url!r}: expected http://host[:port]")
+def parse_target_url(url: str) -> Target:
+    """An `[[upstream]].url` -> Target (relay/target.py); ConfigError naming the URL."""
     try:
-        port = parts.port
-    except ValueError as exc:
+        return parse_target(url)
+    except TargetError as exc:
         raise ConfigError(f"upstream url {url!r}: {exc}") from None
-    if port is None:
-        port = 80
-    elif port == 0:
-        raise ConfigError(f"upstream url {url!r}: port 0 is not a port to connect to")
-    if parts.path not in ("", "/") or parts.query:
-        raise ConfigError(f"upstream url {url!r}: a path prefix is not supported")
-    return parts.hostname, port
+
+
+def parse_url(url: str) -> tuple[str, int]:
+    """`http(s)://host[:port][/prefix]` -> (host, port)."""
+    t = parse_target_url(url)
+    return t.host, t.port
 
 
 def _key_path(msg: str) -> str:
@@ -128,7 +140,15 @@ def check(cfg: Config) -> Config:
     if len(set(names)) != len(names):
         raise ConfigError("upstream.name: names must be unique")
     for up in cfg.upstream:
-        parse_url(up.url)
+        target = parse_target_url(up.url)
+        if not target.tls and (up.ca_file is not None or not up.verify):
+            raise ConfigError(f"upstream.{up.name}: ca_file and verify apply to https:// only")
+        if up.ca_file is not None and not up.verify:
+            raise ConfigError(f"upstream.{up.name}: ca_file with verify = false verifies nothing")
+        try:
+            check_static_headers(up.headers, up.auth_header)
+        except ValueError as exc:
+            raise ConfigError(f"upstream.{up.name}.headers: {exc}") from None
         for fb in up.fallback:
             if fb not in names or fb == up.name:
                 raise ConfigError(f"upstream.{up.name}.fallback: unknown upstream {fb!r}")

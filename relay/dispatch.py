@@ -23,12 +23,16 @@ from relay import exchange as X
 from relay import headers as hdr
 from relay.bodies import BodyBytes
 from relay.budget import BudgetExceeded
-from relay.errors import RelayError
+from relay.errors import RelayError, upstream_error
+from relay.head import request_bytes
 from relay.health import DOWN
+from relay.hold import Hold, error_of
+from relay.model_name import served_name, with_model
 from relay.paths import bounded
 from relay.record import Record, user_agent
 from relay.routing import NoRoute, model_list
 from relay.slots import Busy, SlotsClosed
+from relay.target import TargetError
 from relay.upstream import ConnectError
 
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
@@ -74,13 +78,18 @@ class Dispatcher:
                      method=bounded(req.method.decode("latin-1"), 32),
                      client_addr=client.peer_host, user_agent=user_agent(req.headers))
         keep_alive = req.keep_alive
-        state = {"slot": None, "reservation": None, "ex": None}
+        cors = app.cors.headers(req.headers)
+        state = {"slot": None, "reservation": None, "ex": None, "hold": None, "cors": cors}
         try:
+            if app.cors.is_preflight(req.method, req.headers):  # before any key is asked for
+                if not client.gone:
+                    client.transport.write(app.cors.preflight(req.headers, rid, keep_alive))
+                return
             if self._internal(client, req, rid, state):
                 return
             keep_alive = await self._serve(client, req, rid, rec, state, t0, path)
         except RelayError as err:
-            keep_alive = self._answer_error(client, rid, rec, err, keep_alive)
+            keep_alive = self._answer_error(client, rid, rec, err, keep_alive, state)
         except asyncio.CancelledError:
             keep_alive = False
             self._cancelled(client, rid, rec, state)
@@ -92,11 +101,13 @@ class Dispatcher:
                 ex.conn.abort()
             rec.outcome = rec.error_code = "internal_error"
             keep_alive = False
-            if ex is None or not ex.head_sent:
-                rec.status = 500
-                client.respond(500, RelayError("internal_error", "internal relay error").body(),
-                               rid, False)
+            hold = state["hold"]
+            if hold is None or not hold.open:
+                self._answer_error(client, rid, rec, RelayError(
+                    "internal_error", "internal relay error"), False, state)
         finally:
+            if state["hold"] is not None:
+                state["hold"].close()
             if rec.outcome is not None or rec.status is not None:
                 self._settle(client, rec, state, t0)
             client.finish(keep_alive)
@@ -105,26 +116,39 @@ class Dispatcher:
         """The task was cancelled (client gone, or the drain's last step): the row still says
         what reached the client, and a client that got nothing yet gets an answer."""
         draining = self.app.draining and not client.gone
-        ex = state["ex"]
+        ex, hold = state["ex"], state["hold"]
         if ex is not None:
             if ex.head_at and ex.outcome is None:
                 ex.shutdown()  # ends the exchange: its timers stop, its figures stay
             else:
                 ex.conn.abort()
-            if ex.head_sent and rec.upstream_served is None:
+            if hold is not None and hold.open and rec.upstream_served is None:
                 rec.upstream_served, rec.status = ex.upstream_name, ex.status
         rec.outcome = rec.outcome or (X.SHUTDOWN if draining else X.CLIENT_GONE)
         rec.error_code = rec.error_code or rec.outcome
-        if draining and (ex is None or not ex.head_sent):
-            rec.status = 503
-            client.respond(503, _shutting_down().body(), rid, False)
+        if draining and (hold is None or not hold.open):  # nothing but comments went out
+            err = _shutting_down()
+            rec.status = err.status
+            if hold is not None and hold.committed:
+                hold.fail(err.message, err.type, err.code)
+            else:
+                client.respond(err.status, err.body(), rid, False, state["cors"])
 
-    def _answer_error(self, client, rid, rec, err: RelayError, keep_alive: bool) -> bool:
+    def _answer_error(self, client, rid, rec, err: RelayError, keep_alive: bool,
+                      state: dict) -> bool:
         rec.status = err.status
         rec.error_code = rec.error_code or err.code
+        why = err.details.get("error")
+        if rec.error is None and isinstance(why, str) and why:
+            rec.error = bounded(why)  # e.g. the TLS reason of a refused certificate
         rec.outcome = rec.outcome or "error"
+        hold = state["hold"]
+        if hold is not None:
+            hold.close()
+            if hold.committed:  # a 200 event stream is out (heartbeats): the error goes in it
+                return hold.fail(err.message, err.type, err.code) and keep_alive
         keep_alive = keep_alive and err.status < 500 and err.status != 408
-        client.respond(err.status, err.body(), rid, keep_alive, err.headers)
+        client.respond(err.status, err.body(), rid, keep_alive, err.headers + state["cors"])
         return keep_alive
 
     # ---- admission and relay -------------------------------------------------------------
@@ -138,6 +162,7 @@ class Dispatcher:
         slot_path = req.method == b"POST" and path in A.SLOT_PATHS
         peek = A.peek_body(req.method, req.headers, req.body, slot_path)
         rec.model, rec.stream = bounded(peek.model, A.MAX_ECHO), bool(peek.stream)
+        state["model"] = peek.model  # the public name, whole (model_map looks it up)
         try:
             candidates = app.router.candidates(peek.model)
         except NoRoute:
@@ -157,21 +182,28 @@ class Dispatcher:
             except BudgetExceeded as exc:
                 raise RelayError("budget_exceeded", str(exc), exc.details(),
                                  [(b"Retry-After", b"%d" % exc.retry_after)]) from None
+        hold = state["hold"] = Hold(app.loop, client, rid,
+                                    app.config.dispatcher.heartbeat_s if rec.stream else 0.0,
+                                    state["cors"])
+        hold.start()
         last: _Retry | None = None
         for i, name in enumerate(candidates):
             up = app.upstreams[name]
             more = i < len(candidates) - 1
             rec.fallback_attempts = i
+            hold.more = more
             try:
                 return await self._attempt(client, req, rid, rec, state, up, slot_path, more, t0)
             except _Retry as retry:
                 last = retry
+                hold.retry()
                 self._release_slot(state)
                 state["tried"] = name
                 if more:  # the attempt failed on this upstream: its metrics say so
                     up.metrics.request_done(False, retry.err.code)
                     app.log.event("fallback", request_id=rec.request_id, upstream=name,
-                                  next=candidates[i + 1], reason=retry.err.code)
+                                  next=candidates[i + 1], reason=retry.err.code,
+                                  error=retry.err.details.get("error"))
         raise last.err
 
     async def _attempt(self, client, req, rid, rec: Record, state, up, slot_path: bool,
@@ -180,7 +212,8 @@ class Dispatcher:
         d = app.config.dispatcher
         state["up"] = up  # (a config reload may remove it from app.upstreams meanwhile)
         if up.health.probe == DOWN and d.health_interval_s > 0:  # probed often while down
-            raise _Retry(RelayError("upstream_unavailable", f"upstream {up.name} is down",
+            raise _Retry(RelayError("upstream_unavailable",
+                                    f"upstream {up.name} is down: {up.health.last_error}",
                                     {"upstream": up.name, "error": up.health.last_error}))
         ex = await self._start(client, req, rid, rec, state, up, slot_path, more, t0)
         state["ex"] = ex
@@ -193,7 +226,8 @@ class Dispatcher:
         await ex.done
         client.exchange = None
         rec.outcome = ex.outcome
-        if not ex.head_sent:  # ended before anything reached the client
+        hold = state["hold"]
+        if not hold.open:  # ended while nothing but comments reached the client
             if ex.outcome in (X.DROPPED, X.BAD_FRAMING, X.STALL, X.ERROR_EVENT, X.SHUTDOWN):
                 err = RelayError("upstream_unavailable",
                                  "upstream failed before the first content event",
@@ -201,7 +235,20 @@ class Dispatcher:
                 if more and ex.outcome != X.SHUTDOWN:
                     raise _Retry(err)
                 rec.outcome = ex.outcome
+                if ex.outcome == X.ERROR_EVENT:  # the upstream's own words, in-band
+                    rec.upstream_served, rec.error_code = up.name, X.ERROR_EVENT
+                    err = upstream_error(ex.status, hold.error(), "upstream_error",
+                                         f"upstream {up.name} answered with an error")
                 raise err
+            if hold.committed and ex.outcome == X.DONE:  # a response that cannot continue
+                rec.upstream_served, rec.outcome = up.name, "error"  # the event stream
+                sse = 200 <= ex.status < 300
+                rec.error_code = "upstream_bad_response" if sse else f"upstream_{ex.status}"
+                body = ex.body_copy
+                raise upstream_error(
+                    ex.status, error_of(b"".join(body.parts)) if body is not None else None,
+                    rec.error_code, f"upstream {up.name} answered {ex.status}"
+                    + (" without an event stream" if sse else ""))
         rec.upstream_served = up.name
         rec.status = ex.status
         keep_alive = ex.client_keep_alive
@@ -262,8 +309,22 @@ class Dispatcher:
         a fresh connection: llama-server closes after every stream.
         """
         d = self.app.config.dispatcher
-        head = hdr.upstream_request_headers(req.headers, up.host_header, len(req.body), rid,
-                                            up.auth)
+        try:
+            target = up.target.join(req.target)  # under the URL's path prefix, if any
+        except TargetError as exc:
+            raise RelayError("bad_request", f"upstream {up.name}: {exc}",
+                             {"upstream": up.name}) from None
+        body = req.body
+        name = served_name(up.cfg.model_map, state.get("model"))
+        if name is not None:  # this upstream knows the model by another name
+            body = with_model(body, name)
+        # the caller's credential is the upstream's to check unless the relay checked it
+        # (API keys, or its admin key on an admin call) or sends its own
+        auth = self.app.auth
+        mine = auth.enabled or (state.get("admin") and auth.admin is not None)
+        head = hdr.upstream_request_headers(
+            req.headers, up.host_header, len(body), rid, up.auth, up.static,
+            pass_credentials=not mine and up.auth is None)
         fresh = False
         while True:
             if self.app.draining:  # no upstream stream starts once the drain began
@@ -273,17 +334,17 @@ class Dispatcher:
             except ConnectError as exc:
                 up.health.connect_failed(str(exc))
                 raise _Retry(RelayError("upstream_unavailable",
-                                        f"upstream {up.name} is unavailable",
+                                        f"upstream {up.name} is unavailable: {exc}",
                                         {"upstream": up.name, "error": str(exc)})) from None
             ex = X.Exchange(self.app.loop, conn, client, req.method, rid, self.app.policy,
-                            d.write_timeout_s, rec.path, rec.model or "", up.name)
-            ex.can_retry = more
+                            d.write_timeout_s, rec.path, rec.model or "", up.name,
+                            state["hold"])
             ex.on_content = on_content
             state["ex"] = ex
             conn.used = True
             conn.handler = ex
             client.exchange = ex
-            conn.transport.write(ex.request_bytes(req.target, head, req.body))
+            conn.transport.write(request_bytes(req.method, target, head, body))
             timer = self.app.loop.call_later(d.direct_read_timeout_s, ex.head_timeout)
             try:
                 await ex.head_fut
@@ -321,6 +382,7 @@ class Dispatcher:
     # ---- endpoints the relay answers itself ---------------------------------------------
     def _internal(self, client, req, rid: bytes, state: dict) -> bool:
         app = self.app
+        cors = state["cors"]
         path = req.path  # normalised and bounded (it is echoed in a 404)
         if ui.is_page(path):
             self._ui_page(client, req, rid)
@@ -337,20 +399,20 @@ class Dispatcher:
                 up.refresh_metrics()
             app.registry.rows_dropped = app.store.rows_dropped
             if path == "/metrics":
-                client.respond(200, app.registry.prometheus(now), rid, req.keep_alive,
+                client.respond(200, app.registry.prometheus(now), rid, req.keep_alive, cors,
                                content_type=b"text/plain; version=0.0.4; charset=utf-8")
             elif path == "/api/slots/metrics":
-                client.respond(200, app.registry.json(now), rid, req.keep_alive)
+                client.respond(200, app.registry.json(now), rid, req.keep_alive, cors)
             elif path == ui.STATE_PATH:
                 client.respond(200, msgspec.json.encode(ui_state.state(app, time.time(), now)),
-                               rid, req.keep_alive, ui.NO_STORE)
+                               rid, req.keep_alive, cors + ui.NO_STORE)
             else:
                 raise RelayError("not_found", f"no such endpoint {path}")
             return True
         if path in ("/v1/models", "/models") and req.method == b"GET" and app.router.models:
             if app.auth.enabled and app.auth.identify(req.headers) is None:
                 raise RelayError("invalid_api_key", "missing or unknown API key")
-            client.respond(200, model_list(app.router.models), rid, req.keep_alive)
+            client.respond(200, model_list(app.router.models), rid, req.keep_alive, cors)
             return True
         return False
 

@@ -66,3 +66,32 @@ def reason_phrase(status: int) -> bytes:
         return HTTPStatus(status).phrase.encode()
     except ValueError:
         return b""
+
+
+class _EventError(msgspec.Struct):
+    message: str
+    type: str
+    code: str | None
+
+
+class _EventBody(msgspec.Struct):
+    error: _EventError
+
+
+def error_event(message: str, type_: str, code: str | None) -> bytes:
+    """An error delivered inside an event stream whose 200 head already went out, in the
+    shape OpenAI's own streams use (its client raises APIError with `message`)."""
+    return b"data: " + _encode(_EventBody(_EventError(message, type_, code))) + b"\n\n"
+
+
+def upstream_error(status: int, error: dict | None, code: str, message: str) -> RelayError:
+    """An upstream's failure passed on in-band: its own message, type and (string) code
+    where its body gave them; `code` / `message` otherwise."""
+    err = RelayError("upstream_bad_response", message)
+    err.status, err.code = status, code
+    if error:
+        for field in ("message", "type", "code"):
+            value = error.get(field)
+            if isinstance(value, str) and value:
+                setattr(err, field, value)
+    return err

@@ -12,12 +12,13 @@ import asyncio
 import time
 from math import frexp as _frexp
 
-from relay import framing, headers as hdr
-from relay.head import BadHead, HeadReader, ResponseHead, request_bytes
+from relay import framing
+from relay.head import BadHead, HeadReader, ResponseHead
 from relay.chunked import LAST_CHUNK, SIZE, ChunkError, ChunkTracker, frame
 from relay.gaps import Gaps
+from relay.hold import ERROR, OPENED, Hold
 from relay.fastpath import same_shape, shape_of, token_event
-from relay.errors import reason_phrase
+from relay.flow import ClientFlow
 from relay.sse import SseScanner
 from relay.usage import JsonBody
 from relay.stall import StallPolicy, stall_frame
@@ -27,33 +28,31 @@ from relay.outcomes import (  # noqa: F401 - the dispatcher reads them from here
     ClientGone, RelayShutdown, UpstreamBadHead, UpstreamGone,
 )
 
-_HOLD_LIMIT = 64 * 1024  # most bytes held back waiting for the first content event
-
 
 class Exchange:
-    # Slots: nearly 50 fields is past what a shared-key instance dict holds, and the body
+    # Slots: over 40 fields is past what a shared-key instance dict holds, and the body
     # path reads several per event.
     __slots__ = (
         "_closed_early", "_leftover", "_write", "body_copy", "body_started", "bytes_out",
-        "can_retry", "client", "client_keep_alive", "conn", "counted", "data_received", "done",
-        "fast", "first_byte_at", "first_content_at", "gaps", "got_bytes", "head_at", "head_bytes", "head_reader",
-        "head_fut", "head_resp", "head_sent", "held", "held_size", "holding", "kind",
+        "client", "client_keep_alive", "conn", "counted", "data_received", "done",
+        "fast", "first_content_at", "flow", "gaps", "got_bytes", "head_at", "head_reader",
+        "head_fut", "head_resp", "hold", "kind",
         "last_read", "loop", "method", "mode", "model", "on_content", "outcome", "path",
-        "paused", "policy", "remaining", "request_id", "scanner", "shape", "sse",
+        "policy", "remaining", "request_id", "scanner", "shape", "sse",
         "stall_elapsed", "stall_reason", "status", "timer", "tracker", "upstream_keep_alive",
-        "upstream_name", "write_timeout_s", "write_timer",
+        "upstream_name",
     )
 
     def __init__(self, loop, conn, client, method: bytes, request_id: bytes,
                  policy: StallPolicy, write_timeout_s: float, path: str, model: str,
-                 upstream_name: str) -> None:
+                 upstream_name: str, hold: Hold) -> None:
         self.loop = loop
         self.conn = conn
         self.client = client  # ClientConn: .transport, .http11, .wants_keep_alive
         self.method = method
         self.request_id = request_id
         self.policy = policy
-        self.write_timeout_s = write_timeout_s
+        self.flow = ClientFlow(loop, write_timeout_s, self._write_stuck)
         self.path = path
         self.model = model
         self.upstream_name = upstream_name
@@ -75,36 +74,25 @@ class Exchange:
         self.sse = False
         self.upstream_keep_alive = False
         self.client_keep_alive = False
-        self.holding = False
-        self.held: list[bytes] = []
-        self.held_size = 0
-        self.head_bytes = b""
-        self.head_sent = False
+        # the request's hold until the first content event is out (relay/hold.py), then None
+        self.hold: Hold | None = hold
         self.head_at = 0.0
         self.last_read = 0.0
         self.first_content_at: float | None = None
-        self.first_byte_at: float | None = None  # perf_counter of the first write to the client
         self.gaps: Gaps | None = None  # SSE: gaps between content events (relay/gaps.py)
         self.bytes_out = 0
         self.outcome: str | None = None
         self.stall_reason: str | None = None
         self.stall_elapsed = 0.0
         self.timer: asyncio.TimerHandle | None = None
-        self.write_timer: asyncio.TimerHandle | None = None
-        self.paused = False
         self.counted = 0  # tokens already added to the upstream's rate window
         self.fast = False  # the next read may be recognised by the fast path (fastpath.py)
         self.shape = None  # this stream's token event around its text (fastpath.shape_of)
-        self.can_retry = False  # another candidate is left: fail quietly before content
         self.on_content = None  # called once the first content event is written (metrics)
         self.body_copy: JsonBody | None = None
         # While the body flows the exchange is the upstream transport's protocol itself, and
         # its data_received is upstream_data: no hop (uvloop binds it at set_protocol time).
         self.data_received = self.upstream_data
-
-    # ---- request -------------------------------------------------------------------
-    def request_bytes(self, target: bytes, head: list[tuple[bytes, bytes]], body: bytes) -> bytes:
-        return request_bytes(self.method, target, head, body)
 
     # ---- upstream callbacks (UpstreamConn) -----------------------------------------
     def upstream_data(self, data: bytes) -> None:
@@ -174,7 +162,7 @@ class Exchange:
             if scanner is not None:
                 for p in payloads:
                     scanner.feed(p)
-            if self.mode == framing.DECHUNK:
+            if self.mode != framing.PASS:  # DECHUNK, REFRAME: payloads only
                 out = b"".join(payloads)
             self._emit(out)
             if tracker.state == 4:  # DONE
@@ -246,7 +234,7 @@ class Exchange:
         if self.head_fut.done():
             return
         status = resp.status_code
-        if not (self.can_retry and (status == 429 or status >= 500)):
+        if not (self.hold.more and (status == 429 or status >= 500)):
             self.start_body(resp)  # at once: the dispatcher only awaits `done` from here
         self.head_fut.set_result(resp)
 
@@ -256,48 +244,45 @@ class Exchange:
     def connection_lost(self, exc) -> None:
         self.conn.connection_lost(exc)
 
-    def pause_writing(self) -> None:
+    def pause_writing(self) -> None:  # (towards the upstream: a request is one write)
         pass
 
-    def resume_writing(self) -> None:
-        pass
+    resume_writing = pause_writing
 
-    def start_body(self, resp: ResponseHead, hold_for_content: bool = True) -> None:
-        """Decide framing, write (or hold) the head, and relay what came with it."""
+    def start_body(self, resp: ResponseHead) -> None:
+        """Decide framing, hold (or write) the head, and relay what came with it."""
         if self.outcome is not None:
             return
         self.body_started = True
         transport = self.conn.transport
         if transport is not None and not transport.is_closing():
             transport.set_protocol(self)
-        raw = resp.headers
+        hold = self.hold
         self.status = resp.status_code
         try:
-            self.kind, self.remaining = framing.upstream_body(self.method, self.status, raw)
+            p = framing.plan(self.method, self.status, resp.http_version, resp.headers,
+                             self.client.http11, self.client.wants_keep_alive, hold.committed)
         except framing.FramingError:  # (head.py refuses these heads first) nothing is sent
             self.conn.abort()
             self._upstream_failed(BAD_FRAMING)
             return
-        self.mode = framing.carriage(self.kind, self.client.http11)
-        ctype = hdr.get(raw, b"content-type") or b""
-        self.sse = ctype.lower().startswith(b"text/event-stream")
-        self.upstream_keep_alive = resp.http_version == b"1.1" and not hdr.has_token(
-            raw, b"connection", b"close")
-        self.client_keep_alive = self.client.wants_keep_alive and framing.self_delimited(
-            self.kind, self.mode)
+        self.kind, self.remaining, self.mode, self.sse = p.kind, p.remaining, p.mode, p.sse
+        self.upstream_keep_alive, self.client_keep_alive = p.upstream_keep_alive, p.client_keep_alive
+        if hold.committed:  # only comments reached the client: this body continues it
+            hold.swallow = not p.holdable  # answered in-band by the dispatcher instead
+        else:
+            hold.head = hold.client_head(resp, framing.client_chunked(self.kind, self.mode),
+                                         self.client_keep_alive)
+            if p.holdable:
+                hold.on_commit = self._commit_early
         if self.kind == framing.CHUNKED:
             self.tracker = ChunkTracker()
         if self.sse:
             self.scanner = SseScanner(self._first_content)
             self.gaps = Gaps()
-        elif b"json" in ctype.lower():  # a whole JSON body: keep it (bounded) to read usage
+        elif p.json:  # a whole JSON body: keep it (bounded) to read usage
             self.scanner = self.body_copy = JsonBody()
         self._write = self.client.transport.write
-        self.head_bytes = hdr.client_response(
-            self.status, resp.reason or reason_phrase(self.status), raw, self.request_id,
-            framing.client_chunked(self.kind, self.mode), self.client_keep_alive)
-        hold = hold_for_content and self.sse and 200 <= self.status < 300
-        self.holding = True  # the head and what came with it leave in one write
         if self.kind == framing.EMPTY:
             # bytes after a head with no body: the upstream is out of step, do not reuse it
             self.upstream_keep_alive &= not self._leftover
@@ -306,58 +291,77 @@ class Exchange:
         leftover, self._leftover = self._leftover, b""
         if leftover:
             self.upstream_data(leftover)
-        if not hold and self.holding and self.outcome is None:
+        if not p.holdable and self.hold is not None and not hold.committed and self.outcome is None:
             self._release_hold()
         if self.outcome is None:
             self._arm()  # (after the first write: it is not in the client's wait)
         if self._closed_early:
             self.upstream_closed(None)
 
+    def _commit_early(self) -> None:
+        """A heartbeat is due while this upstream's head and events are held."""
+        held, sent = self.hold.commit_upstream(self.head_resp, self.kind, self.mode)
+        self.mode = framing.committed_carriage(self.kind, self.client.http11)
+        self.client_keep_alive = self.client.wants_keep_alive and self.client.http11
+        self.bytes_out -= sent  # counted again, as payload
+        if held:
+            self._emit(held)
+
     # ---- body ----------------------------------------------------------------------
     def _first_content(self) -> None:
-        # the held head goes out with this read, in _emit: one write, one wake-up; the
-        # metrics hear of it after that write (`_emit`)
+        # the held head goes out with this read (_emit: one write), then the metrics hear
         self.first_content_at = time.perf_counter()
 
     def _release_hold(self) -> None:
-        self.holding = False
-        self.head_sent = True
-        self.first_byte_at = time.perf_counter()
-        self.held.insert(0, self.head_bytes)
-        self._write(b"".join(self.held))
-        self.held = []
+        self.hold.release()
+        self._opened()
+
+    def _opened(self) -> None:
+        """The hold is over: from here the exchange writes to the client itself (its own chunks
+        in REFRAME, until both sides stand between chunks: `_check_fast`)."""
+        self.hold = None
+        if self.mode == framing.REFRAME:
+            transport = self.client.transport
+            self._write = lambda payload: transport.write(frame(payload))
 
     def _emit(self, out: bytes) -> None:
         if out:
             self.bytes_out += len(out)
-            if not self.holding:
+            if self.hold is None:
                 self._write(out)
-            elif self.can_retry and self.scanner is not None and self.scanner.error_first:
-                self.conn.abort()  # an {"error": ...} first event: try the next upstream
-                self._end(ERROR_EVENT)
-                return
             else:
-                self.held.append(out)
-                self.held_size += len(out)
-                if self.first_content_at is not None or self.held_size > _HOLD_LIMIT:
-                    self._release_hold()
+                self._held(out)
         if self.on_content is not None and self.first_content_at is not None:
             report, self.on_content = self.on_content, None
             report(self)
 
+    def _held(self, out: bytes) -> None:
+        sc = self.scanner
+        took = self.hold.take(out, self.first_content_at is not None,
+                              sc is not None and sc.error_first)
+        if took == OPENED:
+            self._opened()
+        elif took == ERROR:  # an {"error": ...} first event: the next upstream, or in-band
+            self.conn.abort()
+            self._end(ERROR_EVENT)
+
     def _check_fast(self) -> None:
         """Whether the next read may take the fast path: streaming, between chunks and events."""
+        if self.mode != framing.PASS:
+            tr = self.tracker
+            if self.mode != framing.REFRAME or self.hold is not None or tr.state != SIZE or tr.held:
+                self.fast = False
+                return
+            # both sides stand between chunks: the upstream's own pass as they are again
+            self.mode, self._write = framing.PASS, self.client.transport.write
         sc, tr = self.scanner, self.tracker
-        self.fast = (self.mode == framing.PASS and not self.holding and self.outcome is None
+        self.fast = (self.hold is None and self.outcome is None
                      and isinstance(sc, SseScanner) and sc.content_events > 0
                      and not sc.pending and tr.state == SIZE and not tr.held)
 
     def _upstream_failed(self, outcome: str) -> None:
-        """The upstream broke the body: the client sees the truncation (no clean end).
-
-        While the head is still held nothing has reached the client: the caller answers
-        with an error of its own (or tries another upstream) instead.
-        """
+        """The upstream broke the body: the client sees the truncation (no clean end). While
+        held, only comments reached the client: the caller answers or tries another upstream."""
         self.client_keep_alive = False
         self._end(outcome)
 
@@ -371,7 +375,7 @@ class Exchange:
         if self.outcome is not None:
             return
         now = self.loop.time()
-        if self.paused:  # the client is the slow side: reads are not owed
+        if self.flow.paused:  # the client is the slow side: reads are not owed
             self.last_read = now
         reason = self.policy.due(now, self.head_at, self.last_read)
         if reason is None:
@@ -383,47 +387,34 @@ class Exchange:
         self.stall_reason = reason
         self.stall_elapsed = self.policy.elapsed(reason, now, self.head_at, self.last_read)
         self.conn.abort()
-        if self.holding and self.can_retry:  # nothing reached the client: next upstream
-            self._end(STALL)
-            return
+        hold = self.hold
+        if hold is not None:
+            if hold.more or hold.swallow:  # only comments reached the client: the next
+                self._end(STALL)  # upstream, or an in-band error
+                return
+            self._release_hold()
         if not self.sse:  # non-SSE bodies are cut: nothing injected
             self.client_keep_alive = False
-            if self.holding:
-                self._release_hold()
-            self._end(STALL)
-            return
-        payload = b""
-        if not self.scanner.done_seen:
-            payload = stall_frame(self.path, self.model, reason, self.stall_elapsed,
-                                  self.upstream_name, int(time.time()))
-        if self.holding:
-            self._release_hold()
-        tail, self_delimited = framing.closing_bytes(self.kind, self.mode, self.tracker, payload)
-        self.client_keep_alive &= self_delimited
-        if tail:
-            self.bytes_out += len(tail)
-            self.client.transport.write(tail)
+        else:
+            payload = b"" if self.scanner.done_seen else stall_frame(
+                self.path, self.model, reason, self.stall_elapsed, self.upstream_name,
+                int(time.time()))
+            tail, delimited = framing.closing_bytes(self.kind, self.mode, self.tracker, payload)
+            self.client_keep_alive &= delimited
+            if tail:
+                self.bytes_out += len(tail)
+                self.client.transport.write(tail)
         self._end(STALL)
 
     # ---- flow control (client transport) -------------------------------------------
     def client_paused(self) -> None:
-        self.paused = True
-        if self.conn.transport is not None and self.outcome is None:
-            self.conn.transport.pause_reading()
-        if self.write_timer is None:
-            self.write_timer = self.loop.call_later(self.write_timeout_s, self._write_stuck)
+        self.flow.pause(self.conn.transport if self.outcome is None else None)
 
     def client_resumed(self) -> None:
-        self.paused = False
         self.last_read = self.loop.time()
-        if self.write_timer is not None:
-            self.write_timer.cancel()
-            self.write_timer = None
-        if self.conn.transport is not None and self.outcome is None:
-            self.conn.transport.resume_reading()
+        self.flow.resume(self.conn.transport if self.outcome is None else None)
 
     def _write_stuck(self) -> None:
-        self.write_timer = None
         if self.outcome is None:
             self.conn.abort()
             self.client_keep_alive = False
@@ -463,17 +454,21 @@ class Exchange:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        if self.write_timer is not None:
-            self.write_timer.cancel()
-            self.write_timer = None
-        if self.holding and outcome == DONE:
-            self._release_hold()
+        self.flow.cancel()
+        hold = self.hold
+        if hold is not None:  # ended before content: the hold says what the client gets
+            self.hold = None
+            hold.on_commit = None
+            if outcome == DONE:
+                hold.finish()
+        elif outcome == DONE and self.mode == framing.REFRAME:
+            self.client.transport.write(LAST_CHUNK)
         if self.conn.handler is self:
             self.conn.handler = None
         transport = self.conn.transport
         if transport is not None and transport.get_protocol() is self:
             transport.set_protocol(self.conn)
-        if self.paused and self.conn.transport is not None:
+        if self.flow.paused and self.conn.transport is not None:
             self.conn.transport.resume_reading()
         if not self.done.done():
             self.done.set_result(outcome)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from relay.chunked import LAST_CHUNK, ChunkTracker, frame
 from relay.head import MAX_LENGTH_DIGITS
-from relay.headers import Headers, get
+from relay.headers import Headers, get, has_token
 
 # Upstream body kinds
 EMPTY, LENGTH, CHUNKED, UNTIL_CLOSE = "empty", "length", "chunked", "close"
@@ -12,6 +14,9 @@ EMPTY, LENGTH, CHUNKED, UNTIL_CLOSE = "empty", "length", "chunked", "close"
 PASS = "pass"  # bytes as they come (chunked->chunked raw, length->length, close->close)
 DECHUNK = "dechunk"  # chunked upstream to an HTTP/1.0 client: payloads, then close
 CHUNK = "chunk"  # close-delimited upstream to an HTTP/1.1 client: the relay frames chunks
+# The client's head went out before this upstream's (heartbeats, see hold.py): payloads, which
+# the relay frames as chunks itself; a chunked upstream goes back to PASS at a chunk boundary.
+REFRAME = "reframe"
 
 
 class FramingError(ValueError):
@@ -49,9 +54,26 @@ def carriage(kind: str, client_http11: bool) -> str:
     return PASS
 
 
+def committed_carriage(kind: str, client_http11: bool) -> str:
+    """The carriage when the client's head is already out: chunks of the relay's own for an
+    HTTP/1.1 client, a close-delimited body (payloads) for HTTP/1.0."""
+    if client_http11:
+        return REFRAME
+    return DECHUNK if kind == CHUNKED else PASS
+
+
 def client_chunked(kind: str, mode: str) -> bool:
     """Whether the client sees Transfer-Encoding: chunked."""
-    return (kind == CHUNKED and mode == PASS) or mode == CHUNK
+    return (kind == CHUNKED and mode == PASS) or mode == CHUNK or mode == REFRAME
+
+
+def payload_of(kind: str, mode: str, sent: bytes) -> bytes:
+    """The body payload in bytes that were to go to the client as they are (chunk framing
+    included when the client's body is chunked)."""
+    if not client_chunked(kind, mode):
+        return sent
+    _, payloads = ChunkTracker().feed(sent)
+    return b"".join(payloads)
 
 
 def self_delimited(kind: str, mode: str) -> bool:
@@ -65,8 +87,38 @@ def closing_bytes(kind: str, mode: str, tracker: ChunkTracker | None,
     client can still tell where the body ends (keep-alive possible) afterwards."""
     if kind == CHUNKED and mode == PASS:
         return tracker.close_with(payload), True
-    if mode == CHUNK:
+    if mode == CHUNK or mode == REFRAME:
         return frame(payload) + LAST_CHUNK, True
     if kind == LENGTH:
         return b"", False  # a declared length cannot grow: the body is cut
     return payload, False  # close-delimited to the client
+
+
+class Plan(NamedTuple):
+    """How one upstream response travels: decided once, from its head."""
+
+    kind: str
+    remaining: int  # the declared length (LENGTH)
+    mode: str
+    sse: bool
+    json: bool
+    upstream_keep_alive: bool
+    client_keep_alive: bool
+    holdable: bool  # a 2xx event stream: held until its first content event
+
+
+def plan(method: bytes, status: int, http_version: bytes, headers: Headers, client_http11: bool,
+         client_keep_alive: bool, committed: bool) -> Plan:
+    """`committed`: the client's head already went out (heartbeats): this body continues it."""
+    kind, remaining = upstream_body(method, status, headers)  # (FramingError: the caller's)
+    ctype = (get(headers, b"content-type") or b"").lower()
+    sse = ctype.startswith(b"text/event-stream")
+    if committed:
+        mode = committed_carriage(kind, client_http11)
+        client_keep_alive = client_keep_alive and client_http11
+    else:
+        mode = carriage(kind, client_http11)
+        client_keep_alive = client_keep_alive and self_delimited(kind, mode)
+    return Plan(kind, remaining, mode, sse, not sse and b"json" in ctype,
+                http_version == b"1.1" and not has_token(headers, b"connection", b"close"),
+                client_keep_alive, sse and 200 <= status < 300)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from relay.upstream_headers import CLIENT_CREDENTIALS
+
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
     b"proxy-authorization", b"te", b"trailer", b"transfer-encoding", b"upgrade",
 })
-# Never forwarded upstream: the relay sets these itself, or they carry the caller's secret.
-_NOT_UPSTREAM = HOP_BY_HOP | {
-    b"host", b"content-length", b"authorization", b"x-api-key", b"x-request-id", b"expect",
-}
+# The caller's credentials: consumed by the relay when it checks keys (or sends its own).
+CREDENTIALS = frozenset({b"authorization", b"x-api-key"})
+# Never forwarded upstream: the relay sets these itself.
+_NOT_UPSTREAM = HOP_BY_HOP | {b"host", b"content-length", b"x-request-id", b"expect"}
 _NOT_DOWNSTREAM = HOP_BY_HOP | {b"x-request-id"}
 # ... and no Content-Length where the client's framing is the relay's chunking, or where
 # the status has no body and forbids one (204, 1xx: RFC 9110 8.6).
@@ -43,19 +45,37 @@ def has_token(headers: Headers, name: bytes, token: bytes) -> bool:
 
 
 def upstream_request_headers(client: Headers, host: bytes, body_len: int,
-                             request_id: bytes,
-                             auth: tuple[bytes, bytes] | None) -> Headers:
-    """The request headers sent upstream (h11 writes them; the body goes with Content-Length)."""
+                             request_id: bytes, auth: tuple[bytes, bytes] | None,
+                             static: Headers = (), pass_credentials: bool = False) -> Headers:
+    """The request headers sent upstream (the body goes with Content-Length).
+
+    The caller's Authorization / x-api-key cross only with `pass_credentials` (the relay
+    checks no keys and sends no credential of its own: the upstream checks them).
+    `static`: the upstream's configured headers, which replace the client's of those names;
+    `auth`: the upstream's own key, with which none of the client's credentials cross.
+    """
     drop = _NOT_UPSTREAM | _listed_in_connection(client)
+    if not pass_credentials:
+        drop = drop | CREDENTIALS
     if auth is not None:
-        drop = drop | {auth[0].lower()}
+        drop = drop | CLIENT_CREDENTIALS | {auth[0].lower()}
+    if static:
+        drop = drop | {k.lower() for k, _ in static}
     out = [(b"Host", host)]
     out.extend((k, v) for k, v in client if k.lower() not in drop)
+    out.extend(static)
     if auth is not None:
         out.append(auth)
     out.append((b"X-Request-Id", request_id))
     out.append((b"Content-Length", b"%d" % body_len))
     return out
+
+
+def with_cors(headers: Headers, own: Headers) -> Headers:
+    """The upstream's headers with its own CORS answer (`Access-Control-*`) replaced by the
+    relay's (`own`, from relay/cors.py)."""
+    return [(k, v) for k, v in headers
+            if not k.lower().startswith(b"access-control-")] + list(own)
 
 
 def client_response(status: int, reason: bytes, upstream: Headers, request_id: bytes,

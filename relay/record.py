@@ -22,6 +22,7 @@ class Record:
     status: int | None = None
     ok: bool = False
     error_code: str | None = None
+    error: str | None = None  # what failed, in words (e.g. a TLS reason), when known
     queue_ms: float | None = None
     ttft_ms: float | None = None
     total_ms: float | None = None

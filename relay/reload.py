@@ -7,7 +7,8 @@ step, so a bad file changes nothing. What changes:
   reserved figures, a new one is rebuilt from the rows;
 - upstreams: added ones start; removed ones take no new request, and their pools are closed
   once their streams are done; one whose URL changed is a new upstream under the same name
-  (its metrics carry on); otherwise slots, queue, models, fallback and auth change in place;
+  (its metrics carry on); otherwise slots, queue, models, fallback, auth, static headers,
+  keep-alive and TLS settings (new connections: ca_file read again) change in place;
 - timeouts and the rest of `[dispatcher]`, `[server]` bounds, `[budget]`, retention.
 
 Streams in flight finish on what they started with (their exchange holds its own stall
@@ -18,6 +19,7 @@ a file that changes them is refused.
 from __future__ import annotations
 
 from relay.auth import Auth
+from relay.cors import Cors
 from relay.config import Config, ConfigError
 from relay.routing import Router
 from relay.stall import StallPolicy
@@ -25,7 +27,8 @@ from relay.stall import StallPolicy
 
 def apply(app, new: Config) -> dict:
     """Apply `new` to `app`, or raise ConfigError leaving it as it was; a summary."""
-    from relay.app import Upstream, upstream_auth
+    from relay.app import Upstream, upstream_auth, upstream_keepalive, upstream_tls
+    from relay.upstream_headers import fixed_headers
 
     old = app.config
     for what, a, b in (("server.host", old.server.host, new.server.host),
@@ -43,7 +46,7 @@ def apply(app, new: Config) -> dict:
     for cfg in new.upstream:
         cur = app.upstreams.get(cfg.name)
         if cur is not None and cur.cfg.url == cfg.url:
-            in_place.append((cur, cfg, upstream_auth(cfg)))
+            in_place.append((cur, cfg, upstream_auth(cfg), upstream_tls(cfg, cur.target)))
             ups[cfg.name] = cur
             continue
         up = Upstream(cfg, d.upstream_keepalive_s, d.prewarm, d.connect_timeout_s)
@@ -56,16 +59,19 @@ def apply(app, new: Config) -> dict:
         ups[cfg.name] = up
     router = Router(new.upstream)
     auth = Auth(new.key, new.admin_key_sha256)
+    cors = Cors(new.server.cors_origins)
     policy = StallPolicy(d.stream_idle_timeout_s, d.stream_total_timeout_s,
                          d.direct_read_timeout_s)
     # ---- swap (cannot fail) ----
-    for up, cfg, up_auth in in_place:
-        up.cfg, up.auth = cfg, up_auth
+    for up, cfg, up_auth, up_tls in in_place:
+        up.cfg, up.auth, up.static, up.tls = cfg, up_auth, fixed_headers(cfg.headers), up_tls
         up.slots.resize(cfg.parallel, cfg.queue)
         up.metrics.parallel = cfg.parallel
         pool = up.pool
-        pool.keepalive_s, pool.connect_timeout_s = d.upstream_keepalive_s, d.connect_timeout_s
-        pool.prewarm = d.prewarm and d.upstream_keepalive_s > 0
+        pool.keepalive_s = upstream_keepalive(cfg, up.target, d.upstream_keepalive_s)
+        pool.connect_timeout_s = d.connect_timeout_s
+        pool.prewarm = d.prewarm and pool.keepalive_s > 0
+        pool.use_tls(up_tls)
     removed = [name for name in app.upstreams if name not in ups or name in changed]
     app.retired.extend(up for name, up in app.upstreams.items()
                        if ups.get(name) is not up)
@@ -73,6 +79,7 @@ def apply(app, new: Config) -> dict:
     app.upstreams = ups
     app.router = router
     app.auth = auth
+    app.cors = cors
     app.policy = policy
     app.registry.set_upstreams([up.metrics for up in ups.values()])
     app.store.retention_days = new.store.retention_days

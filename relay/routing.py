@@ -30,7 +30,10 @@ class Router:
             for a in u.aliases:
                 self.alias.setdefault(a, u.name)
         self.catch_all = next((u.name for u in upstreams if not u.models), None)
-        self.models = [(m, u.name) for u in upstreams for m in u.models]
+        # every public name, aliases included, once (with the upstream it routes to)
+        self.models = [(m, u.name) for u in upstreams for m in u.models if self.exact[m] == u.name]
+        self.models += [(a, u.name) for u in upstreams for a in u.aliases
+                        if a not in self.exact and self.alias[a] == u.name]
 
     def primary(self, model: str | None) -> str:
         if not model:

@@ -49,8 +49,9 @@ def settle(app, client, rec: Record, state: dict, t0: float) -> None:
             rec.outcome = rec.error_code = X.ERROR_EVENT  # a 200 that carried only an error
     rec.ok = (rec.outcome == X.DONE and rec.status is not None and rec.status < 400)
     has_ex = ex is not None and rec.upstream_served is not None
-    timing.fill(rec, t0, ex.first_byte_at if has_ex else None, ex.gaps if has_ex else None,
-                state.get("exact"))
+    hold = state.get("hold")
+    timing.fill(rec, t0, hold.first_out if hold is not None else None,
+                ex.gaps if has_ex else None, state.get("exact"))
     if rec.error_code is None and rec.status is not None and rec.status >= 400:
         rec.error_code = f"upstream_{rec.status}"
     res = state.get("reservation")
@@ -109,6 +110,8 @@ def rejected(dispatcher, client, err: RelayError) -> None:
                  status=err.status, error_code=err.code, outcome="rejected",
                  client_addr=client.peer_host,
                  user_agent=user_agent(head.headers) if head is not None else None)
+    if head is not None:  # the answer carries the CORS headers too (client.py writes it)
+        err.headers = err.headers + app.cors.headers(head.headers.raw_items())
     app.registry.rejected(err.code)
     app.ui_recent.add(rec)
     app.store.put(rec.row())

@@ -45,6 +45,7 @@ class SimDefaults:
     interval_ms: float = 0.0
     first_token_delay_ms: float = 0.0
     head_delay_ms: float = 0.0
+    keep_streams: bool = False  # keep the connection after a stream (as hosted APIs do)
 
 
 @dataclass(eq=False)
@@ -159,6 +160,9 @@ class _Conn(asyncio.Protocol):
 
     def finish_stream(self) -> None:
         """Streamed responses: mark finished, then close (llama-server closes after every stream)."""
+        if self.sim.defaults.keep_streams:
+            self._complete(self._keep)
+            return
         self.req.finished = True
         self.active = None
         self.close()
@@ -318,8 +322,10 @@ class _Conn(asyncio.Protocol):
 class Simulator:
     """In-process fake llama-server. ``await start()``; ``port`` is the bound port afterwards."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, defaults: SimDefaults | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, defaults: SimDefaults | None = None,
+                 ssl=None) -> None:
         self.host, self.port = host, port
+        self.ssl = ssl  # an ssl.SSLContext: served over TLS (connections_opened = handshakes)
         self.defaults = defaults or SimDefaults()
         self.loading = False
         self.parallel = 2
@@ -341,7 +347,7 @@ class Simulator:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.ssl else 'http'}://{self.host}:{self.port}"
 
     def metrics_values(self) -> dict[str, float]:
         busy = self.active_generations
@@ -352,7 +358,7 @@ class Simulator:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._server = await self._loop.create_server(lambda: _Conn(self), self.host, self.port,
-                                                      reuse_address=True, backlog=4096)
+                                                      reuse_address=True, backlog=4096, ssl=self.ssl)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
@@ -376,9 +382,15 @@ class Simulator:
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    ctx = None
+    if args.tls_cert:
+        import ssl
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(args.tls_cert, args.tls_key)
     sim = Simulator(args.host, args.port, SimDefaults(
         model=args.model, tokens=args.tokens, interval_ms=args.interval_ms,
-        first_token_delay_ms=args.first_token_delay_ms, head_delay_ms=args.head_delay_ms))
+        first_token_delay_ms=args.first_token_delay_ms, head_delay_ms=args.head_delay_ms,
+        keep_streams=args.keep_alive_streams), ssl=ctx)
     await sim.start()
     print(F.jdump({"event": "sim_listening", "host": args.host, "port": sim.port}).decode(), flush=True)
     stop = asyncio.Event()
@@ -435,6 +447,12 @@ def main(argv: list[str] | None = None) -> int:
                     "%(default)s)")
     ap.add_argument("--model", default="models/tiny.gguf",
                     help="model name it reports (default %(default)s)")
+    ap.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS (default: plain "
+                    "HTTP)")
+    ap.add_argument("--tls-key", help="PEM private key of --tls-cert (default: none)")
+    ap.add_argument("--keep-alive-streams", action="store_true",
+                    help="keep the connection after a stream (a hosted API), not close it "
+                    "(default: close, as llama-server does)")
     if argv and argv[0] == "sim":
         argv = argv[1:]
     args = ap.parse_args(argv)

@@ -142,7 +142,9 @@ class SseScanner:
         ev = ev.lstrip(b"\n")
         if not ev:
             return
-        if self.first_event:
+        # a comment line (llama-server's ping while it reads a long prompt) is not the first
+        # event: the error a first event may be comes after it
+        if self.first_event and (ev[0] != 0x3A or b"\n" in ev):
             self.first_event = False
             self.error_first = ev.startswith(b'data: {"error"')
         if carries_content(ev):

@@ -26,12 +26,13 @@ from relay.migrate import add_missing_columns
 COLUMNS = ("ts", "request_id", "key_id", "path", "model", "stream", "upstream_requested",
            "upstream_served", "fallback_attempts", "status", "ok", "error_code", "queue_ms",
            "ttft_ms", "total_ms", "prompt_tokens", "completion_tokens", "tokens_source",
-           "bytes_out", "client_closed")
+           "bytes_out", "client_closed", "error")
 _TYPES = ("REAL", "TEXT", "TEXT", "TEXT", "TEXT", "INTEGER", "TEXT",
           "TEXT", "INTEGER", "INTEGER", "INTEGER", "TEXT", "REAL",
           "REAL", "REAL", "INTEGER", "INTEGER", "TEXT",
-          "INTEGER", "INTEGER")
-# Columns added after the first schema: databases of an older relay gain them at start.
+          "INTEGER", "INTEGER", "TEXT")
+# Columns added after the first schema: databases of an older relay gain them at start
+# (relay/migrate.py; `error` came with TLS upstreams, the timings with issue 13).
 ADDED = (("first_byte_ms", "REAL"), ("e2e_ms", "REAL"), ("tpot_ms", "REAL"),
          ("itl_p50_ms", "REAL"), ("itl_p99_ms", "REAL"), ("itl_max_ms", "REAL"),
          ("itl_hist", "TEXT"), ("prompt_ms", "REAL"), ("prompt_per_second", "REAL"),

@@ -16,12 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import ssl
 import struct
 import termios
 
+from relay.tls import describe
+
 
 def unread_bytes(transport) -> int:
-    """Bytes waiting in the socket's receive queue, not yet read by the loop (FIONREAD)."""
+    """Bytes waiting in the socket's receive queue, not yet read by the loop (FIONREAD).
+
+    (On a TLS connection these are TLS records: application bytes, or the rare post-handshake
+    message such as a session ticket the loop has not read yet; either retires a pooled
+    connection, which costs at most a handshake.)"""
     sock = transport.get_extra_info("socket")
     if sock is None:
         return 0
@@ -29,7 +36,6 @@ def unread_bytes(transport) -> int:
         return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
     except OSError:
         return 1  # a socket that cannot say is not trusted with a request
-
 
 class UpstreamConn(asyncio.Protocol):
     __slots__ = ("pool", "transport", "handler", "alive", "idle_timer", "used")
@@ -84,17 +90,24 @@ class Pool:
     """Idle keep-alive connections to one upstream address."""
 
     def __init__(self, host: str, port: int, keepalive_s: float, prewarm: bool = False,
-                 connect_timeout_s: float = 5.0) -> None:
+                 connect_timeout_s: float = 5.0, tls: ssl.SSLContext | None = None) -> None:
         self.host = host
         self.port = port
+        # TLS (an https upstream): SNI and the name checked are the URL's host. The handshake
+        # is part of the connect (and of its timeout); pooled connections skip it.
+        self.use_tls(tls)
         self.keepalive_s = keepalive_s
         self.prewarm = prewarm and keepalive_s > 0
         self.connect_timeout_s = connect_timeout_s
         self.idle: list[UpstreamConn] = []
-        self.connects = 0  # new TCP connections opened (tests and metrics)
+        self.connects = 0  # new connections opened, TLS handshakes included (tests, metrics)
         self.burns = False  # the upstream closes connections after use (llama-server streams)
         self.closed = False
         self._warming = False
+
+    def use_tls(self, tls: ssl.SSLContext | None) -> None:
+        """New connections use this context (a reload); pooled ones keep theirs."""
+        self.tls = {} if tls is None else {"ssl": tls, "server_hostname": self.host}
 
     async def acquire(self, timeout: float, fresh: bool = False) -> tuple[UpstreamConn, bool]:
         """(connection, reused). Raises ConnectError."""
@@ -116,11 +129,14 @@ class Pool:
         expired = []
         timer = loop.call_later(timeout, lambda: expired.append(task.cancel()))
         try:
-            _, conn = await loop.create_connection(lambda: UpstreamConn(self), self.host, self.port)
+            _, conn = await loop.create_connection(lambda: UpstreamConn(self), self.host,
+                                                   self.port, **self.tls)
         except asyncio.CancelledError:
             if not expired or task.uncancel() > 0:
                 raise  # cancelled from outside: not ours to swallow
             raise ConnectError(f"connect timed out after {timeout}s") from None
+        except ssl.SSLError as exc:  # (an OSError too) a refused certificate, a bad handshake
+            raise ConnectError(f"TLS handshake failed: {describe(exc)}") from None
         except OSError as exc:
             raise ConnectError(f"connect failed: {exc.strerror or exc}") from None
         finally:

@@ -8,8 +8,9 @@ import asyncio
 class Scripted:
     """Each accepted connection runs `script(conn_index, request_head, reader, writer)`."""
 
-    def __init__(self, script) -> None:
+    def __init__(self, script, ssl=None) -> None:
         self.script = script
+        self.ssl = ssl  # an ssl.SSLContext: served over TLS (`connections` = handshakes done)
         self.server = None
         self.port = 0
         self.heads: list[bytes] = []  # every request head received, in order
@@ -19,10 +20,10 @@ class Scripted:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.ssl else 'http'}://127.0.0.1:{self.port}"
 
     async def start(self) -> "Scripted":
-        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0, ssl=self.ssl)
         self.port = self.server.sockets[0].getsockname()[1]
         return self
 

@@ -124,9 +124,10 @@ async def read_body(reader: asyncio.StreamReader, resp: Response, method: str = 
 
 
 async def fetch(port: int, method: str, path: str, body=None, headers=None, http: str = "1.1",
-                timeout: float = TIMEOUT) -> Response:
-    """One request on a new connection; the connection is closed afterwards."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                timeout: float = TIMEOUT, ssl=None) -> Response:
+    """One request on a new connection (TLS with an `ssl` context); closed afterwards."""
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", port, ssl=ssl, server_hostname="localhost" if ssl else None)
     try:
         writer.write(build_request(method, path, body, headers, http))
         resp = await asyncio.wait_for(read_head(reader), timeout)

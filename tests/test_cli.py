@@ -114,6 +114,22 @@ async def test_unwritable_store_is_a_clear_error(tmp_path):
     assert "Traceback" not in err
 
 
+async def test_a_secret_in_the_file_or_an_unreadable_ca_file_stops_the_start(tmp_path):
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text('[server]\nport = 0\n[[upstream]]\nname = "openai"\n'
+                   'url = "https://api.example.com/v1"\n'
+                   'headers = { "Authorization" = "Bearer sk-in-file" }\n')
+    code, err = await run_to_end("serve", "--config", str(cfg))
+    assert code == 2
+    assert "upstream.openai.headers: 'Authorization' looks like a credential" in err
+    assert "sk-in-file" not in err
+    cfg.write_text('[server]\nport = 0\n[[upstream]]\nname = "openai"\n'
+                   'url = "https://api.example.com/v1"\n'
+                   f'ca_file = "{tmp_path / "missing.pem"}"\n')
+    code, err = await run_to_end("serve", "--config", str(cfg))
+    assert code == 2 and "upstream.openai.ca_file: cannot load" in err
+
+
 def _all_json(err: str) -> list[dict]:
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert lines

@@ -141,7 +141,10 @@ async def test_v1_models_lists_configured_models(make_relay, sim, sim_b):
     assert resp.json() == {"object": "list", "data": [
         {"id": "alpha", "object": "model", "created": 0, "owned_by": "a"},
         {"id": "alpha-2", "object": "model", "created": 0, "owned_by": "a"},
-        {"id": "beta", "object": "model", "created": 0, "owned_by": "b"}]}
+        {"id": "beta", "object": "model", "created": 0, "owned_by": "b"},
+        # every public name: the aliases too (one shadowed by an exact name is that name)
+        {"id": "al", "object": "model", "created": 0, "owned_by": "a"},
+        {"id": "be", "object": "model", "created": 0, "owned_by": "b"}]}
     assert sim.requests == [] and sim_b.requests == []
 
 

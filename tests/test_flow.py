@@ -97,13 +97,13 @@ async def test_slow_reader_keeps_relay_buffer_bounded(make_relay, sim):
     reader, writer, resp = await open_stream(app.port, httpc.chat(n), rcvbuf=4096)
     assert resp.status == 200
     client = next(iter(app.clients))
-    await wait_for(lambda: client.exchange is not None and client.exchange.paused)
+    await wait_for(lambda: client.exchange is not None and client.exchange.flow.paused)
     ex = client.exchange
     upstream_req = sim.requests[-1]
     # while the client reads nothing, the upstream side stays paused and the buffer bounded;
     # the simulator goes on only until the kernel buffers between it and the relay are full
     sent = await settled(lambda: upstream_req.tokens_sent)
-    buffered = client.transport.get_write_buffer_size() + ex.held_size
+    buffered = client.transport.get_write_buffer_size() + (ex.hold.size if ex.hold else 0)
     assert buffered <= WRITE_HIGH_WATER + READ_SIZE, buffered
     assert not ex.conn.transport.is_reading()
     assert sent < n * 0.8  # the simulator was held back too

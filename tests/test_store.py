@@ -21,7 +21,7 @@ def make_row(i: int, **over) -> dict:
         "status": 200, "ok": 1, "error_code": None, "queue_ms": i / 4, "ttft_ms": 10.5 + i,
         "total_ms": 100.25 + i, "prompt_tokens": i, "completion_tokens": 2 * i,
         "tokens_source": "exact" if i % 2 else "approx", "bytes_out": 1000 + i,
-        "client_closed": 0,
+        "client_closed": 0, "error": None,
     }
     row.update(over)
     return row
@@ -113,6 +113,27 @@ def test_wal_mode_and_nulls_stay_null(db):
         assert second[col] is None and kinds[col] == "null"
     assert (second["ok"], second["stream"]) == (0, 1)       # bools stored as INTEGER 0/1
     assert kinds["ok"] == kinds["stream"] == "integer" and kinds["ts"] == "real"
+    store.close()
+
+
+def test_a_table_from_before_the_error_column_gets_it(db):
+    import sqlite3
+
+    old = [c for c in COLUMNS if c != "error"]
+    conn = sqlite3.connect(db)
+    conn.execute(f"CREATE TABLE request ({', '.join(old)})")
+    conn.execute("INSERT INTO request (ts, request_id) VALUES (1.0, 'old')")
+    conn.commit()
+    conn.close()
+    store = Store(db, retention_days=0)
+    store.start()
+    store.put(make_row(1, ok=0, status=502, error_code="upstream_unavailable",
+                       error="TLS handshake failed: certificate verify failed: x"))
+    store.flush()
+    got = store.query("SELECT request_id, error FROM request ORDER BY ts")
+    assert got == [{"request_id": "old", "error": None},
+                   {"request_id": "req-1",
+                    "error": "TLS handshake failed: certificate verify failed: x"}]
     store.close()
 
 

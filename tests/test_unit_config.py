@@ -132,8 +132,10 @@ def test_missing_required_upstream_field():
         parse_config({"upstream": [{"name": "a"}]})
 
 
-@pytest.mark.parametrize("url", ["https://h:443", "h:80", "http://", "http:///x", "ftp://h",
-                                 "http://h/v1", "http://h:8080/v1/", "http://h?x=1",
+@pytest.mark.parametrize("url", ["h:80", "http://", "http:///x", "ftp://h", "https://",
+                                 "http://h?x=1", "https://h/v1?x=1", "http://h/v1#f",
+                                 "http://u:p@h/v1", "https://key@h", "http://h/a/../v1",
+                                 "http://h/a//v1", "http://h/a%2f", "http://h/a b",
                                  "http://h:notaport", "http://h:70000", "", "127.0.0.1:8081"])
 def test_bad_upstream_url(url):
     with pytest.raises(ConfigError) as exc:
@@ -147,6 +149,9 @@ def test_bad_upstream_url(url):
     ("http://llm/", ("llm", 80)),
     ("http://[::1]:9000", ("::1", 9000)),
     ("http://LLM.example:1", ("llm.example", 1)),
+    ("https://api.example.com", ("api.example.com", 443)),
+    ("https://api.example.com:8443/api/v1", ("api.example.com", 8443)),
+    ("http://h:8080/v1/", ("h", 8080)),
 ])
 def test_parse_url(url, want):
     assert parse_url(url) == want
@@ -255,3 +260,80 @@ def test_load_config_invalid_utf8(tmp_path):
     p.write_bytes(b'[store]\npath = "caf\xe9.db"\n')
     with pytest.raises(ConfigError):
         load_config(str(p))
+
+
+def test_drop_in_keys(tmp_path):
+    """Issue 11's keys: heartbeat_s (default 15, 0 = off), cors_origins (off), model_map."""
+    cfg = parse_config({"upstream": [UP]})
+    assert cfg.dispatcher.heartbeat_s == 15.0
+    assert cfg.server.cors_origins == [] and cfg.upstream[0].model_map == {}
+    path = tmp_path / "relay.toml"
+    path.write_text('[server]\ncors_origins = ["*", "https://chat.example"]\n'
+                    "[dispatcher]\nheartbeat_s = 0\n"
+                    '[[upstream]]\nname = "llm"\nurl = "http://[::1]:8081"\n'
+                    'aliases = ["gpt-4o-mini"]\n'
+                    'model_map = { "gpt-4o-mini" = "Qwen/Qwen2.5-7B-Instruct", "*" = "qwen" }\n')
+    cfg = parse_config(load_config(str(path)))
+    assert cfg.server.cors_origins == ["*", "https://chat.example"]
+    assert cfg.dispatcher.heartbeat_s == 0
+    assert cfg.upstream[0].model_map == {"gpt-4o-mini": "Qwen/Qwen2.5-7B-Instruct", "*": "qwen"}
+    assert parse_url(cfg.upstream[0].url) == ("::1", 8081)
+    for bad in ({"dispatcher": {"heartbeat_s": -1}},
+                {"upstream": [{**UP, "model_map": {"a": ""}}]},
+                {"server": {"cors_origins": [""]}}):
+        with pytest.raises(ConfigError):
+            parse_config(bad)
+
+
+# ---- issue 12: https upstreams, path prefixes, static headers --------------------------------
+def test_tls_and_header_keys_defaults():
+    [up] = parse_config({"upstream": [UP]}).upstream
+    assert (up.verify, up.ca_file, up.headers, up.keepalive_s) == (True, None, {}, None)
+
+
+def test_https_upstream_with_prefix_and_headers():
+    [up] = parse_config({"upstream": [{
+        "name": "remote", "url": "https://api.example.com/v1", "verify": True,
+        "ca_file": "/etc/ssl/private-ca.pem", "keepalive_s": 120,
+        "headers": {"OpenAI-Organization": "org-x", "OpenAI-Project": "proj_1"},
+        "auth_header": "Authorization", "auth_value_env": "REMOTE_KEY"}]}).upstream
+    assert up.headers == {"OpenAI-Organization": "org-x", "OpenAI-Project": "proj_1"}
+    assert up.keepalive_s == 120.0
+
+
+@pytest.mark.parametrize("extra", [{"ca_file": "/x.pem"}, {"verify": False}])
+def test_tls_keys_refused_on_plain_http(extra):
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"upstream": [dict(UP, **extra)]})
+    assert str(exc.value) == "upstream.llm: ca_file and verify apply to https:// only"
+
+
+def test_ca_file_with_verify_off_refused():
+    with pytest.raises(ConfigError, match="verifies nothing"):
+        parse_config({"upstream": [{"name": "r", "url": "https://h", "verify": False,
+                                    "ca_file": "/x.pem"}]})
+
+
+@pytest.mark.parametrize("name", ["Authorization", "x-api-key", "API-Key", "Proxy-Authorization",
+                                  "Cookie", "x-goog-api-key", "X-Auth-Token", "X-Secret",
+                                  "X-Upstream-Auth"])
+def test_credential_like_static_header_refused(name):
+    up = {"name": "r", "url": "https://h", "headers": {name: "sk-123"}}
+    if name == "X-Upstream-Auth":
+        up.update(auth_header="X-Upstream-Auth", auth_value_env="R_KEY")
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"upstream": [up]})
+    msg = str(exc.value)
+    assert msg.startswith(f"upstream.r.headers: {name!r} looks like a credential")
+    assert "environment" in msg and "sk-123" not in msg  # the value is never echoed
+
+
+@pytest.mark.parametrize("headers,why", [
+    ({"Host": "x"}, "is set by the relay"), ({"Content-Length": "1"}, "is set by the relay"),
+    ({"Connection": "close"}, "is set by the relay"), ({"Bad Name": "x"}, "not a header name"),
+    ({"Accept-Encoding": "gzip"}, "is set by the relay"),
+    ({"X-Ok": "a\r\nX-Injected: 1"}, "control characters"),
+])
+def test_bad_static_header_refused(headers, why):
+    with pytest.raises(ConfigError, match=why):
+        parse_config({"upstream": [{"name": "r", "url": "https://h", "headers": headers}]})

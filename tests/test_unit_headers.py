@@ -165,6 +165,33 @@ def test_get_and_has_token():
     assert has_token([(b"TE", b"gzip ,chunked")], b"te", b"chunked")
 
 
+# ---- issue 12: a remote upstream's own key and static headers -------------------------------
+def test_upstream_with_own_key_gets_none_of_the_clients_credentials():
+    client = [(b"Host", b"relay"), (b"Authorization", b"Bearer sk-client"),
+              (b"api-key", b"azure-client"), (b"X-API-Key", b"k"), (b"Cookie", b"s=1"),
+              (b"Proxy-Authorization", b"Basic x"), (b"Accept", b"*/*")]
+    out = upstream_request_headers(client, b"api.example.com", 2, b"r",
+                                   (b"Authorization", b"Bearer sk-relay"))
+    assert out == [(b"Host", b"api.example.com"), (b"Accept", b"*/*"),
+                   (b"Authorization", b"Bearer sk-relay"), (b"X-Request-Id", b"r"),
+                   (b"Content-Length", b"2")]
+    # with another header name for the upstream's key, the client's Authorization is still
+    # not forwarded to it
+    out = upstream_request_headers(client, b"h", 0, b"r", (b"api-key", b"azure-relay"))
+    flat = b"\n".join(k + b":" + v for k, v in out)
+    assert b"client" not in flat and b"s=1" not in flat and b"Basic" not in flat
+    assert (b"api-key", b"azure-relay") in out
+
+
+def test_static_headers_replace_the_clients_of_that_name():
+    client = [(b"Host", b"relay"), (b"openai-organization", b"org-client"), (b"Accept", b"a")]
+    out = upstream_request_headers(client, b"h", 0, b"r", (b"Authorization", b"Bearer k"),
+                                   [(b"OpenAI-Organization", b"org-x")])
+    assert out == [(b"Host", b"h"), (b"Accept", b"a"), (b"OpenAI-Organization", b"org-x"),
+                   (b"Authorization", b"Bearer k"), (b"X-Request-Id", b"r"),
+                   (b"Content-Length", b"0")]
+
+
 def _names(head: bytes) -> list[bytes]:
     return [line.split(b":", 1)[0].lower() for line in head.split(b"\r\n")[1:] if line]
 

@@ -261,7 +261,9 @@ def test_oversized_pending_event_given_up():
 def test_blank_lines_and_comments():
     s = SseScanner()
     s.feed(b"\n\n\n\n: ping\n\n" + ev('{"error":{"message":"x"}}') + b"\n\n\n")
-    assert (s.error_first, s.content_events, s.pending) == (False, 0, b"")  # comment was first
+    # a comment (llama-server's ping during prompt processing) dispatches no event: the error
+    # is the first event
+    assert (s.error_first, s.content_events, s.pending) == (True, 0, b"")
     s.feed(ev(CHAT % "a"))
     assert s.content_events == 1
 

@@ -122,9 +122,11 @@ class LlamaServer:
     """A llama-server subprocess serving the tiny model on 127.0.0.1:<free port>."""
 
     def __init__(self, binary: Path | None = None, extra_args: tuple[str, ...] = (),
-                 health_timeout: float = HEALTH_TIMEOUT_S):
+                 health_timeout: float = HEALTH_TIMEOUT_S, router_models: tuple[str, ...] = ()):
         self.want = binary
         self.extra_args = tuple(extra_args)
+        # router mode (--models-dir): one tiny model per name, loaded on first use
+        self.router_models = tuple(router_models)
         self.health_timeout = health_timeout
         self.proc: subprocess.Popen[bytes] | None = None
         self.port: int = 0
@@ -161,7 +163,12 @@ class LlamaServer:
                 "`python -m tests.e2e.build_llama_server` or set LLAMA_SERVER_BIN")
         from .tiny_gguf import write_tiny_model
 
-        write_tiny_model(self.model_path)
+        if self.router_models:
+            (self.dir / "models").mkdir(exist_ok=True)
+            for name in self.router_models:
+                write_tiny_model(self.dir / "models" / f"{name}.gguf")
+        else:
+            write_tiny_model(self.model_path)
         failures: list[str] = []
         for _attempt in range(3):  # a new port if another process grabbed ours
             err = self._try_start(binary)
@@ -180,7 +187,9 @@ class LlamaServer:
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
             [str(binary.parent)] + ([env["LD_LIBRARY_PATH"]] if env.get("LD_LIBRARY_PATH") else []))
-        cmd = [str(binary), "-m", str(self.model_path), "--host", "127.0.0.1",
+        model = (["--models-dir", str(self.dir / "models")] if self.router_models
+                 else ["-m", str(self.model_path)])
+        cmd = [str(binary), *model, "--host", "127.0.0.1",
                "--port", str(self.port), *DEFAULT_ARGS, *self.extra_args]
         self._log_file = open(self.log_path, "wb")
         self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
