@@ -385,7 +385,7 @@ class Dispatcher:
         cors = state["cors"]
         path = req.path  # normalised and bounded (it is echoed in a 404)
         if ui.is_page(path):
-            self._ui_page(client, req, rid)
+            ui.answer(app.auth, client, req, rid)
             return True
         relay_admin = access.is_relay_admin(path)
         if relay_admin or access.is_upstream_admin(req.method, path):
@@ -415,23 +415,6 @@ class Dispatcher:
             client.respond(200, model_list(app.router.models), rid, req.keep_alive, cors)
             return True
         return False
-
-    def _ui_page(self, client, req, rid: bytes) -> None:
-        """The operator page's files (relay/ui.py): no data in them, no key needed for them
-        when an admin key guards the data; loopback only when keys exist without one."""
-        auth = self.app.auth
-        if auth.admin is None:
-            refused = access.admin_refusal(auth, req.headers, client.peer_host)
-            if refused is not None:
-                raise RelayError(*refused)
-        if req.path == ui.AUTH_PATH:
-            found = (msgspec.json.encode({"admin_key": auth.admin is not None}),
-                     b"application/json")
-        else:
-            found = ui.page(req.path) if req.method in (b"GET", b"HEAD") else None
-        if found is None:
-            raise RelayError("not_found", f"no such endpoint {req.path}")
-        client.respond(200, found[0], rid, req.keep_alive, ui.PAGE_HEADERS, found[1])
 
     # ---- settlement: once per request (relay/settle.py) -------------------------------
     def _release_slot(self, state: dict) -> None:

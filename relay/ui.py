@@ -11,6 +11,11 @@ from __future__ import annotations
 
 from importlib import resources
 
+import msgspec
+
+from relay import access
+from relay.errors import RelayError
+
 PAGES = {"/ui": ("index.html", b"text/html; charset=utf-8"),
          "/ui/": ("index.html", b"text/html; charset=utf-8"),
          "/ui/app.js": ("app.js", b"text/javascript; charset=utf-8"),
@@ -39,3 +44,19 @@ def page(path: str) -> tuple[bytes, bytes] | None:
     if body is None:
         body = _cache[name] = resources.files("relay").joinpath("static", name).read_bytes()
     return body, ctype
+
+
+def answer(auth, client, req, rid: bytes) -> None:
+    """Answer a request for a page file: no data in them, so no key is needed for them when an
+    admin key guards the data; loopback peers only when keys exist without one."""
+    if auth.admin is None:
+        refused = access.admin_refusal(auth, req.headers, client.peer_host)
+        if refused is not None:
+            raise RelayError(*refused)
+    if req.path == AUTH_PATH:
+        found = msgspec.json.encode({"admin_key": auth.admin is not None}), b"application/json"
+    else:
+        found = page(req.path) if req.method in (b"GET", b"HEAD") else None
+    if found is None:
+        raise RelayError("not_found", f"no such endpoint {req.path}")
+    client.respond(200, found[0], rid, req.keep_alive, PAGE_HEADERS, found[1])

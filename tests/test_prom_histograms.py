@@ -10,7 +10,7 @@ import math
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests import httpc
-from tests.test_keys_budgets import SECRET, bearer, key
+from tests.test_keys_budgets import bearer, key
 
 CHAT = "/v1/chat/completions"
 

@@ -71,7 +71,7 @@ def test_old_database_gains_the_columns(tmp_path):
     path = str(tmp_path / "old.db")
     conn = sqlite3.connect(path)
     conn.execute(f"CREATE TABLE request ({', '.join(OLD_COLUMNS)})")
-    conn.execute(f"INSERT INTO request (ts, request_id, ttft_ms, ok) VALUES (?, 'old-1', 12.5, 1)",
+    conn.execute("INSERT INTO request (ts, request_id, ttft_ms, ok) VALUES (?, 'old-1', 12.5, 1)",
                  (time.time() - 60,))
     conn.commit()
     conn.close()
