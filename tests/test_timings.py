@@ -138,3 +138,16 @@ async def test_relay_error_row_timings(make_relay):
     row = await one_row(app, "400")
     assert row["e2e_ms"] == row["total_ms"] == row["first_byte_ms"]
     assert row["ttft_ms"] is None and row["tpot_ms"] is None
+
+
+async def test_first_byte_before_ttft_with_heartbeats(make_relay):
+    """With heartbeats, the head and a comment reach the client before the first token: the
+    first byte is the first heartbeat, the TTFT still the first content event."""
+    app = await make_relay(heartbeat_s=0.1)
+    resp = await httpc.fetch(app.port, "POST", CHAT,
+                             httpc.chat(3, first_token_delay_ms=400, interval_ms=5),
+                             headers=rid_header("hb"))
+    assert resp.status == 200 and resp.complete and b": relay heartbeat" in resp.body
+    row = await one_row(app, "hb")
+    assert 95 <= row["first_byte_ms"] < 300 and row["ttft_ms"] >= 400
+    assert row["tpot_ms"] == round((row["e2e_ms"] - row["ttft_ms"]) / 2, 3)
