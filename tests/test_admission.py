@@ -295,3 +295,102 @@ async def test_body_bytes_are_given_back_when_the_client_leaves_mid_request(make
             await wait_for(lambda: sim.requests)
         writer.transport.abort()
         await wait_for(lambda: app.dispatcher.bodies.held == 0)
+
+
+# ---- limits the upstream honours, per path (issue 10 item 7) ------------------------------
+async def test_a_limit_field_the_path_ignores_is_no_limit(make_relay, sim):
+    # llama-server ignores max_output_tokens on chat/completions (it generates to the context
+    # size): the request is unbounded, so it is capped in the field the path reads
+    app = await make_relay(keys=[key(tokens_per_day=3000)])
+    statuses = []
+    for _ in range(4):
+        body = {**gen(5000), "max_output_tokens": 5}
+        resp = await httpc.fetch(app.port, "POST", CHAT, body, headers=bearer())
+        statuses.append(resp.status)
+    cap = app.config.budget.default_max_tokens
+    assert statuses == [200, 200, 429, 429]
+    assert [r.completion_tokens for r in sim.requests] == [cap, cap]
+    assert all(r.json["max_tokens"] == cap and r.json["max_output_tokens"] == 5
+               for r in sim.requests)
+    assert await charged(app, 4) <= 3000
+    # the native /completion knows no max_completion_tokens
+    app = await make_relay(keys=[key(tokens_per_day=3000)])
+    sim.requests.clear()
+    body = {"prompt": "Hi", "max_completion_tokens": 5, "stream": True, "sim": {"tokens": 5000}}
+    resp = await httpc.fetch(app.port, "POST", "/completion", body, headers=bearer())
+    assert resp.status == 200
+    assert sim.requests[0].json["n_predict"] == cap and sim.requests[0].completion_tokens == cap
+    assert await charged(app, 1) <= 3000
+
+
+# ---- every generating route takes a slot and a reservation (issue 10 item 8) ---------------
+def slow_sse(hold_s: float, events: int = 3):
+    """An upstream answering every request with a stream of `events` content events."""
+    async def script(upstream, index, reader, writer):
+        while await upstream.read_request(reader) is not None:
+            await asyncio.sleep(hold_s)
+            out = b"".join(b'data: {"type":"content_block_delta","delta":{"text":"x%d"}}\n\n' % i
+                           for i in range(events))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(out), out))
+            await writer.drain()
+    return script
+
+
+@pytest.mark.parametrize("path,field", [("/v1/messages", "max_tokens"),
+                                        ("/responses", "max_output_tokens"),
+                                        ("/v1/responses", "max_output_tokens"),
+                                        ("/v1/rerank", None),
+                                        ("/some/future/route", None)])
+async def test_every_generating_route_takes_a_slot_and_is_capped(make_relay, path, field):
+    from tests.fakeup import Scripted
+    up = await Scripted(slow_sse(0.3)).start()
+    try:
+        app = await make_relay(url=up.url, keys=[key(tokens_per_day=50000)], parallel=1,
+                               queue=0, pool_timeout_s=0.0)
+        seen = []
+
+        async def watch():
+            while True:
+                seen.append(app.upstreams["llm"].slots.in_flight)
+                await asyncio.sleep(0.005)
+        w = asyncio.create_task(watch())
+        body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        rs = await asyncio.gather(*(httpc.fetch(app.port, "POST", path, body, headers=bearer())
+                                    for _ in range(3)))
+        w.cancel()
+        assert sorted(r.status for r in rs) == [200, 503, 503]
+        assert max(seen) == 1 and len(up.bodies) == 1
+        cap = app.config.budget.default_max_tokens
+        sent = json.loads(up.bodies[0])
+        if field is not None:  # the cap is written in the field this API reads
+            assert sent[field] == cap and set(sent) - set(body) == {field}
+        else:
+            assert sent == body
+        rows = await rows_of(app, 3)
+        assert [r["tokens_source"] for r in rows if r["status"] == 200] == ["approx"]
+        assert app.upstreams["llm"].slots.in_flight == 0
+    finally:
+        await up.stop()
+
+
+async def test_cheap_routes_take_no_slot(make_relay, sim):
+    app = await make_relay(parallel=1, queue=0, pool_timeout_s=0.0)
+    long = httpc.chat(2, first_token_delay_ms=400)
+    first = asyncio.create_task(httpc.fetch(app.port, "POST", CHAT, long))
+    await wait_for(lambda: app.upstreams["llm"].slots.in_flight == 1)
+    resp = await httpc.fetch(app.port, "POST", "/tokenize", {"content": "hi"})
+    assert resp.status == 200
+    assert (await first).status == 200
+
+
+# ---- the cap is spliced in, the body otherwise untouched (issue 10 item 5) ----------------
+async def test_the_cap_is_spliced_into_the_body_bytes(make_relay, sim):
+    app = await make_relay(keys=[key(tokens_per_day=100000)])
+    raw = b'{"model":"m", "prompt": "}{\\"}", "stream": true, "a": {"b": {}}}\r\n  '
+    resp = await httpc.fetch(app.port, "POST", "/completion", raw,
+                             headers={**bearer(), "Content-Type": "application/json"})
+    assert resp.status == 200
+    cap = app.config.budget.default_max_tokens
+    assert sim.requests[0].body == raw.rstrip()[:-1] + b',"n_predict":%d}\r\n  ' % cap
+    assert await charged(app, 1) <= 100000
