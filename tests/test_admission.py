@@ -384,6 +384,83 @@ async def test_cheap_routes_take_no_slot(make_relay, sim):
     assert (await first).status == 200
 
 
+# ---- multi-prompt and n (issue 10 item 7) -------------------------------------------------
+def multi_stream(per: int):
+    """llama-server's way with `"prompt": [p1 .. pN]`: `per` tokens for each prompt, and a
+    final usage that covers one completion only."""
+    async def script(upstream, index, reader, writer):
+        while await upstream.read_request(reader) is not None:
+            doc = json.loads(upstream.bodies[-1])
+            p = doc["prompt"]
+            prompts = p if isinstance(p, list) and not all(isinstance(x, int) for x in p) else [p]
+            n = len(prompts) * max(1, doc.get("n", 1))
+            out = b"".join(b'data: {"choices":[{"text":"t","index":%d}]}\n\n' % (i % n)
+                           for i in range(per * n))
+            out += (b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":%d}}'
+                    b'\n\ndata: [DONE]\n\n' % per)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(out), out))
+            await writer.drain()
+    return script
+
+
+async def test_multi_prompt_and_n_are_reserved_and_charged_in_full(make_relay):
+    from tests.fakeup import Scripted
+    up = await Scripted(multi_stream(100)).start()
+    try:
+        app = await make_relay(url=up.url, keys=[key(tokens_per_day=1000)])
+        four = {"model": "x", "prompt": ["a", "b", "c", "d"], "max_tokens": 100, "stream": True}
+        resp = await httpc.fetch(app.port, "POST", "/v1/completions", four, headers=bearer())
+        assert resp.status == 200
+        [row] = await rows_of(app, 1)
+        assert row["completion_tokens"] == 400  # not the 100 of the final usage
+        # 3 prompts x n=2 x 100: 600 more than the 1000 left -> refused before the upstream
+        six = {**four, "prompt": ["a", "b", "c"], "n": 2}
+        resp = await httpc.fetch(app.port, "POST", "/v1/completions", six, headers=bearer())
+        assert resp.status == 429
+        # a flat list of token ids is one prompt
+        ids = {**four, "prompt": [1, 2, 3, 4]}
+        resp = await httpc.fetch(app.port, "POST", "/v1/completions", ids, headers=bearer())
+        assert resp.status == 200
+        assert len(up.bodies) == 2
+        assert await charged(app, 3) <= 1000
+        rows = await rows_of(app, 3)
+        assert [r["completion_tokens"] for r in rows] == [400, None, 100]
+    finally:
+        await up.stop()
+
+
+# ---- no usable token figure: the reservation is charged (issue 10 item 7) -----------------
+async def test_a_served_body_without_a_usable_figure_is_charged_its_reservation(make_relay):
+    from tests.fakeup import Scripted
+    pad = "x" * (1536 * 1024)  # more than the relay keeps of a JSON body
+    doc = json.dumps({"choices": [{"message": {"content": pad}}],
+                      "usage": {"prompt_tokens": 5, "completion_tokens": 700}}).encode()
+
+    async def script(upstream, index, reader, writer):
+        while await upstream.read_request(reader) is not None:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(doc) + doc)
+            await writer.drain()
+
+    up = await Scripted(script).start()
+    try:
+        app = await make_relay(url=up.url, keys=[key(tokens_per_day=2000)])
+        body = httpc.chat(800, stream=False)
+        statuses = []
+        for _ in range(3):
+            resp = await httpc.fetch(app.port, "POST", CHAT, body, headers=bearer())
+            statuses.append(resp.status)
+        assert statuses == [200, 200, 429]
+        rows = await rows_of(app, 3)
+        prompt_est = len(json.dumps(body)) // 4
+        assert [(r["prompt_tokens"], r["completion_tokens"], r["tokens_source"])
+                for r in rows[:2]] == [(prompt_est, 800, "reserved")] * 2
+        assert await charged(app, 3) == 2 * (prompt_est + 800) <= 2000
+    finally:
+        await up.stop()
+
+
 # ---- the cap is spliced in, the body otherwise untouched (issue 10 item 5) ----------------
 async def test_the_cap_is_spliced_into_the_body_bytes(make_relay, sim):
     app = await make_relay(keys=[key(tokens_per_day=100000)])
