@@ -227,11 +227,20 @@ _WS = b" \t\r\n"
 
 
 def splice_fields(body: bytes, fields: list[tuple[str, int]]) -> bytes:
-    """`body` (a JSON object) with `"name":value` members appended before its closing brace."""
-    end = len(body.rstrip(_WS)) - 1
-    if end < 0 or body[end:end + 1] != b"}":
+    """`body` (a JSON object) with `"name":value` members appended before its closing brace;
+    one copy of the body, never a decode."""
+    end = len(body)
+    while end and body[end - 1] in _WS:
+        end -= 1
+    end -= 1  # the closing brace
+    if end < 1 or body[end] != 0x7D:
         raise _invalid("cannot apply the token limit")
+    last = end
+    while last and body[last - 1] in _WS:
+        last -= 1
+    if not last:
+        raise _invalid("cannot apply the token limit")
+    sep = b"" if body[last - 1] == 0x7B else b","  # `{}`: no member before
     members = b",".join(b'"%s":%d' % (name.encode(), value) for name, value in fields)
-    inner = body[:end].rstrip(_WS)
-    sep = b"" if inner.endswith(b"{") else b","
-    return inner + sep + members + body[end:]
+    view = memoryview(body)
+    return b"".join((view[:last], sep, members, view[end:]))

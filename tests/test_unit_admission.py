@@ -141,6 +141,12 @@ def test_with_limit_splices_the_fields_the_api_reads(path, body, want):
         {k: v for k, v in json.loads(out).items() if k not in A.LIMIT_FIELDS}
 
 
+def test_splice_refuses_what_is_not_an_object():
+    for bad in (b"", b"}", b"  }", b"[1]", b'{"a":1'):
+        with pytest.raises(RelayError):
+            A.splice_fields(bad, [("max_tokens", 1)])
+
+
 def test_with_limit_does_not_decode_the_body():
     body = b'{"prompt":"' + b"x" * (8 << 20) + b'"}'
     p = A.peek_body(b"POST", [], body, True)
