@@ -175,6 +175,7 @@ class Dispatcher:
             req.body = A.with_limit(req.body, peek, cap, path)
         state["generates"] = slot_path
         state["completion_est"] = completion_est
+        state["completions"] = A.prompt_count(peek) * A.choices(peek)
         state["prompt_est"] = prompt_est
         if rec.key_id is not None:
             try:

@@ -74,7 +74,10 @@ def _tokens(app, rec: Record, ex: X.Exchange, state: dict) -> None:
     exact = None
     approx = None
     if ex.body_copy is not None:
-        exact = ex.body_copy.usage() if ex.outcome == X.DONE else None
+        # a body answering several prompts / choices: its usage may cover one of them
+        # (llama-server's /v1/completions), so no usable figure - the reservation is charged
+        if ex.outcome == X.DONE and state.get("completions", 1) <= 1:
+            exact = ex.body_copy.usage()
     elif scanner is not None:
         exact = stream_usage(scanner.meta) if scanner.meta else None
         approx = scanner.content_events

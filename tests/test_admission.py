@@ -430,6 +430,36 @@ async def test_multi_prompt_and_n_are_reserved_and_charged_in_full(make_relay):
         await up.stop()
 
 
+async def test_a_non_streamed_answer_to_several_prompts_is_charged_its_reservation(make_relay):
+    from tests.fakeup import Scripted
+    # llama-server's /v1/completions: N choices, a usage that counts one completion only
+    doc = json.dumps({"choices": [{"text": "t" * 100, "index": i} for i in range(4)],
+                      "usage": {"prompt_tokens": 3, "completion_tokens": 100}}).encode()
+
+    async def script(upstream, index, reader, writer):
+        while await upstream.read_request(reader) is not None:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(doc) + doc)
+            await writer.drain()
+
+    up = await Scripted(script).start()
+    try:
+        app = await make_relay(url=up.url, keys=[key(tokens_per_day=1000)])
+        four = {"model": "x", "prompt": ["a", "b", "c", "d"], "max_tokens": 100, "stream": False}
+        statuses = []
+        for _ in range(3):
+            resp = await httpc.fetch(app.port, "POST", "/v1/completions", four, headers=bearer())
+            statuses.append(resp.status)
+        assert statuses == [200, 200, 429]
+        rows = await rows_of(app, 3)
+        est = len(json.dumps(four)) // 4
+        assert [(r["completion_tokens"], r["tokens_source"]) for r in rows[:2]] == [
+            (400, "reserved")] * 2
+        assert await charged(app, 3) == 2 * (est + 400) <= 1000
+    finally:
+        await up.stop()
+
+
 # ---- no usable token figure: the reservation is charged (issue 10 item 7) -----------------
 async def test_a_served_body_without_a_usable_figure_is_charged_its_reservation(make_relay):
     from tests.fakeup import Scripted
