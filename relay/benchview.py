@@ -30,7 +30,8 @@ from relay import gaps as G
 
 BY = {"model": "model", "upstream": "upstream_served", "key": "key_id"}
 READ_COLUMNS = ("ts", "key_id", "model", "upstream_served", "ok", "stream", "ttft_ms",
-                "tpot_ms", "e2e_ms", "itl_hist", "completion_tokens", "prompt_tokens")
+                "tpot_ms", "e2e_ms", "itl_hist", "completion_tokens", "prompt_tokens",
+                "tokens_source")
 SLO_NAMES = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2e_ms"}
 FIGURES = ("ttft", "tpot", "itl", "e2el")
 STATS = ("mean", "p50", "p90", "p99")
@@ -97,7 +98,8 @@ def meets(row: dict, slo: dict[str, float]) -> bool:
 def summarize(rows: list[dict], duration_s: float, slo: dict[str, float] | None,
               group: str | None) -> dict:
     done = [r for r in rows if r.get("ok")]
-    out_tokens = sum(r.get("completion_tokens") or 0 for r in done)
+    out_tokens = sum(r.get("completion_tokens") or 0 for r in done
+                     if r.get("tokens_source") != "reserved")  # a reservation is no count
     out = {"group": group, "requests": len(rows), "completed": len(done),
            "failed": len(rows) - len(done), "duration_s": duration_s,
            "request_throughput": len(done) / duration_s if duration_s > 0 else None,

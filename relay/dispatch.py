@@ -159,8 +159,8 @@ class Dispatcher:
             rec.key_id = req.key_id or app.auth.identify(req.headers)
             if rec.key_id is None:
                 raise RelayError("invalid_api_key", "missing or unknown API key")
-        slot_path = req.method == b"POST" and path in A.SLOT_PATHS
-        peek = A.peek_body(req.method, req.headers, req.body, slot_path)
+        slot_path = A.generates(req.method, path)  # any POST but a known cheap route
+        peek = A.peek_body(req.method, req.headers, req.body, A.json_route(path))
         rec.model, rec.stream = bounded(peek.model, A.MAX_ECHO), bool(peek.stream)
         state["model"] = peek.model  # the public name, whole (model_map looks it up)
         try:
@@ -170,10 +170,15 @@ class Dispatcher:
                              {"model": rec.model}) from None
         rec.upstream_requested = candidates[0]
         cap = app.config.budget.default_max_tokens
-        prompt_est, completion_est = A.estimate_tokens(req.body, peek, cap)
-        if (slot_path and rec.key_id is not None and A.completion_limit(peek) is None
+        prompt_est, completion_est = A.estimate_tokens(req.body, peek, cap, path)
+        if (A.json_route(path) and rec.key_id is not None
+                and A.completion_limit(peek, path) is None
                 and app.budgets.limits_tokens(rec.key_id)):
-            req.body = A.with_limit(req.body, cap, path)  # the upstream must honour what is reserved
+            # the upstream must honour what is reserved
+            req.body = A.with_limit(req.body, peek, cap, path)
+        state["generates"] = slot_path
+        state["completion_est"] = completion_est
+        state["completions"] = A.prompt_count(peek) * A.choices(peek)
         state["prompt_est"] = prompt_est
         if rec.key_id is not None:
             try:

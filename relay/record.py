@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from relay.durable import RESERVED  # tokens_source: the reservation charged, no count known
 from relay.usage import Usage
 
 
@@ -59,15 +60,24 @@ class Record:
 
     def set_tokens(self, exact: Usage | None, approx_completion: int | None,
                    approx_prompt: int | None) -> None:
-        """Exact figures when the upstream sent them, else the relay's estimate."""
+        """Exact figures when the upstream sent them, else the relay's estimate. A stream's
+        final usage may cover one completion of several (prompts x choices): the completion
+        charged is never below the content events counted."""
         if exact is not None and exact.completion_tokens is not None:
-            self.completion_tokens = exact.completion_tokens
+            counted = approx_completion or 0
+            self.completion_tokens = max(exact.completion_tokens, counted)
             self.prompt_tokens = exact.prompt_tokens
-            self.tokens_source = "exact"
+            self.tokens_source = "exact" if exact.completion_tokens >= counted else "approx"
         elif approx_completion is not None:
             self.completion_tokens = approx_completion
             self.prompt_tokens = approx_prompt
             self.tokens_source = "approx"
+
+    def set_reserved(self, prompt: int, completion: int) -> None:
+        """No usable figure for a request that was served: it is charged what it reserved
+        (the rule crash recovery follows, relay/durable.py)."""
+        self.prompt_tokens, self.completion_tokens = prompt, completion
+        self.tokens_source = RESERVED
 
     @property
     def total_tokens(self) -> int:

@@ -12,7 +12,7 @@ from relay import exchange as X
 from relay import timing
 from relay.errors import RelayError
 from relay.paths import MAX_PATH_CHARS, bounded, normalize
-from relay.record import Record, user_agent
+from relay.record import RESERVED, Record, user_agent
 from relay.sse import SseScanner
 
 # Refusals decided before any upstream is chosen or contacted (counted relay-wide).
@@ -78,21 +78,31 @@ def settle(app, client, rec: Record, state: dict, t0: float) -> None:
 
 
 def _tokens(app, rec: Record, ex: X.Exchange, state: dict):
-    from relay.usage import stream_usage
+    from relay.usage import Usage, stream_usage
 
     scanner = ex.scanner
     exact = None
     approx = None
     if ex.body_copy is not None:
-        exact = ex.body_copy.usage() if ex.outcome == X.DONE else None
+        # a body answering several prompts / choices: its usage may cover one of them
+        # (llama-server's /v1/completions), so no usable figure - the reservation is charged
+        if ex.outcome == X.DONE and state.get("completions", 1) <= 1:
+            exact = ex.body_copy.usage()
     elif scanner is not None:
         exact = stream_usage(scanner.meta) if scanner.meta else None
         approx = scanner.content_events
+    if (exact is not None and exact.completion_tokens is None
+            and exact.prompt_tokens is not None and state.get("completion_est") == 0):
+        exact = Usage(exact.prompt_tokens, 0)  # embeddings / rerank: no completion tokens
     rec.set_tokens(exact, approx, state.get("prompt_est"))
+    if rec.tokens_source is None and state.get("generates") and 200 <= ex.status < 300:
+        # served, nothing counted (a body too big to keep, a body that is not JSON, ...):
+        # unknown means reserved
+        rec.set_reserved(state.get("prompt_est") or 0, state.get("completion_est") or 0)
     metrics = state["up"].metrics
     if exact is not None:
         metrics.set_flm(exact.decoding_speed_tps, exact.kv_occupancy_pct)
-    if rec.completion_tokens is not None:
+    if rec.completion_tokens is not None and rec.tokens_source != RESERVED:
         delta = rec.completion_tokens - ex.counted
         ex.counted = rec.completion_tokens
         metrics.add_tokens(delta, time.monotonic())

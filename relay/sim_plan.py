@@ -63,10 +63,14 @@ def make_plan(kind: str, body: dict, d) -> Plan:
     """d: SimDefaults (tokens, interval_ms, first_token_delay_ms, head_delay_ms)."""
     sim = body.get("sim")
     sim = sim if isinstance(sim, dict) else {}
-    # llama-server: n_predict if given, else max_tokens (max_completion_tokens on chat);
-    # the first one present wins, and a negative one means no limit
+    # llama-server: n_predict if given, else max_tokens (max_completion_tokens on the OpenAI
+    # routes; the native /completion knows no such alias, and no route reads
+    # max_output_tokens but the Responses API); the first one present wins, and a negative
+    # one means no limit
     limit = None
-    for k in ("n_predict", "max_tokens", "max_completion_tokens"):
+    fields = ("n_predict", "max_tokens") if kind == "native" else (
+        "n_predict", "max_tokens", "max_completion_tokens")
+    for k in fields:
         v = as_int(body.get(k))
         if v is not None:
             limit = v if v >= 0 else None

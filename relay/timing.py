@@ -9,7 +9,7 @@ ms from the moment the dispatcher took the request (its head and body read):
 - `e2e_ms`: the last byte of the response out (settlement follows the drain of the client's
   write buffer on a completed response), NULL when no response was given;
 - `tpot_ms`: (e2e - ttft) / (output tokens - 1), vLLM's TPOT (AIPerf/GenAI-Perf call it ITL),
-  NULL below 2 output tokens;
+  NULL below 2 output tokens or when the tokens were not counted (a reservation charged);
 - `itl_p50_ms`, `itl_p99_ms`, `itl_max_ms`: the gaps between consecutive content events on the
   event loop's clock, from `relay/gaps.py`'s buckets (p50/p99 to within 6.25%, max exact);
 - `prompt_ms`, `prompt_per_second`, `predicted_per_second`: the upstream's own `timings`.
@@ -40,7 +40,8 @@ def fill(rec: Record, t0: float, first_byte_at: float | None, gaps: Gaps | None,
         rec.e2e_ms = rec.total_ms
         rec.first_byte_ms = (round((first_byte_at - t0) * 1000, 3)
                              if first_byte_at is not None else rec.total_ms)
-    rec.tpot_ms = tpot_ms(rec.e2e_ms, rec.ttft_ms, rec.completion_tokens)
+    counted = rec.tokens_source in ("exact", "approx")  # not a reservation charged instead
+    rec.tpot_ms = tpot_ms(rec.e2e_ms, rec.ttft_ms, rec.completion_tokens if counted else None)
     if gaps is not None and gaps.count:
         rec.itl_p50_ms = _ms(gaps.quantile(0.5))
         rec.itl_p99_ms = _ms(gaps.quantile(0.99))

@@ -295,3 +295,209 @@ async def test_body_bytes_are_given_back_when_the_client_leaves_mid_request(make
             await wait_for(lambda: sim.requests)
         writer.transport.abort()
         await wait_for(lambda: app.dispatcher.bodies.held == 0)
+
+
+# ---- limits the upstream honours, per path (issue 10 item 7) ------------------------------
+async def test_a_limit_field_the_path_ignores_is_no_limit(make_relay, sim):
+    # llama-server ignores max_output_tokens on chat/completions (it generates to the context
+    # size): the request is unbounded, so it is capped in the field the path reads
+    app = await make_relay(keys=[key(tokens_per_day=3000)])
+    statuses = []
+    for _ in range(4):
+        body = {**gen(5000), "max_output_tokens": 5}
+        resp = await httpc.fetch(app.port, "POST", CHAT, body, headers=bearer())
+        statuses.append(resp.status)
+    cap = app.config.budget.default_max_tokens
+    assert statuses == [200, 200, 429, 429]
+    assert [r.completion_tokens for r in sim.requests] == [cap, cap]
+    assert all(r.json["max_tokens"] == cap and r.json["max_output_tokens"] == 5
+               for r in sim.requests)
+    assert await charged(app, 4) <= 3000
+    # the native /completion knows no max_completion_tokens
+    app = await make_relay(keys=[key(tokens_per_day=3000)])
+    sim.requests.clear()
+    body = {"prompt": "Hi", "max_completion_tokens": 5, "stream": True, "sim": {"tokens": 5000}}
+    resp = await httpc.fetch(app.port, "POST", "/completion", body, headers=bearer())
+    assert resp.status == 200
+    assert sim.requests[0].json["n_predict"] == cap and sim.requests[0].completion_tokens == cap
+    assert await charged(app, 1) <= 3000
+
+
+# ---- every generating route takes a slot and a reservation (issue 10 item 8) ---------------
+def slow_sse(hold_s: float, events: int = 3):
+    """An upstream answering every request with a stream of `events` content events."""
+    async def script(upstream, index, reader, writer):
+        while await upstream.read_request(reader) is not None:
+            await asyncio.sleep(hold_s)
+            out = b"".join(b'data: {"type":"content_block_delta","delta":{"text":"x%d"}}\n\n' % i
+                           for i in range(events))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(out), out))
+            await writer.drain()
+    return script
+
+
+@pytest.mark.parametrize("path,field", [("/v1/messages", "max_tokens"),
+                                        ("/responses", "max_output_tokens"),
+                                        ("/v1/responses", "max_output_tokens"),
+                                        ("/v1/rerank", None),
+                                        ("/some/future/route", None)])
+async def test_every_generating_route_takes_a_slot_and_is_capped(make_relay, path, field):
+    from tests.fakeup import Scripted
+    up = await Scripted(slow_sse(0.3)).start()
+    try:
+        app = await make_relay(url=up.url, keys=[key(tokens_per_day=50000)], parallel=1,
+                               queue=0, pool_timeout_s=0.0)
+        seen = []
+
+        async def watch():
+            while True:
+                seen.append(app.upstreams["llm"].slots.in_flight)
+                await asyncio.sleep(0.005)
+        w = asyncio.create_task(watch())
+        body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        rs = await asyncio.gather(*(httpc.fetch(app.port, "POST", path, body, headers=bearer())
+                                    for _ in range(3)))
+        w.cancel()
+        assert sorted(r.status for r in rs) == [200, 503, 503]
+        assert max(seen) == 1 and len(up.bodies) == 1
+        cap = app.config.budget.default_max_tokens
+        sent = json.loads(up.bodies[0])
+        if field is not None:  # the cap is written in the field this API reads
+            assert sent[field] == cap and set(sent) - set(body) == {field}
+        else:
+            assert sent == body
+        rows = await rows_of(app, 3)
+        assert [r["tokens_source"] for r in rows if r["status"] == 200] == ["approx"]
+        assert app.upstreams["llm"].slots.in_flight == 0
+    finally:
+        await up.stop()
+
+
+async def test_cheap_routes_take_no_slot(make_relay, sim):
+    app = await make_relay(parallel=1, queue=0, pool_timeout_s=0.0)
+    long = httpc.chat(2, first_token_delay_ms=400)
+    first = asyncio.create_task(httpc.fetch(app.port, "POST", CHAT, long))
+    await wait_for(lambda: app.upstreams["llm"].slots.in_flight == 1)
+    resp = await httpc.fetch(app.port, "POST", "/tokenize", {"content": "hi"})
+    assert resp.status == 200
+    assert (await first).status == 200
+
+
+# ---- multi-prompt and n (issue 10 item 7) -------------------------------------------------
+def multi_stream(per: int):
+    """llama-server's way with `"prompt": [p1 .. pN]`: `per` tokens for each prompt, and a
+    final usage that covers one completion only."""
+    async def script(upstream, index, reader, writer):
+        while await upstream.read_request(reader) is not None:
+            doc = json.loads(upstream.bodies[-1])
+            p = doc["prompt"]
+            prompts = p if isinstance(p, list) and not all(isinstance(x, int) for x in p) else [p]
+            n = len(prompts) * max(1, doc.get("n", 1))
+            out = b"".join(b'data: {"choices":[{"text":"t","index":%d}]}\n\n' % (i % n)
+                           for i in range(per * n))
+            out += (b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":%d}}'
+                    b'\n\ndata: [DONE]\n\n' % per)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(out), out))
+            await writer.drain()
+    return script
+
+
+async def test_multi_prompt_and_n_are_reserved_and_charged_in_full(make_relay):
+    from tests.fakeup import Scripted
+    up = await Scripted(multi_stream(100)).start()
+    try:
+        app = await make_relay(url=up.url, keys=[key(tokens_per_day=1000)])
+        four = {"model": "x", "prompt": ["a", "b", "c", "d"], "max_tokens": 100, "stream": True}
+        resp = await httpc.fetch(app.port, "POST", "/v1/completions", four, headers=bearer())
+        assert resp.status == 200
+        [row] = await rows_of(app, 1)
+        assert row["completion_tokens"] == 400  # not the 100 of the final usage
+        # 3 prompts x n=2 x 100: 600 more than the 1000 left -> refused before the upstream
+        six = {**four, "prompt": ["a", "b", "c"], "n": 2}
+        resp = await httpc.fetch(app.port, "POST", "/v1/completions", six, headers=bearer())
+        assert resp.status == 429
+        # a flat list of token ids is one prompt
+        ids = {**four, "prompt": [1, 2, 3, 4]}
+        resp = await httpc.fetch(app.port, "POST", "/v1/completions", ids, headers=bearer())
+        assert resp.status == 200
+        assert len(up.bodies) == 2
+        assert await charged(app, 3) <= 1000
+        rows = await rows_of(app, 3)
+        assert [r["completion_tokens"] for r in rows] == [400, None, 100]
+    finally:
+        await up.stop()
+
+
+async def test_a_non_streamed_answer_to_several_prompts_is_charged_its_reservation(make_relay):
+    from tests.fakeup import Scripted
+    # llama-server's /v1/completions: N choices, a usage that counts one completion only
+    doc = json.dumps({"choices": [{"text": "t" * 100, "index": i} for i in range(4)],
+                      "usage": {"prompt_tokens": 3, "completion_tokens": 100}}).encode()
+
+    async def script(upstream, index, reader, writer):
+        while await upstream.read_request(reader) is not None:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(doc) + doc)
+            await writer.drain()
+
+    up = await Scripted(script).start()
+    try:
+        app = await make_relay(url=up.url, keys=[key(tokens_per_day=1000)])
+        four = {"model": "x", "prompt": ["a", "b", "c", "d"], "max_tokens": 100, "stream": False}
+        statuses = []
+        for _ in range(3):
+            resp = await httpc.fetch(app.port, "POST", "/v1/completions", four, headers=bearer())
+            statuses.append(resp.status)
+        assert statuses == [200, 200, 429]
+        rows = await rows_of(app, 3)
+        est = len(json.dumps(four)) // 4
+        assert [(r["completion_tokens"], r["tokens_source"]) for r in rows[:2]] == [
+            (400, "reserved")] * 2
+        assert await charged(app, 3) == 2 * (est + 400) <= 1000
+    finally:
+        await up.stop()
+
+
+# ---- no usable token figure: the reservation is charged (issue 10 item 7) -----------------
+async def test_a_served_body_without_a_usable_figure_is_charged_its_reservation(make_relay):
+    from tests.fakeup import Scripted
+    pad = "x" * (1536 * 1024)  # more than the relay keeps of a JSON body
+    doc = json.dumps({"choices": [{"message": {"content": pad}}],
+                      "usage": {"prompt_tokens": 5, "completion_tokens": 700}}).encode()
+
+    async def script(upstream, index, reader, writer):
+        while await upstream.read_request(reader) is not None:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(doc) + doc)
+            await writer.drain()
+
+    up = await Scripted(script).start()
+    try:
+        app = await make_relay(url=up.url, keys=[key(tokens_per_day=2000)])
+        body = httpc.chat(800, stream=False)
+        statuses = []
+        for _ in range(3):
+            resp = await httpc.fetch(app.port, "POST", CHAT, body, headers=bearer())
+            statuses.append(resp.status)
+        assert statuses == [200, 200, 429]
+        rows = await rows_of(app, 3)
+        prompt_est = len(json.dumps(body)) // 4
+        assert [(r["prompt_tokens"], r["completion_tokens"], r["tokens_source"])
+                for r in rows[:2]] == [(prompt_est, 800, "reserved")] * 2
+        assert await charged(app, 3) == 2 * (prompt_est + 800) <= 2000
+    finally:
+        await up.stop()
+
+
+# ---- the cap is spliced in, the body otherwise untouched (issue 10 item 5) ----------------
+async def test_the_cap_is_spliced_into_the_body_bytes(make_relay, sim):
+    app = await make_relay(keys=[key(tokens_per_day=100000)])
+    raw = b'{"model":"m", "prompt": "}{\\"}", "stream": true, "a": {"b": {}}}\r\n  '
+    resp = await httpc.fetch(app.port, "POST", "/completion", raw,
+                             headers={**bearer(), "Content-Type": "application/json"})
+    assert resp.status == 200
+    cap = app.config.budget.default_max_tokens
+    assert sim.requests[0].body == raw.rstrip()[:-1] + b',"n_predict":%d}\r\n  ' % cap
+    assert await charged(app, 1) <= 100000

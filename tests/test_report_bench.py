@@ -86,6 +86,13 @@ def test_figures_by_model(db, capsys):
     assert total["ttft"]["p50"] == 300.0  # 100, 200, 300, 400, 1000
 
 
+def test_reserved_tokens_are_no_output():
+    rows = [{"ok": 1, "completion_tokens": 10, "tokens_source": "exact"},
+            {"ok": 1, "completion_tokens": 1024, "tokens_source": "reserved"}]
+    _, total = benchview.bench(rows, "model", 10.0)
+    assert total["output_tokens"] == 10 and total["output_throughput"] == 1.0
+
+
 def test_one_token_request_meets_a_tpot_slo():
     row = {"ttft_ms": 10.0, "tpot_ms": None, "e2e_ms": 10.0, "completion_tokens": 1}
     assert benchview.meets(row, {"tpot": 5.0, "ttft": 20.0})

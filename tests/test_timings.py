@@ -151,3 +151,15 @@ async def test_first_byte_before_ttft_with_heartbeats(make_relay):
     row = await one_row(app, "hb")
     assert 95 <= row["first_byte_ms"] < 300 and row["ttft_ms"] >= 400
     assert row["tpot_ms"] == round((row["e2e_ms"] - row["ttft_ms"]) / 2, 3)
+
+
+def test_no_tpot_from_a_reservation():
+    """A row charged its reservation (usage unknown) has no token count to divide by."""
+    from relay.record import Record
+    from relay.timing import fill
+
+    for source, want in (("exact", 100.0), ("approx", 100.0), ("reserved", None)):
+        rec = Record(ts=0.0, request_id="r", path=CHAT, status=200, total_ms=1000.0,
+                     ttft_ms=100.0, completion_tokens=10, tokens_source=source)
+        fill(rec, 0.0, None, None, None)
+        assert (rec.e2e_ms, rec.first_byte_ms, rec.tpot_ms) == (1000.0, 1000.0, want)

@@ -61,34 +61,112 @@ def test_peek_strict_on_llm_paths_whatever_the_content_type():
     assert A.peek_body(b"GET", text, b"nope", True) == A.Peek()
 
 
+CHAT = "/v1/chat/completions"
+
+
+def peek(**fields) -> A.Peek:
+    return msgspec.json.decode(json.dumps(fields).encode(), type=A.Peek)
+
+
 @pytest.mark.parametrize("fields,limit", [
     ({}, None), ({"max_tokens": -1}, None), ({"max_tokens": 5, "n_predict": -1}, None),
     ({"max_tokens": 1, "n_predict": 3000}, 3000), ({"max_completion_tokens": 7}, 7),
-    ({"max_output_tokens": 9, "max_tokens": 2}, 9), ({"n_predict": 0}, 0),
+    ({"max_output_tokens": 9, "max_tokens": 2}, 2), ({"n_predict": 0}, 0),
 ])
 def test_completion_limit_is_the_largest_field_or_unbounded(fields, limit):
-    assert A.completion_limit(A.Peek(**fields)) == limit
-    assert A.estimate_tokens(b"x" * 40, A.Peek(**fields), 77) == (10, 77 if limit is None else limit)
+    assert A.completion_limit(peek(**fields), CHAT) == limit
+    assert A.estimate_tokens(b"x" * 40, peek(**fields), 77, CHAT) == (
+        10, 77 if limit is None else limit)
 
 
-def test_with_limit_sets_the_fields_present_and_keeps_the_rest():
-    body = (b'{"model":"m","max_tokens":-1,"n_predict":7,"x":[1.5,{"y":null}],'
-            b'"big":123456789012345678901234}')
-    doc = json.loads(A.with_limit(body, 64, "/v1/chat/completions"))
-    assert doc == {"model": "m", "max_tokens": 64, "n_predict": 64, "x": [1.5, {"y": None}],
-                   "big": 123456789012345678901234}
-    assert A.completion_limit(msgspec.json.decode(A.with_limit(body, 64, "/v1/chat/completions"),
-                                                  type=A.Peek)) == 64
+@pytest.mark.parametrize("path,fields,limit", [
+    # a field another API names is ignored by llama-server on this path: unbounded
+    (CHAT, {"max_output_tokens": 5}, None),
+    ("/v1/completions", {"max_output_tokens": 5}, None),
+    ("/completion", {"max_completion_tokens": 5}, None),
+    ("/completion", {"max_tokens": 5}, 5),
+    ("/infill", {"n_predict": 6}, 6),
+    ("/v1/responses", {"max_tokens": 5}, None),
+    ("/responses", {"max_output_tokens": 5}, 5),
+    ("/v1/messages", {"max_tokens": 7, "n_predict": 3}, 7),
+    ("/v1/messages", {"max_output_tokens": 7}, None),
+    ("/v1/embeddings", {"max_tokens": 7}, 0),
+    ("/v1/rerank", {}, 0),
+    ("/some/new/route", {"max_tokens": 7}, None),
+])
+def test_completion_limit_reads_only_the_fields_the_path_honours(path, fields, limit):
+    assert A.completion_limit(peek(**fields), path) == limit
 
 
-@pytest.mark.parametrize("path,field", [("/v1/chat/completions", "max_tokens"),
-                                        ("/v1/completions", "max_tokens"),
-                                        ("/completion", "n_predict"),
-                                        ("/v1/responses", "max_output_tokens")])
-def test_with_limit_adds_only_the_field_the_api_reads(path, field):
-    # a hosted API refuses fields it does not know: no n_predict sent to OpenAI's chat
-    doc = json.loads(A.with_limit(b'{"model":"m","messages":[]}', 32, path))
-    assert doc == {"model": "m", "messages": [], field: 32}
+@pytest.mark.parametrize("prompt,count", [
+    ("one", 1), ([1, 2, 3], 1), ([12, "mixed", 34], 1), (["a", "b", "c"], 3),
+    ([[1, 2], [3, 4]], 2), (["a", [1, 2]], 2), ([{"prompt_string": "a"}, "b"], 2),
+    ([], 1), (None, 1),
+])
+def test_prompt_count(prompt, count):
+    assert A.prompt_count(peek(prompt=prompt)) == count
+
+
+def test_reservation_multiplies_limit_prompts_and_choices():
+    p = peek(prompt=["a", "b", "c"], max_tokens=10, n=2)
+    assert A.estimate_tokens(b"", p, 77, "/v1/completions") == (0, 60)
+    assert A.estimate_tokens(b"", peek(prompt=["a", "b"]), 77, "/completion") == (0, 154)
+    for n in (0, -3, "x", 1.5, None):
+        assert A.choices(peek(n=n)) == 1
+    assert A.estimate_tokens(b"", peek(max_tokens=10, n=4), 77, CHAT) == (0, 40)
+
+
+@pytest.mark.parametrize("path,body,want", [
+    # the fields of the path the request carries: every one of them is capped
+    (CHAT, b'{"model":"m","max_tokens":-1,"n_predict":7}',
+     b'{"model":"m","max_tokens":-1,"n_predict":7,"n_predict":64,"max_tokens":64}'),
+    # a field of another API is left alone, the path's own field added
+    (CHAT, b'{"max_output_tokens":5}', b'{"max_output_tokens":5,"max_tokens":64}'),
+    ("/v1/responses", b'{"max_tokens":5}', b'{"max_tokens":5,"max_output_tokens":64}'),
+    ("/v1/messages", b'{"messages":[]}', b'{"messages":[],"max_tokens":64}'),
+    ("/completion", b'{"prompt":"}"}', b'{"prompt":"}","n_predict":64}'),
+    # whitespace, an empty object, nested objects, strings holding braces
+    (CHAT, b'{}', b'{"max_tokens":64}'),
+    (CHAT, b' { \n } \r\n', b' {"max_tokens":64} \r\n'),
+    (CHAT, b'{"a":{"b":{}}}  \n', b'{"a":{"b":{}},"max_tokens":64}  \n'),
+    (CHAT, b'{"a":"{}}{"}', b'{"a":"{}}{","max_tokens":64}'),
+    (CHAT, b'{"a":[{"}":"{"}] }', b'{"a":[{"}":"{"}],"max_tokens":64}'),
+])
+def test_with_limit_splices_the_fields_the_api_reads(path, body, want):
+    out = A.with_limit(body, A.peek_body(b"POST", [], body, True), 64, path)
+    assert out == want
+    # the last duplicate wins in the decoder: what the relay reads is what it reserved on
+    assert A.completion_limit(A.peek_body(b"POST", [], out, True), path) == 64
+    assert {k: v for k, v in json.loads(body).items() if k not in A.LIMIT_FIELDS} == \
+        {k: v for k, v in json.loads(out).items() if k not in A.LIMIT_FIELDS}
+
+
+def test_splice_refuses_what_is_not_an_object():
+    for bad in (b"", b"}", b"  }", b"[1]", b'{"a":1'):
+        with pytest.raises(RelayError):
+            A.splice_fields(bad, [("max_tokens", 1)])
+
+
+def test_with_limit_does_not_decode_the_body():
+    body = b'{"prompt":"' + b"x" * (8 << 20) + b'"}'
+    p = A.peek_body(b"POST", [], body, True)
+    import time
+    t = time.perf_counter()
+    out = A.with_limit(body, p, 16, "/completion")
+    assert time.perf_counter() - t < 0.2
+    assert out.endswith(b'","n_predict":16}') and len(out) == len(body) + len(b',"n_predict":16')
+
+
+def test_generates_every_post_but_the_cheap_routes():
+    for path in (CHAT, "/v1/messages", "/responses", "/v1/responses", "/v1/rerank", "/reranking",
+                 "/v1/audio/transcriptions", "/predict", "/some/route/added/later"):
+        assert A.generates(b"POST", path), path
+    for path in ("/tokenize", "/detokenize", "/apply-template", "/v1/messages/count_tokens",
+                 "/v1/responses/input_tokens", "/props", "/health", "/slots", "/slots/0",
+                 "/lora-adapters", "/models/load", "/models/unload"):
+        assert not A.generates(b"POST", path), path
+    assert not A.generates(b"GET", CHAT)
+    assert A.json_route("/v1/messages") and not A.json_route("/v1/audio/transcriptions")
 
 
 def test_head_check():
