@@ -175,6 +175,9 @@ class App:
         self.draining = True
         if self.server is not None:
             self.server.close()
+        # a request whose last bytes came in this same loop pass is dispatched by a callback
+        # already queued: let it run, so the drain counts (and answers) it
+        await asyncio.sleep(0)
         for client in list(self.clients):
             if not client.busy and not client.gone:
                 if client.head is not None or client.h11.trailing_data[0]:
@@ -183,13 +186,14 @@ class App:
                 client.transport.close()
         for up in self.all_upstreams():
             up.slots.close()  # queued requests are answered 503 shutting_down now
-        pending = {t for t in self.tasks if not t.done()}
+        pending = self._live_tasks()
         self.log.event("relay_draining", in_flight=len(pending), timeout_s=drain_timeout_s)
         pending = await self._drain_wait(pending, drain_timeout_s)
         for client in list(self.clients):
             if client.exchange is not None:
                 client.exchange.shutdown()  # cut: the client sees the truncation
         pending = await self._drain_wait(pending, 2.0)
+        pending |= self._live_tasks()  # any request that began despite the drain
         for task in pending:
             task.cancel()  # still waiting for a head or a slow client: settled as shut down
         if pending:
@@ -204,10 +208,19 @@ class App:
         for client in list(self.clients):
             if client.transport is not None:
                 client.transport.close()
+        late = self._live_tasks()  # none should be left: their rows go in before the close
+        if late:
+            for task in late:
+                task.cancel()
+            await asyncio.wait(late, timeout=2.0)
+            pending |= late
         await self.store.aclose()
         self.log.event("relay_stopped", unfinished=len([t for t in pending if not t.done()]),
                        rows_written=self.store.rows_written, rows_dropped=self.store.rows_dropped)
         self.log.flush()
+
+    def _live_tasks(self) -> set:
+        return {t for t in self.tasks if not t.done()}
 
     def _refuse_unread(self, client: ClientConn) -> None:
         err = RelayError("shutting_down", "the relay is shutting down")
@@ -240,13 +253,14 @@ class App:
         return list(self.upstreams.values()) + self.retired
 
     # ---- requests ----------------------------------------------------------------------
-    async def handle(self, client: ClientConn, req) -> None:
-        task = asyncio.current_task()
+    def track(self, task: asyncio.Task) -> None:
+        """A request's task, counted by the drain from the moment it is created (a task
+        cancelled before its first step still ends, and leaves the set)."""
         self.tasks.add(task)
-        try:
-            await self.dispatcher.handle(client, req)
-        finally:
-            self.tasks.discard(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def handle(self, client: ClientConn, req) -> None:
+        await self.dispatcher.handle(client, req)
 
     def rejected(self, client: ClientConn, err) -> None:
         self.dispatcher.rejected(client, err)

@@ -326,6 +326,7 @@ class ClientConn(asyncio.Protocol):
         self.head = None
         self.busy = True
         self.task = self.loop.create_task(self.app.handle(self, req))
+        self.app.track(self.task)  # in the drain's count from now, not from its first step
 
     def _reject(self, err: RelayError) -> None:
         """An error before the request could be read whole: answer and close."""

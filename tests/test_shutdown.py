@@ -151,3 +151,31 @@ async def test_a_request_half_read_when_the_drain_begins_gets_503(make_relay, si
     [row] = rows(db)
     assert (row["request_id"], row["status"], row["error_code"]) == ("half", 503, "shutting_down")
     assert not sim.requests
+
+
+async def test_a_request_dispatched_in_the_drains_loop_pass_gets_an_answer_and_a_row(
+        make_relay, sim, tmp_path, monkeypatch):
+    """SIGTERM handled in the same loop pass as a request's last bytes (the drain's first step
+    runs before the request task's): the request is counted, answered 503, and has its row."""
+    from relay import client as C
+
+    db = str(tmp_path / "relay.db")
+    app = await make_relay(store=db)
+    orig, stopping = C.ClientConn._dispatch, []
+
+    def dispatch_with_sigterm(self):
+        if not stopping:
+            stopping.append(asyncio.get_running_loop().create_task(app.stop(drain_timeout_s=2.0)))
+        orig(self)
+
+    monkeypatch.setattr(C.ClientConn, "_dispatch", dispatch_with_sigterm)
+    reader, writer = await _send(app.port, httpc.chat(2), "racing")
+    resp = await _read_all(reader, writer)
+    await asyncio.wait_for(stopping[0], 10)
+    assert resp is not None, "an empty reply"
+    assert (resp.status, resp.json()["error"]["code"]) == (503, "shutting_down")
+    assert (app.store.rows_written, app.store.rows_dropped) == (1, 0)
+    [row] = rows(db)
+    assert (row["request_id"], row["status"], row["error_code"]) == \
+        ("racing", 503, "shutting_down")
+    assert not sim.requests
