@@ -8,7 +8,7 @@ import time
 
 from relay.auth import Auth
 from relay.budget import Budgets, window_bounds
-from relay.client import ClientConn
+from relay.client import LINGER_S, ClientConn
 from relay.config import Config, ConfigError, UpstreamConfig, parse_target_url
 from relay.cors import Cors
 from relay.dispatch import Dispatcher
@@ -89,6 +89,10 @@ class Upstream:
         m.state, m.in_flight, m.queued = self.state, self.slots.in_flight, self.slots.queued
 
 
+def _shutting_down() -> RelayError:
+    return RelayError("shutting_down", "the relay is shutting down")
+
+
 class App:
     def __init__(self, config: Config, log: Log | None = None) -> None:
         if not config.upstream:
@@ -118,6 +122,7 @@ class App:
         self.retired: list[Upstream] = []  # removed by a reload, pool closed once idle
         self.draining = False
         self._hurry = asyncio.Event()
+        self._closed = asyncio.Event()  # set when a client connection is lost
         self.port = 0
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -181,7 +186,11 @@ class App:
         for client in list(self.clients):
             if not client.busy and not client.gone:
                 if client.head is not None or client.h11.trailing_data[0]:
-                    self._refuse_unread(client)  # a request half-read: it gets an answer
+                    # a request half-read gets its answer with the lingering close (the
+                    # client may still be sending: a plain close would reset the connection
+                    # and destroy the answer); the connection closes on its bounded timer
+                    client._reject(_shutting_down())
+                    continue
                 client.gone = True
                 client.transport.close()
         for up in self.all_upstreams():
@@ -205,6 +214,7 @@ class App:
                 up.probe_task.cancel()
         for up in self.all_upstreams():
             up.pool.close()
+        await self._linger_wait(LINGER_S + 0.5)  # refused clients read their answer first
         for client in list(self.clients):
             if client.transport is not None:
                 client.transport.close()
@@ -222,10 +232,25 @@ class App:
     def _live_tasks(self) -> set:
         return {t for t in self.tasks if not t.done()}
 
-    def _refuse_unread(self, client: ClientConn) -> None:
-        err = RelayError("shutting_down", "the relay is shutting down")
-        self.rejected(client, err)  # its row
-        client.respond(err.status, err.body(), None, keep_alive=False)
+    async def _linger_wait(self, timeout: float) -> None:
+        """Let refused clients read their answer: wait until each lingering connection is
+        closed by its own timer (bounded; `hurry()` skips it)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while (any(c.lingering for c in self.clients) and not self._hurry.is_set()
+               and (remaining := end - loop.time()) > 0):
+            self._closed.clear()
+            waiters = [loop.create_task(self._closed.wait()), loop.create_task(self._hurry.wait())]
+            try:
+                await asyncio.wait(waiters, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waiters:
+                    w.cancel()
+
+    def forget(self, client: ClientConn) -> None:
+        """A client connection is lost."""
+        self.clients.discard(client)
+        self._closed.set()
 
     def hurry(self) -> None:
         """End a drain now (the rows are still settled and flushed)."""
