@@ -160,6 +160,9 @@ class Dispatcher:
         peek = A.peek_body(req.method, req.headers, req.body, slot_path)
         rec.model, rec.stream = bounded(peek.model, A.MAX_ECHO), bool(peek.stream)
         state["model"] = peek.model  # the public name, whole (model_map looks it up)
+        # the request keeps the upstreams it was routed among: a reload (SIGHUP) that removes
+        # a fallback meanwhile must not leave a candidate with no upstream behind its name
+        upstreams = app.upstreams
         try:
             candidates = app.router.candidates(peek.model)
         except NoRoute:
@@ -185,7 +188,7 @@ class Dispatcher:
         hold.start()
         last: _Retry | None = None
         for i, name in enumerate(candidates):
-            up = app.upstreams[name]
+            up = upstreams[name]
             more = i < len(candidates) - 1
             rec.fallback_attempts = i
             hold.more = more
