@@ -128,14 +128,22 @@ class App:
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.store.start()
-        if self.store.recovered:  # the relay died mid-request: those requests are charged
-            self.log.event("admissions_recovered", rows=self.store.recovered)
-        self._restore_budgets()
         s = self.config.server
+        # bind first: a relay that cannot listen (the address is in use: another relay?)
+        # fails before it touches the database; serving starts once budgets are rebuilt
         self.server = await self.loop.create_server(
-            lambda: ClientConn(self), s.host, s.port, backlog=4096, reuse_address=True)
+            lambda: ClientConn(self), s.host, s.port, backlog=4096, reuse_address=True,
+            start_serving=False)
         self.port = self.server.sockets[0].getsockname()[1]
+        try:
+            self.store.start()  # the database's lock, then recovery (StoreLocked: in use)
+            if self.store.recovered:  # the relay died mid-request: those requests are charged
+                self.log.event("admissions_recovered", rows=self.store.recovered)
+            self._restore_budgets()
+        except BaseException:
+            self.server.close()
+            raise
+        await self.server.start_serving()
         self.start_probes()
         self.background.append(self.loop.create_task(self._sample_tokens()))
         self.log.event("relay_listening", host=s.host, port=self.port,

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import fcntl
+import os
 import pathlib
 import sqlite3
 import threading
@@ -43,6 +45,36 @@ _TS = COLUMNS.index("ts")
 _PLAIN = (type(None), int, float, str, bytes)
 OVERFLOW_MAX = 100_000
 WARN_INTERVAL_S = 10.0
+
+
+class StoreLocked(OSError):
+    """Another relay process holds the database (its `<path>.lock`)."""
+
+
+def lock_path(path: str) -> str:
+    return path + ".lock"
+
+
+def take_lock(path: str) -> int:
+    """An exclusive lock on `<path>.lock`, held (by the open descriptor) for as long as this
+    process uses the database: a second relay on the same file must not run `recover()` on
+    the first one's live admissions. StoreLocked if another process holds it."""
+    name = lock_path(path)
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:  # as SQLite would say of a path it cannot open
+        raise sqlite3.OperationalError(
+            f"unable to open database file: lock {name!r}: {exc.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StoreLocked(f"store.path {path!r} is in use by another relay process "
+                          f"(it holds {name!r}); refusing to start") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def is_memory(path: str) -> bool:
@@ -95,7 +127,10 @@ class Store:
         self._overflow: collections.deque = collections.deque()
         self._controls: collections.deque = collections.deque()   # (sql, params, future)
         self._admits: collections.deque = collections.deque()     # (values, loop, future)
-        self._admission_ids = 0
+        # admission ids: a random 31-bit prefix per process above a 32-bit counter (63 bits),
+        # so two processes never reuse each other's ids even if they share a file
+        self._admission_ids = (int.from_bytes(os.urandom(4), "big") >> 1) << 32
+        self._lock_fd: int | None = None
         self.recovered = 0  # admissions left by a crash, turned into rows at start
         self._wake = threading.Event()
         self._abandon = threading.Event()
@@ -164,12 +199,15 @@ class Store:
     def start(self) -> None:
         if self._thread is not None:
             return
+        if not is_memory(self.path) and self._lock_fd is None:
+            self._lock_fd = take_lock(self.path)  # before recover() touches the admissions
         self._thread = threading.Thread(target=self._run, name="relay-store", daemon=False)
         self._thread.start()
         self._ready.wait()
         if self._start_error is not None:
             self._thread.join()
             self._closed = self._stopping = True
+            self._unlock()
             raise self._start_error
 
     def flush(self, timeout: float = 5.0) -> None:
@@ -198,6 +236,13 @@ class Store:
             self._abandon.set()
             self._wake.set()
             self._thread.join()
+        self._unlock()
+
+    def _unlock(self) -> None:
+        """The writer is done with the database: another process may take it."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     async def aclose(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
