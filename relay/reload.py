@@ -9,7 +9,8 @@ step, so a bad file changes nothing. What changes:
   once their streams are done; one whose URL changed is a new upstream under the same name
   (its metrics carry on); otherwise slots, queue, models, fallback, auth, static headers,
   keep-alive and TLS settings (new connections: ca_file read again) change in place;
-- timeouts and the rest of `[dispatcher]`, `[server]` bounds, `[budget]`, retention.
+- timeouts and the rest of `[dispatcher]`, `[server]` bounds (the relay-wide body bound
+  `max_buffered_body_bytes` included), `[budget]`, retention.
 
 Streams in flight finish on what they started with (their exchange holds its own stall
 policy, upstream and connection). The listen address and the store path need a restart:
@@ -81,6 +82,7 @@ def apply(app, new: Config) -> dict:
     app.auth = auth
     app.cors = cors
     app.policy = policy
+    app.dispatcher.bodies.limit = new.server.max_buffered_body_bytes  # bodies held stay held
     app.registry.set_upstreams([up.metrics for up in ups.values()])
     app.store.retention_days = new.store.retention_days
     fresh = app.budgets.reload(new.key)

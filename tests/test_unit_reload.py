@@ -88,3 +88,22 @@ async def test_reload_timeouts_apply_to_new_streams_not_to_those_in_flight(make_
     await wait_for(lambda: len(app.log.of("access")) == 2)
     outcomes = sorted(r.get("error_code") or "ok" for r in app.log.of("access"))
     assert outcomes == ["ok", "stream_stall_idle"]
+
+
+async def test_reload_applies_the_buffered_body_bound(make_relay, sim):
+    """`max_buffered_body_bytes` changed by a reload bounds new bodies (it was built once)."""
+    import msgspec
+
+    from tests import httpc
+
+    app = await make_relay(max_body_bytes=8192, max_buffered_body_bytes=2048)
+    body = httpc.chat(2)
+    body["messages"] = [{"role": "user", "content": "x" * 4000}]
+    refused = await httpc.fetch(app.port, "POST", "/v1/chat/completions", body)
+    assert (refused.status, refused.json()["error"]["code"]) == (503, "server_busy")
+    server = msgspec.structs.replace(app.config.server, max_buffered_body_bytes=65536)
+    app.reload(msgspec.structs.replace(app.config, server=server))
+    assert app.dispatcher.bodies.limit == 65536
+    served = await httpc.fetch(app.port, "POST", "/v1/chat/completions", body)
+    assert served.status == 200 and served.complete
+    assert app.dispatcher.bodies.held == 0
