@@ -198,7 +198,6 @@ async def test_a_relay_that_cannot_listen_does_not_touch_the_database(tmp_path):
     import errno
 
     from relay.app import App
-    from relay.config import Config, ServerConfig
     from relay.log import quiet
     from relay.store import StoreLocked
 
