@@ -8,7 +8,7 @@ import time
 
 from relay.auth import Auth
 from relay.budget import Budgets, window_bounds
-from relay.client import ClientConn
+from relay.client import LINGER_S, ClientConn
 from relay.config import Config, ConfigError, UpstreamConfig, parse_target_url
 from relay.cors import Cors
 from relay.dispatch import Dispatcher
@@ -90,6 +90,10 @@ class Upstream:
         m.state, m.in_flight, m.queued = self.state, self.slots.in_flight, self.slots.queued
 
 
+def _shutting_down() -> RelayError:
+    return RelayError("shutting_down", "the relay is shutting down")
+
+
 class App:
     def __init__(self, config: Config, log: Log | None = None) -> None:
         if not config.upstream:
@@ -121,19 +125,28 @@ class App:
         self.retired: list[Upstream] = []  # removed by a reload, pool closed once idle
         self.draining = False
         self._hurry = asyncio.Event()
+        self._closed = asyncio.Event()  # set when a client connection is lost
         self.port = 0
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.store.start()
-        if self.store.recovered:  # the relay died mid-request: those requests are charged
-            self.log.event("admissions_recovered", rows=self.store.recovered)
-        self._restore_budgets()
         s = self.config.server
+        # bind first: a relay that cannot listen (the address is in use: another relay?)
+        # fails before it touches the database; serving starts once budgets are rebuilt
         self.server = await self.loop.create_server(
-            lambda: ClientConn(self), s.host, s.port, backlog=4096, reuse_address=True)
+            lambda: ClientConn(self), s.host, s.port, backlog=4096, reuse_address=True,
+            start_serving=False)
         self.port = self.server.sockets[0].getsockname()[1]
+        try:
+            self.store.start()  # the database's lock, then recovery (StoreLocked: in use)
+            if self.store.recovered:  # the relay died mid-request: those requests are charged
+                self.log.event("admissions_recovered", rows=self.store.recovered)
+            self._restore_budgets()
+        except BaseException:
+            self.server.close()
+            raise
+        await self.server.start_serving()
         self.start_probes()
         self.background.append(self.loop.create_task(self._sample_tokens()))
         self.log.event("relay_listening", host=s.host, port=self.port,
@@ -178,21 +191,29 @@ class App:
         self.draining = True
         if self.server is not None:
             self.server.close()
+        # a request whose last bytes came in this same loop pass is dispatched by a callback
+        # already queued: let it run, so the drain counts (and answers) it
+        await asyncio.sleep(0)
         for client in list(self.clients):
             if not client.busy and not client.gone:
                 if client.head is not None or client.h11.trailing_data[0]:
-                    self._refuse_unread(client)  # a request half-read: it gets an answer
+                    # a request half-read gets its answer with the lingering close (the
+                    # client may still be sending: a plain close would reset the connection
+                    # and destroy the answer); the connection closes on its bounded timer
+                    client._reject(_shutting_down())
+                    continue
                 client.gone = True
                 client.transport.close()
         for up in self.all_upstreams():
             up.slots.close()  # queued requests are answered 503 shutting_down now
-        pending = {t for t in self.tasks if not t.done()}
+        pending = self._live_tasks()
         self.log.event("relay_draining", in_flight=len(pending), timeout_s=drain_timeout_s)
         pending = await self._drain_wait(pending, drain_timeout_s)
         for client in list(self.clients):
             if client.exchange is not None:
                 client.exchange.shutdown()  # cut: the client sees the truncation
         pending = await self._drain_wait(pending, 2.0)
+        pending |= self._live_tasks()  # any request that began despite the drain
         for task in pending:
             task.cancel()  # still waiting for a head or a slow client: settled as shut down
         if pending:
@@ -204,18 +225,43 @@ class App:
                 up.probe_task.cancel()
         for up in self.all_upstreams():
             up.pool.close()
+        await self._linger_wait(LINGER_S + 0.5)  # refused clients read their answer first
         for client in list(self.clients):
             if client.transport is not None:
                 client.transport.close()
+        late = self._live_tasks()  # none should be left: their rows go in before the close
+        if late:
+            for task in late:
+                task.cancel()
+            await asyncio.wait(late, timeout=2.0)
+            pending |= late
         await self.store.aclose()
         self.log.event("relay_stopped", unfinished=len([t for t in pending if not t.done()]),
                        rows_written=self.store.rows_written, rows_dropped=self.store.rows_dropped)
         self.log.flush()
 
-    def _refuse_unread(self, client: ClientConn) -> None:
-        err = RelayError("shutting_down", "the relay is shutting down")
-        self.rejected(client, err)  # its row
-        client.respond(err.status, err.body(), None, keep_alive=False)
+    def _live_tasks(self) -> set:
+        return {t for t in self.tasks if not t.done()}
+
+    async def _linger_wait(self, timeout: float) -> None:
+        """Let refused clients read their answer: wait until each lingering connection is
+        closed by its own timer (bounded; `hurry()` skips it)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while (any(c.lingering for c in self.clients) and not self._hurry.is_set()
+               and (remaining := end - loop.time()) > 0):
+            self._closed.clear()
+            waiters = [loop.create_task(self._closed.wait()), loop.create_task(self._hurry.wait())]
+            try:
+                await asyncio.wait(waiters, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waiters:
+                    w.cancel()
+
+    def forget(self, client: ClientConn) -> None:
+        """A client connection is lost."""
+        self.clients.discard(client)
+        self._closed.set()
 
     def hurry(self) -> None:
         """End a drain now (the rows are still settled and flushed)."""
@@ -243,13 +289,14 @@ class App:
         return list(self.upstreams.values()) + self.retired
 
     # ---- requests ----------------------------------------------------------------------
-    async def handle(self, client: ClientConn, req) -> None:
-        task = asyncio.current_task()
+    def track(self, task: asyncio.Task) -> None:
+        """A request's task, counted by the drain from the moment it is created (a task
+        cancelled before its first step still ends, and leaves the set)."""
         self.tasks.add(task)
-        try:
-            await self.dispatcher.handle(client, req)
-        finally:
-            self.tasks.discard(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def handle(self, client: ClientConn, req) -> None:
+        await self.dispatcher.handle(client, req)
 
     def rejected(self, client: ClientConn, err) -> None:
         self.dispatcher.rejected(client, err)

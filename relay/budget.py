@@ -40,6 +40,7 @@ class _Window:
     used_tok: int = 0
     res_req: int = 0
     res_tok: int = 0
+    born: int = 0  # the reload that created it (Budgets.generation)
 
     def roll(self, now: float) -> None:
         if not self.start <= now < self.end:
@@ -70,6 +71,9 @@ class Reservation:
     settled: bool = False
     starts: tuple[float, ...] = ()  # the start of each window it was taken in
     windows: tuple = ()  # the windows it holds (a reload may replace a key's list)
+    gen: int = 0  # Budgets.generation when it was taken
+    admitted_at: float = 0.0
+    done: bool = False  # settle() ran
 
 
 @dataclass
@@ -85,13 +89,16 @@ def _limits(k: KeyConfig) -> list[tuple[str, int, int]]:
 
 class Budgets:
     def __init__(self, keys: list[KeyConfig]) -> None:
+        self.generation = 0  # how many reloads: windows a later one creates are told apart
         self.keys: dict[str, _KeyBudget] = {
             k.id: _KeyBudget([_Window(kind, r, t) for kind, r, t in _limits(k)]) for k in keys}
 
     def reload(self, keys: list[KeyConfig]) -> list[tuple[str, str]]:
         """New keys and limits; a window kept across the reload keeps its used and reserved
         figures (only its limits change). Returns the (key, kind) windows that are new: their
-        used figures are to be rebuilt from the rows (`restore`)."""
+        used figures are to be rebuilt from the rows (`restore`); requests in flight then
+        are charged to them when they settle (their rows were not among those rows)."""
+        self.generation += 1
         fresh: list[tuple[str, str]] = []
         table: dict[str, _KeyBudget] = {}
         for k in keys:
@@ -100,13 +107,18 @@ class Budgets:
             for kind, r, t in _limits(k):
                 w = old.get(kind)
                 if w is None:
-                    w = _Window(kind, r, t)
+                    w = _Window(kind, r, t, born=self.generation)
                     fresh.append((k.id, kind))
                 w.req_limit, w.tok_limit = r, t
                 ws.append(w)
             table[k.id] = _KeyBudget(ws)
         self.keys = table
         return fresh
+
+    def fresh_windows(self, keys: list[KeyConfig]) -> list[tuple[str, str]]:
+        """The (key, kind) windows `reload(keys)` would create (nothing changes)."""
+        return [(k.id, kind) for k in keys for kind, _, _ in _limits(k)
+                if kind not in self.windows_of(k.id)]
 
     def restore(self, key_id: str, kind: str, requests: int, tokens: int, now: float) -> None:
         """Set a window's used figures (rebuilt from the request rows after a restart)."""
@@ -126,7 +138,8 @@ class Budgets:
         """Check every window and reserve in all of them, or raise BudgetExceeded."""
         kb = self.keys.get(key_id)
         if kb is None or not kb.windows:
-            return Reservation(key_id, 0, settled=True)  # no limits: nothing to hold
+            # no limits: nothing to hold (a reload adding some charges it when it settles)
+            return Reservation(key_id, 0, settled=True, gen=self.generation, admitted_at=now)
         for w in kb.windows:
             w.roll(now)
             if w.req_limit and w.used_req + w.res_req + 1 > w.req_limit:
@@ -139,20 +152,37 @@ class Budgets:
             w.res_req += 1
             w.res_tok += tokens
         return Reservation(key_id, tokens, starts=tuple(w.start for w in kb.windows),
-                           windows=tuple(kb.windows))
+                           windows=tuple(kb.windows), gen=self.generation, admitted_at=now)
 
     def settle(self, res: Reservation, requests: int, tokens: int, now: float) -> None:
         """Replace the reservation with what was used (once; later calls do nothing)."""
-        if res.settled:
+        if res.done:
             return
-        res.settled = True
-        for w, start in zip(res.windows, res.starts):
-            w.roll(now)
-            w.res_req -= 1
-            w.res_tok -= res.tokens
-            if w.start == start:  # usage counts in the window the request was admitted in,
-                w.used_req += requests  # as its row does (ts = admission time)
-                w.used_tok += tokens
+        res.done = True
+        if not res.settled:
+            res.settled = True
+            for w, start in zip(res.windows, res.starts):
+                w.roll(now)
+                w.res_req -= 1
+                w.res_tok -= res.tokens
+                if w.start == start:  # usage counts in the window the request was admitted
+                    w.used_req += requests  # in, as its row does (ts = admission time)
+                    w.used_tok += tokens
+        self._charge_newer(res, requests, tokens, now)
+
+    def _charge_newer(self, res: Reservation, requests: int, tokens: int, now: float) -> None:
+        """Windows a reload created after the request was admitted were rebuilt from the rows
+        committed then, which did not hold this request's: it is charged to them now (in the
+        window holding its admission time, as its row will count)."""
+        kb = self.keys.get(res.key_id)
+        if kb is None:
+            return
+        for w in kb.windows:
+            if w.born > res.gen:
+                w.roll(now)
+                if w.start <= res.admitted_at < w.end:
+                    w.used_req += requests
+                    w.used_tok += tokens
 
     def usage(self, key_id: str, now: float) -> dict:
         out = {}

@@ -27,6 +27,7 @@ WRITE_HIGH_WATER = 64 * 1024
 _SLICE = 16 * 1024  # bytes handed to h11 at a time
 _TURN_EVENTS = 256  # h11 events handled for one connection per loop turn
 _TURN_BYTES = 128 * 1024  # bytes handed to h11 for one connection per loop turn
+LINGER_S = 2.0  # how long a refused client's input is read and discarded before the close
 _NEED, _STOP, _MORE = 0, 1, 2  # what _process leaves: wants bytes / stopped / out of turn
 
 
@@ -118,7 +119,7 @@ class ClientConn(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.gone = True
-        self.app.clients.discard(self)
+        self.app.forget(self)
         self._disarm()
         self._cancel_turn()
         self.inbox = bytearray()
@@ -326,6 +327,7 @@ class ClientConn(asyncio.Protocol):
         self.head = None
         self.busy = True
         self.task = self.loop.create_task(self.app.handle(self, req))
+        self.app.track(self.task)  # in the drain's count from now, not from its first step
 
     def _reject(self, err: RelayError) -> None:
         """An error before the request could be read whole: answer and close."""
@@ -346,7 +348,7 @@ class ClientConn(asyncio.Protocol):
         self.transport.resume_reading()
         if self.transport.can_write_eof():
             self.transport.write_eof()
-        self.timer = self.loop.call_later(2.0, self.transport.close)
+        self.timer = self.loop.call_later(LINGER_S, self.transport.close)
 
     # ---- responding --------------------------------------------------------------------
     def respond(self, status: int, body: bytes, request_id: bytes | None, keep_alive: bool,

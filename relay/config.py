@@ -136,6 +136,11 @@ def _key_path(msg: str) -> str:
 
 def check(cfg: Config) -> Config:
     """Cross-field rules msgspec constraints cannot express."""
+    s = cfg.server
+    if s.max_buffered_body_bytes < s.max_body_bytes:  # every body between them: 503 forever
+        raise ConfigError(
+            f"server.max_buffered_body_bytes ({s.max_buffered_body_bytes}) must be at least "
+            f"server.max_body_bytes ({s.max_body_bytes}): a body the relay accepts must fit")
     names = [u.name for u in cfg.upstream]
     if len(set(names)) != len(names):
         raise ConfigError("upstream.name: names must be unique")

@@ -35,6 +35,12 @@ from relay.slots import Busy, SlotsClosed
 from relay.target import TargetError
 from relay.upstream import ConnectError
 
+# The longest a keyed request waits for its admission record before it is served without
+# one (JSON line `admission_not_durable`). Serving is the choice: the in-memory budget still
+# holds every limit, and only a crash in that window could give a key back what it spent,
+# whereas refusing would turn a locked or failing database into an outage of keyed traffic.
+ADMIT_WAIT_S = 0.5
+
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
 
 
@@ -163,6 +169,9 @@ class Dispatcher:
         peek = A.peek_body(req.method, req.headers, req.body, A.json_route(path))
         rec.model, rec.stream = bounded(peek.model, A.MAX_ECHO), bool(peek.stream)
         state["model"] = peek.model  # the public name, whole (model_map looks it up)
+        # the request keeps the upstreams it was routed among: a reload (SIGHUP) that removes
+        # a fallback meanwhile must not leave a candidate with no upstream behind its name
+        upstreams = app.upstreams
         try:
             candidates = app.router.candidates(peek.model)
         except NoRoute:
@@ -187,13 +196,16 @@ class Dispatcher:
             except BudgetExceeded as exc:
                 raise RelayError("budget_exceeded", str(exc), exc.details(),
                                  [(b"Retry-After", b"%d" % exc.retry_after)]) from None
+        res = state["reservation"]
+        if res is not None and not res.settled:  # on disk before any slot or upstream
+            await self._admit(rec, state, res.tokens)
         hold = state["hold"] = Hold(app.loop, client, rid,
                                     app.config.dispatcher.heartbeat_s if rec.stream else 0.0,
                                     state["cors"])
         hold.start()
         last: _Retry | None = None
         for i, name in enumerate(candidates):
-            up = app.upstreams[name]
+            up = upstreams[name]
             more = i < len(candidates) - 1
             rec.fallback_attempts = i
             hold.more = more
@@ -284,9 +296,6 @@ class Dispatcher:
                 waited = time.perf_counter() - q0
                 rec.queue_ms = round(waited * 1000, 3)
                 up.metrics.observe_queue_wait(waited)
-        res = state["reservation"]
-        if res is not None and not res.settled and "admission" not in state:
-            await self._admit(rec, state, res.tokens)
         on_content = lambda e, up=up: up.metrics.observe_ttft(  # noqa: E731
             e.first_content_at - t0, time.monotonic())
         return await self._open(client, req, up, rid, rec, more, on_content, state)
@@ -298,10 +307,13 @@ class Dispatcher:
         state["admission"] = admission_id = store.next_admission_id()
         prompt = min(state.get("prompt_est", 0), reserved)
         try:
-            await store.admit(admission_id, rec, prompt, reserved - prompt)
+            await store.admit(admission_id, rec, prompt, reserved - prompt, ADMIT_WAIT_S)
         except RuntimeError as exc:  # the database fails: serve, the budget still holds
             self.app.log.event("admission_not_durable", request_id=rec.request_id,
                                error=str(exc)[:300])
+        except (TimeoutError, asyncio.TimeoutError):  # locked (a backup?): the same
+            self.app.log.event("admission_not_durable", request_id=rec.request_id,
+                               error=f"not committed within {ADMIT_WAIT_S}s")
 
     async def _open(self, client, req, up, rid: bytes, rec: Record, more: bool,
                     on_content, state: dict) -> X.Exchange:

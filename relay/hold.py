@@ -56,15 +56,9 @@ def comment_prefix(buf: bytes) -> int:
 
 def synthetic_head(request_id: bytes, chunked: bool, keep_alive: bool,
                    extra: Headers = ()) -> bytes:
-    """The head committed before the upstream's own is in."""
-    lines = [b"HTTP/1.1 200 OK", b"Content-Type: text/event-stream", b"Cache-Control: no-cache"]
-    lines.extend(k + b": " + v for k, v in extra)
-    if chunked:
-        lines.append(b"Transfer-Encoding: chunked")
-    lines.append(b"X-Request-Id: " + request_id)
-    if not keep_alive:
-        lines.append(b"Connection: close")
-    return b"\r\n".join(lines) + b"\r\n\r\n"
+    """The head committed before the upstream's own is in (built as a relayed one is)."""
+    own = [(b"Content-Type", b"text/event-stream"), (b"Cache-Control", b"no-cache"), *extra]
+    return client_response(200, b"OK", own, request_id, chunked, keep_alive)
 
 
 class Hold:

@@ -4,12 +4,14 @@ Everything is built and checked first; only then is anything swapped, in one syn
 step, so a bad file changes nothing. What changes:
 
 - keys and budgets: new keys, new limits; a window kept across the reload keeps its used and
-  reserved figures, a new one is rebuilt from the rows;
+  reserved figures, a new one is rebuilt from the rows (flushed first, read before the swap),
+  and requests in flight then are charged to it when they settle;
 - upstreams: added ones start; removed ones take no new request, and their pools are closed
   once their streams are done; one whose URL changed is a new upstream under the same name
   (its metrics carry on); otherwise slots, queue, models, fallback, auth, static headers,
   keep-alive and TLS settings (new connections: ca_file read again) change in place;
-- timeouts and the rest of `[dispatcher]`, `[server]` bounds, `[budget]`, retention.
+- timeouts and the rest of `[dispatcher]`, `[server]` bounds (the relay-wide body bound
+  `max_buffered_body_bytes` included), `[budget]`, retention.
 
 Streams in flight finish on what they started with (their exchange holds its own stall
 policy, upstream and connection). The listen address and the store path need a restart:
@@ -18,11 +20,37 @@ a file that changes them is refused.
 
 from __future__ import annotations
 
+import sqlite3
+import time
+
 from relay.auth import Auth
+from relay.budget import window_bounds
 from relay.cors import Cors
 from relay.config import Config, ConfigError
 from relay.routing import Router
 from relay.stall import StallPolicy
+
+
+RESTORE_FLUSH_S = 2.0
+
+
+def restored_usage(app, windows: list[tuple[str, str]], now: float) -> dict:
+    """The used figures of the windows a reload creates, from the rows: every row put so far
+    is committed first (a request that ended a moment ago counts; those still in flight are
+    charged when they settle, relay/budget.py). ConfigError if the store cannot say: the
+    reload then changes nothing."""
+    if not windows:
+        return {}
+    try:
+        app.store.flush(RESTORE_FLUSH_S)
+        out = {}
+        for key_id, kind in windows:
+            start, _ = window_bounds(kind, now)
+            out[key_id, kind] = app.store.usage_since(key_id, start, served_only=True)
+        return out
+    except (RuntimeError, TimeoutError, sqlite3.Error) as exc:
+        raise ConfigError(f"key: the usage of new limits cannot be rebuilt from the store "
+                          f"({exc}); nothing changed") from None
 
 
 def apply(app, new: Config) -> dict:
@@ -62,6 +90,7 @@ def apply(app, new: Config) -> dict:
     cors = Cors(new.server.cors_origins)
     policy = StallPolicy(d.stream_idle_timeout_s, d.stream_total_timeout_s,
                          d.direct_read_timeout_s)
+    restored = restored_usage(app, app.budgets.fresh_windows(new.key), time.time())
     # ---- swap (cannot fail) ----
     for up, cfg, up_auth, up_tls in in_place:
         up.cfg, up.auth, up.static, up.tls = cfg, up_auth, fixed_headers(cfg.headers), up_tls
@@ -81,10 +110,13 @@ def apply(app, new: Config) -> dict:
     app.auth = auth
     app.cors = cors
     app.policy = policy
+    app.dispatcher.bodies.limit = new.server.max_buffered_body_bytes  # bodies held stay held
     app.registry.set_upstreams([up.metrics for up in ups.values()])
     app.store.retention_days = new.store.retention_days
-    fresh = app.budgets.reload(new.key)
-    app._restore_budgets(fresh)
+    now = time.time()
+    app.budgets.reload(new.key)
+    for (key_id, kind), (requests, tokens) in restored.items():
+        app.budgets.restore(key_id, kind, requests, tokens, now)
     app.start_probes()
     return {"upstreams": list(ups), "added": added,
             "removed": [n for n in removed if n not in changed], "changed": changed,

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import fcntl
+import os
 import pathlib
 import sqlite3
 import threading
@@ -54,6 +56,36 @@ OVERFLOW_MAX = 100_000
 WARN_INTERVAL_S = 10.0
 
 
+class StoreLocked(OSError):
+    """Another relay process holds the database (its `<path>.lock`)."""
+
+
+def lock_path(path: str) -> str:
+    return path + ".lock"
+
+
+def take_lock(path: str) -> int:
+    """An exclusive lock on `<path>.lock`, held (by the open descriptor) for as long as this
+    process uses the database: a second relay on the same file must not run `recover()` on
+    the first one's live admissions. StoreLocked if another process holds it."""
+    name = lock_path(path)
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:  # as SQLite would say of a path it cannot open
+        raise sqlite3.OperationalError(
+            f"unable to open database file: lock {name!r}: {exc.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StoreLocked(f"store.path {path!r} is in use by another relay process "
+                          f"(it holds {name!r}); refusing to start") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def is_memory(path: str) -> bool:
     return path in (":memory:", "")
 
@@ -81,6 +113,14 @@ def clean(values: tuple, now: float) -> tuple:
 class Store:
     retry_base_s = 0.05   # first backoff after a failed batch; doubles up to retry_max_s
     retry_max_s = 2.0
+    # How long SQLite waits for a lock held by another connection (a backup, an operator's
+    # shell) before it reports "database is locked". Start-up (recovery, prune) waits long;
+    # then row batches wait briefly (their own retry loop is the backoff) and admissions
+    # more briefly still, so the one writer thread is never stuck for long in a busy wait
+    # while a request waits for its admission.
+    start_busy_s = 5.0
+    row_busy_s = 0.25
+    admit_busy_s = 0.1
 
     def __init__(self, path: str, retention_days: float = 30.0, batch_max: int = 500,
                  queue_max: int = 10000, flush_interval_s: float = 0.2, *,
@@ -104,7 +144,10 @@ class Store:
         self._overflow: collections.deque = collections.deque()
         self._controls: collections.deque = collections.deque()   # (sql, params, future)
         self._admits: collections.deque = collections.deque()     # (values, loop, future)
-        self._admission_ids = 0
+        # admission ids: a random 31-bit prefix per process above a 32-bit counter (63 bits),
+        # so two processes never reuse each other's ids even if they share a file
+        self._admission_ids = (int.from_bytes(os.urandom(4), "big") >> 1) << 32
+        self._lock_fd: int | None = None
         self.recovered = 0  # admissions left by a crash, turned into rows at start
         self._wake = threading.Event()
         self._abandon = threading.Event()
@@ -140,16 +183,24 @@ class Store:
         return self._admission_ids
 
     async def admit(self, admission_id: int, rec, prompt_tokens: int,
-                    completion_tokens: int) -> None:
-        """Commit a request's admission record (relay/durable.py) before going on."""
+                    completion_tokens: int, timeout: float | None = None) -> None:
+        """Commit a request's admission record (relay/durable.py) before going on.
+
+        RuntimeError if it could not be written; with `timeout`, TimeoutError if it is not
+        committed by then (the record is still written when the writer gets to it, and the
+        request's row deletes it all the same)."""
         if self._stopping or self._thread is None or not self._thread.is_alive():
             raise RuntimeError("store is not running")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        fut.add_done_callback(_retrieved)  # its outcome may come after the caller left
         self._admits.append((durable.values(admission_id, rec, prompt_tokens,
                                               completion_tokens), loop, fut))
         self._wake.set()
-        await fut
+        if timeout is None:
+            await fut
+        else:
+            await asyncio.wait_for(asyncio.shield(fut), timeout)
 
     @property
     def pending(self) -> int:
@@ -173,12 +224,15 @@ class Store:
     def start(self) -> None:
         if self._thread is not None:
             return
+        if not is_memory(self.path) and self._lock_fd is None:
+            self._lock_fd = take_lock(self.path)  # before recover() touches the admissions
         self._thread = threading.Thread(target=self._run, name="relay-store", daemon=False)
         self._thread.start()
         self._ready.wait()
         if self._start_error is not None:
             self._thread.join()
             self._closed = self._stopping = True
+            self._unlock()
             raise self._start_error
 
     def flush(self, timeout: float = 5.0) -> None:
@@ -207,6 +261,13 @@ class Store:
             self._abandon.set()
             self._wake.set()
             self._thread.join()
+        self._unlock()
+
+    def _unlock(self) -> None:
+        """The writer is done with the database: another process may take it."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     async def aclose(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
@@ -239,7 +300,7 @@ class Store:
 
     # ---- writer thread ---------------------------------------------------------------
     def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, timeout=5.0, isolation_level=None,
+        conn = sqlite3.connect(self.path, timeout=self.start_busy_s, isolation_level=None,
                                check_same_thread=False)
         conn.row_factory = dict_row
         if not is_memory(self.path):
@@ -255,6 +316,7 @@ class Store:
             conn = self._connect()
             self.recovered = durable.recover(conn)
             self._prune(conn)
+            _busy(conn, self.row_busy_s)
         except BaseException as exc:   # reported to start()'s caller
             self._start_error = exc
             self._ready.set()
@@ -319,12 +381,24 @@ class Store:
                 self.write_errors += 1
                 self._write_one_by_one(conn, rows, exc)
                 return
-            if self._abandon.wait(delay):
+            if self._backoff(conn, delay):
                 self._settle(len(rows), written=False)
                 return
             delay = min(delay * 2, self.retry_max_s)
             self._serve_admits(conn)
             self._serve_controls(conn)
+
+    def _backoff(self, conn: sqlite3.Connection, delay: float) -> bool:
+        """Wait `delay` before a batch is retried, serving admissions (and queries) as they
+        come meanwhile: a request waiting for its admission is not held behind the backoff.
+        True when close() gave up on the rows."""
+        end = time.monotonic() + delay
+        while not self._abandon.is_set() and (left := end - time.monotonic()) > 0:
+            if self._wake.wait(left):
+                self._wake.clear()
+                self._serve_admits(conn)
+                self._serve_controls(conn)
+        return self._abandon.is_set()
 
     def _write_one_by_one(self, conn: sqlite3.Connection, rows: list[tuple], exc) -> None:
         for row in rows:
@@ -388,7 +462,11 @@ class Store:
             waiting.append(self._admits.popleft())
         error = None
         try:
-            durable.insert(conn, [v for v, _, _ in waiting])
+            _busy(conn, self.admit_busy_s)  # a locked database: fail fast, the request waits
+            try:
+                durable.insert(conn, [v for v, _, _ in waiting])
+            finally:
+                _busy(conn, self.row_busy_s)
         except sqlite3.Error as exc:
             self.write_errors += 1
             self._warn("admit", f"admission records not written ({exc})")
@@ -406,6 +484,16 @@ class Store:
                 fut.set_result(conn.execute(sql, params).fetchall())
             except BaseException as exc:
                 fut.set_exception(exc)
+
+
+def _busy(conn: sqlite3.Connection, seconds: float) -> None:
+    conn.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
+
+
+def _retrieved(fut) -> None:
+    """Mark an admission's outcome seen (its caller may have stopped waiting)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _resolve(fut, error: BaseException | None) -> None:

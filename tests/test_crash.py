@@ -2,12 +2,14 @@
 has exactly one row, and a key cannot make more requests than its limit."""
 
 import asyncio
+import json
 import signal
 import time
 import sqlite3
 
 from relay.sim import Simulator
 from tests import httpc
+from tests.conftest import wait_for
 from tests.test_cli import start, wait_listening
 from tests.test_keys_budgets import SECRET, sha
 
@@ -129,3 +131,100 @@ async def test_admission_is_replaced_by_its_row_and_recovered_after_a_crash(tmp_
     assert conn.execute("SELECT COUNT(*) FROM admission").fetchone() == (0,)
     conn.close()
     again.close()
+
+
+def _slow_config(tmp_path, sim_port: int, port: int = 0) -> str:
+    cfg = tmp_path / f"relay-{port}.toml"
+    cfg.write_text(
+        f'[server]\nport = {port}\n[store]\npath = "{tmp_path / "relay.db"}"\n'
+        f'[[upstream]]\nname = "llm"\nurl = "http://127.0.0.1:{sim_port}"\nparallel = 8\n'
+        f'[[key]]\nid = "alpha"\nsha256 = "{sha(SECRET)}"\ntokens_per_day = 100000\n')
+    return str(cfg)
+
+
+def _request_rows(tmp_path) -> list[tuple]:
+    conn = sqlite3.connect(tmp_path / "relay.db")
+    try:
+        return conn.execute("SELECT request_id, status, error_code, completion_tokens "
+                            "FROM request ORDER BY ts").fetchall()
+    finally:
+        conn.close()
+
+
+async def test_a_second_relay_on_the_same_database_refuses_to_start(tmp_path):
+    """A mistaken second `relay serve` on the same SQLite file (another port) is refused by
+    the database's lock before it runs recovery: the first relay's live admission stays
+    live, and its request gets exactly one row (not a `relay_crashed` one as well)."""
+    sim = Simulator()
+    await sim.start()
+    first = await start("serve", "--config", _slow_config(tmp_path, sim.port))
+    second = None
+    try:
+        port, _ = await wait_listening(first)
+        request = asyncio.create_task(httpc.fetch(
+            port, "POST", CHAT, httpc.chat(5, first_token_delay_ms=1500), _headers("live")))
+        await wait_for(lambda: len(sim.requests) == 1, 10)  # admitted, upstream
+        second = await start("serve", "--config", _slow_config(tmp_path, sim.port))
+        _, err = await asyncio.wait_for(second.communicate(), 20)
+        lines = [json.loads(l) for l in err.decode().splitlines() if l.startswith("{")]
+        assert second.returncode == 2
+        [failed] = [l for l in lines if l["event"] == "relay_start_failed"]
+        assert "in use by another relay process" in failed["error"]
+        assert "relay.db.lock" in failed["error"]
+        assert not [l for l in lines if l["event"] in ("admissions_recovered", "relay_listening")]
+        resp = await asyncio.wait_for(request, 10)
+        assert resp.status == 200 and resp.complete
+        first.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(first.wait(), 10) == 0
+    finally:
+        await _stop(first)
+        if second is not None:
+            await _stop(second)
+        await sim.stop()
+    assert _request_rows(tmp_path) == [("live", 200, None, 5)]
+    # the lock went with the first process: a restart takes it and recovers nothing
+    third = await start("serve", "--config", _slow_config(tmp_path, sim.port))
+    try:
+        _, seen = await wait_listening(third)
+        assert not [l for l in seen if l["event"] == "admissions_recovered"]
+    finally:
+        await _stop(third)
+    assert _request_rows(tmp_path) == [("live", 200, None, 5)]
+
+
+async def test_a_relay_that_cannot_listen_does_not_touch_the_database(tmp_path):
+    """The listener is bound before the store starts: a second relay on the same address
+    fails with EADDRINUSE before it takes the lock or recovers anything."""
+    import errno
+
+    from relay.app import App
+    from relay.log import quiet
+    from relay.store import StoreLocked
+
+    sim = Simulator()
+    await sim.start()
+    first = await start("serve", "--config", _slow_config(tmp_path, sim.port))
+    try:
+        port, _ = await wait_listening(first)
+        request = asyncio.create_task(httpc.fetch(
+            port, "POST", CHAT, httpc.chat(5, first_token_delay_ms=1000), _headers("live")))
+        await wait_for(lambda: len(sim.requests) == 1, 10)
+        from relay.config import load_config, parse_config
+        cfg = parse_config(load_config(_slow_config(tmp_path, sim.port, port)))
+        second = App(cfg, quiet())
+        try:
+            await second.start()
+            raise AssertionError("a second relay started on a port in use")
+        except OSError as exc:
+            assert not isinstance(exc, StoreLocked)
+            assert exc.errno == errno.EADDRINUSE
+        assert second.store.recovered == 0
+        assert second.store._thread is None and second.store._lock_fd is None
+        resp = await asyncio.wait_for(request, 10)
+        assert resp.status == 200
+        first.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(first.wait(), 10) == 0
+    finally:
+        await _stop(first)
+        await sim.stop()
+    assert _request_rows(tmp_path) == [("live", 200, None, 5)]

@@ -431,3 +431,36 @@ async def test_when_every_candidate_fails_the_last_one_carries_the_failure(make_
     metrics = json.loads((await httpc.fetch(app.port, "GET", "/api/slots/metrics")).body)
     assert [(metrics[n]["requests_total"], metrics[n]["requests_failed"]) for n in "ab"] == \
         [(1, 1), (1, 1)]
+
+
+async def test_a_reload_removing_the_fallback_does_not_strand_a_request_falling_back(
+        make_relay, sim, sim_b):
+    """SIGHUP removes b while a request queues on a: the request still falls back to the b it
+    was routed among (its upstreams are taken at its start), no 500."""
+    from relay.config import Config
+
+    ups = [UpstreamConfig(name="a", url=sim.url, parallel=1, queue=4, fallback=["b"]),
+           UpstreamConfig(name="b", url=sim_b.url, parallel=4)]
+    app = await make_relay(upstreams=ups, pool_timeout_s=0.5)
+    holding = asyncio.create_task(httpc.fetch(
+        app.port, "POST", CHAT, httpc.chat(2, first_token_delay_ms=1500),
+        {"X-Request-Id": "holding"}))
+    await wait_for(lambda: len(sim.requests) == 1)
+    falling = asyncio.create_task(httpc.fetch(app.port, "POST", CHAT, httpc.chat(3),
+                                              {"X-Request-Id": "falling"}))
+    await wait_for(lambda: app.upstreams["a"].slots.queued == 1)
+    old = app.config
+    summary = app.reload(Config(server=old.server, dispatcher=old.dispatcher,
+                                upstream=[UpstreamConfig(name="a", url=sim.url, parallel=1,
+                                                         queue=4)],
+                                key=[], store=old.store))
+    assert summary["removed"] == ["b"]
+    first, second = await asyncio.wait_for(asyncio.gather(holding, falling), 10)
+    assert (first.status, second.status) == (200, 200)
+    assert models_seen(second) == {"models/b.gguf"}
+    assert "".join(c for c in contents(second) if c) == httpc.sim_text(3)
+    assert not app.log.of("internal_error")
+    by_id = {r["request_id"]: r for r in await rows_of(app, 2)}
+    assert (by_id["falling"]["upstream_served"], by_id["falling"]["fallback_attempts"],
+            by_id["falling"]["status"], by_id["falling"]["completion_tokens"]) == ("b", 1, 200, 3)
+    assert (by_id["holding"]["upstream_served"], by_id["holding"]["status"]) == ("a", 200)

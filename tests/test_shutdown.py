@@ -151,3 +151,75 @@ async def test_a_request_half_read_when_the_drain_begins_gets_503(make_relay, si
     [row] = rows(db)
     assert (row["request_id"], row["status"], row["error_code"]) == ("half", 503, "shutting_down")
     assert not sim.requests
+
+
+async def test_a_request_dispatched_in_the_drains_loop_pass_gets_an_answer_and_a_row(
+        make_relay, sim, tmp_path, monkeypatch):
+    """SIGTERM handled in the same loop pass as a request's last bytes (the drain's first step
+    runs before the request task's): the request is counted, answered 503, and has its row."""
+    from relay import client as C
+
+    db = str(tmp_path / "relay.db")
+    app = await make_relay(store=db)
+    orig, stopping = C.ClientConn._dispatch, []
+
+    def dispatch_with_sigterm(self):
+        if not stopping:
+            stopping.append(asyncio.get_running_loop().create_task(app.stop(drain_timeout_s=2.0)))
+        orig(self)
+
+    monkeypatch.setattr(C.ClientConn, "_dispatch", dispatch_with_sigterm)
+    reader, writer = await _send(app.port, httpc.chat(2), "racing")
+    resp = await _read_all(reader, writer)
+    await asyncio.wait_for(stopping[0], 10)
+    assert resp is not None, "an empty reply"
+    assert (resp.status, resp.json()["error"]["code"]) == (503, "shutting_down")
+    assert (app.store.rows_written, app.store.rows_dropped) == (1, 0)
+    [row] = rows(db)
+    assert (row["request_id"], row["status"], row["error_code"]) == \
+        ("racing", 503, "shutting_down")
+    assert not sim.requests
+
+
+async def test_a_client_still_sending_its_body_when_the_drain_begins_reads_the_whole_503(
+        make_relay, sim, tmp_path):
+    """The drain's 503 to a request half-read goes out with a lingering close: the client
+    keeps sending and still reads the whole answer (not a reset), then the end of the stream."""
+    db = str(tmp_path / "relay.db")
+    app = await make_relay(store=db)
+    reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
+    size = 4 * 1024 * 1024
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: sending\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % size
+                 + b" " * 20000)
+    await wait_for(lambda: any(c.head is not None and c.body_size for c in app.clients))
+    answered = asyncio.Event()
+
+    async def keep_sending() -> int:
+        sent = 0
+        try:
+            while not answered.is_set() and sent < size - 20000 - 65536:
+                writer.write(b" " * 65536)
+                await writer.drain()
+                sent += 65536
+        except ConnectionError:
+            pass
+        return sent
+
+    stopping = asyncio.create_task(app.stop(drain_timeout_s=1.0))
+    sender = asyncio.create_task(keep_sending())
+    try:
+        resp = await asyncio.wait_for(httpc.read_head(reader), 10)
+        await asyncio.wait_for(httpc.read_body(reader, resp), 10)
+        rest = await asyncio.wait_for(reader.read(), 10)  # the relay's end: EOF, not a reset
+    finally:
+        answered.set()
+    assert (resp.status, resp.json()["error"]["code"]) == (503, "shutting_down")
+    assert rest == b""
+    assert await asyncio.wait_for(sender, 10) > 0  # it was still sending after the drain began
+    await asyncio.wait_for(stopping, 10)
+    writer.close()
+    [row] = rows(db)
+    assert (row["request_id"], row["status"], row["error_code"]) == \
+        ("sending", 503, "shutting_down")
+    assert not sim.requests

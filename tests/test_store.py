@@ -309,3 +309,14 @@ def test_interpreter_exit_without_close_still_writes_rows(db):
     done = subprocess.run([sys.executable, "-c", script, db], timeout=30)
     assert done.returncode == 0
     assert sqlite3.connect(db).execute("SELECT COUNT(*) FROM request").fetchone() == (1000,)
+
+
+def test_admission_ids_do_not_restart_per_process(tmp_path):
+    """Two processes (two stores) never hand out the same admission ids: a random 31-bit
+    prefix per store above a counter, within SQLite's 63-bit INTEGER PRIMARY KEY."""
+    firsts = [Store(str(tmp_path / "a.db")).next_admission_id() for _ in range(8)]
+    assert len(set(firsts)) == 8
+    assert all(0 < i < 1 << 63 for i in firsts)
+    store = Store(str(tmp_path / "a.db"))
+    ids = [store.next_admission_id() for _ in range(3)]
+    assert ids == [ids[0], ids[0] + 1, ids[0] + 2]

@@ -337,3 +337,14 @@ def test_credential_like_static_header_refused(name):
 def test_bad_static_header_refused(headers, why):
     with pytest.raises(ConfigError, match=why):
         parse_config({"upstream": [{"name": "r", "url": "https://h", "headers": headers}]})
+
+
+def test_buffered_body_bound_below_the_body_limit_refused():
+    data = {"server": {"max_body_bytes": 1 << 20, "max_buffered_body_bytes": 1 << 19},
+            "upstream": [{"name": "a", "url": "http://127.0.0.1:9"}]}
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert "server.max_buffered_body_bytes" in str(err.value)
+    assert "server.max_body_bytes" in str(err.value)
+    data["server"]["max_buffered_body_bytes"] = 1 << 20  # equal: allowed
+    assert parse_config(data).server.max_buffered_body_bytes == 1 << 20
