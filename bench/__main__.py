@@ -21,7 +21,8 @@ from bench import nginx, procs, relay_conf, report, tls
 from bench.upstreams import RealUpstream, SimUpstream
 
 HOST = "127.0.0.1"
-TARGETS = ("direct", "relay", "nginx", "baseline")
+# relay_ui: the relay with its operator page open (bench/ui_poll.py polls /api/ui/state 1/s)
+TARGETS = ("direct", "relay", "nginx", "baseline", "relay_ui")
 
 
 def scenarios(a) -> dict[str, dict]:
@@ -60,7 +61,7 @@ def start_proxy(target: str, up, logdir: Path, a) -> procs.Proc | None:
         return None
     port = procs.free_port(HOST)
     pki = getattr(up, "pki", None)
-    if target in ("relay", "baseline"):
+    if target in ("relay", "baseline", "relay_ui"):
         # The upstream is in the generated config (with parallel = 4096), so
         # no --upstream here: the relay refuses both.
         conf = relay_conf.write(up.url, logdir, a.relay_config,
@@ -76,6 +77,10 @@ def start_proxy(target: str, up, logdir: Path, a) -> procs.Proc | None:
         p = procs.Proc("nginx", nginx.argv(tmp, conf), logdir)
     p.port = port
     p.wait_http(HOST, port, "/health")
+    p.poller = None
+    if target == "relay_ui":
+        p.poller = procs.Proc("ui_poll", [sys.executable, "-m", "bench.ui_poll", "--host", HOST,
+                                          "--port", str(port)], logdir)
     return p
 
 
@@ -120,6 +125,9 @@ def measure(scenario: str, sc: dict, target: str, up, logdir: Path, a) -> dict:
             row.update(proxy_cpu_us=p1 - p0, proxy_hwm_kb=proxy.hwm_kb())
     finally:
         if proxy:
+            if getattr(proxy, "poller", None) is not None:
+                row["ui_polls"] = proxy.poller.out_path.read_text().count("status 200")
+                proxy.poller.stop()
             proxy.stop()
     if target == "nginx":
         row["nginx_upstream_errors"] = nginx.upstream_errors(logdir / "nginx")

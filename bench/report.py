@@ -188,11 +188,12 @@ def render(rows, scs, names, targets, a, upstream_kind) -> str:
                        f"{_f(g['rate_min'], nd)} | {_f(g['late'], 0)} | {_f(g['gap_max'], 1)} | "
                        f"{_pct(g['client_cpu'])} | {_pct(g['other_cpu'])} | {_f(g['wall'], 1)} |")
     out.append("")
-    for name, who in [(n, t) for n in names for t in ("relay", "baseline")]:
+    for name, who in [(n, t) for n in names for t in ("relay", "relay_ui", "baseline")]:
         r, n = aggs.get((name, who)), aggs.get((name, "nginx"))
         if r and n and "skipped" not in r and "skipped" not in n and r["us_event"] and n["us_event"]:
             per = _ratios_per_repeat(rows, name, who)
-            label = "relay" if who == "relay" else f"baseline relay ({a.baseline or 'HEAD'})"
+            label = {"relay": "relay", "relay_ui": "relay with the operator page open (polled 1/s)"
+                     }.get(who, f"baseline relay ({a.baseline or 'HEAD'})")
             out.append(f"**{'Key ratio' if name == 'paced' else 'Ratio'} ({name}): {label} CPU per event "
                        f"÷ nginx CPU per event = {r['us_event'] / n['us_event']:.2f}×** "
                        f"({r['us_event']:.2f} µs vs {n['us_event']:.2f} µs)"

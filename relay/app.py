@@ -22,6 +22,7 @@ from relay.stall import StallPolicy
 from relay.store import Store
 from relay.target import Target
 from relay.tls import client_context
+from relay.ui_state import Recent, Trend
 from relay.upstream import Pool
 from relay.upstream_headers import fixed_headers
 
@@ -114,6 +115,8 @@ class App:
         self.store = Store(config.store.path, retention_days=config.store.retention_days,
                            log=self.log)
         self.dispatcher = Dispatcher(self)
+        self.ui_recent = Recent()  # the operator page's figures (relay/ui_state.py)
+        self.ui_trend = Trend()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.server: asyncio.AbstractServer | None = None
         self.clients: set[ClientConn] = set()
@@ -332,6 +335,7 @@ class App:
                     if n and up is not None:
                         ex.counted += n
                         up.metrics.add_tokens(n, now)
+            self.ui_trend.sample(time.time(), now, self.registry)
             self._close_retired()
 
     def _close_retired(self) -> None:

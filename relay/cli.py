@@ -1,4 +1,7 @@
-"""Command line: `relay serve ...`, `relay sim ...`."""
+"""relay: an HTTP/1.1 relay for Server-Sent-Event LLM traffic.
+
+Commands: `relay serve` runs the relay, `relay report` summarises and benchmarks the stored
+request rows, `relay sim` runs the built-in llama-server simulator."""
 
 from __future__ import annotations
 
@@ -127,11 +130,16 @@ def main(argv: list[str] | None = None) -> int:
         from relay import report
 
         return report.main(argv[1:])
-    parser = argparse.ArgumentParser(prog="relay", description=__doc__)
+    from relay import __version__
+
+    parser = argparse.ArgumentParser(prog="relay", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"relay {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     _serve_parser(sub)
     sub.add_parser("sim", help="run the built-in llama-server simulator (see `relay sim -h`)")
-    sub.add_parser("report", help="summarise the request rows (see `relay report -h`)")
+    sub.add_parser("report", help="latency, throughput and benchmark figures (TTFT, TPOT, ITL, "
+                   "E2EL, goodput) of the stored request rows (see `relay report -h`)")
     args = parser.parse_args(argv)
     if args.cmd == "serve":
         try:

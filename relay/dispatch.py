@@ -15,7 +15,9 @@ import os
 import re
 import time
 
-from relay import access, settle
+import msgspec
+
+from relay import access, settle, ui, ui_state
 from relay import admission as A
 from relay import exchange as X
 from relay import headers as hdr
@@ -27,7 +29,7 @@ from relay.health import DOWN
 from relay.hold import Hold, error_of
 from relay.model_name import served_name, with_model
 from relay.paths import bounded
-from relay.record import Record
+from relay.record import Record, user_agent
 from relay.routing import NoRoute, model_list
 from relay.slots import Busy, SlotsClosed
 from relay.target import TargetError
@@ -79,7 +81,8 @@ class Dispatcher:
         rid = self.request_id(req.headers)
         path = req.path  # the name the upstream routes on, bounded: echoed, stored and logged
         rec = Record(ts=time.time(), request_id=rid.decode(), path=path,
-                     method=bounded(req.method.decode("latin-1"), 32))
+                     method=bounded(req.method.decode("latin-1"), 32),
+                     client_addr=client.peer_host, user_agent=user_agent(req.headers))
         keep_alive = req.keep_alive
         cors = app.cors.headers(req.headers)
         state = {"slot": None, "reservation": None, "ex": None, "hold": None, "cors": cors}
@@ -398,6 +401,9 @@ class Dispatcher:
         app = self.app
         cors = state["cors"]
         path = req.path  # normalised and bounded (it is echoed in a 404)
+        if ui.is_page(path):
+            ui.answer(app.auth, client, req, rid)
+            return True
         relay_admin = access.is_relay_admin(path)
         if relay_admin or access.is_upstream_admin(req.method, path):
             refused = access.admin_refusal(app.auth, req.headers, client.peer_host)
@@ -414,6 +420,9 @@ class Dispatcher:
                                content_type=b"text/plain; version=0.0.4; charset=utf-8")
             elif path == "/api/slots/metrics":
                 client.respond(200, app.registry.json(now), rid, req.keep_alive, cors)
+            elif path == ui.STATE_PATH:
+                client.respond(200, msgspec.json.encode(ui_state.state(app, time.time(), now)),
+                               rid, req.keep_alive, cors + ui.NO_STORE)
             else:
                 raise RelayError("not_found", f"no such endpoint {path}")
             return True

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from math import frexp as _frexp
 
 from relay import framing
 from relay.head import BadHead, HeadReader, ResponseHead
 from relay.chunked import LAST_CHUNK, SIZE, ChunkError, ChunkTracker, frame
+from relay.gaps import Gaps
 from relay.hold import ERROR, OPENED, Hold
 from relay.fastpath import same_shape, shape_of, token_event
 from relay.flow import ClientFlow
@@ -33,7 +35,7 @@ class Exchange:
     __slots__ = (
         "_closed_early", "_leftover", "_write", "body_copy", "body_started", "bytes_out",
         "client", "client_keep_alive", "conn", "counted", "data_received", "done",
-        "fast", "first_content_at", "flow", "got_bytes", "head_at", "head_reader",
+        "fast", "first_content_at", "flow", "gaps", "got_bytes", "head_at", "head_reader",
         "head_fut", "head_resp", "hold", "kind",
         "last_read", "loop", "method", "mode", "model", "on_content", "outcome", "path",
         "policy", "remaining", "request_id", "scanner", "shape", "sse",
@@ -77,6 +79,7 @@ class Exchange:
         self.head_at = 0.0
         self.last_read = 0.0
         self.first_content_at: float | None = None
+        self.gaps: Gaps | None = None  # SSE: gaps between content events (relay/gaps.py)
         self.bytes_out = 0
         self.outcome: str | None = None
         self.stall_reason: str | None = None
@@ -99,14 +102,37 @@ class Exchange:
             else:  # head parsed, body not started yet: keep for start_body
                 self._leftover += data
             return
-        self.last_read = self.loop.time()
+        now = self.last_read = self.loop.time()
         if self.fast:  # the usual read, one token: see relay/fastpath.py
             shape = self.shape
             if (shape is not None and same_shape(data, shape)) or self._token_read(data):
                 self.scanner.content_events += 1
+                gp = self.gaps  # one inter-token gap: Gaps.add inline (relay/gaps.py)
+                g = now - gp.last
+                gp.last = now
+                if g > 0.0:
+                    if g > gp.max:
+                        gp.max = g
+                    m, e = _frexp(g)
+                    k = (e << 3) + int(m * 16.0)
+                    b = gp.buckets
+                    b[k] = b.get(k, 0) + 1
+                else:
+                    gp.zeros += 1
                 self.bytes_out += len(data)
                 self._write(data)
                 return
+        gp = self.gaps
+        if gp is None:
+            self._body_read(data)
+            return
+        before = self.scanner.content_events
+        self._body_read(data)
+        if self.scanner.content_events != before:
+            gp.events(now, before, self.scanner.content_events)
+
+    def _body_read(self, data: bytes) -> None:
+        """Any read the fast path did not take: chunk tracker, scanner, then forward."""
         kind = self.kind
         if kind == framing.CHUNKED:
             tracker = self.tracker
@@ -253,6 +279,7 @@ class Exchange:
             self.tracker = ChunkTracker()
         if self.sse:
             self.scanner = SseScanner(self._first_content)
+            self.gaps = Gaps()
         elif p.json:  # a whole JSON body: keep it (bounded) to read usage
             self.scanner = self.body_copy = JsonBody()
         self._write = self.client.transport.write

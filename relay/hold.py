@@ -23,6 +23,8 @@ The heartbeat timer is re-armed lazily from the last write to the client (`last_
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 
 from relay.chunked import LAST_CHUNK, frame
@@ -60,9 +62,9 @@ def synthetic_head(request_id: bytes, chunked: bool, keep_alive: bool,
 
 
 class Hold:
-    __slots__ = ("beats", "chunked", "client", "extra", "head", "interval", "last_out", "loop",
-                 "more", "on_commit", "parts", "pending", "request_id", "size", "state",
-                 "swallow", "timer", "timer_at")
+    __slots__ = ("beats", "chunked", "client", "extra", "first_out", "head", "interval",
+                 "last_out", "loop", "more", "on_commit", "parts", "pending", "request_id",
+                 "size", "state", "swallow", "timer", "timer_at")
 
     def __init__(self, loop, client, request_id: bytes, interval: float = 0.0,
                  extra: Headers = ()) -> None:
@@ -84,6 +86,8 @@ class Hold:
         self.timer = None
         self.timer_at = 0.0
         self.last_out = 0.0
+        self.first_out: float | None = None  # perf_counter of the first byte out (a row's
+        # first_byte_ms: relay/timing.py); every write before the hold opens comes through here
 
     @property
     def sent(self) -> bool:
@@ -137,6 +141,8 @@ class Hold:
         if not self.client.gone:
             self.client.transport.write(data)
             self.last_out = self.loop.time()
+            if self.first_out is None:
+                self.first_out = time.perf_counter()
 
     def _out(self, payload: bytes) -> None:
         if payload:

@@ -20,6 +20,9 @@ from collections import deque
 
 import msgspec
 
+from relay.histogram import (E2E_BUCKETS, QUEUE_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS,
+                             Histogram, render_into)
+
 STATES = ("ready", "serving", "loading", "down")
 STALL_REASONS = ("total", "idle", "read")
 
@@ -56,6 +59,20 @@ class UpstreamMetrics:
         self.queue_wait_count = 0
         self.decoding_speed_tps: float | None = None
         self.kv_occupancy_pct: float | None = None
+        self.ttft_hist = Histogram(TTFT_BUCKETS)
+        self.tpot_hist = Histogram(TPOT_BUCKETS)
+        self.e2e_hist = Histogram(E2E_BUCKETS)
+        self.queue_hist = Histogram(QUEUE_BUCKETS)
+
+    def observe_timings(self, ttft_s: float | None, tpot_s: float | None,
+                        e2e_s: float | None) -> None:
+        """One settled request's latencies, into the histograms (None: not measured)."""
+        if ttft_s is not None:
+            self.ttft_hist.observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot_hist.observe(tpot_s)
+        if e2e_s is not None:
+            self.e2e_hist.observe(e2e_s)
 
     # -- token rate -------------------------------------------------------------------------
     def add_tokens(self, n: int, now: float) -> None:
@@ -111,6 +128,7 @@ class UpstreamMetrics:
     def observe_queue_wait(self, seconds: float) -> None:
         self.queue_wait_seconds_total += max(0.0, seconds)
         self.queue_wait_count += 1
+        self.queue_hist.observe(seconds)
 
     def request_done(self, ok: bool, error_code: str | None) -> None:
         self.requests_total += 1
@@ -200,6 +218,16 @@ class Registry:
         self._upstreams: dict[str, UpstreamMetrics] = {}
         self.rows_dropped = 0  # request rows lost because the log writer's queue was full
         self.requests_rejected: dict[str, int] = {}  # refused before any upstream, by status
+        self.keys: dict[str, list[int]] = {}  # key id -> [requests, prompt, completion tokens]
+
+    def key_used(self, key_id: str, prompt_tokens: int | None,
+                 completion_tokens: int | None) -> None:
+        c = self.keys.get(key_id)
+        if c is None:
+            c = self.keys[key_id] = [0, 0, 0]
+        c[0] += 1
+        c[1] += prompt_tokens or 0
+        c[2] += completion_tokens or 0
 
     def add(self, m: UpstreamMetrics) -> None:
         if m.name in self._upstreams:
@@ -237,7 +265,15 @@ class Registry:
         failed = F("relay_requests_failed_total", "counter", "Failed requests by error code.")
         tokens = F("relay_tokens_total", "counter", "Tokens streamed.")
         stalls = F("relay_stall_trips_total", "counter", "Stall guard trips by reason.")
-        qwait = F("relay_queue_wait_seconds", "summary", "Time requests waited for a slot.")
+        qwait = F("relay_queue_wait_seconds", "histogram", "Time requests waited for a slot.")
+        ttft_h = F("relay_time_to_first_token_seconds", "histogram",
+                   "Time to the first content event, per request.")
+        tpot_h = F("relay_time_per_output_token_seconds", "histogram",
+                   "(e2e - ttft) / (output tokens - 1), per request (vLLM's TPOT).")
+        e2e_h = F("relay_e2e_request_latency_seconds", "histogram",
+                  "Request in to last byte out, per served request.")
+        key_req = F("relay_key_requests_total", "counter", "Requests per API key.")
+        key_tok = F("relay_key_tokens_total", "counter", "Tokens per API key, by kind.")
         speed = F("relay_decoding_speed_tps", "gauge", "FLM decoding speed, last seen.")
         kv = F("relay_kv_occupancy_percent", "gauge", "FLM KV token occupancy, last seen.")
         dropped = F("relay_rows_dropped_total", "counter", "Request rows dropped, queue full.")
@@ -262,13 +298,20 @@ class Registry:
             tokens.add(m.tokens_total, upstream=u)
             for reason, n in m.stall_trips.items():
                 stalls.add(n, upstream=u, reason=reason)
-            qwait.add(m.queue_wait_seconds_total, "_sum", upstream=u)
-            qwait.add(m.queue_wait_count, "_count", upstream=u)
+            render_into(qwait, m.queue_hist, upstream=u)
+            render_into(ttft_h, m.ttft_hist, upstream=u)
+            render_into(tpot_h, m.tpot_hist, upstream=u)
+            render_into(e2e_h, m.e2e_hist, upstream=u)
             speed.add(m.decoding_speed_tps, upstream=u)
             kv.add(m.kv_occupancy_pct, upstream=u)
         dropped.add(self.rows_dropped)
         for code, n in sorted(self.requests_rejected.items()):
             rejected.add(n, code=code)
+        for key, (n, prompt, completion) in sorted(self.keys.items()):
+            key_req.add(n, key=key)
+            key_tok.add(prompt, key=key, kind="prompt")
+            key_tok.add(completion, key=key, kind="completion")
         families = (up, state, parallel, in_flight, queued, tps, ttft, ttft_avg, requests,
-                    failed, tokens, stalls, qwait, speed, kv, dropped, rejected)
+                    failed, tokens, stalls, qwait, ttft_h, tpot_h, e2e_h, speed, kv, dropped,
+                    rejected, key_req, key_tok)
         return "".join(f.render() for f in families).encode()

@@ -32,7 +32,21 @@ class Record:
     tokens_source: str | None = None
     bytes_out: int = 0
     client_closed: bool = False
+    # benchmark timings (relay/timing.py), ms measured at the relay on the client side
+    first_byte_ms: float | None = None
+    e2e_ms: float | None = None
+    tpot_ms: float | None = None
+    itl_p50_ms: float | None = None
+    itl_p99_ms: float | None = None
+    itl_max_ms: float | None = None
+    itl_hist: str | None = None  # the gaps' buckets (relay/gaps.py), pooled by `relay report`
+    # the upstream's own `timings` (llama-server), when it sent them
+    prompt_ms: float | None = None
+    prompt_per_second: float | None = None
+    predicted_per_second: float | None = None
     outcome: str | None = None  # log only: done, client_closed, stall, upstream_dropped, ...
+    client_addr: str | None = None  # log only: the client's address
+    user_agent: str | None = None  # log only: its User-Agent, bounded (MAX_AGENT_CHARS)
 
     def row(self) -> dict:
         out = {k: getattr(self, k) for k in ROW_FIELDS}
@@ -70,5 +84,16 @@ class Record:
         return (self.prompt_tokens or 0) + (self.completion_tokens or 0)
 
 
-LOG_FIELDS = tuple(f.name for f in fields(Record) if f.name != "ts")
-ROW_FIELDS = tuple(f.name for f in fields(Record) if f.name not in ("method", "outcome"))
+LOG_FIELDS = tuple(f.name for f in fields(Record) if f.name not in ("ts", "itl_hist"))
+ROW_FIELDS = tuple(f.name for f in fields(Record)
+                   if f.name not in ("method", "outcome", "client_addr", "user_agent"))
+MAX_AGENT_CHARS = 200
+
+
+def user_agent(headers) -> str | None:
+    """The request's User-Agent for the access log: bounded, control characters replaced."""
+    for k, v in headers:
+        if k.lower() == b"user-agent":
+            text = v[:MAX_AGENT_CHARS].decode("latin-1")
+            return "".join(c if " " <= c != "\x7f" else "?" for c in text)
+    return None

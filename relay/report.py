@@ -15,8 +15,10 @@ import sqlite3
 import sys
 import time
 from collections import Counter
+from datetime import datetime, timezone
 from typing import Iterable
 
+from relay import benchview
 from relay.store import is_memory, open_readonly
 
 READ_COLUMNS = ("model", "upstream_served", "status", "ok", "error_code", "stream", "queue_ms",
@@ -156,7 +158,86 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--db", default="relay.db", help="SQLite file ([store].path), default relay.db")
     p.add_argument("--since", default="1h", help="30m, 1h, 24h, 7d or all (default 1h)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    b = p.add_argument_group(
+        "benchmark view", "TTFT, TPOT, ITL, E2EL (mean, p50, p90, p99), request and output "
+        "token throughput and goodput over the window, as vLLM's `vllm bench serve` defines "
+        "them (README: Benchmark view). Any of these flags selects it.")
+    b.add_argument("--bench", action="store_true", help="the benchmark view (grouped by model)")
+    b.add_argument("--by", choices=sorted(benchview.BY), help="group by model, upstream or key")
+    b.add_argument("--from", dest="from_ts", metavar="TIME",
+                   help="window start: unix seconds or ISO 8601 (UTC unless it says); "
+                   "instead of --since")
+    b.add_argument("--to", dest="to_ts", metavar="TIME", help="window end (default now)")
+    b.add_argument("--slo", help="goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2el=10s "
+                   "(a bare number is ms)")
+    b.add_argument("--csv", action="store_true", help="print CSV (one line per group, then TOTAL)")
     return p
+
+
+def parse_time(text: str) -> float:
+    """Unix seconds, or an ISO 8601 date/time (UTC unless it carries an offset)."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        t = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"bad time {text!r}: use unix seconds or ISO 8601") from None
+    return (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def window(args, now: float) -> tuple[float | None, float]:
+    """[start, end] of the rows asked for; start None: all rows."""
+    end = parse_time(args.to_ts) if args.to_ts else now
+    if args.from_ts:
+        start = parse_time(args.from_ts)
+    else:
+        since_s = parse_since(args.since)
+        start = None if since_s is None else end - since_s
+    if start is not None and end <= start:
+        raise ValueError("the window ends before it starts")
+    return start, end
+
+
+def bench_main(args, parser) -> int:
+    try:
+        start, end = window(args, time.time())
+        slo = benchview.parse_slo(args.slo) if args.slo else None
+    except ValueError as exc:
+        parser.error(str(exc))
+    params: tuple = (end,) if start is None else (end, start)
+    try:
+        conn = open_readonly(args.db)
+        try:  # a database no relay of issue 13 opened yet lacks the timing columns: NULLs
+            have = {r["name"] for r in conn.execute("PRAGMA table_info(request)").fetchall()}
+            cols = ", ".join(c if c in have else f"NULL AS {c}" for c in benchview.READ_COLUMNS)
+            sql = f"SELECT {cols} FROM request WHERE ts <= ?" + (
+                "" if start is None else " AND ts >= ?")
+            rows = conn.execute(sql, params).fetchall()
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        print(f"relay report: cannot read {args.db!r}: {exc}", file=sys.stderr)
+        return 2
+    if start is None:  # all rows: the window is the rows' own span
+        start = min((r["ts"] for r in rows), default=end)
+    by = args.by or "model"
+    groups, total = benchview.bench(rows, by, end - start, slo)
+    if args.json:
+        print(json.dumps({"from": start, "to": end, "by": by, "groups": groups,
+                          "total": total}, indent=2))
+    elif args.csv:
+        print(benchview.render_csv(groups, total), end="")
+    else:
+        print(f"relay report: {args.db}, {len(rows)} requests from {_iso(start)} to "
+              f"{_iso(end)}; times in ms")
+        print(benchview.render_table(groups, total, by), end="")
+    return 0
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"relay report: no database file at {args.db!r} (pass --db PATH, the [store].path "
               "of the relay)", file=sys.stderr)
         return 2
+    if args.bench or args.by or args.from_ts or args.to_ts or args.slo or args.csv:
+        return bench_main(args, parser)
     since_ts = None if since_s is None else time.time() - since_s
     try:
         rows = read_rows(args.db, since_ts)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import time
 
 from relay import exchange as X
+from relay import timing
 from relay.errors import RelayError
 from relay.paths import MAX_PATH_CHARS, bounded, normalize
-from relay.record import RESERVED, Record
+from relay.record import RESERVED, Record, user_agent
 from relay.sse import SseScanner
 
 # Refusals decided before any upstream is chosen or contacted (counted relay-wide).
@@ -35,7 +36,7 @@ def settle(app, client, rec: Record, state: dict, t0: float) -> None:
         rec.bytes_out = ex.bytes_out
         if ex.first_content_at is not None:
             rec.ttft_ms = round((ex.first_content_at - t0) * 1000, 3)
-        _tokens(app, rec, ex, state)
+        state["exact"] = _tokens(app, rec, ex, state)
         if ex.outcome == X.STALL:
             rec.error_code = f"stream_stall_{ex.stall_reason}"
             app.log.event("stream_stall_guard_tripped", reason=ex.stall_reason,
@@ -47,6 +48,10 @@ def settle(app, client, rec: Record, state: dict, t0: float) -> None:
               and not ex.scanner.content_events):
             rec.outcome = rec.error_code = X.ERROR_EVENT  # a 200 that carried only an error
     rec.ok = (rec.outcome == X.DONE and rec.status is not None and rec.status < 400)
+    has_ex = ex is not None and rec.upstream_served is not None
+    hold = state.get("hold")
+    timing.fill(rec, t0, hold.first_out if hold is not None else None,
+                ex.gaps if has_ex else None, state.get("exact"))
     if rec.error_code is None and rec.status is not None and rec.status >= 400:
         rec.error_code = f"upstream_{rec.status}"
     res = state.get("reservation")
@@ -59,15 +64,20 @@ def settle(app, client, rec: Record, state: dict, t0: float) -> None:
     else:
         m = served.metrics
         m.request_done(rec.ok, rec.error_code)
+        m.observe_timings(*(None if v is None else v / 1000
+                            for v in (rec.ttft_ms, rec.tpot_ms, rec.e2e_ms)))
         if ex is not None and ex.outcome == X.STALL:
             m.stall(ex.stall_reason)
+    if rec.key_id is not None:
+        app.registry.key_used(rec.key_id, rec.prompt_tokens, rec.completion_tokens)
+    app.ui_recent.add(rec)
     row = rec.row()
     row["admission_id"] = state.get("admission")  # the row replaces it, in one commit
     app.store.put(row)
     app.log.event("access", **rec.log_fields())
 
 
-def _tokens(app, rec: Record, ex: X.Exchange, state: dict) -> None:
+def _tokens(app, rec: Record, ex: X.Exchange, state: dict):
     from relay.usage import Usage, stream_usage
 
     scanner = ex.scanner
@@ -96,6 +106,7 @@ def _tokens(app, rec: Record, ex: X.Exchange, state: dict) -> None:
         delta = rec.completion_tokens - ex.counted
         ex.counted = rec.completion_tokens
         metrics.add_tokens(delta, time.monotonic())
+    return exact
 
 
 def rejected(dispatcher, client, err: RelayError) -> None:
@@ -106,9 +117,12 @@ def rejected(dispatcher, client, err: RelayError) -> None:
     rid = dispatcher.request_id(head.headers.raw_items()) if head is not None else dispatcher.new_id()
     rec = Record(ts=time.time(), request_id=rid.decode(), path=path,
                  method=bounded(head.method.decode("latin-1"), 32) if head is not None else "",
-                 status=err.status, error_code=err.code, outcome="rejected")
+                 status=err.status, error_code=err.code, outcome="rejected",
+                 client_addr=client.peer_host,
+                 user_agent=user_agent(head.headers) if head is not None else None)
     if head is not None:  # the answer carries the CORS headers too (client.py writes it)
         err.headers = err.headers + app.cors.headers(head.headers.raw_items())
     app.registry.rejected(err.code)
+    app.ui_recent.add(rec)
     app.store.put(rec.row())
     app.log.event("access", **rec.log_fields())

@@ -406,19 +406,53 @@ async def _serve(args: argparse.Namespace) -> None:
         await sim.stop()
 
 
+SIM_KNOBS_HELP = """\
+per-request knobs: a request body may carry "sim": {...} overriding the flags for it:
+  tokens                 int    tokens to generate (capped by n_predict/max_tokens); default --tokens
+  interval_ms            float  ms between streamed tokens; default --interval-ms
+  first_token_delay_ms   float  ms from the head to the first token; default --first-token-delay-ms
+  head_delay_ms          float  ms before the response head; default --head-delay-ms
+  status                 int    answer this HTTP status (>= 400) with an error body; default none
+  error_event            bool   a 200 SSE stream holding only an {"error": ...} event; default false
+  stall_after            int    stop sending after this many tokens, keep the connection; default none
+  stall_mid_line         bool   with stall_after: stop inside a `data:` line; default false
+  stall_mid_chunk        bool   with stall_after: stop inside a chunk; default false
+  drop_after             int    close the connection after this many tokens; default none
+  chatty                 bool   stream without end (interval_ms, or 10 ms); default false
+  content_length_stream  bool   a stream framed by Content-Length, not chunked; default false
+  body_kind              str    "octet": an application/octet-stream body; default the route's
+  eos_event              bool   an empty EOS event ends a text stream; default false (true on /completion)
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="relay sim", description="llama-server simulator")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8081)
-    ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--interval-ms", type=float, default=0.0)
-    ap.add_argument("--first-token-delay-ms", type=float, default=0.0)
-    ap.add_argument("--head-delay-ms", type=float, default=0.0)
-    ap.add_argument("--model", default="models/tiny.gguf")
-    ap.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS")
-    ap.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    ap = argparse.ArgumentParser(
+        prog="relay sim", description="llama-server simulator: OpenAI chat/completions, "
+        "/completion, /health, /props, /slots, /metrics, /tokenize, embeddings, with "
+        "deterministic text and exact usage/timings.",
+        epilog=SIM_KNOBS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--host", default="127.0.0.1", help="listen address (default %(default)s)")
+    ap.add_argument("--port", type=int, default=8081,
+                    help="listen port, 0 for any free one (default %(default)s)")
+    ap.add_argument("--tokens", type=int, default=16,
+                    help="tokens generated when the request sets no limit (count, default "
+                    "%(default)s)")
+    ap.add_argument("--interval-ms", type=float, default=0.0,
+                    help="gap between two streamed tokens (milliseconds, default %(default)s)")
+    ap.add_argument("--first-token-delay-ms", type=float, default=0.0,
+                    help="from the response head to the first token (milliseconds, default "
+                    "%(default)s)")
+    ap.add_argument("--head-delay-ms", type=float, default=0.0,
+                    help="from the request to the response head (milliseconds, default "
+                    "%(default)s)")
+    ap.add_argument("--model", default="models/tiny.gguf",
+                    help="model name it reports (default %(default)s)")
+    ap.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS (default: plain "
+                    "HTTP)")
+    ap.add_argument("--tls-key", help="PEM private key of --tls-cert (default: none)")
     ap.add_argument("--keep-alive-streams", action="store_true",
-                    help="keep the connection after a stream (a hosted API), not close it")
+                    help="keep the connection after a stream (a hosted API), not close it "
+                    "(default: close, as llama-server does)")
     if argv and argv[0] == "sim":
         argv = argv[1:]
     args = ap.parse_args(argv)

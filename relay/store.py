@@ -23,6 +23,7 @@ import time
 
 from relay import durable
 from relay.log import Log
+from relay.migrate import add_missing_columns
 
 COLUMNS = ("ts", "request_id", "key_id", "path", "model", "stream", "upstream_requested",
            "upstream_served", "fallback_attempts", "status", "ok", "error_code", "queue_ms",
@@ -32,6 +33,14 @@ _TYPES = ("REAL", "TEXT", "TEXT", "TEXT", "TEXT", "INTEGER", "TEXT",
           "TEXT", "INTEGER", "INTEGER", "INTEGER", "TEXT", "REAL",
           "REAL", "REAL", "INTEGER", "INTEGER", "TEXT",
           "INTEGER", "INTEGER", "TEXT")
+# Columns added after the first schema: databases of an older relay gain them at start
+# (relay/migrate.py; `error` came with TLS upstreams, the timings with issue 13).
+ADDED = (("first_byte_ms", "REAL"), ("e2e_ms", "REAL"), ("tpot_ms", "REAL"),
+         ("itl_p50_ms", "REAL"), ("itl_p99_ms", "REAL"), ("itl_max_ms", "REAL"),
+         ("itl_hist", "TEXT"), ("prompt_ms", "REAL"), ("prompt_per_second", "REAL"),
+         ("predicted_per_second", "REAL"))
+COLUMNS += tuple(c for c, _ in ADDED)
+_TYPES += tuple(t for _, t in ADDED)
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS request ("
     + ", ".join(f"{c} {t}" for c, t in zip(COLUMNS, _TYPES)) + ")",
@@ -299,10 +308,7 @@ class Store:
         conn.execute("PRAGMA synchronous=NORMAL")
         for stmt in SCHEMA + durable.SCHEMA:
             conn.execute(stmt)
-        have = {r["name"] for r in conn.execute("PRAGMA table_info(request)")}
-        for col, kind in zip(COLUMNS, _TYPES):  # a table from before a column was added
-            if col not in have:
-                conn.execute(f"ALTER TABLE request ADD COLUMN {col} {kind}")
+        add_missing_columns(conn, "request", tuple(zip(COLUMNS, _TYPES)))
         return conn
 
     def _run(self) -> None:

@@ -18,6 +18,9 @@ class _Timings(msgspec.Struct):
     prompt_n: int | None = None
     predicted_n: int | None = None
     cache_n: int | None = None
+    prompt_ms: float | None = None
+    prompt_per_second: float | None = None
+    predicted_per_second: float | None = None
 
 
 class _Meta(msgspec.Struct):
@@ -33,6 +36,11 @@ class Usage(msgspec.Struct, frozen=True):
     completion_tokens: int | None
     decoding_speed_tps: float | None = None
     kv_occupancy_pct: float | None = None
+    # llama-server's own timings of the request (prompt processing ms, prompt and
+    # generation speeds in tokens/s)
+    prompt_ms: float | None = None
+    prompt_per_second: float | None = None
+    predicted_per_second: float | None = None
 
 
 _decoder = msgspec.json.Decoder(_Meta)
@@ -57,7 +65,10 @@ def exact_usage(doc: bytes) -> Usage | None:
         completion = meta.usage.completion_tokens
         tps = meta.usage.decoding_speed_tps
         kv = meta.usage.kv_token_occupancy_rate_percentage
+    timed: tuple = ()
     if meta.timings is not None:
+        t = meta.timings
+        timed = (t.prompt_ms, t.prompt_per_second, t.predicted_per_second)
         if completion is None:
             completion = meta.timings.predicted_n
         if prompt is None and meta.timings.prompt_n is not None:
@@ -66,9 +77,9 @@ def exact_usage(doc: bytes) -> Usage | None:
         completion = meta.tokens_predicted
     if prompt is None:
         prompt = meta.tokens_evaluated
-    if completion is None and prompt is None:
+    if completion is None and prompt is None and not any(v is not None for v in timed):
         return None
-    return Usage(prompt, completion, tps, kv)
+    return Usage(prompt, completion, tps, kv, *timed)
 
 
 def stream_usage(meta_event: bytes) -> Usage | None:

@@ -287,18 +287,28 @@ def test_prometheus_families_and_values():
         ("relay_stall_trips_total", lab(upstream=u, reason=r)): int(u == A and r == "total")
         for u in (A, B) for r in ("total", "idle", "read")
     })
-    assert fams["relay_queue_wait_seconds"] == ("summary", {
+    kind, qwait = fams["relay_queue_wait_seconds"]
+    assert kind == "histogram"  # (a summary before issue 13: _sum and _count kept)
+    assert {k: v for k, v in qwait.items() if not k[0].endswith("_bucket")} == {
         ("relay_queue_wait_seconds_sum", lab(upstream=A)): 1.5,
         ("relay_queue_wait_seconds_count", lab(upstream=A)): 1,
         ("relay_queue_wait_seconds_sum", lab(upstream=B)): 0.0,
         ("relay_queue_wait_seconds_count", lab(upstream=B)): 0,
-    })
+    }
+    a_buckets = {dict(k[1])["le"]: v for k, v in qwait.items()
+                 if k[0].endswith("_bucket") and dict(k[1])["upstream"] == A}
+    assert a_buckets["1.0"] == 0 and a_buckets["2.5"] == 1 and a_buckets["+Inf"] == 1
+    assert fams["relay_key_requests"] == ("counter", {})
+    for name in ("relay_time_to_first_token_seconds", "relay_time_per_output_token_seconds",
+                 "relay_e2e_request_latency_seconds"):
+        kind, samples = fams[name]
+        assert kind == "histogram" and samples[(name + "_count", lab(upstream=A))] == 0
     assert fams["relay_rows_dropped"] == ("counter", {("relay_rows_dropped_total", ()): 7})
     assert fams["relay_requests_rejected"] == ("counter", {
         ("relay_requests_rejected_total", lab(code="429")): 2,
         ("relay_requests_rejected_total", lab(code="401")): 1,
     })
-    assert len(fams) == 17
+    assert len(fams) == 22
 
 
 def test_prometheus_text_layout():
@@ -316,8 +326,9 @@ def test_prometheus_text_layout():
             assert current == helps[-1]  # HELP directly before its TYPE
         else:  # every sample sits under its own family's TYPE line
             name = line.split("{")[0].split(" ")[0]
-            assert name in (current, current + "_sum", current + "_count"), line
-    assert len(helps) == len(set(helps)) == len(types) == len(set(types)) == 17
+            assert name in (current, current + "_sum", current + "_count",
+                            current + "_bucket"), line
+    assert len(helps) == len(set(helps)) == len(types) == len(set(types)) == 22
     assert "relay_tokens_total{upstream=\"gpu0\"} 95\n" in text  # ints as ints
     assert "relay_tokens_per_second{upstream=\"gpu0\"} 5.0\n" in text  # floats via repr
     for name in types:

@@ -14,7 +14,7 @@ BASE = float(int(time.time()) - 3600)  # recent: inside the default 30-day reten
 
 
 def make_row(i: int, **over) -> dict:
-    row = {
+    row = dict.fromkeys(COLUMNS) | {
         "ts": BASE + i, "request_id": f"req-{i}", "key_id": f"k{i % 3}",
         "path": "/v1/chat/completions", "model": "qwen", "stream": i % 2,
         "upstream_requested": "a", "upstream_served": "b", "fallback_attempts": i % 4,

@@ -34,7 +34,7 @@ def meta_of(name: str) -> bytes:
     ("completions_nonstream.http", 12, 5),
 ])
 def test_nonstream_bodies(name, prompt, completion):
-    assert exact_usage(response_body(name)) == Usage(prompt, completion, None, None)
+    assert counts(exact_usage(response_body(name))) == Usage(prompt, completion, None, None)
 
 
 @pytest.mark.parametrize("name,prompt,completion", [
@@ -46,7 +46,21 @@ def test_nonstream_bodies(name, prompt, completion):
     ("native_completion_stream.http", 8, 3),  # native: timings 1 + 7 cached, predicted 3
 ])
 def test_stream_final_events(name, prompt, completion):
-    assert stream_usage(meta_of(name)) == Usage(prompt, completion, None, None)
+    assert counts(stream_usage(meta_of(name))) == Usage(prompt, completion, None, None)
+
+
+def counts(u: Usage) -> Usage:
+    """The token figures alone (the recorded llama-server bodies also carry its timings)."""
+    return Usage(u.prompt_tokens, u.completion_tokens, u.decoding_speed_tps, u.kv_occupancy_pct)
+
+
+def test_upstream_timings_read():
+    u = stream_usage(meta_of("native_completion_stream.http"))
+    assert (u.prompt_ms, u.prompt_per_second, u.predicted_per_second) == (
+        0.194, 5154.639175257732, 6944.444444444445)
+    u = exact_usage(b'{"timings":{"prompt_ms":12.5,"prompt_per_second":80.0,'
+                    b'"predicted_per_second":25.5}}')
+    assert u == Usage(None, None, None, None, 12.5, 80.0, 25.5)
 
 
 def test_stream_without_meta():

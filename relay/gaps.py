@@ -1,0 +1,113 @@
+"""Gaps between the content events of one stream (inter-token latency, ITL), kept bounded.
+
+The body path adds one gap per content event from the loop-clock reading it already took for
+the read (`Exchange.last_read`): one subtraction, one compare, one `frexp` and one dict
+increment, inline in the fast path (`Gaps.add` is the same arithmetic). Nothing grows with the stream: gaps land in log-linear buckets, 8 per
+octave (a bucket is at most 12.5% wide, its midpoint within 6.25% of any gap in it), held in a
+dict of the buckets actually hit (a steady stream hits a handful; every bucket from 1 us to a
+day is under 300). Gaps of exactly 0 (several events in one read, or one loop-clock tick:
+uvloop's clock moves in whole milliseconds) are counted apart.
+
+`quantile` and `encode` run once, at settlement. `merge`/`decode` pool several streams'
+buckets (`relay report` pools every gap of every request, as vLLM's ITL does).
+"""
+
+from __future__ import annotations
+
+from math import ceil, frexp, ldexp
+
+
+class Gaps:
+    __slots__ = ("buckets", "last", "max", "zeros")
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, int] = {}
+        self.last = 0.0  # loop time of the last content event
+        self.max = 0.0
+        self.zeros = 0
+
+    def add(self, g: float, _frexp=frexp) -> None:
+        """One gap of `g` seconds. (`Exchange.upstream_data`'s fast path does exactly this
+        inline, to spare a call per token.)"""
+        if g > 0.0:
+            if g > self.max:
+                self.max = g
+            m, e = _frexp(g)
+            k = (e << 3) + int(m * 16.0)  # int(m*16) is 8..15: key = 8(e+1) + sub-bucket
+            b = self.buckets
+            b[k] = b.get(k, 0) + 1
+        else:
+            self.zeros += 1
+
+    def events(self, now: float, before: int, after: int) -> None:
+        """The count of content events went from `before` to `after` in one read at loop
+        time `now`: the first new one is a gap from the previous event (none before the
+        first event), the others arrived with it (gaps of 0)."""
+        if after <= before:
+            return
+        if before:
+            self.add(now - self.last)
+        self.zeros += after - before - 1
+        self.last = now
+
+    def tick(self, now: float) -> None:
+        """One more content event at `now` after at least one (the fast path's case)."""
+        self.add(now - self.last)
+        self.last = now
+
+    @property
+    def count(self) -> int:
+        return self.zeros + sum(self.buckets.values())
+
+    def quantile(self, q: float) -> float | None:
+        """Seconds: the midpoint of the bucket holding the nearest-rank q-quantile gap (0 for
+        the zero gaps), never above the largest gap seen; None with no gap."""
+        return quantile_of(self.buckets, self.zeros, q, self.max)
+
+    def encode(self) -> str | None:
+        """The buckets as text for a row (`z<zeros> <key>:<count> ...`); None with no gap."""
+        return encode(self.buckets, self.zeros) if self.count else None
+
+
+def bucket_bounds(k: int) -> tuple[float, float]:
+    sub = k & 7
+    e = (k >> 3) - 1
+    return ldexp((8 + sub) / 16.0, e), ldexp((9 + sub) / 16.0, e)
+
+
+def quantile_of(buckets: dict[int, int], zeros: int, q: float,
+                cap: float | None = None) -> float | None:
+    total = zeros + sum(buckets.values())
+    if total <= 0:
+        return None
+    rank = max(1, min(total, ceil(round(q * total, 9))))  # nearest rank
+    if rank <= zeros:
+        return 0.0
+    seen = zeros
+    for k in sorted(buckets):
+        seen += buckets[k]
+        if seen >= rank:
+            lo, hi = bucket_bounds(k)
+            mid = (lo + hi) / 2
+            return min(mid, cap) if cap else mid
+    return cap  # not reached
+
+
+def encode(buckets: dict[int, int], zeros: int) -> str:
+    return " ".join([f"z{zeros}", *(f"{k}:{buckets[k]}" for k in sorted(buckets))])
+
+
+def decode(text: str | None, into: dict[int, int] | None = None) -> tuple[dict[int, int], int]:
+    """(buckets, zeros) of an `encode`d text, added into `into` when given; bad text: empty."""
+    out = {} if into is None else into
+    zeros = 0
+    for part in (text or "").split():
+        try:
+            if part.startswith("z"):
+                zeros += int(part[1:])
+            else:
+                k, c = part.split(":")
+                out[int(k)] = out.get(int(k), 0) + int(c)
+        except ValueError:
+            continue
+    return out, zeros

@@ -1,0 +1,53 @@
+"""A request's benchmark timings, computed once at settlement from what the exchange noted.
+
+Definitions (README, "Timings"), all measured at the relay on the client side of the wire, in
+ms from the moment the dispatcher took the request (its head and body read):
+
+- `first_byte_ms`: the first byte of the response handed to the client's socket (for an SSE
+  2xx the head is held until the first content event, so it is then about `ttft_ms`);
+- `ttft_ms`: the first content-bearing event (set by the dispatcher, as before);
+- `e2e_ms`: the last byte of the response out (settlement follows the drain of the client's
+  write buffer on a completed response), NULL when no response was given;
+- `tpot_ms`: (e2e - ttft) / (output tokens - 1), vLLM's TPOT (AIPerf/GenAI-Perf call it ITL),
+  NULL below 2 output tokens or when the tokens were not counted (a reservation charged);
+- `itl_p50_ms`, `itl_p99_ms`, `itl_max_ms`: the gaps between consecutive content events on the
+  event loop's clock, from `relay/gaps.py`'s buckets (p50/p99 to within 6.25%, max exact);
+- `prompt_ms`, `prompt_per_second`, `predicted_per_second`: the upstream's own `timings`.
+"""
+
+from __future__ import annotations
+
+from relay.gaps import Gaps
+from relay.record import Record
+from relay.usage import Usage
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
+
+
+def tpot_ms(e2e_ms: float | None, ttft_ms: float | None, tokens: int | None) -> float | None:
+    """vLLM's time per output token after the first: (E2EL - TTFT) / (tokens - 1)."""
+    if e2e_ms is None or ttft_ms is None or tokens is None or tokens < 2:
+        return None
+    return round((e2e_ms - ttft_ms) / (tokens - 1), 3)
+
+
+def fill(rec: Record, t0: float, first_byte_at: float | None, gaps: Gaps | None,
+         exact: Usage | None) -> None:
+    """Set the row's timing fields; `rec.total_ms`, `ttft_ms` and tokens are already set."""
+    if rec.status is not None:
+        rec.e2e_ms = rec.total_ms
+        rec.first_byte_ms = (round((first_byte_at - t0) * 1000, 3)
+                             if first_byte_at is not None else rec.total_ms)
+    counted = rec.tokens_source in ("exact", "approx")  # not a reservation charged instead
+    rec.tpot_ms = tpot_ms(rec.e2e_ms, rec.ttft_ms, rec.completion_tokens if counted else None)
+    if gaps is not None and gaps.count:
+        rec.itl_p50_ms = _ms(gaps.quantile(0.5))
+        rec.itl_p99_ms = _ms(gaps.quantile(0.99))
+        rec.itl_max_ms = _ms(gaps.max)
+        rec.itl_hist = gaps.encode()
+    if exact is not None:
+        rec.prompt_ms = exact.prompt_ms
+        rec.prompt_per_second = exact.prompt_per_second
+        rec.predicted_per_second = exact.predicted_per_second
