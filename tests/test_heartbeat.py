@@ -91,6 +91,19 @@ class Gate:
         self.steps[i].set()
 
 
+def json_after_gate(gate: Gate, status: bytes, doc: bytes):
+    """An upstream script: read the request, wait for step 0, answer `status` with JSON `doc`."""
+
+    async def script(up, index, reader, writer):
+        await up.read_request(reader)
+        await gate.at(0)
+        writer.write(b"HTTP/1.1 %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (status, len(doc), doc))
+        await writer.drain()
+
+    return script
+
+
 @pytest.fixture
 async def upstreams():
     made = []
@@ -324,12 +337,7 @@ def httpc_chunks(raw: bytes) -> list[bytes]:
 async def test_fallback_after_heartbeats_before_any_head(make_relay, upstreams):
     gate = Gate()
 
-    async def primary(up, index, reader, writer):
-        await up.read_request(reader)
-        await gate.at(0)
-        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 2\r\n\r\n{}")
-        await writer.drain()
+    primary = json_after_gate(gate, b"503 Service Unavailable", b"{}")
 
     async def fallback(up, index, reader, writer):
         await up.read_request(reader)
@@ -394,12 +402,7 @@ async def test_upstream_error_status_after_heartbeats_is_told_in_band(make_relay
     gate = Gate()
     err = b'{"error":{"code":401,"message":"Invalid API Key","type":"authentication_error"}}'
 
-    async def script(up, index, reader, writer):
-        await up.read_request(reader)
-        await gate.at(0)
-        writer.write(b"HTTP/1.1 401 Unauthorized\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(err), err))
-        await writer.drain()
+    script = json_after_gate(gate, b"401 Unauthorized", err)
 
     up = await upstreams(script)
     app = await make_relay(up.url, heartbeat_s=0.1)
@@ -501,12 +504,7 @@ async def test_unstreamed_request_gets_no_heartbeat(make_relay, upstreams):
     gate = Gate()
     doc = b'{"choices":[{"message":{"content":"hi"}}]}'
 
-    async def script(up, index, reader, writer):
-        await up.read_request(reader)
-        await gate.at(0)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(doc), doc))
-        await writer.drain()
+    script = json_after_gate(gate, b"200 OK", doc)
 
     up = await upstreams(script)
     app = await make_relay(up.url, heartbeat_s=0.05)
@@ -523,12 +521,7 @@ async def test_json_answer_after_heartbeats_is_told_in_band(make_relay, upstream
     gate = Gate()
     doc = b'{"choices":[{"message":{"content":"hi"}}]}'
 
-    async def script(up, index, reader, writer):
-        await up.read_request(reader)
-        await gate.at(0)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(doc), doc))
-        await writer.drain()
+    script = json_after_gate(gate, b"200 OK", doc)
 
     up = await upstreams(script)
     app = await make_relay(up.url, heartbeat_s=0.1)
