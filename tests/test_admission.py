@@ -430,11 +430,8 @@ async def test_multi_prompt_and_n_are_reserved_and_charged_in_full(make_relay):
         await up.stop()
 
 
-async def test_a_non_streamed_answer_to_several_prompts_is_charged_its_reservation(make_relay):
-    from tests.fakeup import Scripted
-    # llama-server's /v1/completions: N choices, a usage that counts one completion only
-    doc = json.dumps({"choices": [{"text": "t" * 100, "index": i} for i in range(4)],
-                      "usage": {"prompt_tokens": 3, "completion_tokens": 100}}).encode()
+def json_answers(doc: bytes):
+    """A Scripted upstream script answering every request 200 with the JSON `doc`."""
 
     async def script(upstream, index, reader, writer):
         while await upstream.read_request(reader) is not None:
@@ -442,7 +439,16 @@ async def test_a_non_streamed_answer_to_several_prompts_is_charged_its_reservati
                          b"Content-Length: %d\r\n\r\n" % len(doc) + doc)
             await writer.drain()
 
-    up = await Scripted(script).start()
+    return script
+
+
+async def test_a_non_streamed_answer_to_several_prompts_is_charged_its_reservation(make_relay):
+    from tests.fakeup import Scripted
+    # llama-server's /v1/completions: N choices, a usage that counts one completion only
+    doc = json.dumps({"choices": [{"text": "t" * 100, "index": i} for i in range(4)],
+                      "usage": {"prompt_tokens": 3, "completion_tokens": 100}}).encode()
+
+    up = await Scripted(json_answers(doc)).start()
     try:
         app = await make_relay(url=up.url, keys=[key(tokens_per_day=1000)])
         four = {"model": "x", "prompt": ["a", "b", "c", "d"], "max_tokens": 100, "stream": False}
@@ -467,13 +473,7 @@ async def test_a_served_body_without_a_usable_figure_is_charged_its_reservation(
     doc = json.dumps({"choices": [{"message": {"content": pad}}],
                       "usage": {"prompt_tokens": 5, "completion_tokens": 700}}).encode()
 
-    async def script(upstream, index, reader, writer):
-        while await upstream.read_request(reader) is not None:
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n" % len(doc) + doc)
-            await writer.drain()
-
-    up = await Scripted(script).start()
+    up = await Scripted(json_answers(doc)).start()
     try:
         app = await make_relay(url=up.url, keys=[key(tokens_per_day=2000)])
         body = httpc.chat(800, stream=False)

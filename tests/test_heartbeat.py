@@ -336,7 +336,6 @@ def httpc_chunks(raw: bytes) -> list[bytes]:
 
 async def test_fallback_after_heartbeats_before_any_head(make_relay, upstreams):
     gate = Gate()
-
     primary = json_after_gate(gate, b"503 Service Unavailable", b"{}")
 
     async def fallback(up, index, reader, writer):
@@ -401,7 +400,6 @@ async def test_every_candidate_failed_after_heartbeats_is_told_in_band(make_rela
 async def test_upstream_error_status_after_heartbeats_is_told_in_band(make_relay, upstreams):
     gate = Gate()
     err = b'{"error":{"code":401,"message":"Invalid API Key","type":"authentication_error"}}'
-
     script = json_after_gate(gate, b"401 Unauthorized", err)
 
     up = await upstreams(script)
@@ -503,7 +501,6 @@ async def test_http10_client_gets_a_close_delimited_heartbeat_stream(make_relay,
 async def test_unstreamed_request_gets_no_heartbeat(make_relay, upstreams):
     gate = Gate()
     doc = b'{"choices":[{"message":{"content":"hi"}}]}'
-
     script = json_after_gate(gate, b"200 OK", doc)
 
     up = await upstreams(script)
@@ -520,7 +517,6 @@ async def test_unstreamed_request_gets_no_heartbeat(make_relay, upstreams):
 async def test_json_answer_after_heartbeats_is_told_in_band(make_relay, upstreams):
     gate = Gate()
     doc = b'{"choices":[{"message":{"content":"hi"}}]}'
-
     script = json_after_gate(gate, b"200 OK", doc)
 
     up = await upstreams(script)
