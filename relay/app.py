@@ -6,6 +6,7 @@ import asyncio
 import os
 import time
 
+from relay import settle
 from relay.auth import Auth
 from relay.budget import Budgets, window_bounds
 from relay.client import LINGER_S, ClientConn
@@ -299,7 +300,8 @@ class App:
         await self.dispatcher.handle(client, req)
 
     def rejected(self, client: ClientConn, err) -> None:
-        self.dispatcher.rejected(client, err)
+        """A request refused before it was read whole (400/408/413/431): a row all the same."""
+        settle.rejected(self.dispatcher, client, err)
 
     # ---- background ----------------------------------------------------------------------
     async def _probe(self, up: Upstream) -> None:

@@ -115,7 +115,7 @@ class Dispatcher:
             if state["hold"] is not None:
                 state["hold"].close()
             if rec.outcome is not None or rec.status is not None:
-                self._settle(client, rec, state, t0)
+                settle.settle(app, client, rec, state, t0)  # once per request
             client.finish(keep_alive)
 
     def _cancelled(self, client, rid: bytes, rec: Record, state: dict) -> None:
@@ -214,7 +214,7 @@ class Dispatcher:
             except _Retry as retry:
                 last = retry
                 hold.retry()
-                self._release_slot(state)
+                settle.release_slot(state)
                 state["tried"] = name
                 if more:  # the attempt failed on this upstream: its metrics say so
                     up.metrics.request_done(False, retry.err.code)
@@ -432,14 +432,3 @@ class Dispatcher:
             client.respond(200, model_list(app.router.models), rid, req.keep_alive, cors)
             return True
         return False
-
-    # ---- settlement: once per request (relay/settle.py) -------------------------------
-    def _release_slot(self, state: dict) -> None:
-        settle.release_slot(state)
-
-    def _settle(self, client, rec: Record, state: dict, t0: float) -> None:
-        settle.settle(self.app, client, rec, state, t0)
-
-    def rejected(self, client, err: RelayError) -> None:
-        """A request refused before it was read whole (400/408/413/431): a row all the same."""
-        settle.rejected(self, client, err)

@@ -32,7 +32,8 @@ def settle(app, client, rec: Record, state: dict, t0: float) -> None:
     ex: X.Exchange | None = state.get("ex")
     rec.total_ms = round((time.perf_counter() - t0) * 1000, 3)
     rec.client_closed = client.gone and rec.outcome in (X.CLIENT_GONE, X.CLIENT_SLOW)
-    if ex is not None and rec.upstream_served is not None:
+    served_ex = ex if ex is not None and rec.upstream_served is not None else None
+    if served_ex is not None:
         rec.bytes_out = ex.bytes_out
         if ex.first_content_at is not None:
             rec.ttft_ms = round((ex.first_content_at - t0) * 1000, 3)
@@ -48,10 +49,9 @@ def settle(app, client, rec: Record, state: dict, t0: float) -> None:
               and not ex.scanner.content_events):
             rec.outcome = rec.error_code = X.ERROR_EVENT  # a 200 that carried only an error
     rec.ok = (rec.outcome == X.DONE and rec.status is not None and rec.status < 400)
-    has_ex = ex is not None and rec.upstream_served is not None
     hold = state.get("hold")
     timing.fill(rec, t0, hold.first_out if hold is not None else None,
-                ex.gaps if has_ex else None, state.get("exact"))
+                served_ex.gaps if served_ex is not None else None, state.get("exact"))
     if rec.error_code is None and rec.status is not None and rec.status >= 400:
         rec.error_code = f"upstream_{rec.status}"
     res = state.get("reservation")
