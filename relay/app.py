@@ -13,7 +13,7 @@ from relay.client import LINGER_S, ClientConn
 from relay.config import Config, ConfigError, UpstreamConfig, parse_target_url
 from relay.cors import Cors
 from relay.dispatch import Dispatcher
-from relay.errors import RelayError
+from relay.errors import shutting_down
 from relay.health import Health, probe_once
 from relay.log import Log
 from relay.metrics import Registry, UpstreamMetrics
@@ -89,10 +89,6 @@ class Upstream:
     def refresh_metrics(self) -> None:
         m = self.metrics
         m.state, m.in_flight, m.queued = self.state, self.slots.in_flight, self.slots.queued
-
-
-def _shutting_down() -> RelayError:
-    return RelayError("shutting_down", "the relay is shutting down")
 
 
 class App:
@@ -201,7 +197,7 @@ class App:
                     # a request half-read gets its answer with the lingering close (the
                     # client may still be sending: a plain close would reset the connection
                     # and destroy the answer); the connection closes on its bounded timer
-                    client._reject(_shutting_down())
+                    client._reject(shutting_down())
                     continue
                 client.gone = True
                 client.transport.close()

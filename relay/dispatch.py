@@ -23,7 +23,7 @@ from relay import exchange as X
 from relay import headers as hdr
 from relay.bodies import BodyBytes
 from relay.budget import BudgetExceeded
-from relay.errors import RelayError, upstream_error
+from relay.errors import RelayError, shutting_down, upstream_error
 from relay.head import request_bytes
 from relay.health import DOWN
 from relay.hold import Hold, error_of
@@ -42,10 +42,6 @@ from relay.upstream import ConnectError
 ADMIT_WAIT_S = 0.5
 
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
-
-
-def _shutting_down() -> RelayError:
-    return RelayError("shutting_down", "the relay is shutting down")
 
 
 class _Retry(Exception):
@@ -133,7 +129,7 @@ class Dispatcher:
         rec.outcome = rec.outcome or (X.SHUTDOWN if draining else X.CLIENT_GONE)
         rec.error_code = rec.error_code or rec.outcome
         if draining and (hold is None or not hold.open):  # nothing but comments went out
-            err = _shutting_down()
+            err = shutting_down()
             rec.status = err.status
             if hold is not None and hold.committed:
                 hold.fail(err.message, err.type, err.code)
@@ -286,7 +282,7 @@ class Dispatcher:
             try:
                 state["slot"] = await up.slots.acquire(d.pool_timeout_s)
             except SlotsClosed:  # the relay began draining while this request queued
-                raise _shutting_down() from None
+                raise shutting_down() from None
             except Busy as exc:
                 retry_after = max(1, int(d.pool_timeout_s + 0.999))
                 raise _Retry(RelayError("upstream_busy", f"upstream {up.name} is busy: {exc}",
@@ -345,7 +341,7 @@ class Dispatcher:
         fresh = False
         while True:
             if self.app.draining:  # no upstream stream starts once the drain began
-                raise _shutting_down()
+                raise shutting_down()
             try:
                 conn, reused = await up.pool.acquire(d.connect_timeout_s, fresh=fresh)
             except ConnectError as exc:
@@ -383,7 +379,7 @@ class Dispatcher:
                 raise asyncio.CancelledError from None
             except X.RelayShutdown:
                 rec.outcome = rec.error_code = X.SHUTDOWN  # as a stream cut by shutdown is
-                raise RelayError("shutting_down", "the relay is shutting down") from None
+                raise shutting_down() from None
             except (TimeoutError, asyncio.TimeoutError):
                 conn.abort()
                 raise _Retry(RelayError(

@@ -61,6 +61,11 @@ class RelayError(Exception):
         return _encode(_Body(_Error(self.message, self.type, self.code, None, self.details)))
 
 
+def shutting_down() -> RelayError:
+    """The answer to a request that arrives, or waits, while the relay drains."""
+    return RelayError("shutting_down", "the relay is shutting down")
+
+
 def reason_phrase(status: int) -> bytes:
     try:
         return HTTPStatus(status).phrase.encode()
