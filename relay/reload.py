@@ -61,7 +61,9 @@ def apply(app, new: Config) -> dict:
     old = app.config
     for what, a, b in (("server.host", old.server.host, new.server.host),
                        ("server.port", old.server.port, new.server.port),
-                       ("store.path", old.store.path, new.store.path)):
+                       ("store.path", old.store.path, new.store.path),
+                       ("store.url", old.store.url, new.store.url),
+                       ("store.spill_path", old.store.spill_path, new.store.spill_path)):
         if a != b:
             raise ConfigError(f"{what}: changing it needs a restart ({a!r} -> {b!r})")
     if not new.upstream:
