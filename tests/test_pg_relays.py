@@ -3,12 +3,15 @@ across them, a dead relay's lease expires into a charged row, rows are written o
 
 import asyncio
 import collections
+import json
 import signal
 
 from relay.sim import Simulator
 from tests import httpc
 from tests.conftest import wait_for
 from tests.pg_relays import CHAT, Relay, chat, config, headers
+from tests.pg_server import PASSWORD
+from tests.test_cli import start
 
 LIMIT = 10
 
@@ -53,6 +56,19 @@ async def test_three_relays_admit_exactly_the_limit_of_300_and_write_300_rows(tm
         assert sum(1 for r in rows if r[3] is not None) == LIMIT
         assert sum(1 for r in rows if r[2] == "budget_exceeded") == 300 - LIMIT
         assert pg_server.query(db, "SELECT count(*) FROM reservation") == [(0,)]
+        # relay report reads the shared table (the password from libpq's PGPASSWORD)
+        proc = await start("report", "--db", pg_server.url(db), "--since", "all", "--json",
+                           env={"PGPASSWORD": PASSWORD})
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0, err
+        total = json.loads(out)["total"]
+        assert (total["requests"], total["ok"]) == (300, LIMIT), total
+        proc = await start("report", "--db", pg_server.url(db), "--bench", "--by", "key",
+                           "--since", "1h", "--json", env={"PGPASSWORD": PASSWORD})
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0, err
+        [group] = json.loads(out)["groups"]
+        assert (group["group"], group["requests"]) == ("alpha", 300), group
         # every relay answered some: the limit held across them, not inside one
         assert all(any(e.get("status") == 200 or e.get("status") == 429
                        for e in r.events("access")) for r in relays)
