@@ -74,6 +74,10 @@ DECLARE
     used_req bigint;
     used_tok bigint;
 BEGIN
+    -- visible to every relay at once; not waiting for the WAL flush spares the request a
+    -- disk sync (only a crash of the server itself could lose the lease, and then the relays
+    -- are on their local views anyway)
+    PERFORM set_config('synchronous_commit', 'off', true);
     PERFORM pg_advisory_xact_lock(hashtextextended('relay_reserve:' || p_key, 0));
     {_EXPIRE.format(where=f"key_id = p_key AND expires < {NOW}")};
     FOR i IN 1 .. coalesce(array_length(p_kinds, 1), 0) LOOP

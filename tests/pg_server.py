@@ -42,8 +42,9 @@ def _free_port() -> int:
 
 
 class PgServer:
-    def __init__(self, bindir: str) -> None:
+    def __init__(self, bindir: str, fsync: bool = False) -> None:
         self.bindir = bindir
+        self.fsync = fsync  # off for the tests (speed); on for a benchmark
         self.root = tempfile.mkdtemp(prefix="relay-pg-", dir="/tmp")
         self.data = os.path.join(self.root, "data")
         self.port = _free_port()
@@ -71,7 +72,8 @@ class PgServer:
         os.unlink(pwfile)
         with open(os.path.join(self.data, "postgresql.conf"), "a") as fh:
             fh.write(f"listen_addresses = '127.0.0.1'\nport = {self.port}\n"
-                     f"unix_socket_directories = '{self.root}'\nfsync = off\n"
+                     f"unix_socket_directories = '{self.root}'\n"
+                     f"fsync = {'on' if self.fsync else 'off'}\n"
                      "max_connections = 200\nlog_min_messages = warning\n")
         self.start()
 
