@@ -48,7 +48,7 @@ def restored_usage(app, windows: list[tuple[str, str]], now: float) -> dict:
             start, _ = window_bounds(kind, now)
             out[key_id, kind] = app.store.usage_since(key_id, start, served_only=True)
         return out
-    except (RuntimeError, TimeoutError, sqlite3.Error) as exc:
+    except (RuntimeError, TimeoutError, OSError, sqlite3.Error) as exc:  # (OSError: PostgreSQL)
         raise ConfigError(f"key: the usage of new limits cannot be rebuilt from the store "
                           f"({exc}); nothing changed") from None
 

@@ -139,8 +139,11 @@ class PgStore(Store):
         return int(row["n"]), int(row["tokens"])
 
     def _read(self, sql: str, params) -> list[dict]:
-        with psycopg.connect(**self.kw, autocommit=True, row_factory=dict_row) as conn:
-            return conn.execute(sql, params).fetchall()
+        try:
+            with psycopg.connect(**self.kw, autocommit=True, row_factory=dict_row) as conn:
+                return conn.execute(sql, params).fetchall()
+        except psycopg.Error as exc:  # an OSError, as a SQLite file that cannot be read
+            raise PgUnreachable(f"store.url: {_first(exc)}") from None
 
     # ---- writer thread ---------------------------------------------------------------
     def _acquire(self) -> None:
@@ -159,6 +162,8 @@ class PgStore(Store):
         except psycopg.Error as exc:
             self._disconnect()
             raise PgUnreachable(f"store.url: {_first(exc)}") from None
+        self.log.event("store_postgres", relay_id=self.relay_id, url=self.path,
+                       spill_path=self.spill.path, spilled=self.spill.count)
         self._replay()
         self._prune(None)
         return SimpleNamespace(close=self._disconnect)
