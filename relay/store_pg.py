@@ -251,10 +251,13 @@ class PgStore(Store):
             self._settled_cv.notify_all()
 
     def _commit_pg(self, rows: list[tuple]) -> None:
-        """Rows (values, row id): each row in once, and its lease (if any) gone with it."""
+        """Rows (values, row id): each row in once, and its lease (if any) gone with it.
+        The leases go first: a concurrent expiry of one of them (its relay_reserve or
+        `expire` locks the lease, then inserts under the row's id) waits for this
+        transaction and then finds nothing, instead of the two waiting on each other."""
         with self._conn.transaction(), self._conn.cursor() as cur:
-            cur.executemany(pg_sql.INSERT, rows)
             cur.execute(pg_sql.DELETE_LEASES, ([r[-1] for r in rows],))
+            cur.executemany(pg_sql.INSERT, rows)
 
     def _lost(self, exc: BaseException) -> None:
         self.write_errors += 1
