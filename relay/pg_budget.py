@@ -105,7 +105,9 @@ class SharedBudget:
                     await _discard(conn)
                     if isinstance(exc, asyncio.CancelledError) or not _retryable(exc):
                         raise
-                    if fresh:  # a new connection failed: the server is gone
+                    if fresh or isinstance(exc, TimeoutError):
+                        # a new connection failed, or no answer in time (the statement may
+                        # still run: not sent again): the server is gone for now
                         self._failed()
                         raise Unavailable(f"PostgreSQL: {_why(exc)}") from None
                     for c in self._idle:  # pooled ones died with the server: all of them

@@ -101,6 +101,9 @@ class PgStore(Store):
                                                  completion_tokens, time.time())
         except Unavailable as exc:
             raise RuntimeError(f"shared budget not asked, the local view holds: {exc}") from None
+        except psycopg.Error as exc:  # refused by the server (a deadlock victim, ...): the same
+            raise RuntimeError(f"shared budget failed, the local view holds: {_first(exc)}") \
+                from None
         if exceeded is not None:
             raise exceeded
 
