@@ -4,12 +4,15 @@ stopped with a non-empty spill replays it at its next start, once."""
 
 import asyncio
 import collections
+import json
 import os
 import shutil
 
 from relay.sim import Simulator
 from tests.conftest import wait_for
 from tests.pg_relays import Relay, chat, config
+from tests.pg_server import PASSWORD, PASSWORD_ENV
+from tests.test_cli import start
 
 OUTAGE_S = 5.0
 
@@ -119,3 +122,21 @@ async def test_a_relay_stopped_with_a_spill_replays_it_once_at_its_next_start(
         if relay.proc.returncode is None:
             await relay.stop()
         await sim.stop()
+
+
+async def test_a_relay_does_not_start_without_its_server_and_says_why(tmp_path, pg_server):
+    db = pg_server.create_db()
+    with open(config(tmp_path, "w", 9, pg_server.url(db))) as fh:
+        text = fh.read()
+    wrong = tmp_path / "wrong.toml"  # the right server, the wrong password
+    wrong.write_text(text.replace(PASSWORD_ENV, "RELAY_TEST_WRONG_PW"))
+    closed = config(tmp_path, "c", 9, "postgresql://relay@127.0.0.1:1/x")  # nothing there
+    for cfg, env, why in ((str(wrong), {"RELAY_TEST_WRONG_PW": "not-it"}, "password"),
+                          (closed, {}, "127.0.0.1")):
+        proc = await start("serve", "--config", cfg, env=env)
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 2
+        [line] = [json.loads(x) for x in err.splitlines()
+                  if b'"relay_start_failed"' in x]
+        assert line["error"].startswith("store.url: ") and why in line["error"], line
+        assert PASSWORD.encode() not in err and b"not-it" not in err
