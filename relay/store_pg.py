@@ -54,8 +54,12 @@ class PgStore(Store):
                  reservation_ttl_s: float = 30.0, retention_days: float = 30.0,
                  log: Log | None = None, **opts) -> None:
         super().__init__(url, retention_days, log=log, **opts)
+        # the writer thread blocks on its connection: bounded by the server (statement
+        # timeout) and, for a server that vanished from the network, by TCP itself
         self.kw = {**kw, "connect_timeout": self.connect_timeout_s,
-                   "options": f"-c statement_timeout={self.statement_timeout_ms}"}
+                   "options": f"-c statement_timeout={self.statement_timeout_ms}",
+                   "tcp_user_timeout": self.statement_timeout_ms, "keepalives_idle": 5,
+                   "keepalives_interval": 2, "keepalives_count": 3}
         self.relay_id = os.urandom(8).hex()  # this process: its leases and its row ids
         self._ids = itertools.count(1)
         self.spill = Spill(spill_path)
