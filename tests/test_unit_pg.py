@@ -139,6 +139,13 @@ def test_password_env_must_name_a_variable_and_be_set():
 def test_a_relay_whose_password_variable_is_unset_does_not_start(monkeypatch):
     from relay.app import make_store
 
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip("psycopg (relay[postgres]) is not installed")
+
     monkeypatch.delenv("RELAY_UNSET_PW", raising=False)
     cfg = parse_config({"upstream": UP, "store": {"url": "postgresql://u@h/db",
                                                   "password_env": "RELAY_UNSET_PW"}})
