@@ -110,3 +110,29 @@ async def test_an_unreachable_server_fails_fast_then_is_tried_again(pg_server, d
     shared._down_until = 0.0
     assert await _ask(shared, _budgets(requests_per_day=2), "x3") is None
     await shared.close()
+
+
+async def test_a_row_replaces_its_expired_leases_placeholder_and_is_never_doubled(
+        pg_server, db):
+    import psycopg
+
+    from relay.store import COLUMNS
+
+    late = _shared(pg_server, db, "late", ttl=0.05)
+    assert await _ask(late, _budgets(requests_per_day=5), "late-1") is None
+    await asyncio.sleep(0.1)
+    await late.expire()  # the relay was cut off longer than the ttl: a placeholder
+    row = dict.fromkeys(COLUMNS)
+    row.update(ts=time.time(), request_id="late-1", key_id="k", upstream_served="llm", ok=1,
+               status=200, prompt_tokens=4, completion_tokens=2, tokens_source="exact")
+    values = tuple(row[c] for c in COLUMNS) + ("late-1",)
+    with psycopg.connect(pg_server.admin_url(db), autocommit=True) as conn:
+        for _ in range(2):  # the spill replayed twice
+            conn.execute(pg_sql.INSERT, values)
+        other = dict(row, status=500, ok=0)  # a different row under the same id: kept out
+        conn.execute(pg_sql.INSERT, tuple(other[c] for c in COLUMNS) + ("late-1",))
+    assert pg_server.query(db, "SELECT row_id, error_code, status, tokens_source,"
+                               " completion_tokens FROM request") == \
+        [("late-1", None, 200, "exact", 2)]
+    assert await late.usage("k", 0.0) == (1, 6)
+    await late.close()
