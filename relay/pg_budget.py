@@ -45,7 +45,7 @@ def decision(answer: str | None, res, now: float) -> BudgetExceeded | None:
         return None
     limit, _, used = answer.partition(" ")
     kind, _, what = limit.rpartition("_")
-    for w, start in zip(res.windows, res.starts):
+    for w in res.windows:
         if w.kind == kind:
             value = w.req_limit if what == "requests" else w.tok_limit
             return BudgetExceeded(limit, int(used), value, w.end, now)
