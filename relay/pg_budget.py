@@ -93,7 +93,9 @@ class SharedBudget:
     async def _one(self, sql: str, params: tuple, fetch: bool = True):
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.pool_size)
+        self._check_down()
         async with self._sem:
+            self._check_down()  # (it went down while this call waited for a connection)
             fresh = not self._idle
             while True:
                 conn = self._idle.pop() if self._idle else await self._connect()
@@ -105,25 +107,27 @@ class SharedBudget:
                     await _discard(conn)
                     if isinstance(exc, asyncio.CancelledError) or not _retryable(exc):
                         raise
+                    idle, self._idle = self._idle, []
+                    for c in idle:  # pooled ones died with the server (or hang with it)
+                        await _discard(c)
                     if fresh or isinstance(exc, TimeoutError):
                         # a new connection failed, or no answer in time (the statement may
                         # still run: not sent again): the server is gone for now
                         self._failed()
                         raise Unavailable(f"PostgreSQL: {_why(exc)}") from None
-                    for c in self._idle:  # pooled ones died with the server: all of them
-                        await _discard(c)
-                    self._idle.clear()
                     fresh = True
                     continue
                 self._idle.append(conn)
                 return row
 
-    async def _connect(self):
-        import psycopg
-
+    def _check_down(self) -> None:
         if time.monotonic() < self._down_until:
             self.unavailable += 1
             raise Unavailable("PostgreSQL unreachable (retrying shortly)")
+
+    async def _connect(self):
+        import psycopg
+
         try:
             async with asyncio.timeout(self.timeout_s):
                 return await psycopg.AsyncConnection.connect(

@@ -136,3 +136,30 @@ async def test_a_row_replaces_its_expired_leases_placeholder_and_is_never_double
         [("late-1", None, 200, "exact", 2)]
     assert await late.usage("k", 0.0) == (1, 6)
     await late.close()
+
+
+async def test_a_server_that_accepts_but_never_answers_costs_one_timeout_not_a_queue(
+        pg_server):
+    held = []
+
+    async def silent(reader, writer):  # a hung server: the connection opens, nothing comes
+        held.append(writer)
+        await reader.read()
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    shared = SharedBudget({"conninfo": f"postgresql://relay@127.0.0.1:{port}/x"}, "r", 30.0,
+                          timeout_s=0.3, retry_s=5.0)
+    try:
+        t0 = time.monotonic()
+        outcomes = await asyncio.gather(*(_ask(shared, _budgets(requests_per_day=9), f"h{i}")
+                                          for i in range(40)), return_exceptions=True)
+        took = time.monotonic() - t0
+        assert all(isinstance(o, Unavailable) for o in outcomes), outcomes
+        # the first few wait out one timeout each, in parallel; the rest fail at once
+        assert took < 1.5, took
+        assert sum("retrying shortly" in str(o) for o in outcomes) >= 40 - shared.pool_size
+    finally:
+        for w in held:
+            w.close()
+        server.close()
+        await shared.close()
