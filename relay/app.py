@@ -91,6 +91,15 @@ class Upstream:
         m.state, m.in_flight, m.queued = self.state, self.slots.in_flight, self.slots.queued
 
 
+def make_store(config: Config, log: Log):
+    """SQLite (`[store].path`), or PostgreSQL shared by several relays (`[store].url`)."""
+    if config.store.url is None:
+        return Store(config.store.path, retention_days=config.store.retention_days, log=log)
+    from relay.store_pg import PgStore
+
+    return PgStore.configured(config.store, log)
+
+
 class App:
     def __init__(self, config: Config, log: Log | None = None) -> None:
         if not config.upstream:
@@ -109,8 +118,7 @@ class App:
         self.registry = Registry()
         for up in self.upstreams.values():
             self.registry.add(up.metrics)
-        self.store = Store(config.store.path, retention_days=config.store.retention_days,
-                           log=self.log)
+        self.store = make_store(config, self.log)
         self.dispatcher = Dispatcher(self)
         self.ui_recent = Recent()  # the operator page's figures (relay/ui_state.py)
         self.ui_trend = Trend()
@@ -146,6 +154,7 @@ class App:
         await self.server.start_serving()
         self.start_probes()
         self.background.append(self.loop.create_task(self._sample_tokens()))
+        self.background.append(self.loop.create_task(self.store.maintain(self)))
         self.log.event("relay_listening", host=s.host, port=self.port,
                        upstreams=list(self.upstreams))
         for up in self.upstreams.values():

@@ -91,6 +91,14 @@ class BudgetConfig(Struct, forbid_unknown_fields=True, kw_only=True):
 class StoreConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     path: str = "relay.db"
     retention_days: Annotated[float, Meta(ge=0.0, le=36500.0)] = 30.0
+    # PostgreSQL instead of `path` (README: More than one box): several relays share the rows
+    # and the budgets. The password comes from the environment variable named here, never
+    # from the file; rows wait in `spill_path` while the server is unreachable.
+    url: str | None = None
+    password_env: Annotated[str, Meta(pattern="^[A-Za-z_][A-Za-z0-9_]*$")] | None = None
+    spill_path: str | None = None  # default: relay-spill.jsonl in the working directory
+    # a reservation of a relay that stopped renewing it (died) expires after this long
+    reservation_ttl_s: Annotated[float, Meta(ge=0.05, le=86400.0)] = 30.0
 
 
 class Config(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -167,11 +175,30 @@ def check(cfg: Config) -> Config:
     return cfg
 
 
+def check_store(cfg: StoreConfig, raw: dict) -> None:
+    """`url` is the alternative to `path` (both set is an error); a password never in it."""
+    if cfg.url is None:
+        for name in ("password_env", "spill_path", "reservation_ttl_s"):
+            if name in raw:
+                raise ConfigError(f"store.{name}: applies to store.url (PostgreSQL) only")
+        return
+    if "path" in raw:
+        raise ConfigError("store: give either path (SQLite) or url (PostgreSQL), not both")
+    from relay.pg_url import PgUrlError, check_url
+
+    try:
+        check_url(cfg.url)
+    except PgUrlError as exc:
+        raise ConfigError(f"store.url: {exc}") from None
+
+
 def parse_config(data: dict) -> Config:
     try:
         cfg = msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(_key_path(str(exc))) from None
+    store = data.get("store")
+    check_store(cfg.store, store if isinstance(store, dict) else {})
     return check(cfg)
 
 

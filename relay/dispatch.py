@@ -44,6 +44,11 @@ ADMIT_WAIT_S = 0.5
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
 
 
+def exceeded(exc: BudgetExceeded) -> RelayError:
+    return RelayError("budget_exceeded", str(exc), exc.details(),
+                      [(b"Retry-After", b"%d" % exc.retry_after)])
+
+
 class _Retry(Exception):
     """A failure before the first content event: the next candidate may serve."""
 
@@ -190,11 +195,10 @@ class Dispatcher:
                 state["reservation"] = app.budgets.reserve(
                     rec.key_id, prompt_est + completion_est, time.time())
             except BudgetExceeded as exc:
-                raise RelayError("budget_exceeded", str(exc), exc.details(),
-                                 [(b"Retry-After", b"%d" % exc.retry_after)]) from None
+                raise exceeded(exc) from None
         res = state["reservation"]
         if res is not None and not res.settled:  # on disk before any slot or upstream
-            await self._admit(rec, state, res.tokens)
+            await self._admit(rec, state, res)
         hold = state["hold"] = Hold(app.loop, client, rid,
                                     app.config.dispatcher.heartbeat_s if rec.stream else 0.0,
                                     state["cors"])
@@ -296,14 +300,21 @@ class Dispatcher:
             e.first_content_at - t0, time.monotonic())
         return await self._open(client, req, up, rid, rec, more, on_content, state)
 
-    async def _admit(self, rec: Record, state: dict, reserved: int) -> None:
+    async def _admit(self, rec: Record, state: dict, res) -> None:
         """A key with limits: its admission is on disk before the upstream is contacted (a
-        crash then cannot give the key back what it spent; relay/admission.py)."""
+        crash then cannot give the key back what it spent; relay/admission.py). With a
+        shared store it is the reservation itself, taken in the database (429 when the key
+        is spent across all relays; relay/store_pg.py)."""
         store = self.app.store
         state["admission"] = admission_id = store.next_admission_id()
+        reserved = res.tokens
         prompt = min(state.get("prompt_est", 0), reserved)
         try:
-            await store.admit(admission_id, rec, prompt, reserved - prompt, ADMIT_WAIT_S)
+            await store.admit(admission_id, rec, prompt, reserved - prompt, ADMIT_WAIT_S,
+                              res=res)
+        except BudgetExceeded as exc:  # no lease taken: the row is a plain 429's
+            state["admission"] = None
+            raise exceeded(exc) from None
         except RuntimeError as exc:  # the database fails: serve, the budget still holds
             self.app.log.event("admission_not_durable", request_id=rec.request_id,
                                error=str(exc)[:300])
@@ -411,6 +422,8 @@ class Dispatcher:
             for up in app.upstreams.values():
                 up.refresh_metrics()
             app.registry.rows_dropped = app.store.rows_dropped
+            app.registry.rows_pending = app.store.pending
+            app.registry.rows_spilled = getattr(app.store, "spilled", None)
             if path == "/metrics":
                 client.respond(200, app.registry.prometheus(now), rid, req.keep_alive, cors,
                                content_type=b"text/plain; version=0.0.4; charset=utf-8")

@@ -217,6 +217,9 @@ class Registry:
     def __init__(self) -> None:
         self._upstreams: dict[str, UpstreamMetrics] = {}
         self.rows_dropped = 0  # request rows lost because the log writer's queue was full
+        # a shared (PostgreSQL) store: rows not yet committed, rows waiting in the spill file
+        self.rows_pending = 0
+        self.rows_spilled: int | None = None  # None: a SQLite store (neither is shown)
         self.requests_rejected: dict[str, int] = {}  # refused before any upstream, by status
         self.keys: dict[str, list[int]] = {}  # key id -> [requests, prompt, completion tokens]
 
@@ -314,4 +317,12 @@ class Registry:
         families = (up, state, parallel, in_flight, queued, tps, ttft, ttft_avg, requests,
                     failed, tokens, stalls, qwait, ttft_h, tpot_h, e2e_h, speed, kv, dropped,
                     rejected, key_req, key_tok)
+        if self.rows_spilled is not None:
+            pending = F("relay_rows_pending", "gauge",
+                        "Request rows accepted, not yet committed or spilled.")
+            spilled = F("relay_rows_spilled", "gauge",
+                        "Request rows in the spill file, waiting for PostgreSQL.")
+            pending.add(self.rows_pending)
+            spilled.add(self.rows_spilled)
+            families += (pending, spilled)
         return "".join(f.render() for f in families).encode()

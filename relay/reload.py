@@ -48,7 +48,7 @@ def restored_usage(app, windows: list[tuple[str, str]], now: float) -> dict:
             start, _ = window_bounds(kind, now)
             out[key_id, kind] = app.store.usage_since(key_id, start, served_only=True)
         return out
-    except (RuntimeError, TimeoutError, sqlite3.Error) as exc:
+    except (RuntimeError, TimeoutError, OSError, sqlite3.Error) as exc:  # (OSError: PostgreSQL)
         raise ConfigError(f"key: the usage of new limits cannot be rebuilt from the store "
                           f"({exc}); nothing changed") from None
 
@@ -61,7 +61,9 @@ def apply(app, new: Config) -> dict:
     old = app.config
     for what, a, b in (("server.host", old.server.host, new.server.host),
                        ("server.port", old.server.port, new.server.port),
-                       ("store.path", old.store.path, new.store.path)):
+                       ("store.path", old.store.path, new.store.path),
+                       ("store.url", old.store.url, new.store.url),
+                       ("store.spill_path", old.store.spill_path, new.store.spill_path)):
         if a != b:
             raise ConfigError(f"{what}: changing it needs a restart ({a!r} -> {b!r})")
     if not new.upstream:

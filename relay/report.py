@@ -1,7 +1,8 @@
 """`relay report`: per (model, upstream) latency, throughput and failure summary of stored rows.
 
 Aggregation (`aggregate`, `summarize`, `percentile`, `tokens_per_s`) is pure; `main` does the
-I/O: parse flags, read rows from the SQLite file read-only, print a table or JSON.
+I/O: parse flags, read rows read-only (a SQLite file or the shared PostgreSQL table:
+relay/rows_read.py), print a table or JSON.
 """
 
 from __future__ import annotations
@@ -9,17 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
-import sqlite3
 import sys
 import time
 from collections import Counter
 from datetime import datetime, timezone
 from typing import Iterable
 
-from relay import benchview
-from relay.store import is_memory, open_readonly
+from relay import benchview, rows_read
 
 READ_COLUMNS = ("model", "upstream_served", "status", "ok", "error_code", "stream", "queue_ms",
                 "ttft_ms", "total_ms", "completion_tokens", "tokens_source")
@@ -145,17 +143,14 @@ def read_rows(path: str, since_ts: float | None) -> list[dict]:
     params: tuple = ()
     if since_ts is not None:
         sql, params = sql + " WHERE ts >= ?", (since_ts,)
-    conn = open_readonly(path)
-    try:
-        return conn.execute(sql, params).fetchall()
-    finally:
-        conn.close()
+    return rows_read.fetch(path, sql, params)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="relay report",
                                 description="summarize stored request rows per model/upstream")
-    p.add_argument("--db", default="relay.db", help="SQLite file ([store].path), default relay.db")
+    p.add_argument("--db", default="relay.db", help="SQLite file ([store].path, default relay.db) or "
+                   "postgresql://... ([store].url; password from PGPASSWORD)")
     p.add_argument("--since", default="1h", help="30m, 1h, 24h, 7d or all (default 1h)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     b = p.add_argument_group(
@@ -207,18 +202,14 @@ def bench_main(args, parser) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     params: tuple = (end,) if start is None else (end, start)
-    try:
-        conn = open_readonly(args.db)
-        try:  # a database no relay of issue 13 opened yet lacks the timing columns: NULLs
-            have = {r["name"] for r in conn.execute("PRAGMA table_info(request)").fetchall()}
-            cols = ", ".join(c if c in have else f"NULL AS {c}" for c in benchview.READ_COLUMNS)
-            sql = f"SELECT {cols} FROM request WHERE ts <= ?" + (
-                "" if start is None else " AND ts >= ?")
-            rows = conn.execute(sql, params).fetchall()
-        finally:
-            conn.close()
-    except sqlite3.Error as exc:
-        print(f"relay report: cannot read {args.db!r}: {exc}", file=sys.stderr)
+    try:  # a database no relay of issue 13 opened yet lacks the timing columns: NULLs
+        have = rows_read.columns(args.db)
+        cols = ", ".join(c if c in have else f"NULL AS {c}" for c in benchview.READ_COLUMNS)
+        sql = f"SELECT {cols} FROM request WHERE ts <= ?" + (
+            "" if start is None else " AND ts >= ?")
+        rows = rows_read.fetch(args.db, sql, params)
+    except rows_read.errors() as exc:
+        print(f"relay report: cannot read {rows_read.shown(args.db)!r}: {exc}", file=sys.stderr)
         return 2
     if start is None:  # all rows: the window is the rows' own span
         start = min((r["ts"] for r in rows), default=end)
@@ -230,8 +221,8 @@ def bench_main(args, parser) -> int:
     elif args.csv:
         print(benchview.render_csv(groups, total), end="")
     else:
-        print(f"relay report: {args.db}, {len(rows)} requests from {_iso(start)} to "
-              f"{_iso(end)}; times in ms")
+        print(f"relay report: {rows_read.shown(args.db)}, {len(rows)} requests from "
+              f"{_iso(start)} to {_iso(end)}; times in ms")
         print(benchview.render_table(groups, total, by), end="")
     return 0
 
@@ -247,17 +238,17 @@ def main(argv: list[str] | None = None) -> int:
         since_s = parse_since(args.since)
     except ValueError as exc:
         parser.error(str(exc))   # exits 2
-    if is_memory(args.db) or not os.path.isfile(args.db):
-        print(f"relay report: no database file at {args.db!r} (pass --db PATH, the [store].path "
-              "of the relay)", file=sys.stderr)
+    why = rows_read.missing(args.db)
+    if why is not None:
+        print(f"relay report: {why}", file=sys.stderr)
         return 2
     if args.bench or args.by or args.from_ts or args.to_ts or args.slo or args.csv:
         return bench_main(args, parser)
     since_ts = None if since_s is None else time.time() - since_s
     try:
         rows = read_rows(args.db, since_ts)
-    except sqlite3.Error as exc:
-        print(f"relay report: cannot read {args.db!r}: {exc}", file=sys.stderr)
+    except rows_read.errors() as exc:
+        print(f"relay report: cannot read {rows_read.shown(args.db)!r}: {exc}", file=sys.stderr)
         return 2
     groups = aggregate(rows)
     total = summarize(rows, model="TOTAL")
@@ -265,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"since_s": since_s, "groups": groups, "total": total}, indent=2))
         return 0
     window = "all rows" if since_s is None else f"last {args.since}"
-    print(f"relay report: {args.db}, {window}, {len(rows)} requests; times in ms")
+    print(f"relay report: {rows_read.shown(args.db)}, {window}, {len(rows)} requests; times in ms")
     print(render_table(groups, total), end="")
     return 0
 

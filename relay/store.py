@@ -183,8 +183,10 @@ class Store:
         return self._admission_ids
 
     async def admit(self, admission_id: int, rec, prompt_tokens: int,
-                    completion_tokens: int, timeout: float | None = None) -> None:
-        """Commit a request's admission record (relay/durable.py) before going on.
+                    completion_tokens: int, timeout: float | None = None,
+                    res=None) -> None:
+        """Commit a request's admission record (relay/durable.py) before going on. (`res`,
+        the local reservation, matters to a shared budget only: relay/store_pg.py.)
 
         RuntimeError if it could not be written; with `timeout`, TimeoutError if it is not
         committed by then (the record is still written when the writer gets to it, and the
@@ -201,6 +203,10 @@ class Store:
             await fut
         else:
             await asyncio.wait_for(asyncio.shield(fut), timeout)
+
+    async def maintain(self, app) -> None:
+        """Background upkeep while the relay runs: nothing for one SQLite file (a shared
+        store renews its leases here)."""
 
     @property
     def pending(self) -> int:
@@ -224,8 +230,7 @@ class Store:
     def start(self) -> None:
         if self._thread is not None:
             return
-        if not is_memory(self.path) and self._lock_fd is None:
-            self._lock_fd = take_lock(self.path)  # before recover() touches the admissions
+        self._acquire()
         self._thread = threading.Thread(target=self._run, name="relay-store", daemon=False)
         self._thread.start()
         self._ready.wait()
@@ -262,6 +267,10 @@ class Store:
             self._wake.set()
             self._thread.join()
         self._unlock()
+
+    def _acquire(self) -> None:
+        if not is_memory(self.path) and self._lock_fd is None:
+            self._lock_fd = take_lock(self.path)  # before recover() touches the admissions
 
     def _unlock(self) -> None:
         """The writer is done with the database: another process may take it."""
@@ -311,12 +320,17 @@ class Store:
         add_missing_columns(conn, "request", tuple(zip(COLUMNS, _TYPES)))
         return conn
 
+    def _open(self) -> sqlite3.Connection:
+        """The writer's connection, ready for rows: schema, crash recovery, pruning."""
+        conn = self._connect()
+        self.recovered = durable.recover(conn)
+        self._prune(conn)
+        _busy(conn, self.row_busy_s)
+        return conn
+
     def _run(self) -> None:
         try:
-            conn = self._connect()
-            self.recovered = durable.recover(conn)
-            self._prune(conn)
-            _busy(conn, self.row_busy_s)
+            conn = self._open()
         except BaseException as exc:   # reported to start()'s caller
             self._start_error = exc
             self._ready.set()

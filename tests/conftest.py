@@ -87,3 +87,32 @@ def pytest_report_header(config):
     if missing:
         lines.append(f"e2e: missing {', '.join(missing)}: install the 'e2e' extra")
     return lines
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    """A real PostgreSQL server for the session (tests/pg_server.py). Without the server
+    binaries or the driver the tests skip, and fail under CI=true."""
+    import os
+
+    from tests.pg_server import PASSWORD, PASSWORD_ENV, PgServer, find_bin
+
+    why = None
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        why = "psycopg (relay[postgres]) is not installed"
+    bindir = find_bin()
+    if why is None and bindir is None:
+        why = "PostgreSQL server binaries (initdb, pg_ctl) not found"
+    if why is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    server = PgServer(bindir)
+    os.environ[PASSWORD_ENV] = PASSWORD
+    try:
+        server.init()
+        yield server
+    finally:
+        server.destroy()

@@ -60,7 +60,9 @@ async def test_reload_refuses_a_new_listen_address_or_store(make_relay):
 
     app = await make_relay()
     for change in ({"server": msgspec.structs.replace(app.config.server, port=1)},
-                   {"store": StoreConfig(path="/tmp/other.db")}):
+                   {"store": StoreConfig(path="/tmp/other.db")},
+                   {"store": msgspec.structs.replace(app.config.store,
+                                                     url="postgresql://u@h/db")}):
         new = msgspec.structs.replace(app.config, **change)
         with pytest.raises(ConfigError, match="needs a restart"):
             app.reload(new)
