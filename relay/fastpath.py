@@ -55,15 +55,15 @@ class Shape:
 
 
 def learn(data: bytes) -> Shape | None:
-    """The shape of a read's first chunk when that chunk is one token event the scanner
-    would count and keep nothing of (`sse.content_event_at`); None otherwise."""
+    """The shape of the first event of a read's first chunk when that event is a token
+    event the scanner would count and keep nothing of (`sse.content_event_at`); else None."""
     nl = data.find(b"\r\n", 0, 10)
     if nl <= 0:
         return None
     size = chunk_size(data[:nl])
     start = nl + 2
-    end = start + size
-    if size <= 0 or not data.startswith(b"\r\n", end):
+    end = data.find(b"\n\n", start, start + size) + 2
+    if size <= 0 or end < 2 or not data.startswith(b"\r\n", start + size):
         return None
     t = content_event_at(data, start, end)
     q = closing_quote(data, t, end) if t else -1
