@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from math import frexp as _frexp
 
 from relay import framing
 from relay.head import BadHead, HeadReader, ResponseHead
@@ -108,18 +107,15 @@ class Exchange:
             n = events_in(data, shape) if shape is not None else 0
             if n or (n := self._token_read(data)):
                 self.scanner.content_events += n
-                gp = self.gaps  # one inter-token gap: Gaps.add inline (relay/gaps.py)
+                gp = self.gaps  # one inter-token gap (relay/gaps.py)
                 g = now - gp.last
                 gp.last = now
-                if g > 0.0:
+                if gp.lo <= g < gp.hi:  # in the last gap's bucket again
+                    gp.run += 1
                     if g > gp.max:
                         gp.max = g
-                    m, e = _frexp(g)
-                    k = (e << 3) + int(m * 16.0)
-                    b = gp.buckets
-                    b[k] = b.get(k, 0) + 1
                 else:
-                    gp.zeros += 1
+                    gp.add(g)
                 if n != 1:  # the others came with it: gaps of 0 (Gaps.events)
                     gp.zeros += n - 1
                 self.bytes_out += len(data)
