@@ -22,6 +22,7 @@ import msgspec
 from relay import sim_frames as F
 from relay import sim_plan as P
 from relay.sim_gen import SSE_HEAD, Gen
+from relay.sim_shapes import SHAPES
 
 GEN_ROUTES = ("chat", "text", "native")
 _ROUTES = {
@@ -433,6 +434,13 @@ per-request knobs: a request body may carry "sim": {...} overriding the flags fo
 """
 
 
+def _count(text: str) -> int:
+    n = int(text)
+    if not 1 <= n <= 4096:
+        raise argparse.ArgumentTypeError("must be 1..4096")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="relay sim", description="llama-server simulator: OpenAI chat/completions, "
@@ -461,13 +469,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-alive-streams", action="store_true",
                     help="keep the connection after a stream (a hosted API), not close it "
                     "(default: close, as llama-server does)")
-    ap.add_argument("--shape", choices=("llama", "vllm", "openai"), default="llama",
+    ap.add_argument("--shape", choices=SHAPES, default="llama",
                     help="chat chunk shape: llama-server's, vLLM's (logprobs, usage null with "
                     "include_usage), or OpenAI's (also service_tier, obfuscation padding) "
                     "(default %(default)s)")
-    ap.add_argument("--events-per-chunk", type=int, default=1,
+    ap.add_argument("--events-per-chunk", type=_count, default=1,
                     help="content events coalesced in one chunk (count, default %(default)s)")
-    ap.add_argument("--chunks-per-write", type=int, default=1,
+    ap.add_argument("--chunks-per-write", type=_count, default=1,
                     help="chunks sent in one write, i.e. one read for the peer (count, "
                     "default %(default)s)")
     if argv and argv[0] == "sim":

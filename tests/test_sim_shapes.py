@@ -127,3 +127,12 @@ def test_bad_knob_values_fall_back_to_the_defaults():
     p = make_plan("chat", {"sim": {"shape": "nope", "events_per_chunk": 0,
                                    "chunks_per_write": True}}, d)
     assert (p.shape, p.events_per_chunk, p.chunks_per_write) == ("vllm", 2, 1)
+
+
+@pytest.mark.parametrize("argv", [["--events-per-chunk", "0"], ["--chunks-per-write", "5000"],
+                                  ["--shape", "sglang"]])
+def test_the_command_line_refuses_bad_framing_flags(argv, capsys):
+    from relay.sim import main
+    with pytest.raises(SystemExit) as e:
+        main(["--port", "0", *argv])
+    assert e.value.code == 2 and argv[0] in capsys.readouterr().err
