@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import nginx, procs, relay_conf, report, tls
+from bench import framings, nginx, procs, relay_conf, report, tls
 from bench.upstreams import RealUpstream, SimUpstream
 
 HOST = "127.0.0.1"
@@ -27,7 +27,7 @@ TARGETS = ("direct", "relay", "nginx", "baseline", "relay_ui")
 
 def scenarios(a) -> dict[str, dict]:
     q = a.quick
-    return {
+    out = {
         # 200 streams x 50 tok/s, ~10 s (quick ~3 s)
         "paced": dict(concurrency=a.streams, requests=a.streams, max_tokens=150 if q else 500,
                       interval_ms=20, ramp_s=0.5),
@@ -54,6 +54,9 @@ def scenarios(a) -> dict[str, dict]:
                      max_tokens=a.real_tokens, interval_ms=0, ramp_s=0,
                      extra=["--no-sim"]),
     }
+    # issue 15: the paced load on other servers' chunk shapes, and long real streams
+    out.update(framings.scenarios(a, out["paced"]))
+    return out
 
 
 def start_proxy(target: str, up, logdir: Path, a) -> procs.Proc | None:
@@ -173,7 +176,9 @@ def parse_args(argv=None):
     p.add_argument("--repeat", type=int, default=1, help="repeat every measurement; report medians")
     p.add_argument("--scenarios", default="paced,ttft,idle",
                    help="comma list of paced,ttft,idle,tls,tls-req,keep,keep-req (tls*: a TLS "
-                        "upstream; keep*: the same loads over plain HTTP)")
+                        "upstream; keep*: the same loads over plain HTTP), paced-vllm, "
+                        "paced-openai, paced-events3, paced-chunks3, paced-openai-batch, "
+                        "real-long (bench/framings.py)")
     p.add_argument("--targets", default=",".join(TARGETS), help="comma list of direct,relay,nginx")
     p.add_argument("--streams", type=int, default=200, help="paced: concurrent streams")
     p.add_argument("--idle-streams", type=int, default=1000, help="idle: open slow streams")
@@ -181,6 +186,8 @@ def parse_args(argv=None):
     p.add_argument("--real", action="store_true", help="against a real llama-server instead")
     p.add_argument("--real-requests", type=int, default=0)
     p.add_argument("--real-tokens", type=int, default=64)
+    p.add_argument("--real-long-requests", type=int, default=20,
+                   help="real-long: 500-token streams from the real llama-server")
     p.add_argument("--relay-config", help="TOML merged over the generated relay config (see bench/relay_conf.py)")
     p.add_argument("--output", help="report file (default bench/RESULTS.md, --real: RESULTS-real.md)")
     p.add_argument("--baseline", metavar="REV",
@@ -214,6 +221,9 @@ def main(argv=None) -> int:
             up.start(logdir)
         for n in names:
             kind = scs[n].get("upstream")
+            if kind == "real" and kind not in ups:
+                ups[kind] = RealUpstream()
+                ups[kind].start(logdir)
             if kind is not None and kind not in ups:
                 ups[kind] = SimUpstream(HOST, tls.make(logdir / "pki") if kind == "tls" else None)
                 if kind == "keep":
@@ -245,10 +255,11 @@ def main(argv=None) -> int:
         if not a.keep_logs:
             import shutil
             shutil.rmtree(logdir, ignore_errors=True)
-    text = report.render(rows, scs, names, targets, a, up.kind)
+    text = report.render(rows, scs, names, targets, a, up.kind) + framings.summary(rows, names)
     print(text)
     out = Path(a.output) if a.output else Path(__file__).parent / (
-        "RESULTS-real.md" if a.real else "RESULTS-tls.md" if all(scs[n].get("upstream") for n in names)
+        "RESULTS-real.md" if a.real else "RESULTS-tls.md"
+        if all(scs[n].get("upstream") in ("tls", "keep") for n in names)
         else "RESULTS.md")
     out.write_text(text)
     if a.json:

@@ -19,7 +19,7 @@ import resource
 import sys
 import time
 
-CONTENT_RE = re.compile(rb'"content"\s*:\s*"')
+CONTENT_RE = re.compile(rb'"content"\s*:\s*"(?!")')  # (vLLM's, OpenAI's role delta: "")
 now = time.perf_counter
 
 
@@ -144,7 +144,10 @@ def build_request(a) -> bytes:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
             "stream": True, "max_tokens": a.max_tokens}
     if not a.no_sim:
-        body["sim"] = {"tokens": a.max_tokens, "interval_ms": a.interval_ms}
+        body["sim"] = {"tokens": a.max_tokens, "interval_ms": a.interval_ms,
+                       **json.loads(a.sim_knobs)}
+    if a.include_usage:
+        body["stream_options"] = {"include_usage": True}
     b = json.dumps(body, separators=(",", ":")).encode()
     return (f"POST {a.path} HTTP/1.1\r\nHost: {a.host}:{a.port}\r\n"
             "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
@@ -240,6 +243,11 @@ def parse_args(argv=None):
     p.add_argument("--ramp-s", type=float, default=0.0, help="spread connection starts")
     p.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     p.add_argument("--no-sim", action="store_true", help="omit the sim knobs (real server)")
+    p.add_argument("--sim-knobs", default="{}",
+                   help='more sim knobs, JSON (e.g. {"shape": "openai", "events_per_chunk": 3})')
+    p.add_argument("--include-usage", action="store_true",
+                   help="ask for stream_options.include_usage (a last usage chunk; vLLM and "
+                        "OpenAI then put usage: null in every chunk)")
     p.add_argument("--no-expect", dest="expect", action="store_false",
                    help="do not require content events == max tokens")
     return p.parse_args(argv)

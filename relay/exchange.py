@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from math import frexp as _frexp
 
 from relay import framing
 from relay.head import BadHead, HeadReader, ResponseHead
 from relay.chunked import LAST_CHUNK, SIZE, ChunkError, ChunkTracker, frame
 from relay.gaps import Gaps
 from relay.hold import ERROR, OPENED, Hold
-from relay.fastpath import same_shape, shape_of, token_event
+from relay.fastpath import events_in, learn
 from relay.flow import ClientFlow
 from relay.sse import SseScanner
 from relay.usage import JsonBody
@@ -87,7 +86,7 @@ class Exchange:
         self.timer: asyncio.TimerHandle | None = None
         self.counted = 0  # tokens already added to the upstream's rate window
         self.fast = False  # the next read may be recognised by the fast path (fastpath.py)
-        self.shape = None  # this stream's token event around its text (fastpath.shape_of)
+        self.shape = None  # this stream's token events up to their text (fastpath.learn)
         self.on_content = None  # called once the first content event is written (metrics)
         self.body_copy: JsonBody | None = None
         # While the body flows the exchange is the upstream transport's protocol itself, and
@@ -103,22 +102,22 @@ class Exchange:
                 self._leftover += data
             return
         now = self.last_read = self.loop.time()
-        if self.fast:  # the usual read, one token: see relay/fastpath.py
+        if self.fast:  # the usual read, whole token events: see relay/fastpath.py
             shape = self.shape
-            if (shape is not None and same_shape(data, shape)) or self._token_read(data):
-                self.scanner.content_events += 1
-                gp = self.gaps  # one inter-token gap: Gaps.add inline (relay/gaps.py)
+            n = events_in(data, shape) if shape is not None else 0
+            if n or (n := self._token_read(data)):
+                self.scanner.content_events += n
+                gp = self.gaps  # one inter-token gap (relay/gaps.py)
                 g = now - gp.last
                 gp.last = now
-                if g > 0.0:
+                if gp.lo <= g < gp.hi:  # in the last gap's bucket again
+                    gp.run += 1
                     if g > gp.max:
                         gp.max = g
-                    m, e = _frexp(g)
-                    k = (e << 3) + int(m * 16.0)
-                    b = gp.buckets
-                    b[k] = b.get(k, 0) + 1
                 else:
-                    gp.zeros += 1
+                    gp.add(g)
+                if n != 1:  # the others came with it: gaps of 0 (Gaps.events)
+                    gp.zeros += n - 1
                 self.bytes_out += len(data)
                 self._write(data)
                 return
@@ -188,12 +187,16 @@ class Exchange:
                 self.scanner.feed(data)
             self._emit(frame(data) if self.mode == framing.CHUNK else data)
 
-    def _token_read(self, data: bytes) -> bool:
-        """A read checked from scratch; a token event's shape is kept for the next reads."""
-        i = token_event(data)
-        if i:
-            self.shape = shape_of(data, i) or self.shape
-        return i > 0
+    def _token_read(self, data: bytes) -> int:
+        """A read that missed the stream's shape: its token events by a shape learned from
+        itself (kept for the next reads then), or 0."""
+        shape = learn(data)
+        if shape is None:
+            return 0
+        n = events_in(data, shape)
+        if n:
+            self.shape = shape
+        return n
 
     def upstream_closed(self, exc) -> None:
         if self.head_reader is not None:

@@ -1,8 +1,9 @@
 """Gaps between the content events of one stream (inter-token latency, ITL), kept bounded.
 
 The body path adds one gap per content event from the loop-clock reading it already took for
-the read (`Exchange.last_read`): one subtraction, one compare, one `frexp` and one dict
-increment, inline in the fast path (`Gaps.add` is the same arithmetic). Nothing grows with the stream: gaps land in log-linear buckets, 8 per
+the read (`Exchange.last_read`): inline in the fast path, a subtraction, two compares with the
+last gap's bucket and a count when it falls in it again (the usual case); `Gaps.add` (a
+`frexp`, a dict increment) otherwise. Nothing grows with the stream: gaps land in log-linear buckets, 8 per
 octave (a bucket is at most 12.5% wide, its midpoint within 6.25% of any gap in it), held in a
 dict of the buckets actually hit (a steady stream hits a handful; every bucket from 1 us to a
 day is under 300). Gaps of exactly 0 (several events in one read, or one loop-clock tick:
@@ -18,26 +19,42 @@ from math import ceil, frexp, ldexp
 
 
 class Gaps:
-    __slots__ = ("buckets", "last", "max", "zeros")
+    __slots__ = ("buckets", "last", "max", "zeros", "lo", "hi", "key", "run")
 
     def __init__(self) -> None:
         self.buckets: dict[int, int] = {}
         self.last = 0.0  # loop time of the last content event
         self.max = 0.0
         self.zeros = 0
+        # The bucket of the last gap, [lo, hi), and gaps counted into it since (`run`, not yet
+        # in `buckets`): a steady stream's gaps mostly fall in one bucket, and the fast path
+        # (`Exchange.upstream_data`) then only compares and counts; any other gap is `add`'s.
+        self.lo = self.hi = 0.0
+        self.key = 0
+        self.run = 0
 
     def add(self, g: float, _frexp=frexp) -> None:
-        """One gap of `g` seconds. (`Exchange.upstream_data`'s fast path does exactly this
-        inline, to spare a call per token.)"""
+        """One gap of `g` seconds."""
         if g > 0.0:
             if g > self.max:
                 self.max = g
             m, e = _frexp(g)
             k = (e << 3) + int(m * 16.0)  # int(m*16) is 8..15: key = 8(e+1) + sub-bucket
             b = self.buckets
+            if self.run:
+                b[self.key] = b.get(self.key, 0) + self.run
+                self.run = 0
             b[k] = b.get(k, 0) + 1
+            if k != self.key:
+                self.key = k
+                self.lo, self.hi = bucket_bounds(k)  # (exactly the gaps frexp puts in k)
         else:
             self.zeros += 1
+
+    def _flush(self) -> None:
+        if self.run:
+            self.buckets[self.key] = self.buckets.get(self.key, 0) + self.run
+            self.run = 0
 
     def events(self, now: float, before: int, after: int) -> None:
         """The count of content events went from `before` to `after` in one read at loop
@@ -57,11 +74,13 @@ class Gaps:
 
     @property
     def count(self) -> int:
+        self._flush()
         return self.zeros + sum(self.buckets.values())
 
     def quantile(self, q: float) -> float | None:
         """Seconds: the midpoint of the bucket holding the nearest-rank q-quantile gap (0 for
         the zero gaps), never above the largest gap seen; None with no gap."""
+        self._flush()
         return quantile_of(self.buckets, self.zeros, q, self.max)
 
     def encode(self) -> str | None:

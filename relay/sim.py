@@ -22,6 +22,7 @@ import msgspec
 from relay import sim_frames as F
 from relay import sim_plan as P
 from relay.sim_gen import SSE_HEAD, Gen
+from relay.sim_shapes import SHAPES
 
 GEN_ROUTES = ("chat", "text", "native")
 _ROUTES = {
@@ -46,6 +47,9 @@ class SimDefaults:
     first_token_delay_ms: float = 0.0
     head_delay_ms: float = 0.0
     keep_streams: bool = False  # keep the connection after a stream (as hosted APIs do)
+    shape: str = "llama"  # chat chunks: llama-server's, vLLM's or OpenAI's (relay/sim_shapes.py)
+    events_per_chunk: int = 1
+    chunks_per_write: int = 1
 
 
 @dataclass(eq=False)
@@ -292,7 +296,8 @@ class _Conn(asyncio.Protocol):
             req.status = 200
             include_usage = isinstance(data.get("stream_options"), dict) and \
                 data["stream_options"].get("include_usage") is True
-            g = Gen(self, req, p, F.StreamFrames(p.kind, sim.defaults.model, p.prompt_n, include_usage))
+            g = Gen(self, req, p, F.StreamFrames(p.kind, sim.defaults.model, p.prompt_n,
+                                                 include_usage, shape=p.shape))
             self.active = g
             g.start()
             return
@@ -390,7 +395,8 @@ async def _serve(args: argparse.Namespace) -> None:
     sim = Simulator(args.host, args.port, SimDefaults(
         model=args.model, tokens=args.tokens, interval_ms=args.interval_ms,
         first_token_delay_ms=args.first_token_delay_ms, head_delay_ms=args.head_delay_ms,
-        keep_streams=args.keep_alive_streams), ssl=ctx)
+        keep_streams=args.keep_alive_streams, shape=args.shape,
+        events_per_chunk=args.events_per_chunk, chunks_per_write=args.chunks_per_write), ssl=ctx)
     await sim.start()
     print(F.jdump({"event": "sim_listening", "host": args.host, "port": sim.port}).decode(), flush=True)
     stop = asyncio.Event()
@@ -422,7 +428,17 @@ per-request knobs: a request body may carry "sim": {...} overriding the flags fo
   content_length_stream  bool   a stream framed by Content-Length, not chunked; default false
   body_kind              str    "octet": an application/octet-stream body; default the route's
   eos_event              bool   an empty EOS event ends a text stream; default false (true on /completion)
+  shape                  str    chat chunks: "llama", "vllm" or "openai"; default --shape
+  events_per_chunk       int    content events in one chunk (1..4096); default --events-per-chunk
+  chunks_per_write       int    chunks in one write (1..4096); default --chunks-per-write
 """
+
+
+def _count(text: str) -> int:
+    n = int(text)
+    if not 1 <= n <= 4096:
+        raise argparse.ArgumentTypeError("must be 1..4096")
+    return n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -453,6 +469,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-alive-streams", action="store_true",
                     help="keep the connection after a stream (a hosted API), not close it "
                     "(default: close, as llama-server does)")
+    ap.add_argument("--shape", choices=SHAPES, default="llama",
+                    help="chat chunk shape: llama-server's, vLLM's (logprobs, usage null with "
+                    "include_usage), or OpenAI's (also service_tier, obfuscation padding) "
+                    "(default %(default)s)")
+    ap.add_argument("--events-per-chunk", type=_count, default=1,
+                    help="content events coalesced in one chunk (count, default %(default)s)")
+    ap.add_argument("--chunks-per-write", type=_count, default=1,
+                    help="chunks sent in one write, i.e. one read for the peer (count, "
+                    "default %(default)s)")
     if argv and argv[0] == "sim":
         argv = argv[1:]
     args = ap.parse_args(argv)

@@ -16,6 +16,8 @@ from http import HTTPStatus
 
 import msgspec
 
+from relay.sim_shapes import Shape
+
 _enc = msgspec.json.Encoder()
 jdump = _enc.encode
 
@@ -151,10 +153,11 @@ class StreamFrames:
     """Per-request event builder. kind: "chat" | "text" (v1/completions) | "native" | "octet"."""
 
     __slots__ = ("kind", "model", "prompt_n", "include_usage", "created", "id", "_pre", "_post",
-                 "_cache", "_model_json")
+                 "_cache", "_model_json", "alt")
 
     def __init__(self, kind: str, model: str, prompt_n: int, include_usage: bool = False,
-                 created: int | None = None, rid: str | None = None) -> None:
+                 created: int | None = None, rid: str | None = None, shape: str = "llama",
+                 rng=None) -> None:
         self.kind = kind
         self.model = model
         self.prompt_n = prompt_n
@@ -178,6 +181,9 @@ class StreamFrames:
             self._post = b',"stop":false,"id_slot":-1,"tokens_predicted":'
         else:
             self._pre = self._post = b""
+        # another server's chat chunks (relay/sim_shapes.py); None: llama-server's own
+        self.alt = (Shape(shape, self.id, self.created, model, include_usage, rng)
+                    if kind == "chat" and shape != "llama" else None)
 
     @property
     def content_type(self) -> bytes:
@@ -186,6 +192,8 @@ class StreamFrames:
     def role_event(self) -> bytes | None:
         if self.kind != "chat":
             return None
+        if self.alt is not None:
+            return self.alt.role_event()
         return b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"role":"assistant","content":null' + self._post
 
     def event(self, i: int) -> bytes:
@@ -194,6 +202,8 @@ class StreamFrames:
         if kind == "octet":
             return octet_payload(i)
         text = token_text(i, kind == "chat")
+        if self.alt is not None:
+            return self.alt.event(i, text)
         if kind == "native":
             return b'%s%s,"tokens":[%d]%s%d,"tokens_evaluated":%d}\n\n' % (
                 self._pre, jdump(text), TOKEN_IDS[text], self._post, i + 1, self.prompt_n)
@@ -201,8 +211,8 @@ class StreamFrames:
 
     def chunk(self, i: int) -> bytes:
         """Chunk-framed content event i (cached per token-cycle position when possible)."""
-        if self.kind == "native":
-            return chunk(self.event(i))
+        if self.kind == "native" or self.alt is not None and self.alt.kind == "openai":
+            return chunk(self.event(i))  # (OpenAI's padding differs from event to event)
         key = -1 if (i == 0 and self.kind == "chat") else (i % 6 if self.kind != "octet" else i & 0xFF)
         c = self._cache.get(key)
         if c is None:
@@ -211,7 +221,7 @@ class StreamFrames:
 
     def body_len(self, n: int) -> int:
         """Total length of content events 0..n-1 (unframed), without building them all."""
-        if self.kind not in ("chat", "text") or n <= 7:
+        if self.kind not in ("chat", "text") or n <= 7 or self.alt is not None:
             return sum(len(self.event(i)) for i in range(n))
         base = [len(self.event(6 + k)) for k in range(6)]
         full, rem = divmod(n - 1, 6)  # events 1..n-1 cycle through residues 1,2,3,4,5,0
@@ -240,6 +250,8 @@ class StreamFrames:
                      settings: dict | None = None, prompt: str = "") -> bytes:
         """Unframed final event(s): finish event (+ usage event for chat with include_usage)."""
         kind = self.kind
+        if self.alt is not None:
+            return self.alt.final_events(finish, self.prompt_n, predicted_n, self.include_usage)
         if kind == "chat":
             fin = {"choices": [{"finish_reason": finish, "index": 0, "delta": {}}], "created": self.created,
                    "id": self.id, "model": self.model, "system_fingerprint": FINGERPRINT,

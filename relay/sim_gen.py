@@ -1,6 +1,7 @@
 """One streamed generation of the simulator: frames paced by a loop.call_at chain.
 
-Token i is due at t0 + i*interval (no drift), each event is one transport.write, and
+Token i is due at t0 + i*interval (no drift), each event is one transport.write (or, with the
+events_per_chunk / chunks_per_write knobs, a group of them when its last one is due), and
 production stops while the connection's transport is paused. Knobs (stall, drop, mid-line
 or mid-chunk cuts, content-length bodies) come from the request's plan (sim_frames.Plan).
 """
@@ -92,6 +93,16 @@ class Gen:
             return data if self.p.content_length else F.chunk(data)
         return self.f.event(i) if self.p.content_length else self.f.chunk(i)
 
+    def _frames(self, i: int, j: int) -> bytes:
+        """Content events i..j-1 in one write: `events_per_chunk` of them to a chunk."""
+        evs = [self.f.event(k) for k in range(i, j)]
+        if self.role is not None:
+            evs[0], self.role = self.role + evs[0], None
+        if self.p.content_length:
+            return b"".join(evs)
+        per = self.p.events_per_chunk
+        return b"".join(F.chunk(b"".join(evs[k:k + per])) for k in range(0, len(evs), per))
+
     def _tick(self) -> None:
         self.handle = None
         c = self.c
@@ -100,22 +111,24 @@ class Gen:
         loop, tr, req, sim = c.loop, c.transport, self.req, c.sim
         now, iv, t0, stop_at = loop.time() + 0.001, self.p.interval, self.t0, self.stop_at
         budget = 256
+        group = self.p.events_per_chunk * self.p.chunks_per_write  # events per write
         while True:
             i = self.i
             if i == stop_at:
                 self._boundary()
                 return
-            due = t0 + i * iv
+            j = i + group if stop_at is None else min(i + group, stop_at)
+            due = t0 + (j - 1) * iv  # a group goes out when its last event is due
             if due > now:
                 self.handle = loop.call_at(due, self._tick)
                 return
             if budget == 0:
                 self.handle = loop.call_soon(self._tick)
                 return
-            tr.write(self._frame(i))
-            self.i = i + 1
-            req.tokens_sent += 1
-            sim.tokens_sent_total += 1
+            tr.write(self._frame(i) if group == 1 else self._frames(i, j))
+            self.i = j
+            req.tokens_sent += j - i
+            sim.tokens_sent_total += j - i
             budget -= 1
             if c.paused:
                 return

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from relay.sim_frames import generation_settings, stop_match, stop_words
+from relay.sim_shapes import SHAPES
 
 
 @dataclass
@@ -33,6 +34,9 @@ class Plan:
     stop_word: str | None = None  # the stop string that ended generation (its token is not sent as text)
     settings: dict | None = None  # native: generation_settings of the final event
     prompt: str = ""         # native: "prompt" of the final event
+    shape: str = "llama"     # chat chunks: "llama", "vllm" or "openai" (relay/sim_shapes.py)
+    events_per_chunk: int = 1  # content events per chunk (coalesced, as some servers do)
+    chunks_per_write: int = 1  # chunks per write (so several reach the peer in one read)
 
 
 def as_int(v) -> int | None:
@@ -59,8 +63,14 @@ def _prompt_chars(kind: str, body: dict) -> int:
     return len(p) if isinstance(p, str) else 0
 
 
+def _count(v, default: int) -> int:
+    v = as_int(v)
+    return v if v is not None and 1 <= v <= 4096 else default
+
+
 def make_plan(kind: str, body: dict, d) -> Plan:
-    """d: SimDefaults (tokens, interval_ms, first_token_delay_ms, head_delay_ms)."""
+    """d: SimDefaults (tokens, interval_ms, first_token_delay_ms, head_delay_ms, shape,
+    events_per_chunk, chunks_per_write)."""
     sim = body.get("sim")
     sim = sim if isinstance(sim, dict) else {}
     # llama-server: n_predict if given, else max_tokens (max_completion_tokens on the OpenAI
@@ -110,6 +120,7 @@ def make_plan(kind: str, body: dict, d) -> Plan:
     chatty = bool(sim.get("chatty")) and not cl
     if chatty:
         n, interval = None, interval or 0.01
+    shape = sim.get("shape", d.shape)
     return Plan(kind=kind, stream=body.get("stream") is True or chatty or kind == "octet" or cl,
                  n=n, predicted_n=predicted, finish=finish,
                  prompt_n=max(1, _prompt_chars(kind, body) // 4), interval=interval,
@@ -117,4 +128,7 @@ def make_plan(kind: str, body: dict, d) -> Plan:
                  head_delay=as_num(sim.get("head_delay_ms"), d.head_delay_ms) / 1000.0,
                  stall_after=as_int(sim.get("stall_after")), mid_line=bool(sim.get("stall_mid_line")),
                  mid_chunk=bool(sim.get("stall_mid_chunk")), drop_after=as_int(sim.get("drop_after")),
-                 content_length=cl, eos=eos, stop_word=word, settings=settings, prompt=prompt)
+                 content_length=cl, eos=eos, stop_word=word, settings=settings, prompt=prompt,
+                 shape=shape if shape in SHAPES else d.shape,
+                 events_per_chunk=_count(sim.get("events_per_chunk"), d.events_per_chunk),
+                 chunks_per_write=_count(sim.get("chunks_per_write"), d.chunks_per_write))

@@ -2,7 +2,7 @@
 
 It never changes a byte; it only watches. Per event it decides whether the event carries
 generated content (a token), whether it is the terminal `data: [DONE]`, whether it is an
-`{"error": ...}` object, and keeps the last event that carries `usage` or `timings` so the
+`{"error": ...}` object, and keeps the last event that carries `usage` (not null) or `timings` so the
 exact figures can be read once at the end. Events are cut at blank lines, so a marker split
 across two reads is seen whole: the unfinished tail of one read waits for the next (up to
 1 MiB; a larger event is relayed unscanned), and is searched for its end only in the new
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 # A value that starts with a quote and is not the empty string: `"content":"x`.
 _CONTENT_MARKERS = (b'"content":"', b'"text":"', b'"reasoning_content":"', b'"arguments":"')
-_META_MARKERS = (b'"usage"', b'"timings"')
 _MAX_PENDING = 1 << 20  # an event larger than this is not scanned (still relayed)
 _MAX_META = 64 * 1024
 # Two raw bytes that make a blank line (an event's end) however the lines end: LF LF, CR CR,
@@ -33,11 +32,27 @@ def carries_content(event: bytes) -> bool:
     return False
 
 
+def is_meta(event: bytes) -> bool:
+    """The event carries figures to keep: a `timings` key, or a `usage` that is not null.
+    (vLLM and OpenAI put `"usage":null` in every chunk when `include_usage` is set: those
+    are not the usage, which comes last, and must not replace an earlier one.)"""
+    if b'"timings"' in event:
+        return True
+    i = event.find(b'"usage"')
+    while i >= 0:
+        i += 7
+        rest = event[i:i + 16].lstrip(b" \t\r\n")
+        if not (rest[:1] == b":" and rest[1:].lstrip(b" \t\r\n").startswith(b"null")):
+            return True
+        i = event.find(b'"usage"', i)
+    return False
+
+
 def content_event_at(data: bytes, start: int, end: int) -> int:
     """Where the text starts when data[start:end] is exactly one event, ended by its blank
     line, whose first content marker holds a non-empty string, with no CR (a CR may end a
-    line too) and no `usage` / `timings` (kept as meta) in it: the scanner would count one
-    content event and keep nothing else. 0 when it is anything else."""
+    line too) and no `timings` nor `usage` but one `"usage":null` (`is_meta`) in it: the
+    scanner would count one content event and keep nothing else. 0 when it is anything else."""
     if not data.endswith(b"\n\n", start, end):
         return 0
     i = data.find(b'"content":"', start, end)
@@ -51,9 +66,11 @@ def content_event_at(data: bytes, start: int, end: int) -> int:
     if (i < end - 2 and data[i] != 0x22
             and data.find(b"\n\n", start, end) == end - 2
             and data.find(b"\r", start, end) < 0
-            and data.find(b'"usage"', start, end) < 0
             and data.find(b'"timings"', start, end) < 0):
-        return i
+        u = data.find(b'"usage"', start, end)
+        if u < 0 or (data.startswith(b'"usage":null', u)
+                     and data.find(b'"usage"', u + 12, end) < 0):
+            return i
     return 0
 
 
@@ -153,11 +170,8 @@ class SseScanner:
                 self.on_first_content()
         elif ev.startswith(b"data: [DONE]") or ev.startswith(b"data:[DONE]"):
             self.done_seen = True
-        if len(ev) <= _MAX_META:
-            for marker in _META_MARKERS:
-                if marker in ev:
-                    self.meta = ev
-                    break
+        if len(ev) <= _MAX_META and is_meta(ev):
+            self.meta = ev
 
 
 def event_json(event: bytes) -> bytes | None:

@@ -163,3 +163,23 @@ def test_no_tpot_from_a_reservation():
                      ttft_ms=100.0, completion_tokens=10, tokens_source=source)
         fill(rec, 0.0, None, None, None)
         assert (rec.e2e_ms, rec.first_byte_ms, rec.tpot_ms) == (1000.0, 1000.0, want)
+
+
+def test_a_run_in_the_last_bucket_counts_as_add_would():
+    """The fast path (Exchange.upstream_data) counts a gap in the last gap's bucket as
+    `run += 1` and leaves any other gap to `add`: the same histogram, max and count."""
+    import random
+    rng = random.Random(5)
+    for _ in range(2000):
+        a, b = G.Gaps(), G.Gaps()
+        for _ in range(rng.randint(0, 60)):
+            g = rng.choice([0.0, -0.001, 0.02, 0.0201, 0.0195, rng.random() * 0.1, 1e-7])
+            a.add(g)
+            if b.lo <= g < b.hi:  # (as upstream_data does it)
+                b.run += 1
+                if g > b.max:
+                    b.max = g
+            else:
+                b.add(g)
+        assert (a.encode(), a.max, a.count, a.quantile(0.5)) == \
+            (b.encode(), b.max, b.count, b.quantile(0.5))
