@@ -193,7 +193,8 @@ class App:
         await asyncio.sleep(0)
         for client in list(self.clients):
             if not client.busy and not client.gone:
-                if client.head is not None or client.h11.trailing_data[0]:
+                if client.head is not None or (client.h11 is not None
+                                                and client.h11.trailing_data[0]):
                     # a request half-read gets its answer with the lingering close (the
                     # client may still be sending: a plain close would reset the connection
                     # and destroy the answer); the connection closes on its bounded timer
@@ -291,9 +292,6 @@ class App:
         cancelled before its first step still ends, and leaves the set)."""
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
-
-    async def handle(self, client: ClientConn, req) -> None:
-        await self.dispatcher.handle(client, req)
 
     def rejected(self, client: ClientConn, err) -> None:
         """A request refused before it was read whole (400/408/413/431): a row all the same."""

@@ -8,7 +8,7 @@ from relay.durable import RESERVED  # tokens_source: the reservation charged, no
 from relay.usage import Usage
 
 
-@dataclass
+@dataclass(slots=True)  # one per request, alive for the whole stream: no instance dict
 class Record:
     ts: float
     request_id: str
