@@ -90,6 +90,10 @@ class Dispatcher:
             if self._internal(client, req, rid, state):
                 return
             keep_alive = await self._serve(client, req, rid, rec, state, t0, path)
+            if keep_alive is None:  # the body streams to the client: wait for its end here
+                del req  # (the request's body and headers were sent: not kept for the stream)
+                keep_alive = await self._ended(client, rec, state, state["up"], state["ex"],
+                                               False)
         except RelayError as err:
             keep_alive = self._answer_error(client, rid, rec, err, keep_alive, state)
         except asyncio.CancelledError:
@@ -155,7 +159,7 @@ class Dispatcher:
 
     # ---- admission and relay -------------------------------------------------------------
     async def _serve(self, client, req, rid: bytes, rec: Record, state: dict, t0: float,
-                     path: str) -> bool:
+                     path: str) -> bool | None:
         app = self.app
         if app.auth.enabled and not state.get("admin"):
             rec.key_id = req.key_id or app.auth.identify(req.headers)
@@ -220,7 +224,8 @@ class Dispatcher:
         raise last.err
 
     async def _attempt(self, client, req, rid, rec: Record, state, up, slot_path: bool,
-                       more: bool, t0: float) -> bool:
+                       more: bool, t0: float) -> bool | None:
+        """keep-alive once the exchange ended; None while its body streams to the client."""
         app = self.app
         d = app.config.dispatcher
         state["up"] = up  # (a config reload may remove it from app.upstreams meanwhile)
@@ -236,6 +241,15 @@ class Dispatcher:
             client.exchange = None
             raise _Retry(RelayError("upstream_unavailable", f"upstream {up.name} answered {status}",
                                     {"upstream": up.name, "status": status}))
+        if ex.outcome is None and not state["hold"].open:
+            await ex.opened()  # the first content event is out, or the exchange ended
+        if ex.outcome is None:  # streaming, nothing is swapped any more: `handle` waits for
+            return None  # the end (only its frame stays with a long stream, not the admission's)
+        return await self._ended(client, rec, state, up, ex, more)
+
+    async def _ended(self, client, rec: Record, state, up, ex: X.Exchange, more: bool) -> bool:
+        """The exchange is over: what the row says, and whether the client connection stays
+        (or the next candidate's turn: `_Retry`, only while the hold is not open)."""
         await ex.done
         client.exchange = None
         rec.outcome = ex.outcome
@@ -266,7 +280,7 @@ class Dispatcher:
         rec.status = ex.status
         keep_alive = ex.client_keep_alive
         if ex.outcome == X.DONE:
-            drain = await client.drained(d.write_timeout_s)
+            drain = await client.drained(self.app.config.dispatcher.write_timeout_s)
             if drain != "drained":  # the response never reached the client whole
                 rec.outcome = X.CLIENT_SLOW if drain == "timeout" else X.CLIENT_GONE
                 keep_alive = False

@@ -37,7 +37,7 @@ class Exchange:
         "client", "client_keep_alive", "conn", "counted", "data_received", "done",
         "fast", "first_content_at", "flow", "gaps", "got_bytes", "head_at", "head_reader",
         "head_fut", "head_resp", "hold", "kind",
-        "last_read", "loop", "method", "mode", "model", "on_content", "outcome", "path",
+        "last_read", "loop", "method", "mode", "model", "on_content", "open_fut", "outcome", "path",
         "policy", "remaining", "request_id", "scanner", "shape", "sse",
         "stall_elapsed", "stall_reason", "status", "timer", "tracker", "upstream_keep_alive",
         "upstream_name",
@@ -60,6 +60,7 @@ class Exchange:
         self.head_fut: asyncio.Future = loop.create_future()
         self.head_resp: ResponseHead | None = None
         self.done: asyncio.Future = loop.create_future()
+        self.open_fut: asyncio.Future | None = None  # `opened()`: resolved when the hold opens
         self.got_bytes = False
         self.body_started = False
         self._leftover = b""
@@ -236,7 +237,7 @@ class Exchange:
         status = resp.status_code
         if not (self.hold.more and (status == 429 or status >= 500)):
             self.start_body(resp)  # at once: the dispatcher only awaits `done` from here
-        self.head_fut.set_result(resp)
+        self.head_fut.set_result(None)  # (the head is `head_resp`, dropped once the hold opens)
 
     def eof_received(self):
         return self.conn.eof_received()
@@ -316,10 +317,25 @@ class Exchange:
         self.hold.release()
         self._opened()
 
+    def opened(self) -> asyncio.Future:
+        """A future resolved once the hold is open (content reached the client: nothing is
+        swapped any more) or the exchange ended, whichever comes first."""
+        fut = self.open_fut = self.loop.create_future()
+        if self.hold is None or self.outcome is not None:
+            self._resolve_open()
+        return fut
+
+    def _resolve_open(self) -> None:
+        fut, self.open_fut = self.open_fut, None
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
     def _opened(self) -> None:
         """The hold is over: from here the exchange writes to the client itself (its own chunks
         in REFRAME, until both sides stand between chunks: `_check_fast`)."""
         self.hold = None
+        self.head_resp = None  # (its headers were written: not kept for the stream)
+        self._resolve_open()
         if self.mode == framing.REFRAME:
             transport = self.client.transport
             self._write = lambda payload: transport.write(frame(payload))
@@ -472,6 +488,7 @@ class Exchange:
             self.conn.transport.resume_reading()
         if not self.done.done():
             self.done.set_result(outcome)
+        self._resolve_open()
 
     @property
     def reusable(self) -> bool:
