@@ -12,6 +12,7 @@ from relay.budget import Budgets, window_bounds
 from relay.client import LINGER_S, ClientConn
 from relay.config import Config, ConfigError, UpstreamConfig, parse_target_url
 from relay.cors import Cors
+from relay.deadlines import Deadlines
 from relay.dispatch import Dispatcher
 from relay.errors import shutting_down
 from relay.health import Health, probe_once
@@ -115,6 +116,7 @@ class App:
         self.ui_recent = Recent()  # the operator page's figures (relay/ui_state.py)
         self.ui_trend = Trend()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.deadlines: Deadlines | None = None
         self.server: asyncio.AbstractServer | None = None
         self.clients: set[ClientConn] = set()
         self.tasks: set[asyncio.Task] = set()
@@ -128,6 +130,7 @@ class App:
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
+        self.deadlines = Deadlines(self.loop)  # every stream's stall guard, on one loop timer
         s = self.config.server
         # bind first: a relay that cannot listen (the address is in use: another relay?)
         # fails before it touches the database; serving starts once budgets are rebuilt

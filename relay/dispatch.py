@@ -90,8 +90,9 @@ class Dispatcher:
             if self._internal(client, req, rid, state):
                 return
             keep_alive = await self._serve(client, req, rid, rec, state, t0, path)
-            if keep_alive is None:  # the body streams to the client: wait for its end here
-                del req  # (the request's body and headers were sent: not kept for the stream)
+            if keep_alive is None:  # the body streams to the client: wait for its end here,
+                del req  # with no frame but this one (the request was sent: not kept either)
+                await state["ex"].done
                 keep_alive = await self._ended(client, rec, state, state["up"], state["ex"],
                                                False)
         except RelayError as err:
@@ -365,7 +366,7 @@ class Dispatcher:
                                         {"upstream": up.name, "error": str(exc)})) from None
             ex = X.Exchange(self.app.loop, conn, client, req.method, rid, self.app.policy,
                             d.write_timeout_s, rec.path, rec.model or "", up.name,
-                            state["hold"])
+                            state["hold"], self.app.deadlines)
             ex.on_content = on_content
             state["ex"] = ex
             conn.used = True

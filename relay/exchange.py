@@ -2,7 +2,8 @@
 
 This is the hot path. Upstream bytes go to the client transport unchanged as they arrive
 (chunked framing passed through raw while `ChunkTracker` follows it); the SSE scanner watches
-the payload in passing; the stall guard is one timer re-armed lazily from the last read time.
+the payload in passing; the stall guard is one deadline (relay/deadlines.py: one loop timer
+for every stream) re-armed lazily from the last read time.
 Every way out ends in `_end(outcome)`, exactly once, which resolves `done`.
 """
 
@@ -15,6 +16,7 @@ from math import frexp as _frexp
 from relay import framing
 from relay.head import BadHead, HeadReader, ResponseHead
 from relay.chunked import LAST_CHUNK, SIZE, ChunkError, ChunkTracker, frame
+from relay.deadlines import Deadlines
 from relay.gaps import Gaps
 from relay.hold import ERROR, OPENED, Hold
 from relay.fastpath import same_shape, shape_of, token_event
@@ -34,7 +36,7 @@ class Exchange:
     # path reads several per event.
     __slots__ = (
         "_closed_early", "_leftover", "_write", "body_copy", "body_started", "bytes_out",
-        "client", "client_keep_alive", "conn", "counted", "data_received", "done",
+        "client", "client_keep_alive", "conn", "counted", "data_received", "deadlines", "done",
         "fast", "first_content_at", "flow", "gaps", "got_bytes", "head_at", "head_reader",
         "head_fut", "head_resp", "hold", "kind",
         "last_read", "loop", "method", "mode", "model", "on_content", "open_fut", "outcome", "path",
@@ -45,8 +47,9 @@ class Exchange:
 
     def __init__(self, loop, conn, client, method: bytes, request_id: bytes,
                  policy: StallPolicy, write_timeout_s: float, path: str, model: str,
-                 upstream_name: str, hold: Hold) -> None:
+                 upstream_name: str, hold: Hold, deadlines: Deadlines) -> None:
         self.loop = loop
+        self.deadlines = deadlines  # the relay's stall deadlines (one loop timer for all)
         self.conn = conn
         self.client = client  # ClientConn: .transport, .http11, .wants_keep_alive
         self.method = method
@@ -85,7 +88,7 @@ class Exchange:
         self.outcome: str | None = None
         self.stall_reason: str | None = None
         self.stall_elapsed = 0.0
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: int | None = None  # the stall guard's deadline in `deadlines`
         self.counted = 0  # tokens already added to the upstream's rate window
         self.fast = False  # the next read may be recognised by the fast path (fastpath.py)
         self.shape = None  # this stream's token event around its text (fastpath.shape_of)
@@ -383,8 +386,8 @@ class Exchange:
 
     # ---- stall guard -----------------------------------------------------------------
     def _arm(self) -> None:
-        self.timer = self.loop.call_at(self.policy.next_check(self.head_at, self.last_read),
-                                       self._check_stall)
+        self.timer = self.deadlines.add(self.policy.next_check(self.head_at, self.last_read),
+                                        self._check_stall)
 
     def _check_stall(self) -> None:
         self.timer = None
@@ -468,7 +471,7 @@ class Exchange:
         self.outcome = outcome
         self.fast = False
         if self.timer is not None:
-            self.timer.cancel()
+            self.deadlines.cancel(self.timer)
             self.timer = None
         self.flow.cancel()
         hold = self.hold
