@@ -376,6 +376,7 @@ class Dispatcher:
             timer = self.app.loop.call_later(d.direct_read_timeout_s, ex.head_timeout)
             try:
                 await ex.head_fut
+                ex.head_fut = None  # (seen: not kept for the stream)
                 up.health.answered()
                 return ex
             except X.UpstreamGone as exc:

@@ -42,7 +42,7 @@ class Exchange:
         "last_read", "loop", "method", "mode", "model", "on_content", "open_fut", "outcome", "path",
         "policy", "remaining", "request_id", "scanner", "shape", "sse",
         "stall_elapsed", "stall_reason", "status", "timer", "tracker", "upstream_keep_alive",
-        "upstream_name",
+        "upstream_name", "write_timeout_s",
     )
 
     def __init__(self, loop, conn, client, method: bytes, request_id: bytes,
@@ -55,12 +55,14 @@ class Exchange:
         self.method = method
         self.request_id = request_id
         self.policy = policy
-        self.flow = ClientFlow(loop, write_timeout_s, self._write_stuck)
+        self.flow: ClientFlow | None = None  # made the first time the client falls behind
+        self.write_timeout_s = write_timeout_s
         self.path = path
         self.model = model
         self.upstream_name = upstream_name
         self.head_reader: HeadReader | None = HeadReader()  # None once the head is parsed
-        self.head_fut: asyncio.Future = loop.create_future()
+        # resolved when the response head is in; None once the dispatcher has seen it
+        self.head_fut: asyncio.Future | None = loop.create_future()
         self.head_resp: ResponseHead | None = None
         self.done: asyncio.Future = loop.create_future()
         self.open_fut: asyncio.Future | None = None  # `opened()`: resolved when the hold opens
@@ -201,8 +203,7 @@ class Exchange:
 
     def upstream_closed(self, exc) -> None:
         if self.head_reader is not None:
-            if not self.head_fut.done():
-                self.head_fut.set_exception(UpstreamGone(silent=not self.got_bytes))
+            self._head_failed(UpstreamGone(silent=not self.got_bytes))
             self.head_reader = None
             return
         if not self.body_started:
@@ -226,8 +227,7 @@ class Exchange:
         except BadHead as exc:
             self.head_reader = None
             self.conn.abort()  # read no more of it (an endless head would pile up meanwhile)
-            if not self.head_fut.done():
-                self.head_fut.set_exception(UpstreamBadHead(str(exc)))
+            self._head_failed(UpstreamBadHead(str(exc)))
             return
         if parsed is None:
             return
@@ -235,7 +235,7 @@ class Exchange:
         self.head_reader = None
         self.head_at = self.last_read = self.loop.time()
         self.head_resp = resp
-        if self.head_fut.done():
+        if self.head_fut is None or self.head_fut.done():
             return
         status = resp.status_code
         if not (self.hold.more and (status == 429 or status >= 500)):
@@ -394,7 +394,8 @@ class Exchange:
         if self.outcome is not None:
             return
         now = self.loop.time()
-        if self.flow.paused:  # the client is the slow side: reads are not owed
+        flow = self.flow
+        if flow is not None and flow.paused:  # the client is the slow side: reads are not owed
             self.last_read = now
         reason = self.policy.due(now, self.head_at, self.last_read)
         if reason is None:
@@ -427,11 +428,14 @@ class Exchange:
 
     # ---- flow control (client transport) -------------------------------------------
     def client_paused(self) -> None:
+        if self.flow is None:
+            self.flow = ClientFlow(self.loop, self.write_timeout_s, self._write_stuck)
         self.flow.pause(self.conn.transport if self.outcome is None else None)
 
     def client_resumed(self) -> None:
         self.last_read = self.loop.time()
-        self.flow.resume(self.conn.transport if self.outcome is None else None)
+        if self.flow is not None:
+            self.flow.resume(self.conn.transport if self.outcome is None else None)
 
     def _write_stuck(self) -> None:
         if self.outcome is None:
@@ -439,17 +443,23 @@ class Exchange:
             self.client_keep_alive = False
             self._end(CLIENT_SLOW)
 
+    def _head_failed(self, exc: BaseException) -> bool:
+        """The head will not come: the dispatcher's wait ends with `exc` (if it still waits)."""
+        fut = self.head_fut
+        if fut is None or fut.done():
+            return False
+        fut.set_exception(exc)
+        return True
+
     def head_timeout(self) -> None:
-        if not self.head_fut.done():
-            self.head_fut.set_exception(TimeoutError())
+        if self._head_failed(TimeoutError()):
             self.head_reader = None
 
     def client_gone(self) -> None:
         """The client closed or reset: close the upstream socket at once."""
         self.conn.abort()
         self.client_keep_alive = False
-        if not self.head_fut.done():
-            self.head_fut.set_exception(ClientGone())
+        if self._head_failed(ClientGone()):
             self.head_reader = None
         if self.outcome is None and self.head_at:
             self._end(CLIENT_GONE)
@@ -460,8 +470,7 @@ class Exchange:
         self.conn.abort()
         if self.head_at:
             self._upstream_failed(SHUTDOWN)
-        elif not self.head_fut.done():
-            self.head_fut.set_exception(RelayShutdown())
+        elif self._head_failed(RelayShutdown()):
             self.head_reader = None
 
     # ---- the one way out ---------------------------------------------------------------
@@ -473,7 +482,9 @@ class Exchange:
         if self.timer is not None:
             self.deadlines.cancel(self.timer)
             self.timer = None
-        self.flow.cancel()
+        flow = self.flow
+        if flow is not None:
+            flow.cancel()
         hold = self.hold
         if hold is not None:  # ended before content: the hold says what the client gets
             self.hold = None
@@ -487,7 +498,7 @@ class Exchange:
         transport = self.conn.transport
         if transport is not None and transport.get_protocol() is self:
             transport.set_protocol(self.conn)
-        if self.flow.paused and self.conn.transport is not None:
+        if flow is not None and flow.paused and self.conn.transport is not None:
             self.conn.transport.resume_reading()
         if not self.done.done():
             self.done.set_result(outcome)
