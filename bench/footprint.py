@@ -6,7 +6,8 @@
 For each target and each stream count a FRESH proxy process:
 
 - start-up: from the spawn of the proxy (``python -m relay serve --config ...``) to the first
-  accepted connection answered (``GET /health``), polled every 2 ms; median of ``--startups``;
+  accepted connection answered (``GET /health``), polled every 2 ms; median of ``--startups``
+  (the relay's bytecode cached, as an installed package has it);
 - base RSS: VmRSS of the proxy tree once it answers, and again after a few warm-up requests
   (the first request of a process pays for what it touches the first time);
 - then N slow streams are opened (the simulator sends one token every ``--interval-ms``, far
@@ -34,6 +35,7 @@ HOST = "127.0.0.1"
 CONNECT_BATCH = 200  # connections opened at a time (nginx's listen backlog is 511)
 # the relay's one upstream must admit every stream of the largest count at once
 RELAY_TOML = "[[upstream]]\nparallel = 20000\n"
+INTERVAL_MS = 2000  # one token per stream every 2 s: open, mostly idle streams
 
 
 def rss_kb(proc: procs.Proc) -> int:
@@ -147,21 +149,27 @@ def measure_startup(target: str, up, logdir: Path, runs: int) -> dict:
     toml = logdir / "footprint.toml"
     toml.write_text(RELAY_TOML)
     times = []
-    for _ in range(runs):
+    # Bytecode cached as an installed package has it (this machine may set
+    # PYTHONDONTWRITEBYTECODE, which would compile every module at every start): one start
+    # fills the cache and is not timed.
+    env = {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": str(logdir / "pycache")}
+    for i in range(runs + (target == "relay")):
         port = procs.free_port(HOST)
         if target == "relay":
             conf = relay_conf.write(up.url, logdir, str(toml))
             argv = [sys.executable, "-m", "relay", "serve", "--config", str(conf),
                     "--host", HOST, "--port", str(port)]
             t0 = time.monotonic()
-            p = procs.Proc(target, argv, logdir)
+            p = procs.Proc(target, argv, logdir, env=env)
         else:
             tmp = logdir / "nginx"
             conf = nginx.write_conf(tmp, HOST, port, up.host, up.port, None, None)
             t0 = time.monotonic()
             p = procs.Proc("nginx", nginx.argv(tmp, conf), logdir)
         try:
-            times.append(_first_answer(p, port, t0))
+            took = _first_answer(p, port, t0)
+            if i or target != "relay":
+                times.append(took)
         finally:
             p.stop()
     row["startup_s"] = times
@@ -180,16 +188,17 @@ def _first_answer(p: procs.Proc, port: int, t0: float, timeout: float = 20.0) ->
 
 
 def run(up, logdir: Path, targets: list[str], counts: list[int], startups: int,
-        interval_ms: float, repeat: int = 1) -> list[dict]:
+        interval_ms: float, repeat: int = 1, rep: int | None = None) -> list[dict]:
+    """Start-up and footprint rows for relay and nginx (`rep`: one given repeat only)."""
     rows = []
-    for rep in range(repeat):
+    for rep in range(repeat) if rep is None else [rep]:
         for target in targets:
             if target not in ("relay", "nginx"):
                 continue
-            print(f"bench: [{rep + 1}/{repeat}] startup -> {target} ...", file=sys.stderr, flush=True)
+            print(f"bench: [{rep + 1}] startup -> {target} ...", file=sys.stderr, flush=True)
             rows.append({**measure_startup(target, up, logdir, startups), "repeat": rep})
             for n in counts:
-                print(f"bench: [{rep + 1}/{repeat}] footprint {n} streams -> {target} ...",
+                print(f"bench: [{rep + 1}] footprint {n} streams -> {target} ...",
                       file=sys.stderr, flush=True)
                 r = {**measure(target, n, up, logdir, interval_ms), "repeat": rep}
                 rows.append(r)
@@ -233,7 +242,7 @@ def main(argv=None) -> int:
     p.add_argument("--targets", default="relay,nginx")
     p.add_argument("--streams", default="1000,5000", help="comma list of open stream counts")
     p.add_argument("--startups", type=int, default=5, help="start-up time: starts per target")
-    p.add_argument("--interval-ms", type=float, default=2000, help="sim: ms between tokens")
+    p.add_argument("--interval-ms", type=float, default=INTERVAL_MS, help="sim: ms between tokens")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--keep-logs", action="store_true")
     a = p.parse_args(argv)
