@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import framings, nginx, procs, relay_conf, report, tls
+from bench import footprint, framings, nginx, procs, relay_conf, report, tls
 from bench.upstreams import RealUpstream, SimUpstream
 
 HOST = "127.0.0.1"
@@ -174,15 +174,19 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="~3 s scenarios instead of ~10 s")
     p.add_argument("--repeat", type=int, default=1, help="repeat every measurement; report medians")
-    p.add_argument("--scenarios", default="paced,ttft,idle",
-                   help="comma list of paced,ttft,idle,tls,tls-req,keep,keep-req (tls*: a TLS "
-                        "upstream; keep*: the same loads over plain HTTP), paced-vllm, "
+    p.add_argument("--scenarios", default="paced,ttft,idle,footprint",
+                   help="comma list of paced,ttft,idle,footprint,tls,tls-req,keep,keep-req (tls*: a "
+                        "TLS upstream; keep*: the same loads over plain HTTP; footprint: start-up "
+                        "time and RSS per open idle stream, bench/footprint.py), paced-vllm, "
                         "paced-openai, paced-events3, paced-chunks3, paced-openai-batch, "
                         "real-long (bench/framings.py)")
     p.add_argument("--targets", default=",".join(TARGETS), help="comma list of direct,relay,nginx")
     p.add_argument("--streams", type=int, default=200, help="paced: concurrent streams")
     p.add_argument("--idle-streams", type=int, default=1000, help="idle: open slow streams")
     p.add_argument("--ttft-requests", type=int, default=0, help="ttft: sequential requests")
+    p.add_argument("--footprint-streams", default="1000,5000",
+                   help="footprint: open stream counts (a fresh proxy each)")
+    p.add_argument("--startups", type=int, default=5, help="footprint: starts timed per target")
     p.add_argument("--real", action="store_true", help="against a real llama-server instead")
     p.add_argument("--real-requests", type=int, default=0)
     p.add_argument("--real-tokens", type=int, default=64)
@@ -207,7 +211,8 @@ def main(argv=None) -> int:
     targets = [t.strip() for t in a.targets.split(",") if t.strip()]
     if a.baseline and "baseline" not in targets:
         targets.append("baseline")
-    bad = [n for n in names if n not in scs] + [t for t in targets if t not in TARGETS]
+    bad = [n for n in names if n not in scs and n != "footprint"] + [
+        t for t in targets if t not in TARGETS]
     if bad:
         raise SystemExit(f"unknown scenario/target: {bad}")
     logdir = Path(tempfile.mkdtemp(prefix="relay-bench-"))
@@ -217,10 +222,10 @@ def main(argv=None) -> int:
     try:
         if "baseline" in targets:
             a.baseline_dir = extract_baseline(a.baseline or "HEAD", logdir)
-        if any(scs[n].get("upstream") is None for n in names):
+        if any(scs.get(n, {}).get("upstream") is None for n in names):
             up.start(logdir)
         for n in names:
-            kind = scs[n].get("upstream")
+            kind = scs.get(n, {}).get("upstream")
             if kind == "real" and kind not in ups:
                 ups[kind] = RealUpstream()
                 ups[kind].start(logdir)
@@ -231,6 +236,11 @@ def main(argv=None) -> int:
                 ups[kind].start(logdir)
         for rep in range(a.repeat):
             for name in names:
+                if name == "footprint":  # its own loop: a fresh proxy per stream count
+                    rows += footprint.run(up, logdir, targets, [
+                        int(x) for x in a.footprint_streams.split(",")], a.startups,
+                        footprint.INTERVAL_MS, repeat=1, rep=rep)
+                    continue
                 k = rep % len(targets)  # rotate target order between repeats
                 for target in targets[k:] + targets[:k]:
                     print(f"bench: [{rep + 1}/{a.repeat}] {name} -> {target} ...",
@@ -255,11 +265,12 @@ def main(argv=None) -> int:
         if not a.keep_logs:
             import shutil
             shutil.rmtree(logdir, ignore_errors=True)
-    text = report.render(rows, scs, names, targets, a, up.kind) + framings.summary(rows, names)
+    text = report.render(rows, scs, [n for n in names if n in scs], targets, a, up.kind)
+    text += framings.summary(rows, names) + "\n".join(footprint.render(rows) + [""])
     print(text)
     out = Path(a.output) if a.output else Path(__file__).parent / (
         "RESULTS-real.md" if a.real else "RESULTS-tls.md"
-        if all(scs[n].get("upstream") in ("tls", "keep") for n in names)
+        if all(scs.get(n, {}).get("upstream") in ("tls", "keep") for n in names)
         else "RESULTS.md")
     out.write_text(text)
     if a.json:

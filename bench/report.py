@@ -199,7 +199,7 @@ def render(rows, scs, names, targets, a, upstream_kind) -> str:
                        f"({r['us_event']:.2f} µs vs {n['us_event']:.2f} µs)"
                        + (f"; repeat by repeat: {', '.join(f'{x:.2f}×' for x in per)}"
                           if len(per) > 1 else ""))
-            if name.startswith(("tls", "keep")) and r["us_req"] and n["us_req"]:
+            if name.startswith(("tls", "keep", "ttft")) and r["us_req"] and n["us_req"]:
                 per = _ratios_per_repeat(rows, name, who, "requests")
                 out.append(f"**Ratio ({name}): {label} CPU per request ÷ nginx CPU per request = "
                            f"{r['us_req'] / n['us_req']:.2f}×** ({r['us_req']:.1f} µs vs "

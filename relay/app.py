@@ -12,6 +12,7 @@ from relay.budget import Budgets, window_bounds
 from relay.client import LINGER_S, ClientConn
 from relay.config import Config, ConfigError, UpstreamConfig, parse_target_url
 from relay.cors import Cors
+from relay.deadlines import Deadlines
 from relay.dispatch import Dispatcher
 from relay.errors import shutting_down
 from relay.health import Health, probe_once
@@ -123,6 +124,7 @@ class App:
         self.ui_recent = Recent()  # the operator page's figures (relay/ui_state.py)
         self.ui_trend = Trend()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.deadlines: Deadlines | None = None
         self.server: asyncio.AbstractServer | None = None
         self.clients: set[ClientConn] = set()
         self.tasks: set[asyncio.Task] = set()
@@ -136,6 +138,7 @@ class App:
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
+        self.deadlines = Deadlines(self.loop)  # every stream's stall guard, on one loop timer
         s = self.config.server
         # bind first: a relay that cannot listen (the address is in use: another relay?)
         # fails before it touches the database; serving starts once budgets are rebuilt
@@ -202,7 +205,8 @@ class App:
         await asyncio.sleep(0)
         for client in list(self.clients):
             if not client.busy and not client.gone:
-                if client.head is not None or client.h11.trailing_data[0]:
+                if client.head is not None or (client.h11 is not None
+                                                and client.h11.trailing_data[0]):
                     # a request half-read gets its answer with the lingering close (the
                     # client may still be sending: a plain close would reset the connection
                     # and destroy the answer); the connection closes on its bounded timer
@@ -300,9 +304,6 @@ class App:
         cancelled before its first step still ends, and leaves the set)."""
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
-
-    async def handle(self, client: ClientConn, req) -> None:
-        await self.dispatcher.handle(client, req)
 
     def rejected(self, client: ClientConn, err) -> None:
         """A request refused before it was read whole (400/408/413/431): a row all the same."""

@@ -1,8 +1,9 @@
 """The client side: an asyncio.Protocol reading requests with h11, one at a time.
 
 h11 parses each request head and body; responses are written as raw bytes by the exchange or
-by the relay itself. After each response a fresh h11 connection takes over whatever the client
-already sent (pipelining) so h11 never has to be told about a body it did not frame.
+by the relay itself. Once a request is read whole its h11 connection is dropped (whatever the
+client sent past it waits in the inbox: pipelining), and the next request's first byte makes
+a fresh one, so h11 never has to be told about a body it did not frame.
 
 Received bytes wait in an inbox and are handed to h11 in bounded slices, a bounded number of
 events per loop turn, so one client sending a body in tiny chunks cannot hold the event loop;
@@ -49,11 +50,20 @@ class Request:
 
 
 class ClientConn(asyncio.Protocol):
+    # One per open client connection, alive as long as it: no instance dict (issue 15).
+    __slots__ = ("app", "awaiting_head", "body", "body_size", "busy", "chunks", "drain_waiter",
+                 "exchange", "gone", "h11", "head", "head_bytes", "held", "http11", "inbox",
+                 "key_id", "lingering", "loop", "path", "peer_host", "task", "timer",
+                 "timer_kind", "transport", "turn", "wants_keep_alive")
+
     def __init__(self, app) -> None:
         self.app = app
         self.loop = app.loop
         self.transport: asyncio.Transport | None = None
-        self.h11 = self._new_h11()
+        # The h11 connection parsing the next request: made when its first byte arrives and
+        # dropped once the request is read whole (a stream being relayed, or a connection
+        # idle between requests, holds none: about 1 KB each).
+        self.h11: h11.Connection | None = None
         self.busy = False  # a request is being served
         self.inbox = bytearray()  # bytes received and not yet handed to h11
         self.turn: asyncio.Handle | None = None  # a scheduled continuation of the parsing
@@ -196,6 +206,8 @@ class ClientConn(asyncio.Protocol):
     def _give(self, piece: bytes) -> None:
         if self.awaiting_head:
             self.head_bytes += piece
+        if self.h11 is None:
+            self.h11 = self._new_h11()
         self.h11.receive_data(piece)
 
     def _cancel_turn(self) -> None:
@@ -205,6 +217,8 @@ class ClientConn(asyncio.Protocol):
 
     def _process(self, budget: int) -> tuple[int, int]:
         conn = self.h11
+        if conn is None:  # no byte of a next request yet
+            return _NEED, budget
         try:
             while budget > 0:
                 ev = conn.next_event()
@@ -326,7 +340,11 @@ class ClientConn(asyncio.Protocol):
                       self.http11, self.wants_keep_alive, self.key_id, self.path)
         self.head = None
         self.busy = True
-        self.task = self.loop.create_task(self.app.handle(self, req))
+        # The request is read whole: what h11 holds past it (a pipelined next request) waits
+        # in the inbox with what arrives meanwhile, and h11 itself is dropped (see __init__).
+        self.inbox[:0] = self.h11.trailing_data[0]
+        self.h11 = None
+        self.task = self.loop.create_task(self.app.dispatcher.handle(self, req))
         self.app.track(self.task)  # in the drain's count from now, not from its first step
 
     def _reject(self, err: RelayError) -> None:
@@ -369,8 +387,7 @@ class ClientConn(asyncio.Protocol):
             self.gone = True
             self.transport.close()
             return
-        self.inbox[:0] = self.h11.trailing_data[0]
-        self.h11 = self._new_h11()
+        self.h11 = None  # (already, unless the request was answered before it was read whole)
         self.awaiting_head = True
         self.head_bytes = bytearray()
         self.busy = False

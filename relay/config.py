@@ -57,7 +57,7 @@ class UpstreamConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     name: Annotated[str, Meta(min_length=1, max_length=64)]
     url: str
     models: list[str] = msgspec.field(default_factory=list)
-    parallel: Annotated[int, Meta(ge=1, le=4096)] = 1
+    parallel: Annotated[int, Meta(ge=1, le=65536)] = 1
     queue: Annotated[int, Meta(ge=0, le=100000)] = 64
     aliases: list[str] = msgspec.field(default_factory=list)
     fallback: list[str] = msgspec.field(default_factory=list)

@@ -95,6 +95,11 @@ class Dispatcher:
             if self._internal(client, req, rid, state):
                 return
             keep_alive = await self._serve(client, req, rid, rec, state, t0, path)
+            if keep_alive is None:  # the body streams to the client: wait for its end here,
+                del req  # with no frame but this one (the request was sent: not kept either)
+                await state["ex"].done
+                keep_alive = await self._ended(client, rec, state, state["up"], state["ex"],
+                                               False)
         except RelayError as err:
             keep_alive = self._answer_error(client, rid, rec, err, keep_alive, state)
         except asyncio.CancelledError:
@@ -160,7 +165,7 @@ class Dispatcher:
 
     # ---- admission and relay -------------------------------------------------------------
     async def _serve(self, client, req, rid: bytes, rec: Record, state: dict, t0: float,
-                     path: str) -> bool:
+                     path: str) -> bool | None:
         app = self.app
         if app.auth.enabled and not state.get("admin"):
             rec.key_id = req.key_id or app.auth.identify(req.headers)
@@ -224,7 +229,8 @@ class Dispatcher:
         raise last.err
 
     async def _attempt(self, client, req, rid, rec: Record, state, up, slot_path: bool,
-                       more: bool, t0: float) -> bool:
+                       more: bool, t0: float) -> bool | None:
+        """keep-alive once the exchange ended; None while its body streams to the client."""
         app = self.app
         d = app.config.dispatcher
         state["up"] = up  # (a config reload may remove it from app.upstreams meanwhile)
@@ -240,6 +246,15 @@ class Dispatcher:
             client.exchange = None
             raise _Retry(RelayError("upstream_unavailable", f"upstream {up.name} answered {status}",
                                     {"upstream": up.name, "status": status}))
+        if ex.outcome is None and not state["hold"].open:
+            await ex.opened()  # the first content event is out, or the exchange ended
+        if ex.outcome is None:  # streaming, nothing is swapped any more: `handle` waits for
+            return None  # the end (only its frame stays with a long stream, not the admission's)
+        return await self._ended(client, rec, state, up, ex, more)
+
+    async def _ended(self, client, rec: Record, state, up, ex: X.Exchange, more: bool) -> bool:
+        """The exchange is over: what the row says, and whether the client connection stays
+        (or the next candidate's turn: `_Retry`, only while the hold is not open)."""
         await ex.done
         client.exchange = None
         rec.outcome = ex.outcome
@@ -270,7 +285,7 @@ class Dispatcher:
         rec.status = ex.status
         keep_alive = ex.client_keep_alive
         if ex.outcome == X.DONE:
-            drain = await client.drained(d.write_timeout_s)
+            drain = await client.drained(self.app.config.dispatcher.write_timeout_s)
             if drain != "drained":  # the response never reached the client whole
                 rec.outcome = X.CLIENT_SLOW if drain == "timeout" else X.CLIENT_GONE
                 keep_alive = False
@@ -362,7 +377,7 @@ class Dispatcher:
                                         {"upstream": up.name, "error": str(exc)})) from None
             ex = X.Exchange(self.app.loop, conn, client, req.method, rid, self.app.policy,
                             d.write_timeout_s, rec.path, rec.model or "", up.name,
-                            state["hold"])
+                            state["hold"], self.app.deadlines)
             ex.on_content = on_content
             state["ex"] = ex
             conn.used = True
@@ -372,6 +387,7 @@ class Dispatcher:
             timer = self.app.loop.call_later(d.direct_read_timeout_s, ex.head_timeout)
             try:
                 await ex.head_fut
+                ex.head_fut = None  # (seen: not kept for the stream)
                 up.health.answered()
                 return ex
             except X.UpstreamGone as exc:

@@ -2,7 +2,8 @@
 
 This is the hot path. Upstream bytes go to the client transport unchanged as they arrive
 (chunked framing passed through raw while `ChunkTracker` follows it); the SSE scanner watches
-the payload in passing; the stall guard is one timer re-armed lazily from the last read time.
+the payload in passing; the stall guard is one deadline (relay/deadlines.py: one loop timer
+for every stream) re-armed lazily from the last read time.
 Every way out ends in `_end(outcome)`, exactly once, which resolves `done`.
 """
 
@@ -14,6 +15,7 @@ import time
 from relay import framing
 from relay.head import BadHead, HeadReader, ResponseHead
 from relay.chunked import LAST_CHUNK, SIZE, ChunkError, ChunkTracker, frame
+from relay.deadlines import Deadlines
 from relay.gaps import Gaps
 from relay.hold import ERROR, OPENED, Hold
 from relay.fastpath import events_in, learn
@@ -33,32 +35,36 @@ class Exchange:
     # path reads several per event.
     __slots__ = (
         "_closed_early", "_leftover", "_write", "body_copy", "body_started", "bytes_out",
-        "client", "client_keep_alive", "conn", "counted", "data_received", "done",
+        "client", "client_keep_alive", "conn", "counted", "data_received", "deadlines", "done",
         "fast", "first_content_at", "flow", "gaps", "got_bytes", "head_at", "head_reader",
         "head_fut", "head_resp", "hold", "kind",
-        "last_read", "loop", "method", "mode", "model", "on_content", "outcome", "path",
+        "last_read", "loop", "method", "mode", "model", "on_content", "open_fut", "outcome", "path",
         "policy", "remaining", "request_id", "scanner", "shape", "sse",
         "stall_elapsed", "stall_reason", "status", "timer", "tracker", "upstream_keep_alive",
-        "upstream_name",
+        "upstream_name", "write_timeout_s",
     )
 
     def __init__(self, loop, conn, client, method: bytes, request_id: bytes,
                  policy: StallPolicy, write_timeout_s: float, path: str, model: str,
-                 upstream_name: str, hold: Hold) -> None:
+                 upstream_name: str, hold: Hold, deadlines: Deadlines) -> None:
         self.loop = loop
+        self.deadlines = deadlines  # the relay's stall deadlines (one loop timer for all)
         self.conn = conn
         self.client = client  # ClientConn: .transport, .http11, .wants_keep_alive
         self.method = method
         self.request_id = request_id
         self.policy = policy
-        self.flow = ClientFlow(loop, write_timeout_s, self._write_stuck)
+        self.flow: ClientFlow | None = None  # made the first time the client falls behind
+        self.write_timeout_s = write_timeout_s
         self.path = path
         self.model = model
         self.upstream_name = upstream_name
         self.head_reader: HeadReader | None = HeadReader()  # None once the head is parsed
-        self.head_fut: asyncio.Future = loop.create_future()
+        # resolved when the response head is in; None once the dispatcher has seen it
+        self.head_fut: asyncio.Future | None = loop.create_future()
         self.head_resp: ResponseHead | None = None
         self.done: asyncio.Future = loop.create_future()
+        self.open_fut: asyncio.Future | None = None  # `opened()`: resolved when the hold opens
         self.got_bytes = False
         self.body_started = False
         self._leftover = b""
@@ -83,7 +89,7 @@ class Exchange:
         self.outcome: str | None = None
         self.stall_reason: str | None = None
         self.stall_elapsed = 0.0
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: int | None = None  # the stall guard's deadline in `deadlines`
         self.counted = 0  # tokens already added to the upstream's rate window
         self.fast = False  # the next read may be recognised by the fast path (fastpath.py)
         self.shape = None  # this stream's token events up to their text (fastpath.learn)
@@ -200,8 +206,7 @@ class Exchange:
 
     def upstream_closed(self, exc) -> None:
         if self.head_reader is not None:
-            if not self.head_fut.done():
-                self.head_fut.set_exception(UpstreamGone(silent=not self.got_bytes))
+            self._head_failed(UpstreamGone(silent=not self.got_bytes))
             self.head_reader = None
             return
         if not self.body_started:
@@ -225,8 +230,7 @@ class Exchange:
         except BadHead as exc:
             self.head_reader = None
             self.conn.abort()  # read no more of it (an endless head would pile up meanwhile)
-            if not self.head_fut.done():
-                self.head_fut.set_exception(UpstreamBadHead(str(exc)))
+            self._head_failed(UpstreamBadHead(str(exc)))
             return
         if parsed is None:
             return
@@ -234,12 +238,12 @@ class Exchange:
         self.head_reader = None
         self.head_at = self.last_read = self.loop.time()
         self.head_resp = resp
-        if self.head_fut.done():
+        if self.head_fut is None or self.head_fut.done():
             return
         status = resp.status_code
         if not (self.hold.more and (status == 429 or status >= 500)):
             self.start_body(resp)  # at once: the dispatcher only awaits `done` from here
-        self.head_fut.set_result(resp)
+        self.head_fut.set_result(None)  # (the head is `head_resp`, dropped once the hold opens)
 
     def eof_received(self):
         return self.conn.eof_received()
@@ -319,10 +323,25 @@ class Exchange:
         self.hold.release()
         self._opened()
 
+    def opened(self) -> asyncio.Future:
+        """A future resolved once the hold is open (content reached the client: nothing is
+        swapped any more) or the exchange ended, whichever comes first."""
+        fut = self.open_fut = self.loop.create_future()
+        if self.hold is None or self.outcome is not None:
+            self._resolve_open()
+        return fut
+
+    def _resolve_open(self) -> None:
+        fut, self.open_fut = self.open_fut, None
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
     def _opened(self) -> None:
         """The hold is over: from here the exchange writes to the client itself (its own chunks
         in REFRAME, until both sides stand between chunks: `_check_fast`)."""
         self.hold = None
+        self.head_resp = None  # (its headers were written: not kept for the stream)
+        self._resolve_open()
         if self.mode == framing.REFRAME:
             transport = self.client.transport
             self._write = lambda payload: transport.write(frame(payload))
@@ -370,15 +389,16 @@ class Exchange:
 
     # ---- stall guard -----------------------------------------------------------------
     def _arm(self) -> None:
-        self.timer = self.loop.call_at(self.policy.next_check(self.head_at, self.last_read),
-                                       self._check_stall)
+        self.timer = self.deadlines.add(self.policy.next_check(self.head_at, self.last_read),
+                                        self._check_stall)
 
     def _check_stall(self) -> None:
         self.timer = None
         if self.outcome is not None:
             return
         now = self.loop.time()
-        if self.flow.paused:  # the client is the slow side: reads are not owed
+        flow = self.flow
+        if flow is not None and flow.paused:  # the client is the slow side: reads are not owed
             self.last_read = now
         reason = self.policy.due(now, self.head_at, self.last_read)
         if reason is None:
@@ -411,11 +431,14 @@ class Exchange:
 
     # ---- flow control (client transport) -------------------------------------------
     def client_paused(self) -> None:
+        if self.flow is None:
+            self.flow = ClientFlow(self.loop, self.write_timeout_s, self._write_stuck)
         self.flow.pause(self.conn.transport if self.outcome is None else None)
 
     def client_resumed(self) -> None:
         self.last_read = self.loop.time()
-        self.flow.resume(self.conn.transport if self.outcome is None else None)
+        if self.flow is not None:
+            self.flow.resume(self.conn.transport if self.outcome is None else None)
 
     def _write_stuck(self) -> None:
         if self.outcome is None:
@@ -423,17 +446,23 @@ class Exchange:
             self.client_keep_alive = False
             self._end(CLIENT_SLOW)
 
+    def _head_failed(self, exc: BaseException) -> bool:
+        """The head will not come: the dispatcher's wait ends with `exc` (if it still waits)."""
+        fut = self.head_fut
+        if fut is None or fut.done():
+            return False
+        fut.set_exception(exc)
+        return True
+
     def head_timeout(self) -> None:
-        if not self.head_fut.done():
-            self.head_fut.set_exception(TimeoutError())
+        if self._head_failed(TimeoutError()):
             self.head_reader = None
 
     def client_gone(self) -> None:
         """The client closed or reset: close the upstream socket at once."""
         self.conn.abort()
         self.client_keep_alive = False
-        if not self.head_fut.done():
-            self.head_fut.set_exception(ClientGone())
+        if self._head_failed(ClientGone()):
             self.head_reader = None
         if self.outcome is None and self.head_at:
             self._end(CLIENT_GONE)
@@ -444,8 +473,7 @@ class Exchange:
         self.conn.abort()
         if self.head_at:
             self._upstream_failed(SHUTDOWN)
-        elif not self.head_fut.done():
-            self.head_fut.set_exception(RelayShutdown())
+        elif self._head_failed(RelayShutdown()):
             self.head_reader = None
 
     # ---- the one way out ---------------------------------------------------------------
@@ -455,9 +483,11 @@ class Exchange:
         self.outcome = outcome
         self.fast = False
         if self.timer is not None:
-            self.timer.cancel()
+            self.deadlines.cancel(self.timer)
             self.timer = None
-        self.flow.cancel()
+        flow = self.flow
+        if flow is not None:
+            flow.cancel()
         hold = self.hold
         if hold is not None:  # ended before content: the hold says what the client gets
             self.hold = None
@@ -471,10 +501,11 @@ class Exchange:
         transport = self.conn.transport
         if transport is not None and transport.get_protocol() is self:
             transport.set_protocol(self.conn)
-        if self.flow.paused and self.conn.transport is not None:
+        if flow is not None and flow.paused and self.conn.transport is not None:
             self.conn.transport.resume_reading()
         if not self.done.done():
             self.done.set_result(outcome)
+        self._resolve_open()
 
     @property
     def reusable(self) -> bool:

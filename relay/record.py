@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from operator import attrgetter
 
 from relay.durable import RESERVED  # tokens_source: the reservation charged, no count known
 from relay.usage import Usage
 
 
-@dataclass
+@dataclass(slots=True)  # one per request, alive for the whole stream: no instance dict
 class Record:
     ts: float
     request_id: str
@@ -49,14 +50,14 @@ class Record:
     user_agent: str | None = None  # log only: its User-Agent, bounded (MAX_AGENT_CHARS)
 
     def row(self) -> dict:
-        out = {k: getattr(self, k) for k in ROW_FIELDS}
+        out = dict(zip(ROW_FIELDS, _row_values(self)))  # (one C call reads every field)
         for k in ("stream", "ok", "client_closed"):
             out[k] = int(out[k])
         return out
 
     def log_fields(self) -> dict:
         # (dataclasses.asdict deep-copies every value: 60 us a call on an edge box)
-        return {k: v for k in LOG_FIELDS if (v := getattr(self, k)) is not None}
+        return {k: v for k, v in zip(LOG_FIELDS, _log_values(self)) if v is not None}
 
     def set_tokens(self, exact: Usage | None, approx_completion: int | None,
                    approx_prompt: int | None) -> None:
@@ -87,6 +88,8 @@ class Record:
 LOG_FIELDS = tuple(f.name for f in fields(Record) if f.name not in ("ts", "itl_hist"))
 ROW_FIELDS = tuple(f.name for f in fields(Record)
                    if f.name not in ("method", "outcome", "client_addr", "user_agent"))
+_row_values = attrgetter(*ROW_FIELDS)
+_log_values = attrgetter(*LOG_FIELDS)
 MAX_AGENT_CHARS = 200
 
 

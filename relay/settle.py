@@ -14,6 +14,7 @@ from relay.errors import RelayError
 from relay.paths import MAX_PATH_CHARS, bounded, normalize
 from relay.record import RESERVED, Record, user_agent
 from relay.sse import SseScanner
+from relay.usage import Usage, stream_usage
 
 # Refusals decided before any upstream is chosen or contacted (counted relay-wide).
 ADMISSION_CODES = frozenset({"invalid_api_key", "invalid_json", "bad_request",
@@ -78,8 +79,6 @@ def settle(app, client, rec: Record, state: dict, t0: float) -> None:
 
 
 def _tokens(app, rec: Record, ex: X.Exchange, state: dict):
-    from relay.usage import Usage, stream_usage
-
     scanner = ex.scanner
     exact = None
     approx = None

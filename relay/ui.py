@@ -9,8 +9,6 @@ are served to loopback peers only (the state they would show is loopback-only th
 
 from __future__ import annotations
 
-from importlib import resources
-
 import msgspec
 
 from relay import access
@@ -42,6 +40,8 @@ def page(path: str) -> tuple[bytes, bytes] | None:
     name, ctype = found
     body = _cache.get(name)
     if body is None:
+        from importlib import resources  # (at the page's first request: not at start-up)
+
         body = _cache[name] = resources.files("relay").joinpath("static", name).read_bytes()
     return body, ctype
 

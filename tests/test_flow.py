@@ -97,7 +97,8 @@ async def test_slow_reader_keeps_relay_buffer_bounded(make_relay, sim):
     reader, writer, resp = await open_stream(app.port, httpc.chat(n), rcvbuf=4096)
     assert resp.status == 200
     client = next(iter(app.clients))
-    await wait_for(lambda: client.exchange is not None and client.exchange.flow.paused)
+    await wait_for(lambda: client.exchange is not None and client.exchange.flow is not None
+                   and client.exchange.flow.paused)
     ex = client.exchange
     upstream_req = sim.requests[-1]
     # while the client reads nothing, the upstream side stays paused and the buffer bounded;

@@ -396,7 +396,8 @@ async def test_slow_reader_pauses_the_tls_upstream(make_relay, pki, tls_sim):
     reader, writer, resp = await open_stream(app.port, httpc.chat(n), rcvbuf=4096)
     assert resp.status == 200
     client = next(iter(app.clients))
-    await wait_for(lambda: client.exchange is not None and client.exchange.flow.paused)
+    await wait_for(lambda: client.exchange is not None and client.exchange.flow is not None
+                   and client.exchange.flow.paused)
     ex = client.exchange
     sent = await settled(lambda: tls_sim.requests[-1].tokens_sent)
     buffered = client.transport.get_write_buffer_size() + (ex.hold.size if ex.hold else 0)
