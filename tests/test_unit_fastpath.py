@@ -280,6 +280,7 @@ def _exchange(clock: _Clock, out: list) -> X.Exchange:
     ex.scanner, ex.gaps, ex.sse = SseScanner(), Gaps(), True
     ex.fast, ex.shape, ex.bytes_out, ex.on_content, ex.first_content_at = False, None, 0, None, None
     ex.upstream_keep_alive = ex.client_keep_alive = True
+    ex.open_fut = None  # nobody waits for the hold to open
     ex._write = out.append
     return ex
 
