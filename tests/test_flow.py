@@ -22,6 +22,18 @@ async def open_stream(port: int, body: dict, rcvbuf: int | None = None):
     return reader, writer, resp
 
 
+async def paused_stream(app, n: int = 60000):
+    """A stream of `n` events (about 30 MB at 60000, more than the kernel's socket buffers on
+    the way can absorb) whose client reads nothing, once the relay has paused for it: the
+    reader, writer, response head, client connection and exchange."""
+    reader, writer, resp = await open_stream(app.port, httpc.chat(n), rcvbuf=4096)
+    assert resp.status == 200
+    client = next(iter(app.clients))
+    await wait_for(lambda: client.exchange is not None and client.exchange.flow is not None
+                   and client.exchange.flow.paused)
+    return reader, writer, resp, client, client.exchange
+
+
 async def settled(read, quiet: float = 0.15, timeout: float = 5.0):
     """The value of `read()` once it has stopped changing for `quiet` seconds."""
     loop = asyncio.get_running_loop()
@@ -91,15 +103,9 @@ async def test_upstream_drop_before_first_content_gives_502(make_relay, sim):
 
 async def test_slow_reader_keeps_relay_buffer_bounded(make_relay, sim):
     app = await make_relay()
-    # about 30 MB of events, sent as fast as the sockets allow: more than the kernel's
-    # socket buffers on the way can absorb, so the simulator must feel the pause
+    # events sent as fast as the sockets allow, so the simulator must feel the pause
     n = 60000
-    reader, writer, resp = await open_stream(app.port, httpc.chat(n), rcvbuf=4096)
-    assert resp.status == 200
-    client = next(iter(app.clients))
-    await wait_for(lambda: client.exchange is not None and client.exchange.flow is not None
-                   and client.exchange.flow.paused)
-    ex = client.exchange
+    reader, writer, resp, client, ex = await paused_stream(app, n)
     upstream_req = sim.requests[-1]
     # while the client reads nothing, the upstream side stays paused and the buffer bounded;
     # the simulator goes on only until the kernel buffers between it and the relay are full

@@ -389,16 +389,11 @@ async def test_openai_client_through_relay_to_tls_upstream(make_relay, pki, tls_
 # ---- backpressure holds over TLS too --------------------------------------------------------
 async def test_slow_reader_pauses_the_tls_upstream(make_relay, pki, tls_sim):
     from relay.client import WRITE_HIGH_WATER
-    from tests.test_flow import READ_SIZE, open_stream, settled
+    from tests.test_flow import READ_SIZE, paused_stream, settled
 
     app = await make_relay(upstreams=[remote(tls_sim.url, pki)])
-    n = 60000  # about 30 MB of events, more than the socket buffers on the way absorb
-    reader, writer, resp = await open_stream(app.port, httpc.chat(n), rcvbuf=4096)
-    assert resp.status == 200
-    client = next(iter(app.clients))
-    await wait_for(lambda: client.exchange is not None and client.exchange.flow is not None
-                   and client.exchange.flow.paused)
-    ex = client.exchange
+    n = 60000
+    reader, writer, resp, client, ex = await paused_stream(app, n)
     sent = await settled(lambda: tls_sim.requests[-1].tokens_sent)
     buffered = client.transport.get_write_buffer_size() + (ex.hold.size if ex.hold else 0)
     assert buffered <= WRITE_HIGH_WATER + READ_SIZE, buffered
