@@ -33,6 +33,7 @@ from relay.record import Record, user_agent
 from relay.routing import NoRoute, model_list
 from relay.slots import Busy, SlotsClosed
 from relay.target import TargetError
+from relay.timing import round3
 from relay.upstream import ConnectError
 
 # The longest a keyed request waits for its admission record before it is served without
@@ -309,7 +310,7 @@ class Dispatcher:
                                         [(b"Retry-After", b"%d" % retry_after)])) from None
             finally:
                 waited = time.perf_counter() - q0
-                rec.queue_ms = round(waited * 1000, 3)
+                rec.queue_ms = round3(waited * 1000)
                 up.metrics.observe_queue_wait(waited)
         on_content = lambda e, up=up: up.metrics.observe_ttft(  # noqa: E731
             e.first_content_at - t0, time.monotonic())

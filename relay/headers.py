@@ -20,8 +20,35 @@ _NOT_DOWNSTREAM_NO_LENGTH = _NOT_DOWNSTREAM | {b"content-length"}
 Headers = list[tuple[bytes, bytes]]
 
 
+class HeaderList(list):
+    """A request's headers as received (names in their own case, in order), with the lower-case
+    names h11 already made kept beside them: `first` maps each to its first value and `lows`
+    lists them in order, so the relay's lookups do not lower every name again (issue 15)."""
+
+    __slots__ = ("first", "lows")
+
+    def __init__(self, full_items) -> None:
+        """`full_items`: h11's (raw name, lower-case name, value) triples."""
+        super().__init__([(raw, v) for raw, _, v in full_items])
+        self.lows = lows = [low for _, low, _ in full_items]
+        first: dict[bytes, bytes] = {}
+        for (_, v), low in zip(reversed(self), reversed(lows)):
+            first[low] = v  # (walked backwards: the first value is the one left)
+        self.first = first
+
+
+def request_headers(h11_headers) -> HeaderList:
+    """The HeaderList of an h11 request's headers."""
+    full = getattr(h11_headers, "_full_items", None)  # (h11 keeps the lower-case names here)
+    if full is None:
+        full = [(k, k.lower(), v) for k, v in h11_headers.raw_items()]
+    return HeaderList(full)
+
+
 def _listed_in_connection(headers: Headers) -> set[bytes]:
     names: set[bytes] = set()
+    if type(headers) is HeaderList and b"connection" not in headers.first:
+        return names
     for name, value in headers:
         if name.lower() == b"connection":
             names.update(t.strip().lower() for t in value.split(b",") if t.strip())
@@ -30,6 +57,8 @@ def _listed_in_connection(headers: Headers) -> set[bytes]:
 
 def get(headers: Headers, name: bytes) -> bytes | None:
     """First value of a header (name given in lower case)."""
+    if type(headers) is HeaderList:
+        return headers.first.get(name)
     for k, v in headers:
         if k.lower() == name:
             return v
@@ -38,6 +67,8 @@ def get(headers: Headers, name: bytes) -> bytes | None:
 
 def has_token(headers: Headers, name: bytes, token: bytes) -> bool:
     """Whether a comma-separated header (e.g. Connection) lists `token`."""
+    if type(headers) is HeaderList and name not in headers.first:
+        return False
     for k, v in headers:
         if k.lower() == name and any(t.strip().lower() == token for t in v.split(b",")):
             return True
@@ -62,7 +93,10 @@ def upstream_request_headers(client: Headers, host: bytes, body_len: int,
     if static:
         drop = drop | {k.lower() for k, _ in static}
     out = [(b"Host", host)]
-    out.extend((k, v) for k, v in client if k.lower() not in drop)
+    if type(client) is HeaderList:
+        out.extend(kv for kv, low in zip(client, client.lows) if low not in drop)
+    else:
+        out.extend((k, v) for k, v in client if k.lower() not in drop)
     out.extend(static)
     if auth is not None:
         out.append(auth)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from operator import attrgetter
 
-from relay.durable import RESERVED  # tokens_source: the reservation charged, no count known
+from relay.durable import RESERVED
+from relay.headers import get  # tokens_source: the reservation charged, no count known
 from relay.usage import Usage
 
 
@@ -95,8 +96,10 @@ MAX_AGENT_CHARS = 200
 
 def user_agent(headers) -> str | None:
     """The request's User-Agent for the access log: bounded, control characters replaced."""
-    for k, v in headers:
-        if k.lower() == b"user-agent":
-            text = v[:MAX_AGENT_CHARS].decode("latin-1")
-            return "".join(c if " " <= c != "\x7f" else "?" for c in text)
-    return None
+    v = get(headers, b"user-agent")
+    if v is None:
+        return None
+    text = v[:MAX_AGENT_CHARS].decode("latin-1")
+    if text.isprintable() and text.isascii():  # (the usual agent: nothing to replace)
+        return text
+    return "".join(c if " " <= c != "\x7f" else "?" for c in text)

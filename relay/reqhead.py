@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 
 from relay.errors import RelayError
+from relay.headers import HeaderList
 
 _HEAD_END = re.compile(rb"\n\r?\n")
 _FOLD = re.compile(rb"\n[ \t]")
@@ -42,8 +43,8 @@ def framing_error(headers, http11: bool) -> RelayError | None:
     """The refusal for a head whose body framing is ambiguous or unsupported, else None."""
     te: list[bytes] = []
     cl: list[bytes] = []
-    for name, value in headers:
-        low = name.lower()
+    lows = headers.lows if type(headers) is HeaderList else [k.lower() for k, _ in headers]
+    for (_, value), low in zip(headers, lows):
         if low == b"transfer-encoding":
             te.append(value)
         elif low == b"content-length":

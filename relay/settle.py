@@ -31,13 +31,13 @@ def settle(app, client, rec: Record, state: dict, t0: float) -> None:
     """Release the slot, settle the budget, write the row and the access line: once."""
     release_slot(state)
     ex: X.Exchange | None = state.get("ex")
-    rec.total_ms = round((time.perf_counter() - t0) * 1000, 3)
+    rec.total_ms = timing.round3((time.perf_counter() - t0) * 1000)
     rec.client_closed = client.gone and rec.outcome in (X.CLIENT_GONE, X.CLIENT_SLOW)
     served_ex = ex if ex is not None and rec.upstream_served is not None else None
     if served_ex is not None:
         rec.bytes_out = ex.bytes_out
         if ex.first_content_at is not None:
-            rec.ttft_ms = round((ex.first_content_at - t0) * 1000, 3)
+            rec.ttft_ms = timing.round3((ex.first_content_at - t0) * 1000)
         state["exact"] = _tokens(app, rec, ex, state)
         if ex.outcome == X.STALL:
             rec.error_code = f"stream_stall_{ex.stall_reason}"
