@@ -15,6 +15,7 @@ relay-wide body memory bound (`bodies`).
 from __future__ import annotations
 
 import asyncio
+from itertools import chain
 
 import h11
 
@@ -270,7 +271,8 @@ class ClientConn(asyncio.Protocol):
         self.body_size = self.chunks = 0
         raw = self.raw = hdr.request_headers(ev.headers)
         # h11 bounds only a head still incomplete; one that came whole in a read is measured here
-        size = len(ev.method) + len(ev.target) + sum(len(k) + len(v) + 4 for k, v in raw)
+        size = (len(ev.method) + len(ev.target) + 4 * len(raw)
+                + sum(map(len, chain.from_iterable(raw))))
         if size > cfg.max_header_bytes:
             self._reject(RelayError("headers_too_large", "request head is too large"))
             return
@@ -289,7 +291,7 @@ class ClientConn(asyncio.Protocol):
             self._reject(self._too_large())
             return
         has_body = declared > 0 or hdr.get(raw, b"transfer-encoding") is not None
-        self.path = paths.bounded(paths.normalize(ev.target), paths.MAX_PATH_CHARS)
+        self.path = paths.route_path(ev.target)
         self.key_id, err = admission.head_check(self.app.auth, ev.method, self.path, raw,
                                                  self.peer_host)
         if err is not None and has_body:  # a bodiless request is answered the usual way

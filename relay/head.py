@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import re
 
+from relay.headers import HeaderList
+
 MAX_HEAD = 64 * 1024  # all the heads of one response together (interim ones included)
 MAX_INTERIM = 8  # 1xx heads before the final one
 MAX_LENGTH_DIGITS = 18  # a Content-Length below 10**18 fits in 63 bits
@@ -129,13 +131,14 @@ def _one_head(buf: bytes, pos: int, end: int) -> ResponseHead | None:
     m = _STATUS.fullmatch(buf, pos, line_end)
     if m is None:
         raise BadHead(f"bad status line {buf[pos:line_end][:60]!r}")
-    headers = []
+    full = []  # (name as sent, lower-case name, value): headers.HeaderList
     if line_end + 4 < end:
         if _FIELDS.fullmatch(buf, line_end + 2, end - 2) is None:
             raise BadHead("malformed header line")
         for line in buf[line_end + 2:end - 4].split(b"\r\n"):
             name, _, value = line.partition(b":")
-            headers.append((name, value.strip(b" \t")))
+            full.append((name, name.lower(), value.strip(b" \t")))
+    headers = HeaderList(full)
     version = m.group(1)
     _check_framing(version, headers)
     status = int(m.group(2))
@@ -151,15 +154,22 @@ def _check_framing(version: bytes, headers: list[tuple[bytes, bytes]]) -> None:
     Content-Length of at most 18 digits, at most one Transfer-Encoding and it `chunked` alone
     (any other coding would be dropped or mangled on the way), never both, and no
     Transfer-Encoding on HTTP/1.0 (RFC 9112 6.1: its framing is faulty)."""
+    if type(headers) is HeaderList:  # (the usual head: the two names looked up once)
+        first = headers.first
+        if b"content-length" not in first and b"transfer-encoding" not in first:
+            return
+        lows = headers.lows
+    else:
+        lows = [name.lower() for name, _ in headers]
     length = coding = None
-    for name, value in headers:
-        if len(name) == 14 and name.lower() == b"content-length":
+    for (_, value), low in zip(headers, lows):
+        if low == b"content-length":
             if length is not None:
                 raise BadHead("upstream sent several Content-Length headers")
             if _LENGTH.fullmatch(value) is None:
                 raise BadHead(f"bad Content-Length {value[:20]!r}")
             length = value
-        elif len(name) == 17 and name.lower() == b"transfer-encoding":
+        elif low == b"transfer-encoding":
             if coding is not None:
                 raise BadHead("upstream sent several Transfer-Encoding headers")
             if value.lower() != b"chunked":

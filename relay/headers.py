@@ -28,13 +28,11 @@ class HeaderList(list):
     __slots__ = ("first", "lows")
 
     def __init__(self, full_items) -> None:
-        """`full_items`: h11's (raw name, lower-case name, value) triples."""
+        """`full_items`: (name as sent, lower-case name, value) triples, as h11 keeps them."""
         super().__init__([(raw, v) for raw, _, v in full_items])
-        self.lows = lows = [low for _, low, _ in full_items]
-        first: dict[bytes, bytes] = {}
-        for (_, v), low in zip(reversed(self), reversed(lows)):
-            first[low] = v  # (walked backwards: the first value is the one left)
-        self.first = first
+        self.lows = [low for _, low, _ in full_items]
+        # (backwards, so that the first value of a name is the one the dict keeps)
+        self.first = dict(reversed([(low, v) for _, low, v in full_items]))
 
 
 def request_headers(h11_headers) -> HeaderList:
@@ -124,7 +122,11 @@ def client_response(status: int, reason: bytes, upstream: Headers, request_id: b
     drop = (_NOT_DOWNSTREAM_NO_LENGTH if no_length else _NOT_DOWNSTREAM) | _listed_in_connection(
         upstream)
     lines = [b"HTTP/1.1 %d %s" % (status, reason)]
-    lines.extend(k + b": " + v for k, v in upstream if k.lower() not in drop)
+    if type(upstream) is HeaderList:
+        lines.extend(k + b": " + v for (k, v), low in zip(upstream, upstream.lows)
+                     if low not in drop)
+    else:
+        lines.extend(k + b": " + v for k, v in upstream if k.lower() not in drop)
     if chunked:
         lines.append(b"Transfer-Encoding: chunked")
     lines.append(b"X-Request-Id: " + request_id)

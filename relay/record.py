@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from operator import attrgetter
+from itertools import compress, repeat
+from operator import attrgetter, is_not
 
 from relay.durable import RESERVED
 from relay.headers import get  # tokens_source: the reservation charged, no count known
@@ -58,7 +59,8 @@ class Record:
 
     def log_fields(self) -> dict:
         # (dataclasses.asdict deep-copies every value: 60 us a call on an edge box)
-        return {k: v for k, v in zip(LOG_FIELDS, _log_values(self)) if v is not None}
+        values = _log_values(self)  # (the None ones left out, in C: ~40 fields)
+        return dict(compress(zip(LOG_FIELDS, values), map(is_not, values, repeat(None))))
 
     def set_tokens(self, exact: Usage | None, approx_completion: int | None,
                    approx_prompt: int | None) -> None:

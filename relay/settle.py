@@ -75,7 +75,7 @@ def settle(app, client, rec: Record, state: dict, t0: float) -> None:
     row = rec.row()
     row["admission_id"] = state.get("admission")  # the row replaces it, in one commit
     app.store.put(row)
-    app.log.event("access", **rec.log_fields())
+    app.log.record("access", rec.log_fields())
 
 
 def _tokens(app, rec: Record, ex: X.Exchange, state: dict):
@@ -124,4 +124,4 @@ def rejected(dispatcher, client, err: RelayError) -> None:
     app.registry.rejected(err.code)
     app.ui_recent.add(rec)
     app.store.put(rec.row())
-    app.log.event("access", **rec.log_fields())
+    app.log.record("access", rec.log_fields())
