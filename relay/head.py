@@ -131,14 +131,15 @@ def _one_head(buf: bytes, pos: int, end: int) -> ResponseHead | None:
     m = _STATUS.fullmatch(buf, pos, line_end)
     if m is None:
         raise BadHead(f"bad status line {buf[pos:line_end][:60]!r}")
-    full = []  # (name as sent, lower-case name, value): headers.HeaderList
+    headers = HeaderList((), [])  # with the lower-case names beside (relay/headers.py)
     if line_end + 4 < end:
         if _FIELDS.fullmatch(buf, line_end + 2, end - 2) is None:
             raise BadHead("malformed header line")
+        add, low = headers.append, headers.lows.append
         for line in buf[line_end + 2:end - 4].split(b"\r\n"):
             name, _, value = line.partition(b":")
-            full.append((name, name.lower(), value.strip(b" \t")))
-    headers = HeaderList(full)
+            add((name, value.strip(b" \t")))
+            low(name.lower())
     version = m.group(1)
     _check_framing(version, headers)
     status = int(m.group(2))
@@ -154,11 +155,21 @@ def _check_framing(version: bytes, headers: list[tuple[bytes, bytes]]) -> None:
     Content-Length of at most 18 digits, at most one Transfer-Encoding and it `chunked` alone
     (any other coding would be dropped or mangled on the way), never both, and no
     Transfer-Encoding on HTTP/1.0 (RFC 9112 6.1: its framing is faulty)."""
-    if type(headers) is HeaderList:  # (the usual head: the two names looked up once)
-        first = headers.first
-        if b"content-length" not in first and b"transfer-encoding" not in first:
-            return
+    if type(headers) is HeaderList:
         lows = headers.lows
+        cl, te = lows.count(b"content-length"), lows.count(b"transfer-encoding")
+        if cl + te == 0:
+            return
+        if cl + te == 1:  # the usual head: one of them, checked alone (the same order)
+            value = headers[lows.index(b"content-length" if cl else b"transfer-encoding")][1]
+            if cl:
+                if _LENGTH.fullmatch(value) is None:
+                    raise BadHead(f"bad Content-Length {value[:20]!r}")
+            elif value.lower() != b"chunked":
+                raise BadHead(f"upstream sent unknown Transfer-Encoding {value[:40]!r}")
+            elif version == b"1.0":
+                raise BadHead("upstream sent Transfer-Encoding in an HTTP/1.0 response")
+            return
     else:
         lows = [name.lower() for name, _ in headers]
     length = coding = None

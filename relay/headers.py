@@ -21,18 +21,15 @@ Headers = list[tuple[bytes, bytes]]
 
 
 class HeaderList(list):
-    """A request's headers as received (names in their own case, in order), with the lower-case
-    names h11 already made kept beside them: `first` maps each to its first value and `lows`
-    lists them in order, so the relay's lookups do not lower every name again (issue 15)."""
+    """Headers as received ((name as sent, value) pairs, in order) with their lower-case names
+    beside them in `lows` (h11 made them for a request, relay/head.py for a response), so the
+    relay's lookups are C scans of `lows`, not a lower() per name per lookup (issue 15)."""
 
-    __slots__ = ("first", "lows")
+    __slots__ = ("lows",)
 
-    def __init__(self, full_items) -> None:
-        """`full_items`: (name as sent, lower-case name, value) triples, as h11 keeps them."""
-        super().__init__([(raw, v) for raw, _, v in full_items])
-        self.lows = [low for _, low, _ in full_items]
-        # (backwards, so that the first value of a name is the one the dict keeps)
-        self.first = dict(reversed([(low, v) for _, low, v in full_items]))
+    def __init__(self, pairs, lows: list[bytes]) -> None:
+        super().__init__(pairs)
+        self.lows = lows
 
 
 def request_headers(h11_headers) -> HeaderList:
@@ -40,23 +37,28 @@ def request_headers(h11_headers) -> HeaderList:
     full = getattr(h11_headers, "_full_items", None)  # (h11 keeps the lower-case names here)
     if full is None:
         full = [(k, k.lower(), v) for k, v in h11_headers.raw_items()]
-    return HeaderList(full)
+    return HeaderList([(raw, v) for raw, _, v in full], [low for _, low, _ in full])
 
 
 def _listed_in_connection(headers: Headers) -> set[bytes]:
     names: set[bytes] = set()
-    if type(headers) is HeaderList and b"connection" not in headers.first:
-        return names
-    for name, value in headers:
-        if name.lower() == b"connection":
-            names.update(t.strip().lower() for t in value.split(b",") if t.strip())
+    if type(headers) is HeaderList:
+        lows = headers.lows
+        if b"connection" not in lows:
+            return names
+        pairs = [kv for kv, low in zip(headers, lows) if low == b"connection"]
+    else:
+        pairs = [kv for kv in headers if kv[0].lower() == b"connection"]
+    for _, value in pairs:
+        names.update(t.strip().lower() for t in value.split(b",") if t.strip())
     return names
 
 
 def get(headers: Headers, name: bytes) -> bytes | None:
     """First value of a header (name given in lower case)."""
     if type(headers) is HeaderList:
-        return headers.first.get(name)
+        lows = headers.lows
+        return headers[lows.index(name)][1] if name in lows else None
     for k, v in headers:
         if k.lower() == name:
             return v
@@ -65,8 +67,13 @@ def get(headers: Headers, name: bytes) -> bytes | None:
 
 def has_token(headers: Headers, name: bytes, token: bytes) -> bool:
     """Whether a comma-separated header (e.g. Connection) lists `token`."""
-    if type(headers) is HeaderList and name not in headers.first:
-        return False
+    if type(headers) is HeaderList:
+        lows = headers.lows
+        if name not in lows:
+            return False
+        if lows.count(name) == 1:
+            v = headers[lows.index(name)][1]
+            return any(t.strip().lower() == token for t in v.split(b","))
     for k, v in headers:
         if k.lower() == name and any(t.strip().lower() == token for t in v.split(b",")):
             return True

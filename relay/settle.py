@@ -72,9 +72,7 @@ def settle(app, client, rec: Record, state: dict, t0: float) -> None:
     if rec.key_id is not None:
         app.registry.key_used(rec.key_id, rec.prompt_tokens, rec.completion_tokens)
     app.ui_recent.add(rec)
-    row = rec.row()
-    row["admission_id"] = state.get("admission")  # the row replaces it, in one commit
-    app.store.put(row)
+    app.store.put_record(rec, state.get("admission"))  # the row replaces it, in one commit
     app.log.record("access", rec.log_fields())
 
 
@@ -123,5 +121,5 @@ def rejected(dispatcher, client, err: RelayError) -> None:
         err.headers = err.headers + app.cors.headers(head.headers.raw_items())
     app.registry.rejected(err.code)
     app.ui_recent.add(rec)
-    app.store.put(rec.row())
+    app.store.put_record(rec)
     app.log.record("access", rec.log_fields())
