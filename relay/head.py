@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from relay.headers import HeaderList
+from relay.headers import HeaderList, header_list
 
 MAX_HEAD = 64 * 1024  # all the heads of one response together (interim ones included)
 MAX_INTERIM = 8  # 1xx heads before the final one
@@ -25,6 +25,8 @@ MAX_LENGTH_DIGITS = 18  # a Content-Length below 10**18 fits in 63 bits
 _STATUS = re.compile(rb"HTTP/(1\.[01]) ([1-9][0-9][0-9])(?: ([\t\x20-\x7e\x80-\xff]*))?")
 # Every header line at once: token name, colon, a value without control characters but TAB.
 _FIELDS = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\x00-\x08\x0a-\x1f\x7f]*\r\n)*")
+# One valid header line (see _FIELDS): its name, and its value without the blanks around it.
+_FIELD = re.compile(rb"([^:]+):[\t ]*(.*?)[\t ]*\r\n")
 _LENGTH = re.compile(rb"[0-9]{1,%d}" % MAX_LENGTH_DIGITS)
 
 
@@ -45,11 +47,11 @@ class ResponseHead:
 
 def request_bytes(method: bytes, target: bytes, headers: list[tuple[bytes, bytes]],
                   body: bytes) -> bytes:
-    lines = [b"%s %s HTTP/1.1\r\n" % (method, target)]
-    lines.extend(b"%s: %s\r\n" % (k, v) for k, v in headers)
-    lines.append(b"\r\n")
-    lines.append(body)
-    return b"".join(lines)
+    lines = [b"%s %s HTTP/1.1" % (method, target)]
+    lines += [k + b": " + v for k, v in headers]
+    lines.append(b"")
+    lines.append(b"")
+    return b"\r\n".join(lines) + body
 
 
 class HeadReader:
@@ -131,15 +133,14 @@ def _one_head(buf: bytes, pos: int, end: int) -> ResponseHead | None:
     m = _STATUS.fullmatch(buf, pos, line_end)
     if m is None:
         raise BadHead(f"bad status line {buf[pos:line_end][:60]!r}")
-    headers = HeaderList((), [])  # with the lower-case names beside (relay/headers.py)
     if line_end + 4 < end:
         if _FIELDS.fullmatch(buf, line_end + 2, end - 2) is None:
             raise BadHead("malformed header line")
-        add, low = headers.append, headers.lows.append
-        for line in buf[line_end + 2:end - 4].split(b"\r\n"):
-            name, _, value = line.partition(b":")
-            add((name, value.strip(b" \t")))
-            low(name.lower())
+        # (the lines are valid: one C pass splits them into names and stripped values)
+        pairs = _FIELD.findall(buf, line_end + 2, end - 2)
+        headers = header_list(pairs, [name.lower() for name, _ in pairs])
+    else:
+        headers = header_list((), [])  # with the lower-case names beside (relay/headers.py)
     version = m.group(1)
     _check_framing(version, headers)
     status = int(m.group(2))

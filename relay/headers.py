@@ -26,10 +26,14 @@ class HeaderList(list):
     relay's lookups are C scans of `lows`, not a lower() per name per lookup (issue 15)."""
 
     __slots__ = ("lows",)
+    lows: list[bytes]
 
-    def __init__(self, pairs, lows: list[bytes]) -> None:
-        super().__init__(pairs)
-        self.lows = lows
+
+def header_list(pairs, lows: list[bytes]) -> HeaderList:
+    """A HeaderList of `pairs` with `lows` (a plain function: no Python __init__ to run)."""
+    out = HeaderList(pairs)
+    out.lows = lows
+    return out
 
 
 def request_headers(h11_headers) -> HeaderList:
@@ -37,7 +41,7 @@ def request_headers(h11_headers) -> HeaderList:
     full = getattr(h11_headers, "_full_items", None)  # (h11 keeps the lower-case names here)
     if full is None:
         full = [(k, k.lower(), v) for k, v in h11_headers.raw_items()]
-    return HeaderList([(raw, v) for raw, _, v in full], [low for _, low, _ in full])
+    return header_list([(raw, v) for raw, _, v in full], [low for _, low, _ in full])
 
 
 def _listed_in_connection(headers: Headers) -> set[bytes]:
@@ -99,7 +103,7 @@ def upstream_request_headers(client: Headers, host: bytes, body_len: int,
         drop = drop | {k.lower() for k, _ in static}
     out = [(b"Host", host)]
     if type(client) is HeaderList:
-        out.extend(kv for kv, low in zip(client, client.lows) if low not in drop)
+        out += [kv for kv, low in zip(client, client.lows) if low not in drop]
     else:
         out.extend((k, v) for k, v in client if k.lower() not in drop)
     out.extend(static)
@@ -130,10 +134,10 @@ def client_response(status: int, reason: bytes, upstream: Headers, request_id: b
         upstream)
     lines = [b"HTTP/1.1 %d %s" % (status, reason)]
     if type(upstream) is HeaderList:
-        lines.extend(k + b": " + v for (k, v), low in zip(upstream, upstream.lows)
-                     if low not in drop)
+        lines += [k + b": " + v for (k, v), low in zip(upstream, upstream.lows)
+                  if low not in drop]
     else:
-        lines.extend(k + b": " + v for k, v in upstream if k.lower() not in drop)
+        lines += [k + b": " + v for k, v in upstream if k.lower() not in drop]
     if chunked:
         lines.append(b"Transfer-Encoding: chunked")
     lines.append(b"X-Request-Id: " + request_id)

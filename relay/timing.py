@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 
 from relay.gaps import Gaps
+
+_floor = math.floor
 from relay.record import Record
 from relay.usage import Usage
 
@@ -30,11 +32,14 @@ def round3(v: float) -> float:
     most a few ulp, so unless it lies within 1e-4 of a tie (or is huge) its floor says which
     way round(v, 3) goes; those rare cases take round itself."""
     s = v * 1000.0
-    f = math.floor(s)
+    f = _floor(s)
     d = s - f
-    if 0.4999 < d < 0.5001 or not -1e8 < v < 1e8:
-        return round(v, 3)
-    return (f + 1 if d > 0.5 else f) / 1000.0
+    if -1e8 < v < 1e8:
+        if d < 0.4999:
+            return f / 1000.0
+        if d > 0.5001:
+            return (f + 1) / 1000.0
+    return round(v, 3)
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -35,7 +35,7 @@ pairs = st.lists(st.tuples(st.sampled_from(NAMES), st.sampled_from(VALUES)), max
 
 
 def as_header_list(items) -> hdr.HeaderList:
-    return hdr.HeaderList(items, [k.lower() for k, _ in items])
+    return hdr.header_list(items, [k.lower() for k, _ in items])
 
 
 @SETTINGS
