@@ -50,6 +50,9 @@ def _listed_in_connection(headers: Headers) -> set[bytes]:
         lows = headers.lows
         if b"connection" not in lows:
             return names
+        if lows.count(b"connection") == 1:
+            value = headers[lows.index(b"connection")][1]
+            return {t.strip().lower() for t in value.split(b",") if t.strip()}
         pairs = [kv for kv, low in zip(headers, lows) if low == b"connection"]
     else:
         pairs = [kv for kv in headers if kv[0].lower() == b"connection"]

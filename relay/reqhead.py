@@ -44,11 +44,15 @@ def framing_error(headers, http11: bool) -> RelayError | None:
     te: list[bytes] = []
     cl: list[bytes] = []
     lows = headers.lows if type(headers) is HeaderList else [k.lower() for k, _ in headers]
-    for (_, value), low in zip(headers, lows):
-        if low == b"transfer-encoding":
-            te.append(value)
-        elif low == b"content-length":
-            cl.append(value)
+    if b"transfer-encoding" not in lows and lows.count(b"content-length") <= 1:
+        if b"content-length" in lows:  # the usual head: one Content-Length, looked at alone
+            cl.append(headers[lows.index(b"content-length")][1])
+    else:
+        for (_, value), low in zip(headers, lows):
+            if low == b"transfer-encoding":
+                te.append(value)
+            elif low == b"content-length":
+                cl.append(value)
     if te:
         if cl:
             return RelayError("bad_request",

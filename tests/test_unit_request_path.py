@@ -185,3 +185,18 @@ def test_a_parsed_response_head_keeps_its_lower_case_names():
                             (b"Transfer-Encoding", b"chunked"), (b"X-A", b"v")]
     assert head.headers.lows == [b"content-type", b"transfer-encoding", b"x-a"]
     assert hdr.get(head.headers, b"x-a") == b"v"
+
+
+@SETTINGS
+@given(st.lists(st.tuples(st.sampled_from([b"Content-Length", b"content-length",
+                                           b"Transfer-Encoding", b"X-A"]),
+                          st.sampled_from([b"1", b" 1 ", b"1, 1", b"1,2", b"x", b"chunked",
+                                           b"gzip, chunked", b""])), max_size=4),
+       st.booleans())
+def test_request_framing_fast_path_says_what_the_loop_says(items, http11):
+    from relay.reqhead import framing_error
+
+    def outcome(headers):
+        err = framing_error(headers, http11)
+        return None if err is None else (err.code, err.message)
+    assert outcome(as_header_list(items)) == outcome(list(items))
