@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import signal
 import sqlite3
 import sys
@@ -79,9 +78,6 @@ async def _serve(args) -> int:
             f"curl -N http://{host}:{app.port}/v1/chat/completions "
             "-H 'Content-Type: application/json' -d '{\"model\":\"demo\",\"stream\":true,"
             "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'"))
-    # What start-up made stays for the process's life: out of the collector's way, so its
-    # collections look at what requests make, not at every module and config object again.
-    gc.freeze()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 

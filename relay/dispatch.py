@@ -395,6 +395,7 @@ class Dispatcher:
                 conn.abort()
                 if reused and exc.silent and not fresh:
                     fresh = True
+                    ex.head_fut = None  # (it holds the exception, whose frames hold `ex`)
                     continue
                 raise _Retry(RelayError("upstream_unavailable", str(exc),
                                         {"upstream": up.name, "error": "closed"})) from None

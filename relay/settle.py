@@ -65,8 +65,10 @@ def settle(app, client, rec: Record, state: dict, t0: float) -> None:
     else:
         m = served.metrics
         m.request_done(rec.ok, rec.error_code)
-        m.observe_timings(*(None if v is None else v / 1000
-                            for v in (rec.ttft_ms, rec.tpot_ms, rec.e2e_ms)))
+        ttft, tpot, e2e = rec.ttft_ms, rec.tpot_ms, rec.e2e_ms
+        m.observe_timings(None if ttft is None else ttft / 1000,
+                          None if tpot is None else tpot / 1000,
+                          None if e2e is None else e2e / 1000)
         if ex is not None and ex.outcome == X.STALL:
             m.stall(ex.stall_reason)
     if rec.key_id is not None:

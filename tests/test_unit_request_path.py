@@ -200,3 +200,31 @@ def test_request_framing_fast_path_says_what_the_loop_says(items, http11):
         err = framing_error(headers, http11)
         return None if err is None else (err.code, err.message)
     assert outcome(as_header_list(items)) == outcome(list(items))
+
+
+async def test_streamed_requests_leave_no_cyclic_garbage(make_relay):
+    """A request's objects are freed by reference counting when it ends: the exchange breaks
+    the cycles through its own bound methods (its data_received, the scanner's first-content
+    hook, the flow's on_stuck), so the client connection, transports and exchange of every
+    request do not wait for the cyclic collector (memory and collector work per request)."""
+    import gc
+
+    from relay.client import ClientConn
+    from relay.exchange import Exchange
+    from tests import httpc
+    from tests.conftest import wait_for
+
+    app = await make_relay()
+    await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(4))  # warm the pool
+    await wait_for(lambda: not app.tasks and not app.clients)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(5):
+            resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(4))
+            assert resp.complete and resp.status == 200
+        await wait_for(lambda: not app.tasks and not app.clients)
+        left = [type(o).__name__ for o in gc.get_objects() if type(o) in (Exchange, ClientConn)]
+    finally:
+        gc.enable()
+    assert left == []
