@@ -186,7 +186,7 @@ class Dispatcher:
                              {"model": rec.model}) from None
         rec.upstream_requested = candidates[0]
         cap = app.config.budget.default_max_tokens
-        prompt_est, completion_est = A.estimate_tokens(req.body, peek, cap, path)
+        prompt_est, completion_est, completions = A.estimates(req.body, peek, cap, path)
         if (A.json_route(path) and rec.key_id is not None
                 and A.completion_limit(peek, path) is None
                 and app.budgets.limits_tokens(rec.key_id)):
@@ -194,7 +194,7 @@ class Dispatcher:
             req.body = A.with_limit(req.body, peek, cap, path)
         state["generates"] = slot_path
         state["completion_est"] = completion_est
-        state["completions"] = A.prompt_count(peek) * A.choices(peek)
+        state["completions"] = completions
         state["prompt_est"] = prompt_est
         if rec.key_id is not None:
             try:
