@@ -512,7 +512,7 @@ class Exchange:
         self.data_received = _ended_data
         if flow is not None:
             flow.on_stuck = _ended_data
-        if self.sse:
+        if isinstance(self.scanner, SseScanner):
             self.scanner.on_first_content = None  # (a bound method of this exchange too)
         if flow is not None and flow.paused and self.conn.transport is not None:
             self.conn.transport.resume_reading()
