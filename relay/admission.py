@@ -195,9 +195,15 @@ def estimate_tokens(body: bytes, peek: Peek, default_max: int,
                     path: str) -> tuple[int, int]:
     """(prompt, completion) estimate for the budget pre-flight: chars/4, and the limit
     (or `default_max` when unbounded) times the prompts times the choices."""
+    return estimates(body, peek, default_max, path)[:2]
+
+
+def estimates(body: bytes, peek: Peek, default_max: int, path: str) -> tuple[int, int, int]:
+    """`estimate_tokens` and the number of completions (prompts x choices) it counted."""
     limit = completion_limit(peek, path)
     per = default_max if limit is None else limit
-    return len(body) // 4, per * prompt_count(peek) * choices(peek)
+    completions = prompt_count(peek) * choices(peek)
+    return len(body) // 4, per * completions, completions
 
 
 # The limit field each API names when a request gives none (llama-server's native endpoints

@@ -15,6 +15,7 @@ relay-wide body memory bound (`bodies`).
 from __future__ import annotations
 
 import asyncio
+from itertools import chain
 
 import h11
 
@@ -53,7 +54,7 @@ class ClientConn(asyncio.Protocol):
     # One per open client connection, alive as long as it: no instance dict (issue 15).
     __slots__ = ("app", "awaiting_head", "body", "body_size", "busy", "chunks", "drain_waiter",
                  "exchange", "gone", "h11", "head", "head_bytes", "held", "http11", "inbox",
-                 "key_id", "lingering", "loop", "path", "peer_host", "task", "timer",
+                 "key_id", "lingering", "loop", "path", "peer_host", "raw", "task", "timer",
                  "timer_kind", "transport", "turn", "wants_keep_alive")
 
     def __init__(self, app) -> None:
@@ -75,6 +76,7 @@ class ClientConn(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.timer_kind = ""
         self.head: h11.Request | None = None
+        self.raw: list = []  # the head's headers (headers.HeaderList)
         self.head_bytes = bytearray()  # bytes handed to h11 since the last head (obs-fold check)
         self.awaiting_head = True
         self.key_id: str | None = None
@@ -267,9 +269,10 @@ class ClientConn(asyncio.Protocol):
         self.head_bytes = bytearray()
         self.body = bytearray()
         self.body_size = self.chunks = 0
-        raw = ev.headers.raw_items()
+        raw = self.raw = hdr.request_headers(ev.headers)
         # h11 bounds only a head still incomplete; one that came whole in a read is measured here
-        size = len(ev.method) + len(ev.target) + sum(len(k) + len(v) + 4 for k, v in raw)
+        size = (len(ev.method) + len(ev.target) + 4 * len(raw)
+                + sum(map(len, chain.from_iterable(raw))))
         if size > cfg.max_header_bytes:
             self._reject(RelayError("headers_too_large", "request head is too large"))
             return
@@ -288,7 +291,7 @@ class ClientConn(asyncio.Protocol):
             self._reject(self._too_large())
             return
         has_body = declared > 0 or hdr.get(raw, b"transfer-encoding") is not None
-        self.path = paths.bounded(paths.normalize(ev.target), paths.MAX_PATH_CHARS)
+        self.path = paths.route_path(ev.target)
         self.key_id, err = admission.head_check(self.app.auth, ev.method, self.path, raw,
                                                  self.peer_host)
         if err is not None and has_body:  # a bodiless request is answered the usual way
@@ -336,9 +339,10 @@ class ClientConn(asyncio.Protocol):
         ev = self.head
         body = bytes(self.body)
         self.body = bytearray()
-        req = Request(ev.method, ev.target, ev.headers.raw_items(), body,
+        req = Request(ev.method, ev.target, self.raw, body,
                       self.http11, self.wants_keep_alive, self.key_id, self.path)
         self.head = None
+        self.raw = []
         self.busy = True
         # The request is read whole: what h11 holds past it (a pipelined next request) waits
         # in the inbox with what arrives meanwhile, and h11 itself is dropped (see __init__).

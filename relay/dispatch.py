@@ -33,6 +33,7 @@ from relay.record import Record, user_agent
 from relay.routing import NoRoute, model_list
 from relay.slots import Busy, SlotsClosed
 from relay.target import TargetError
+from relay.timing import round3
 from relay.upstream import ConnectError
 
 # The longest a keyed request waits for its admission record before it is served without
@@ -185,7 +186,7 @@ class Dispatcher:
                              {"model": rec.model}) from None
         rec.upstream_requested = candidates[0]
         cap = app.config.budget.default_max_tokens
-        prompt_est, completion_est = A.estimate_tokens(req.body, peek, cap, path)
+        prompt_est, completion_est, completions = A.estimates(req.body, peek, cap, path)
         if (A.json_route(path) and rec.key_id is not None
                 and A.completion_limit(peek, path) is None
                 and app.budgets.limits_tokens(rec.key_id)):
@@ -193,7 +194,7 @@ class Dispatcher:
             req.body = A.with_limit(req.body, peek, cap, path)
         state["generates"] = slot_path
         state["completion_est"] = completion_est
-        state["completions"] = A.prompt_count(peek) * A.choices(peek)
+        state["completions"] = completions
         state["prompt_est"] = prompt_est
         if rec.key_id is not None:
             try:
@@ -309,7 +310,7 @@ class Dispatcher:
                                         [(b"Retry-After", b"%d" % retry_after)])) from None
             finally:
                 waited = time.perf_counter() - q0
-                rec.queue_ms = round(waited * 1000, 3)
+                rec.queue_ms = round3(waited * 1000)
                 up.metrics.observe_queue_wait(waited)
         on_content = lambda e, up=up: up.metrics.observe_ttft(  # noqa: E731
             e.first_content_at - t0, time.monotonic())
@@ -394,6 +395,7 @@ class Dispatcher:
                 conn.abort()
                 if reused and exc.silent and not fresh:
                     fresh = True
+                    ex.head_fut = None  # (it holds the exception, whose frames hold `ex`)
                     continue
                 raise _Retry(RelayError("upstream_unavailable", str(exc),
                                         {"upstream": up.name, "error": "closed"})) from None

@@ -30,6 +30,11 @@ from relay.outcomes import (  # noqa: F401 - the dispatcher reads them from here
 )
 
 
+def _ended_data(*_) -> None:
+    """What an ended exchange leaves where its own bound methods were (its data_received: the
+    transport reads into its UpstreamConn again; its flow's on_stuck)."""
+
+
 class Exchange:
     # Slots: over 40 fields is past what a shared-key instance dict holds, and the body
     # path reads several per event.
@@ -501,6 +506,14 @@ class Exchange:
         transport = self.conn.transport
         if transport is not None and transport.get_protocol() is self:
             transport.set_protocol(self.conn)
+        # (the bound method held on itself is a reference cycle: without it the exchange, and
+        # the client connection and transports it reaches, are freed at once, not by the
+        # cyclic collector; issue 15)
+        self.data_received = _ended_data
+        if flow is not None:
+            flow.on_stuck = _ended_data
+        if isinstance(self.scanner, SseScanner):
+            self.scanner.on_first_content = None  # (a bound method of this exchange too)
         if flow is not None and flow.paused and self.conn.transport is not None:
             self.conn.transport.resume_reading()
         if not self.done.done():

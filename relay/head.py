@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import re
 
+from relay.headers import HeaderList, header_list
+
 MAX_HEAD = 64 * 1024  # all the heads of one response together (interim ones included)
 MAX_INTERIM = 8  # 1xx heads before the final one
 MAX_LENGTH_DIGITS = 18  # a Content-Length below 10**18 fits in 63 bits
@@ -23,6 +25,8 @@ MAX_LENGTH_DIGITS = 18  # a Content-Length below 10**18 fits in 63 bits
 _STATUS = re.compile(rb"HTTP/(1\.[01]) ([1-9][0-9][0-9])(?: ([\t\x20-\x7e\x80-\xff]*))?")
 # Every header line at once: token name, colon, a value without control characters but TAB.
 _FIELDS = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\x00-\x08\x0a-\x1f\x7f]*\r\n)*")
+# One valid header line (see _FIELDS): its name, and its value without the blanks around it.
+_FIELD = re.compile(rb"([^:]+):[\t ]*(.*?)[\t ]*\r\n")
 _LENGTH = re.compile(rb"[0-9]{1,%d}" % MAX_LENGTH_DIGITS)
 
 
@@ -43,11 +47,11 @@ class ResponseHead:
 
 def request_bytes(method: bytes, target: bytes, headers: list[tuple[bytes, bytes]],
                   body: bytes) -> bytes:
-    lines = [b"%s %s HTTP/1.1\r\n" % (method, target)]
-    lines.extend(b"%s: %s\r\n" % (k, v) for k, v in headers)
-    lines.append(b"\r\n")
-    lines.append(body)
-    return b"".join(lines)
+    lines = [b"%s %s HTTP/1.1" % (method, target)]
+    lines += [k + b": " + v for k, v in headers]
+    lines.append(b"")
+    lines.append(b"")
+    return b"\r\n".join(lines) + body
 
 
 class HeadReader:
@@ -129,13 +133,14 @@ def _one_head(buf: bytes, pos: int, end: int) -> ResponseHead | None:
     m = _STATUS.fullmatch(buf, pos, line_end)
     if m is None:
         raise BadHead(f"bad status line {buf[pos:line_end][:60]!r}")
-    headers = []
     if line_end + 4 < end:
         if _FIELDS.fullmatch(buf, line_end + 2, end - 2) is None:
             raise BadHead("malformed header line")
-        for line in buf[line_end + 2:end - 4].split(b"\r\n"):
-            name, _, value = line.partition(b":")
-            headers.append((name, value.strip(b" \t")))
+        # (the lines are valid: one C pass splits them into names and stripped values)
+        pairs = _FIELD.findall(buf, line_end + 2, end - 2)
+        headers = header_list(pairs, [name.lower() for name, _ in pairs])
+    else:
+        headers = header_list((), [])  # with the lower-case names beside (relay/headers.py)
     version = m.group(1)
     _check_framing(version, headers)
     status = int(m.group(2))
@@ -151,15 +156,32 @@ def _check_framing(version: bytes, headers: list[tuple[bytes, bytes]]) -> None:
     Content-Length of at most 18 digits, at most one Transfer-Encoding and it `chunked` alone
     (any other coding would be dropped or mangled on the way), never both, and no
     Transfer-Encoding on HTTP/1.0 (RFC 9112 6.1: its framing is faulty)."""
+    if type(headers) is HeaderList:
+        lows = headers.lows
+        cl, te = lows.count(b"content-length"), lows.count(b"transfer-encoding")
+        if cl + te == 0:
+            return
+        if cl + te == 1:  # the usual head: one of them, checked alone (the same order)
+            value = headers[lows.index(b"content-length" if cl else b"transfer-encoding")][1]
+            if cl:
+                if _LENGTH.fullmatch(value) is None:
+                    raise BadHead(f"bad Content-Length {value[:20]!r}")
+            elif value.lower() != b"chunked":
+                raise BadHead(f"upstream sent unknown Transfer-Encoding {value[:40]!r}")
+            elif version == b"1.0":
+                raise BadHead("upstream sent Transfer-Encoding in an HTTP/1.0 response")
+            return
+    else:
+        lows = [name.lower() for name, _ in headers]
     length = coding = None
-    for name, value in headers:
-        if len(name) == 14 and name.lower() == b"content-length":
+    for (_, value), low in zip(headers, lows):
+        if low == b"content-length":
             if length is not None:
                 raise BadHead("upstream sent several Content-Length headers")
             if _LENGTH.fullmatch(value) is None:
                 raise BadHead(f"bad Content-Length {value[:20]!r}")
             length = value
-        elif len(name) == 17 and name.lower() == b"transfer-encoding":
+        elif low == b"transfer-encoding":
             if coding is not None:
                 raise BadHead("upstream sent several Transfer-Encoding headers")
             if value.lower() != b"chunked":

@@ -20,16 +20,52 @@ _NOT_DOWNSTREAM_NO_LENGTH = _NOT_DOWNSTREAM | {b"content-length"}
 Headers = list[tuple[bytes, bytes]]
 
 
+class HeaderList(list):
+    """Headers as received ((name as sent, value) pairs, in order) with their lower-case names
+    beside them in `lows` (h11 made them for a request, relay/head.py for a response), so the
+    relay's lookups are C scans of `lows`, not a lower() per name per lookup (issue 15)."""
+
+    __slots__ = ("lows",)
+    lows: list[bytes]
+
+
+def header_list(pairs, lows: list[bytes]) -> HeaderList:
+    """A HeaderList of `pairs` with `lows` (a plain function: no Python __init__ to run)."""
+    out = HeaderList(pairs)
+    out.lows = lows
+    return out
+
+
+def request_headers(h11_headers) -> HeaderList:
+    """The HeaderList of an h11 request's headers."""
+    full = getattr(h11_headers, "_full_items", None)  # (h11 keeps the lower-case names here)
+    if full is None:
+        full = [(k, k.lower(), v) for k, v in h11_headers.raw_items()]
+    return header_list([(raw, v) for raw, _, v in full], [low for _, low, _ in full])
+
+
 def _listed_in_connection(headers: Headers) -> set[bytes]:
     names: set[bytes] = set()
-    for name, value in headers:
-        if name.lower() == b"connection":
-            names.update(t.strip().lower() for t in value.split(b",") if t.strip())
+    if type(headers) is HeaderList:
+        lows = headers.lows
+        if b"connection" not in lows:
+            return names
+        if lows.count(b"connection") == 1:
+            value = headers[lows.index(b"connection")][1]
+            return {t.strip().lower() for t in value.split(b",") if t.strip()}
+        pairs = [kv for kv, low in zip(headers, lows) if low == b"connection"]
+    else:
+        pairs = [kv for kv in headers if kv[0].lower() == b"connection"]
+    for _, value in pairs:
+        names.update(t.strip().lower() for t in value.split(b",") if t.strip())
     return names
 
 
 def get(headers: Headers, name: bytes) -> bytes | None:
     """First value of a header (name given in lower case)."""
+    if type(headers) is HeaderList:
+        lows = headers.lows
+        return headers[lows.index(name)][1] if name in lows else None
     for k, v in headers:
         if k.lower() == name:
             return v
@@ -38,6 +74,13 @@ def get(headers: Headers, name: bytes) -> bytes | None:
 
 def has_token(headers: Headers, name: bytes, token: bytes) -> bool:
     """Whether a comma-separated header (e.g. Connection) lists `token`."""
+    if type(headers) is HeaderList:
+        lows = headers.lows
+        if name not in lows:
+            return False
+        if lows.count(name) == 1:
+            v = headers[lows.index(name)][1]
+            return any(t.strip().lower() == token for t in v.split(b","))
     for k, v in headers:
         if k.lower() == name and any(t.strip().lower() == token for t in v.split(b",")):
             return True
@@ -62,7 +105,10 @@ def upstream_request_headers(client: Headers, host: bytes, body_len: int,
     if static:
         drop = drop | {k.lower() for k, _ in static}
     out = [(b"Host", host)]
-    out.extend((k, v) for k, v in client if k.lower() not in drop)
+    if type(client) is HeaderList:
+        out += [kv for kv, low in zip(client, client.lows) if low not in drop]
+    else:
+        out.extend((k, v) for k, v in client if k.lower() not in drop)
     out.extend(static)
     if auth is not None:
         out.append(auth)
@@ -90,7 +136,11 @@ def client_response(status: int, reason: bytes, upstream: Headers, request_id: b
     drop = (_NOT_DOWNSTREAM_NO_LENGTH if no_length else _NOT_DOWNSTREAM) | _listed_in_connection(
         upstream)
     lines = [b"HTTP/1.1 %d %s" % (status, reason)]
-    lines.extend(k + b": " + v for k, v in upstream if k.lower() not in drop)
+    if type(upstream) is HeaderList:
+        lines += [k + b": " + v for (k, v), low in zip(upstream, upstream.lows)
+                  if low not in drop]
+    else:
+        lines += [k + b": " + v for k, v in upstream if k.lower() not in drop]
     if chunked:
         lines.append(b"Transfer-Encoding: chunked")
     lines.append(b"X-Request-Id: " + request_id)

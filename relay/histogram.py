@@ -30,7 +30,8 @@ class Histogram:
         self.count = 0
 
     def observe(self, value: float) -> None:
-        value = max(0.0, value)
+        if not value > 0.0:  # max(0.0, value) without a builtin call (NaN -> 0.0 too)
+            value = 0.0
         self.counts[bisect_left(self.bounds, value)] += 1  # le is inclusive: v <= bound
         self.sum += value
         self.count += 1

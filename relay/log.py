@@ -28,7 +28,12 @@ class Log:
         self._lock = threading.Lock()
 
     def event(self, event: str, **fields) -> None:
-        record = {"ts": round(time.time(), 3), "event": event, **fields}
+        self.record(event, fields)
+
+    def record(self, event: str, fields: dict) -> None:
+        """`event` with the fields of a dict (not copied once more as keywords)."""
+        record = {"ts": round(time.time(), 3), "event": event}
+        record.update(fields)
         line = _encode(record) + b"\n"
         with self._lock:
             if self.lines is not None:

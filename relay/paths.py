@@ -34,6 +34,24 @@ def normalize(target: bytes) -> str:
     return "/" + "/".join(out)
 
 
+_SEEN: dict[bytes, str] = {}  # target -> bounded normalised path, for the targets seen often
+_SEEN_MAX = 512  # entries kept (then forgotten all at once)
+_SEEN_TARGET = 256  # longer targets are not kept
+
+
+def route_path(target: bytes) -> str:
+    """`bounded(normalize(target), MAX_PATH_CHARS)`, remembered for short targets: a client
+    names the same few endpoints again and again (issue 15: per-request work)."""
+    path = _SEEN.get(target)
+    if path is None:
+        path = bounded(normalize(target), MAX_PATH_CHARS)
+        if len(target) <= _SEEN_TARGET:
+            if len(_SEEN) >= _SEEN_MAX:
+                _SEEN.clear()
+            _SEEN[target] = path
+    return path
+
+
 def bounded(text: str | None, limit: int = 256) -> str | None:
     """`text` cut to `limit` characters (with a marker) for errors, rows and log lines."""
     if text is None or len(text) <= limit:

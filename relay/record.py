@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from operator import attrgetter
+from itertools import compress, repeat
+from operator import attrgetter, is_not
 
-from relay.durable import RESERVED  # tokens_source: the reservation charged, no count known
+from relay.durable import RESERVED
+from relay.headers import get  # tokens_source: the reservation charged, no count known
 from relay.usage import Usage
 
 
@@ -57,7 +59,8 @@ class Record:
 
     def log_fields(self) -> dict:
         # (dataclasses.asdict deep-copies every value: 60 us a call on an edge box)
-        return {k: v for k, v in zip(LOG_FIELDS, _log_values(self)) if v is not None}
+        values = _log_values(self)  # (the None ones left out, in C: ~40 fields)
+        return dict(compress(zip(LOG_FIELDS, values), map(is_not, values, repeat(None))))
 
     def set_tokens(self, exact: Usage | None, approx_completion: int | None,
                    approx_prompt: int | None) -> None:
@@ -95,8 +98,10 @@ MAX_AGENT_CHARS = 200
 
 def user_agent(headers) -> str | None:
     """The request's User-Agent for the access log: bounded, control characters replaced."""
-    for k, v in headers:
-        if k.lower() == b"user-agent":
-            text = v[:MAX_AGENT_CHARS].decode("latin-1")
-            return "".join(c if " " <= c != "\x7f" else "?" for c in text)
-    return None
+    v = get(headers, b"user-agent")
+    if v is None:
+        return None
+    text = v[:MAX_AGENT_CHARS].decode("latin-1")
+    if text.isprintable() and text.isascii():  # (the usual agent: nothing to replace)
+        return text
+    return "".join(c if " " <= c != "\x7f" else "?" for c in text)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 
 from relay.errors import RelayError
+from relay.headers import HeaderList
 
 _HEAD_END = re.compile(rb"\n\r?\n")
 _FOLD = re.compile(rb"\n[ \t]")
@@ -42,12 +43,16 @@ def framing_error(headers, http11: bool) -> RelayError | None:
     """The refusal for a head whose body framing is ambiguous or unsupported, else None."""
     te: list[bytes] = []
     cl: list[bytes] = []
-    for name, value in headers:
-        low = name.lower()
-        if low == b"transfer-encoding":
-            te.append(value)
-        elif low == b"content-length":
-            cl.append(value)
+    lows = headers.lows if type(headers) is HeaderList else [k.lower() for k, _ in headers]
+    if b"transfer-encoding" not in lows and lows.count(b"content-length") <= 1:
+        if b"content-length" in lows:  # the usual head: one Content-Length, looked at alone
+            cl.append(headers[lows.index(b"content-length")][1])
+    else:
+        for (_, value), low in zip(headers, lows):
+            if low == b"transfer-encoding":
+                te.append(value)
+            elif low == b"content-length":
+                cl.append(value)
     if te:
         if cl:
             return RelayError("bad_request",

@@ -31,13 +31,13 @@ def settle(app, client, rec: Record, state: dict, t0: float) -> None:
     """Release the slot, settle the budget, write the row and the access line: once."""
     release_slot(state)
     ex: X.Exchange | None = state.get("ex")
-    rec.total_ms = round((time.perf_counter() - t0) * 1000, 3)
+    rec.total_ms = timing.round3((time.perf_counter() - t0) * 1000)
     rec.client_closed = client.gone and rec.outcome in (X.CLIENT_GONE, X.CLIENT_SLOW)
     served_ex = ex if ex is not None and rec.upstream_served is not None else None
     if served_ex is not None:
         rec.bytes_out = ex.bytes_out
         if ex.first_content_at is not None:
-            rec.ttft_ms = round((ex.first_content_at - t0) * 1000, 3)
+            rec.ttft_ms = timing.round3((ex.first_content_at - t0) * 1000)
         state["exact"] = _tokens(app, rec, ex, state)
         if ex.outcome == X.STALL:
             rec.error_code = f"stream_stall_{ex.stall_reason}"
@@ -65,17 +65,17 @@ def settle(app, client, rec: Record, state: dict, t0: float) -> None:
     else:
         m = served.metrics
         m.request_done(rec.ok, rec.error_code)
-        m.observe_timings(*(None if v is None else v / 1000
-                            for v in (rec.ttft_ms, rec.tpot_ms, rec.e2e_ms)))
+        ttft, tpot, e2e = rec.ttft_ms, rec.tpot_ms, rec.e2e_ms
+        m.observe_timings(None if ttft is None else ttft / 1000,
+                          None if tpot is None else tpot / 1000,
+                          None if e2e is None else e2e / 1000)
         if ex is not None and ex.outcome == X.STALL:
             m.stall(ex.stall_reason)
     if rec.key_id is not None:
         app.registry.key_used(rec.key_id, rec.prompt_tokens, rec.completion_tokens)
     app.ui_recent.add(rec)
-    row = rec.row()
-    row["admission_id"] = state.get("admission")  # the row replaces it, in one commit
-    app.store.put(row)
-    app.log.event("access", **rec.log_fields())
+    app.store.put_record(rec, state.get("admission"))  # the row replaces it, in one commit
+    app.log.record("access", rec.log_fields())
 
 
 def _tokens(app, rec: Record, ex: X.Exchange, state: dict):
@@ -123,5 +123,5 @@ def rejected(dispatcher, client, err: RelayError) -> None:
         err.headers = err.headers + app.cors.headers(head.headers.raw_items())
     app.registry.rejected(err.code)
     app.ui_recent.add(rec)
-    app.store.put(rec.row())
-    app.log.event("access", **rec.log_fields())
+    app.store.put_record(rec)
+    app.log.record("access", rec.log_fields())

@@ -89,6 +89,11 @@ class PgStore(Store):
             row["admission_id"] = self.next_admission_id()
         super().put(row)
 
+    def put_record(self, rec, admission_id=None) -> None:
+        row = rec.row()  # (the PostgreSQL writer takes the row as the dict has it)
+        row["admission_id"] = admission_id
+        self.put(row)
+
     @property
     def spilled(self) -> int:
         return self.spill.count

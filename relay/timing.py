@@ -17,20 +17,40 @@ ms from the moment the dispatcher took the request (its head and body read):
 
 from __future__ import annotations
 
+import math
+
 from relay.gaps import Gaps
+
+_floor = math.floor
 from relay.record import Record
 from relay.usage import Usage
 
 
+def round3(v: float) -> float:
+    """round(v, 3), the same figure at a tenth of its cost (round with digits goes through a
+    decimal conversion: ~3000 instructions, a dozen times per request). v * 1000 is off by at
+    most a few ulp, so unless it lies within 1e-4 of a tie (or is huge) its floor says which
+    way round(v, 3) goes; those rare cases take round itself."""
+    s = v * 1000.0
+    f = _floor(s)
+    d = s - f
+    if -1e8 < v < 1e8:
+        if d < 0.4999:
+            return f / 1000.0
+        if d > 0.5001:
+            return (f + 1) / 1000.0
+    return round(v, 3)
+
+
 def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 3)
+    return None if seconds is None else round3(seconds * 1000)
 
 
 def tpot_ms(e2e_ms: float | None, ttft_ms: float | None, tokens: int | None) -> float | None:
     """vLLM's time per output token after the first: (E2EL - TTFT) / (tokens - 1)."""
     if e2e_ms is None or ttft_ms is None or tokens is None or tokens < 2:
         return None
-    return round((e2e_ms - ttft_ms) / (tokens - 1), 3)
+    return round3((e2e_ms - ttft_ms) / (tokens - 1))
 
 
 def fill(rec: Record, t0: float, first_byte_at: float | None, gaps: Gaps | None,
@@ -38,7 +58,7 @@ def fill(rec: Record, t0: float, first_byte_at: float | None, gaps: Gaps | None,
     """Set the row's timing fields; `rec.total_ms`, `ttft_ms` and tokens are already set."""
     if rec.status is not None:
         rec.e2e_ms = rec.total_ms
-        rec.first_byte_ms = (round((first_byte_at - t0) * 1000, 3)
+        rec.first_byte_ms = (round3((first_byte_at - t0) * 1000)
                              if first_byte_at is not None else rec.total_ms)
     counted = rec.tokens_source in ("exact", "approx")  # not a reservation charged instead
     rec.tpot_ms = tpot_ms(rec.e2e_ms, rec.ttft_ms, rec.completion_tokens if counted else None)

@@ -32,8 +32,10 @@ def unread_bytes(transport) -> int:
     sock = transport.get_extra_info("socket")
     if sock is None:
         return 0
+    buf = bytearray(4)  # (a writable buffer: ioctl takes it at its first try, no error built)
     try:
-        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+        fcntl.ioctl(sock.fileno(), termios.FIONREAD, buf)
+        return struct.unpack("i", buf)[0]
     except OSError:
         return 1  # a socket that cannot say is not trusted with a request
 

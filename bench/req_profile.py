@@ -1,0 +1,109 @@
+"""Instructions per request of the relay process (callgrind), the ttft load.
+
+    python -m bench.req_profile [--warm 50] [--requests 100] [--repeat 1]
+
+The simulator and one relay (`python -m relay serve` under `valgrind --tool=callgrind`) on
+127.0.0.1; the ttft load (one stream at a time, a new connection each, 4 tokens at 5 ms) runs
+`--warm` requests, then the counters are dumped and zeroed (`callgrind_control --dump`), then
+`--requests` more and a second dump: its instruction total ÷ `--requests` is the figure.
+Instruction counts do not depend on what else the machine runs (CPU time does), so two builds
+compare within about 1 % (event-loop turns still depend on timing). `--keep DIR` keeps the
+callgrind files for `callgrind_annotate`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import procs, relay_conf
+from bench.upstreams import SimUpstream
+
+HOST = "127.0.0.1"
+
+
+def _load(port: int, n: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.load", "--port", str(port), "--concurrency", "1",
+         "--requests", str(n), "--max-tokens", "4", "--interval-ms", "5"],
+        check=True, capture_output=True, text=True, cwd=str(procs.ROOT)).stdout
+    res = json.loads(out.strip().splitlines()[-1])
+    if res.get("errors") or res.get("incomplete"):
+        raise RuntimeError(f"load failed: {res}")
+    return res
+
+
+def _dump(pid: int, tmp: Path, before: set[Path], timeout: float = 120.0) -> Path:
+    subprocess.run(["callgrind_control", "--dump", str(pid)], check=True, capture_output=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        new = [p for p in tmp.glob(f"callgrind.out.{pid}.*") if p not in before]
+        if new:
+            time.sleep(0.5)  # (the file is written whole before the command returns)
+            return new[0]
+        time.sleep(0.2)
+    raise TimeoutError("no callgrind dump")
+
+
+def _total(path: Path) -> int:
+    for line in path.read_text(errors="replace").splitlines():
+        m = re.match(r"(?:summary|totals):\s*(\d+)", line)
+        if m:
+            return int(m.group(1))
+    raise ValueError(f"no total in {path}")
+
+
+def measure(a, tmp: Path) -> float:
+    sim = SimUpstream(HOST)
+    sim.start(tmp)
+    relay = None
+    try:
+        port = procs.free_port(HOST)
+        conf = relay_conf.build(sim.url, tmp)
+        conf["server"] = {"host": HOST, "port": port}
+        (tmp / "relay.toml").write_text(relay_conf.dumps(conf))
+        relay = procs.Proc("relay", [
+            "valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/callgrind.out.%p",
+            sys.executable, "-m", "relay", "serve", "--config", str(tmp / "relay.toml")], tmp)
+        relay.wait_http(HOST, port, "/health", timeout=120)
+        _load(port, a.warm)
+        pid = relay.pid
+        first = _dump(pid, tmp, set())
+        _load(port, a.requests)
+        second = _dump(pid, tmp, {first})
+        per = _total(second) / a.requests
+        if a.keep:
+            Path(a.keep).mkdir(parents=True, exist_ok=True)
+            shutil.copy(second, Path(a.keep) / second.name)
+        return per
+    finally:
+        if relay is not None:
+            relay.stop()
+        sim.stop()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.req_profile", description=__doc__.split("\n")[0])
+    p.add_argument("--warm", type=int, default=50)
+    p.add_argument("--requests", type=int, default=100)
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--keep", default="", help="copy the measured callgrind file here")
+    a = p.parse_args(argv)
+    figures = []
+    for _ in range(a.repeat):
+        with tempfile.TemporaryDirectory(prefix="relay-reqprof-") as d:
+            figures.append(measure(a, Path(d)))
+        print(f"instructions per request: {figures[-1] / 1e6:.4f} M", flush=True)
+    if len(figures) > 1:
+        print("median: %.4f M" % (sorted(figures)[len(figures) // 2] / 1e6))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
