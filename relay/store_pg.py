@@ -39,6 +39,7 @@ from relay.store import Store, clean
 
 DEFAULT_SPILL = "relay-spill.jsonl"
 _LOST = (psycopg.OperationalError, psycopg.InterfaceError)
+_KEY = pg_sql.ROW_COLUMNS.index("key_id")
 
 
 class PgUnreachable(OSError):
@@ -169,7 +170,7 @@ class PgStore(Store):
             self._conn = psycopg.connect(**self.kw, autocommit=True)
             with self._conn.transaction():
                 self._conn.execute("SELECT pg_advisory_xact_lock(%s)", (pg_sql.SCHEMA_LOCK,))
-                for stmt in pg_sql.SCHEMA + (pg_sql.FUNCTION,):
+                for stmt in pg_sql.SETUP:
                     self._conn.execute(stmt)
         except psycopg.Error as exc:
             self._disconnect()
@@ -269,7 +270,9 @@ class PgStore(Store):
         transaction and then finds nothing, instead of the two waiting on each other."""
         with self._conn.transaction(), self._conn.cursor() as cur:
             cur.execute(pg_sql.DELETE_LEASES, ([r[-1] for r in rows],))
-            cur.executemany(pg_sql.INSERT, rows)
+            # by key: each row locks its key's usage_day row (pg_sql.USAGE_DAY), so two
+            # relays' batches lock them in one order and never wait on each other
+            cur.executemany(pg_sql.INSERT, sorted(rows, key=_by_key))
 
     def _lost(self, exc: BaseException) -> None:
         self.write_errors += 1
@@ -308,6 +311,10 @@ def _pg_row(values: tuple, now: float) -> tuple:
     columns are integers, as in SQLite)."""
     return tuple(int(v) if v is True or v is False else v
                  for v in clean(values[:-1], now)) + (values[-1],)
+
+
+def _by_key(row: tuple) -> str:
+    return row[_KEY] or ""
 
 
 def _first(exc: BaseException) -> str:

@@ -22,7 +22,7 @@ def db(pg_server):
 
     name = pg_server.create_db()
     with psycopg.connect(pg_server.admin_url(name), autocommit=True) as conn:
-        for stmt in pg_sql.SCHEMA + (pg_sql.FUNCTION,):
+        for stmt in pg_sql.SETUP:
             conn.execute(stmt)
     return name
 
