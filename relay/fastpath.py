@@ -31,27 +31,49 @@ from __future__ import annotations
 from relay.chunked import SIZES, chunk_size
 from relay.sse import content_event_at
 
-_HEADS = 64  # size line + prefix kept for this many chunk lengths
+_HEADS = 32  # size line + prefix kept for this many chunk lengths (per prefix)
+# The size line + prefix strings by prefix, shared by the streams whose token events start
+# alike: llama-server's (its `id` comes after the text) start the same for every stream of a
+# model, so its streams hold none of their own; vLLM's and OpenAI's start with the stream's
+# id, and each such stream keeps its own (at most _HEADS, ~270 bytes each). Forgotten all at
+# once past _PREFIXES (a live stream keeps its dict).
+_SHARED: dict[bytes, tuple[bytes, dict[int, bytes]]] = {}  # prefix -> (prefix, its heads)
+_PREFIXES = 256
 _META_WORDS = (b"usage", b"timings")  # a text that, quoted, reads as a usage/timings key
 
 
 class Shape:
     """What every token event of a stream repeats: the prefix (up to its text), the suffix
     (from the text's closing quote to the event's end), and that suffix split around its
-    last string value (`s1`, `s2`) when that value may vary (OpenAI's `obfuscation`)."""
+    last string value (`s1`, `s2`) when that value may vary (OpenAI's `obfuscation`): made
+    the first time a read needs it (`vary`), most streams never do."""
 
-    __slots__ = ("prefix", "lp", "heads", "sfx", "s1", "s2", "sfxc", "s2c")
+    __slots__ = ("prefix", "lp", "heads", "sfx", "s1", "s2", "sfxc", "s2c", "split")
 
     def __init__(self, prefix: bytes, sfx: bytes) -> None:
-        self.prefix, self.lp, self.sfx = prefix, len(prefix), sfx
-        self.heads: dict[int, bytes] = {}  # chunk length -> its size line + prefix
-        self.s1 = self.s2 = self.s2c = None
+        shared = _SHARED.get(prefix)  # (one prefix object and one heads dict for all alike)
+        if shared is None:
+            if len(_SHARED) >= _PREFIXES:
+                _SHARED.clear()
+            shared = _SHARED[prefix] = (prefix, {})  # heads: chunk length -> size line + prefix
+        self.prefix, self.heads = shared
+        self.lp, self.sfx = len(prefix), sfx
         self.sfxc = sfx + b"\r\n"  # a one-event chunk ends so
-        r2 = sfx.rfind(b'"')
-        r1 = sfx.rfind(b'"', 0, r2)
-        if r1 > 0 and sfx[r1 - 1] == 58 and 92 not in sfx[r1:r2]:  # `:"value"` (58: a colon)
-            self.s1, self.s2 = sfx[:r1 + 1], sfx[r2:]
-            self.s2c = self.s2 + b"\r\n"
+        self.s1 = self.s2 = self.s2c = None
+        self.split = False
+
+    def vary(self) -> bytes | None:
+        """`s1` (with `s2`, `s2c`), found the first time a read asks; None when the suffix
+        ends in no `:"value"` that may vary."""
+        if not self.split:
+            self.split = True
+            sfx = self.sfx
+            r2 = sfx.rfind(b'"')
+            r1 = sfx.rfind(b'"', 0, r2)
+            if r1 > 0 and sfx[r1 - 1] == 58 and 92 not in sfx[r1:r2]:  # `:"value"` (58: `:`)
+                self.s1, self.s2 = sfx[:r1 + 1], sfx[r2:]
+                self.s2c = self.s2 + b"\r\n"
+        return self.s1
 
 
 def learn(data: bytes) -> Shape | None:
@@ -117,7 +139,8 @@ def events_in(data: bytes, shape: Shape) -> int:
             text = data[h:n - len(shape.sfxc)]
             if text and not (34 in text or 10 in text or 13 in text or text in _META_WORDS):
                 return 1
-        elif shape.s2c is not None and data.endswith(shape.s2c):  # its last value varies
+        elif (shape.split or shape.vary()) and shape.s2c is not None and data.endswith(
+                shape.s2c):  # its last value varies
             q = data.find(b'"', h)
             text = data[h:q]
             if (q > h and data[q - 1] != 92 and data.startswith(shape.s1, q)
@@ -170,7 +193,7 @@ def tokens(data: bytes, t: int, end: int, shape: Shape) -> int:
     `t` (its prefix checked); 0 if anything else. A text or a varying value holds no CR or
     LF and is not `usage` / `timings` (quoted, a key the scanner would keep); a text is not
     empty; the suffix, learned from an event the scanner counted alone, adds nothing."""
-    sfx, s1 = shape.sfx, shape.s1
+    sfx, s1 = shape.sfx, shape.s1 if shape.split else shape.vary()
     k = 0
     while True:
         q = data.find(b'"', t, end)

@@ -6,8 +6,8 @@ from dataclasses import dataclass, fields
 from itertools import compress, repeat
 from operator import attrgetter, is_not
 
-from relay.durable import RESERVED
-from relay.headers import get  # tokens_source: the reservation charged, no count known
+from relay.durable import RESERVED  # tokens_source: the reservation charged, no count known
+from relay.headers import get
 from relay.usage import Usage
 
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 import math
 
 from relay.gaps import Gaps
-
-_floor = math.floor
 from relay.record import Record
 from relay.usage import Usage
+
+_floor = math.floor
 
 
 def round3(v: float) -> float:

@@ -142,6 +142,27 @@ def test_nothing_is_learned_from_an_event_the_scanner_would_keep_or_not_count():
     assert learn(chunk(TOKEN + TOKEN)).sfx == learn(chunk(TOKEN)).sfx  # (from the first event)
 
 
+def test_streams_whose_events_start_alike_share_one_prefix_and_its_heads():
+    """What a stream keeps of its shape (issue 15 footprint): llama-server's events start the
+    same for every stream (the id comes after the text), so its streams share the prefix and
+    the size-line+prefix strings; vLLM's/OpenAI's start with the stream's id, each its own.
+    The split around a varying value is made only when a read needs it."""
+    from relay import fastpath
+
+    one = shape_of(TOKEN)
+    two = shape_of(TOKEN.replace(b'"chatcmpl-x"', b'"chatcmpl-y"'))  # (after the text)
+    assert two.sfx != one.sfx and two.prefix is one.prefix and two.heads is one.heads
+    assert events_in(chunk(retext(TOKEN, b" a")), one) == 1 and len(two.heads) == 1
+    assert one.s1 is None and not one.split  # (never needed)
+    f1, f2 = stream_frames(("chat", "openai", True), 1), stream_frames(("chat", "openai", True), 2)
+    a, b = learn(f1.chunk(1)), learn(f2.chunk(1))
+    assert a.prefix != b.prefix and a.heads is not b.heads
+    assert events_in(f1.chunk(2), a) == 1 and a.split and a.s1 is not None  # (the padding)
+    for i in range(fastpath._PREFIXES + 5):  # bounded: forgotten at once past the limit
+        learn(chunk(TOKEN.replace(b'{"choices"', b'{"id":"c%d","choices"' % i)))
+    assert len(fastpath._SHARED) <= fastpath._PREFIXES
+
+
 def test_usage_null_is_not_kept_but_a_usage_is():
     assert not is_meta(b'data: {"choices":[],"usage":null}')
     assert not is_meta(b'data: {"choices":[],"usage" : null}')
