@@ -149,6 +149,7 @@ def test_streams_whose_events_start_alike_share_one_prefix_and_its_heads():
     The split around a varying value is made only when a read needs it."""
     from relay import fastpath
 
+    fastpath._SHARED.clear()  # (what earlier tests' streams left there)
     one = shape_of(TOKEN)
     two = shape_of(TOKEN.replace(b'"chatcmpl-x"', b'"chatcmpl-y"'))  # (after the text)
     assert two.sfx != one.sfx and two.prefix is one.prefix and two.heads is one.heads
