@@ -14,7 +14,7 @@ A key's usage in a window is read off `usage_day`, its charged requests and toke
 day, kept by a trigger on `request` (every insert, update and delete of a row, whoever makes
 it: a settlement, a crash placeholder replaced, a spill replayed, a prune), not summed over
 its rows: a busy key has ~10^5 rows a day and 10^6 a month, and summing them cost every
-reservation 35 ms at 10^5 (under the key's lock: every relay's requests of that key waited
+reservation 31 ms at 10^5 (under the key's lock: every relay's requests of that key waited
 for each other). Windows start at UTC midnight, so a window is whole days; a start inside a
 day (none today) adds that day's rows after it (`relay_used`). A database made before the
 table existed gets it filled from its rows once, with the trigger, in one transaction.
@@ -121,7 +121,9 @@ END
 $do$"""
 
 # a key's charged requests and tokens since `p_start`: whole days from usage_day, the rows of
-# a day the start cuts (none when it is a UTC midnight, as every window's)
+# a day the start cuts (none when it is a UTC midnight, as every window's). STABLE matters:
+# its queries see the snapshot of the statement calling it, so relay_reserve still reads the
+# usage and the live leases as of one moment (a settlement is seen whole or not at all).
 USED = f"""
 CREATE OR REPLACE FUNCTION relay_used(p_key text, p_start double precision,
                                       OUT n bigint, OUT t bigint)
