@@ -6,8 +6,8 @@ A throwaway PostgreSQL (tests/pg_server.py; fsync on), the relay's schema, then 
 one key's rows spread over today (UTC), and the p50 of: the window's usage read the way
 relay_reserve read it before usage_day (a sum over the key's rows since midnight), read off
 usage_day (`relay_used`), and a whole `relay_reserve` (lock, expiry, usage, lease). Rows are
-loaded with the trigger off and usage_day filled from them once (as a database made before
-usage_day gets it), to keep the set-up short.
+loaded with no trigger and usage_day filled from them once (`pg_sql.USAGE_DAY_TABLE`, as a
+database made before usage_day gets it), to keep the set-up short.
 """
 
 from __future__ import annotations
@@ -21,12 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from relay import durable, pg_sql  # noqa: E402
+from relay import pg_sql  # noqa: E402
 from tests.pg_server import PgServer, find_bin  # noqa: E402
 
-ROW_SUM = (f"SELECT coalesce(sum(CASE WHEN {durable.CHARGED} THEN 1 ELSE 0 END), 0),"
-           " coalesce(sum(coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0)), 0)"
-           " FROM request WHERE key_id = %s AND ts >= %s")
 
 
 def _p50(conn, sql: str, params, calls: int, after=None) -> float:
@@ -61,19 +58,18 @@ def main() -> None:
             print("| rows in the key's day | sum over rows ms | usage_day ms | relay_reserve ms |")
             print("|---|---|---|---|")
             for n in (int(x) for x in args.rows.split(",")):
-                c.execute("ALTER TABLE request DISABLE TRIGGER relay_usage_day")
+                # (as a database made before usage_day: rows without the trigger, then the
+                # table filled from them once and the trigger made, as a relay's start does)
+                c.execute("DROP TRIGGER relay_usage_day ON request")
+                c.execute("DROP TABLE usage_day")
                 c.execute("INSERT INTO request (ts, key_id, ok, upstream_served, prompt_tokens,"
                           " completion_tokens, row_id) SELECT %s + random() * %s, 'k', 1, 'u',"
                           " 10, 20, md5(random()::text) FROM generate_series(1, %s)",
                           (day0, now - day0, n - have))
-                c.execute("ALTER TABLE request ENABLE TRIGGER relay_usage_day")
-                c.execute("DELETE FROM usage_day")
-                c.execute("INSERT INTO usage_day SELECT key_id, floor(ts / 86400) * 86400,"
-                          f" sum(CASE WHEN {durable.CHARGED} THEN 1 ELSE 0 END),"
-                          " sum(prompt_tokens + completion_tokens) FROM request GROUP BY 1, 2")
+                c.execute(pg_sql.USAGE_DAY_TABLE)
                 c.execute("VACUUM ANALYZE request")
                 have = n
-                rows = _p50(c, ROW_SUM, ("k", day0), args.calls)
+                rows = _p50(c, pg_sql.USED_BY_ROWS, ("k", day0), args.calls)
                 days = _p50(c, "SELECT * FROM relay_used(%s, %s)", ("k", day0), args.calls)
                 res = _p50(c, pg_sql.RESERVE, lambda: (
                     uuid.uuid4().hex, "r1", "k", 100, 30.0, now, "x", "/v1/chat/completions",

@@ -15,9 +15,6 @@ import pytest
 from relay import durable, pg_sql, store_pg
 from relay.budget import window_bounds
 
-ROW_SUM = (f"SELECT coalesce(sum(CASE WHEN {durable.CHARGED} THEN 1 ELSE 0 END), 0),"
-           " coalesce(sum(coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0)), 0)"
-           " FROM request WHERE key_id = %s AND ts >= %s")  # what relay_reserve summed before
 BY_DAY = (f"SELECT key_id, floor(ts / 86400) * 86400 AS day,"
           f" sum(CASE WHEN {durable.CHARGED} THEN 1 ELSE 0 END),"
           " sum(coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0))"
@@ -57,7 +54,8 @@ def _check(conn, now: float) -> None:
     for key in KEYS:
         for start in _starts(now):
             used = conn.execute("SELECT n, t FROM relay_used(%s, %s)", (key, start)).fetchone()
-            assert used == conn.execute(ROW_SUM, (key, start)).fetchone(), (key, start)
+            rows = conn.execute(pg_sql.USED_BY_ROWS, (key, start)).fetchone()
+            assert used == rows, (key, start)
 
 
 def _random_row(rng: random.Random, now: float, row_id: str) -> tuple:
