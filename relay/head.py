@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from relay.headers import HeaderList, header_list
+from relay.headers import header_list, lower_names
 
 MAX_HEAD = 64 * 1024  # all the heads of one response together (interim ones included)
 MAX_INTERIM = 8  # 1xx heads before the final one
@@ -156,23 +156,20 @@ def _check_framing(version: bytes, headers: list[tuple[bytes, bytes]]) -> None:
     Content-Length of at most 18 digits, at most one Transfer-Encoding and it `chunked` alone
     (any other coding would be dropped or mangled on the way), never both, and no
     Transfer-Encoding on HTTP/1.0 (RFC 9112 6.1: its framing is faulty)."""
-    if type(headers) is HeaderList:
-        lows = headers.lows
-        cl, te = lows.count(b"content-length"), lows.count(b"transfer-encoding")
-        if cl + te == 0:
-            return
-        if cl + te == 1:  # the usual head: one of them, checked alone (the same order)
-            value = headers[lows.index(b"content-length" if cl else b"transfer-encoding")][1]
-            if cl:
-                if _LENGTH.fullmatch(value) is None:
-                    raise BadHead(f"bad Content-Length {value[:20]!r}")
-            elif value.lower() != b"chunked":
-                raise BadHead(f"upstream sent unknown Transfer-Encoding {value[:40]!r}")
-            elif version == b"1.0":
-                raise BadHead("upstream sent Transfer-Encoding in an HTTP/1.0 response")
-            return
-    else:
-        lows = [name.lower() for name, _ in headers]
+    lows = lower_names(headers)
+    cl, te = lows.count(b"content-length"), lows.count(b"transfer-encoding")
+    if cl + te == 0:
+        return
+    if cl + te == 1:  # the usual head: one of them, checked alone (the same order)
+        value = headers[lows.index(b"content-length" if cl else b"transfer-encoding")][1]
+        if cl:
+            if _LENGTH.fullmatch(value) is None:
+                raise BadHead(f"bad Content-Length {value[:20]!r}")
+        elif value.lower() != b"chunked":
+            raise BadHead(f"upstream sent unknown Transfer-Encoding {value[:40]!r}")
+        elif version == b"1.0":
+            raise BadHead("upstream sent Transfer-Encoding in an HTTP/1.0 response")
+        return
     length = coding = None
     for (_, value), low in zip(headers, lows):
         if low == b"content-length":

@@ -44,47 +44,34 @@ def request_headers(h11_headers) -> HeaderList:
     return header_list([(raw, v) for raw, _, v in full], [low for _, low, _ in full])
 
 
+def lower_names(headers: Headers) -> list[bytes]:
+    """The headers' lower-case names in order: a HeaderList's own, else made here."""
+    return headers.lows if type(headers) is HeaderList else [k.lower() for k, _ in headers]
+
+
+def values_of(headers: Headers, lows: list[bytes], name: bytes) -> list[bytes]:
+    """Every value of the header `name` (lower case); `lows`: `lower_names(headers)`."""
+    n = lows.count(name)
+    if n <= 1:  # the usual head: none, or one found by index
+        return [headers[lows.index(name)][1]] if n else []
+    return [v for (_, v), low in zip(headers, lows) if low == name]
+
+
 def _listed_in_connection(headers: Headers) -> set[bytes]:
-    names: set[bytes] = set()
-    if type(headers) is HeaderList:
-        lows = headers.lows
-        if b"connection" not in lows:
-            return names
-        if lows.count(b"connection") == 1:
-            value = headers[lows.index(b"connection")][1]
-            return {t.strip().lower() for t in value.split(b",") if t.strip()}
-        pairs = [kv for kv, low in zip(headers, lows) if low == b"connection"]
-    else:
-        pairs = [kv for kv in headers if kv[0].lower() == b"connection"]
-    for _, value in pairs:
-        names.update(t.strip().lower() for t in value.split(b",") if t.strip())
-    return names
+    return {t.strip().lower() for value in values_of(headers, lower_names(headers), b"connection")
+            for t in value.split(b",") if t.strip()}
 
 
 def get(headers: Headers, name: bytes) -> bytes | None:
     """First value of a header (name given in lower case)."""
-    if type(headers) is HeaderList:
-        lows = headers.lows
-        return headers[lows.index(name)][1] if name in lows else None
-    for k, v in headers:
-        if k.lower() == name:
-            return v
-    return None
+    lows = lower_names(headers)
+    return headers[lows.index(name)][1] if name in lows else None
 
 
 def has_token(headers: Headers, name: bytes, token: bytes) -> bool:
     """Whether a comma-separated header (e.g. Connection) lists `token`."""
-    if type(headers) is HeaderList:
-        lows = headers.lows
-        if name not in lows:
-            return False
-        if lows.count(name) == 1:
-            v = headers[lows.index(name)][1]
-            return any(t.strip().lower() == token for t in v.split(b","))
-    for k, v in headers:
-        if k.lower() == name and any(t.strip().lower() == token for t in v.split(b",")):
-            return True
-    return False
+    return any(t.strip().lower() == token
+               for v in values_of(headers, lower_names(headers), name) for t in v.split(b","))
 
 
 def upstream_request_headers(client: Headers, host: bytes, body_len: int,
@@ -105,10 +92,7 @@ def upstream_request_headers(client: Headers, host: bytes, body_len: int,
     if static:
         drop = drop | {k.lower() for k, _ in static}
     out = [(b"Host", host)]
-    if type(client) is HeaderList:
-        out += [kv for kv, low in zip(client, client.lows) if low not in drop]
-    else:
-        out.extend((k, v) for k, v in client if k.lower() not in drop)
+    out += [kv for kv, low in zip(client, lower_names(client)) if low not in drop]
     out.extend(static)
     if auth is not None:
         out.append(auth)
@@ -136,11 +120,8 @@ def client_response(status: int, reason: bytes, upstream: Headers, request_id: b
     drop = (_NOT_DOWNSTREAM_NO_LENGTH if no_length else _NOT_DOWNSTREAM) | _listed_in_connection(
         upstream)
     lines = [b"HTTP/1.1 %d %s" % (status, reason)]
-    if type(upstream) is HeaderList:
-        lines += [k + b": " + v for (k, v), low in zip(upstream, upstream.lows)
-                  if low not in drop]
-    else:
-        lines += [k + b": " + v for k, v in upstream if k.lower() not in drop]
+    lines += [k + b": " + v for (k, v), low in zip(upstream, lower_names(upstream))
+              if low not in drop]
     if chunked:
         lines.append(b"Transfer-Encoding: chunked")
     lines.append(b"X-Request-Id: " + request_id)

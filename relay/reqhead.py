@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 
 from relay.errors import RelayError
-from relay.headers import HeaderList
+from relay.headers import lower_names
 
 _HEAD_END = re.compile(rb"\n\r?\n")
 _FOLD = re.compile(rb"\n[ \t]")
@@ -43,7 +43,7 @@ def framing_error(headers, http11: bool) -> RelayError | None:
     """The refusal for a head whose body framing is ambiguous or unsupported, else None."""
     te: list[bytes] = []
     cl: list[bytes] = []
-    lows = headers.lows if type(headers) is HeaderList else [k.lower() for k, _ in headers]
+    lows = lower_names(headers)
     if b"transfer-encoding" not in lows and lows.count(b"content-length") <= 1:
         if b"content-length" in lows:  # the usual head: one Content-Length, looked at alone
             cl.append(headers[lows.index(b"content-length")][1])
