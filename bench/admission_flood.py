@@ -168,7 +168,7 @@ id = "bench"
 sha256 = "{hashlib.sha256(SECRET.encode()).hexdigest()}"
 """)
     logs = open(Path(tmp, "out.log"), "wb")
-    sim = subprocess.Popen([sys.executable, "-m", "relay.sim", "--port", str(sim_port)],
+    sim = subprocess.Popen([sys.executable, "-m", "relay.sim.server", "--port", str(sim_port)],
                            cwd=args.root, env=env, stdout=logs, stderr=logs)
     wait_port(sim_port)  # before the relay's first health probe
     relay = subprocess.Popen([sys.executable, "-m", "relay", "serve", "--config", str(cfg)],

@@ -21,9 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from relay import pg_sql  # noqa: E402
+from relay.store import pg_sql  # noqa: E402
 from tests.pg_server import PgServer, find_bin  # noqa: E402
-
 
 
 def _p50(conn, sql: str, params, calls: int, after=None) -> float:

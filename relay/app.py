@@ -3,100 +3,33 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
-from relay import settle
-from relay.auth import Auth
-from relay.budget import Budgets, window_bounds
-from relay.client import LINGER_S, ClientConn
-from relay.config import Config, ConfigError, UpstreamConfig, parse_target_url
-from relay.cors import Cors
-from relay.deadlines import Deadlines
-from relay.dispatch import Dispatcher
+from relay import reload
+from relay.config import Config, ConfigError
 from relay.errors import shutting_down
-from relay.health import Health, probe_once
-from relay.log import Log
-from relay.metrics import Registry, UpstreamMetrics
-from relay.routing import Router
-from relay.slots import SlotPool
-from relay.stall import StallPolicy
-from relay.store import Store
-from relay.target import Target
-from relay.tls import client_context
-from relay.ui_state import Recent, Trend
-from relay.upstream import Pool
-from relay.upstream_headers import fixed_headers
-
-# An idle pooled connection to an https upstream (a hosted API keeps one open for minutes,
-# and a new one costs a TLS handshake) is kept this long unless `keepalive_s` says otherwise.
-TLS_KEEPALIVE_S = 60.0
-
-
-def upstream_auth(cfg: UpstreamConfig) -> tuple[bytes, bytes] | None:
-    """The header the upstream wants, its value read from the environment (never the file)."""
-    if not cfg.auth_header:
-        return None
-    value = os.environ.get(cfg.auth_value_env or "")
-    if value is None:
-        raise ConfigError(f"upstream.{cfg.name}.auth_value_env: environment variable "
-                          f"{cfg.auth_value_env} is not set")
-    return cfg.auth_header.encode(), value.encode()
-
-
-def upstream_tls(cfg: UpstreamConfig, target: Target):
-    """The TLS context of an https upstream (None for http); ConfigError naming ca_file."""
-    if not target.tls:
-        return None
-    try:
-        return client_context(cfg.verify, cfg.ca_file)
-    except (OSError, ValueError) as exc:  # (ssl.SSLError is an OSError)
-        raise ConfigError(f"upstream.{cfg.name}.ca_file: cannot load {cfg.ca_file!r}: "
-                          f"{getattr(exc, 'strerror', None) or exc}") from None
-
-
-def upstream_keepalive(cfg: UpstreamConfig, target: Target, keepalive_s: float) -> float:
-    """How long an idle pooled connection is kept: `keepalive_s` of the upstream, else
-    `[dispatcher].upstream_keepalive_s`, raised to TLS_KEEPALIVE_S for https (unless 0)."""
-    if cfg.keepalive_s is not None:
-        return cfg.keepalive_s
-    if target.tls and keepalive_s > 0:
-        return max(keepalive_s, TLS_KEEPALIVE_S)
-    return keepalive_s
-
-
-class Upstream:
-    def __init__(self, cfg: UpstreamConfig, keepalive_s: float, prewarm: bool = False,
-                 connect_timeout_s: float = 5.0) -> None:
-        self.cfg = cfg
-        self.name = cfg.name
-        self.target = parse_target_url(cfg.url)
-        self.host, self.port = self.target.host, self.target.port
-        self.host_header = self.target.host_header
-        self.tls = upstream_tls(cfg, self.target)
-        self.pool = Pool(self.host, self.port, upstream_keepalive(cfg, self.target, keepalive_s),
-                         prewarm, connect_timeout_s, self.tls)
-        self.slots = SlotPool(cfg.parallel, cfg.queue)
-        self.health = Health()
-        self.metrics = UpstreamMetrics(cfg.name, cfg.parallel)
-        self.auth = upstream_auth(cfg)
-        self.static = fixed_headers(cfg.headers)  # sent with every request
-        self.probe_task: asyncio.Task | None = None
-
-    @property
-    def state(self) -> str:
-        return self.health.state(self.slots.in_flight)
-
-    def refresh_metrics(self) -> None:
-        m = self.metrics
-        m.state, m.in_flight, m.queued = self.state, self.slots.in_flight, self.slots.queued
+from relay.observe.log import Log
+from relay.observe.metrics import Registry
+from relay.observe.ui_state import Recent, Trend
+from relay.policy.budget import Budgets, window_bounds
+from relay.policy.cors import Cors
+from relay.policy.keys import Auth
+from relay.policy.routing import Router
+from relay.proxy import settle
+from relay.proxy.client import LINGER_S, ClientConn
+from relay.proxy.dispatch import Dispatcher
+from relay.proxy.health import probe_once
+from relay.proxy.upstreams import Upstream
+from relay.store.sqlite import Store
+from relay.stream.deadlines import Deadlines
+from relay.stream.stall import StallPolicy
 
 
 def make_store(config: Config, log: Log):
     """SQLite (`[store].path`), or PostgreSQL shared by several relays (`[store].url`)."""
     if config.store.url is None:
         return Store(config.store.path, retention_days=config.store.retention_days, log=log)
-    from relay.store_pg import PgStore
+    from relay.store.postgres import PgStore
 
     return PgStore.configured(config.store, log)
 
@@ -187,10 +120,8 @@ class App:
             self.budgets.restore(key_id, kind, requests, tokens, now)
 
     def reload(self, config: Config) -> dict:
-        """Apply a new configuration (SIGHUP): see relay/reload.py."""
-        from relay.reload import apply
-
-        return apply(self, config)
+        """Apply a new configuration (SIGHUP): see `relay.reload`."""
+        return reload.apply(self, config)
 
     async def stop(self, drain_timeout_s: float | None = None) -> None:
         """Stop accepting, refuse the queue, let in-flight requests finish (bounded), flush

@@ -46,7 +46,7 @@ def build_config(args, sim_url: str | None = None):
 
 async def _serve(args) -> int:
     from relay.app import App
-    from relay.log import Log
+    from relay.observe.log import Log
 
     log = Log()
     # what asyncio would print as text (a callback's exception, ...) is a JSON line too
@@ -56,7 +56,7 @@ async def _serve(args) -> int:
     sim = None
     sim_url = None
     if args.demo:
-        from relay.sim import SimDefaults, Simulator
+        from relay.sim.server import SimDefaults, Simulator
 
         sim = Simulator(defaults=SimDefaults(interval_ms=40.0, tokens=24))
         await sim.start()
@@ -123,11 +123,11 @@ def run(coro) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "sim":
-        from relay import sim
+        from relay.sim import server as sim
 
         return sim.main(argv[1:])
     if argv and argv[0] == "report":
-        from relay import report
+        from relay.report import summary as report
 
         return report.main(argv[1:])
     from relay import __version__
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return run(_serve(args))
         except ConfigError as exc:
-            from relay.log import Log
+            from relay.observe.log import Log
 
             Log().event("config_error", error=str(exc))
             return 2

@@ -7,14 +7,16 @@ time with small bounds; everything read from a file or the command line goes thr
 
 from __future__ import annotations
 
+import os
 import tomllib
 from typing import Annotated
+from urllib.parse import parse_qsl, urlsplit
 
 import msgspec
 from msgspec import Meta, Struct
 
-from relay.target import Target, TargetError, parse_target
-from relay.upstream_headers import check_static_headers
+from relay.http.to_upstream import check_static_headers
+from relay.http.upstream_url import Target, TargetError, parse_target
 
 Seconds = Annotated[float, Meta(ge=0.001, le=86400.0)]
 Port = Annotated[int, Meta(ge=0, le=65535)]
@@ -67,7 +69,7 @@ class UpstreamConfig(Struct, forbid_unknown_fields=True, kw_only=True):
         msgspec.field(default_factory=dict)
     auth_header: str | None = None
     auth_value_env: str | None = None
-    # https upstreams (relay/tls.py): verify against the system store or ca_file (PEM)
+    # https upstreams (`http.tls`): verify against the system store or ca_file (PEM)
     verify: bool = True
     ca_file: str | None = None
     headers: dict[str, str] = msgspec.field(default_factory=dict)  # static, never secrets
@@ -116,7 +118,7 @@ class ConfigError(ValueError):
 
 
 def parse_target_url(url: str) -> Target:
-    """An `[[upstream]].url` -> Target (relay/target.py); ConfigError naming the URL."""
+    """An `[[upstream]].url` -> Target (`http.upstream_url`); ConfigError naming the URL."""
     try:
         return parse_target(url)
     except TargetError as exc:
@@ -184,10 +186,8 @@ def check_store(cfg: StoreConfig, raw: dict) -> None:
         return
     if "path" in raw:
         raise ConfigError("store: give either path (SQLite) or url (PostgreSQL), not both")
-    from relay.pg_url import PgUrlError, check_url
-
     try:
-        check_url(cfg.url)
+        check_pg_url(cfg.url)
     except PgUrlError as exc:
         raise ConfigError(f"store.url: {exc}") from None
 
@@ -211,3 +211,49 @@ def load_config(path: str) -> dict:
         raise ConfigError(f"cannot read config {path!r}: {exc.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config {path!r}: {exc}") from None
+
+
+# ---- `[store].url`: a PostgreSQL URL checked before anything connects, and how it connects.
+# The password never sits in the file: a URL carrying one (`user:secret@host` or
+# `?password=`) is refused, and `[store].password_env` names the environment variable that
+# holds it. Everything else is libpq's (host, port, dbname, sslmode, ... and the PG*
+# environment variables), since psycopg hands the URL to libpq as it is.
+
+PG_SCHEMES = ("postgresql", "postgres")
+
+
+class PgUrlError(ValueError):
+    pass
+
+
+def is_pg_url(text: str | None) -> bool:
+    return bool(text) and text.split("://", 1)[0].lower() in PG_SCHEMES and "://" in text
+
+
+def check_pg_url(url: str) -> None:
+    """PgUrlError unless `url` is a postgresql:// URL without a password in it."""
+    if not is_pg_url(url):
+        raise PgUrlError("must be a postgresql:// (or postgres://) URL")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - a bad port raises here
+    except ValueError as exc:
+        raise PgUrlError(f"not a valid URL ({exc})") from None
+    netloc = parts.netloc.rpartition("@")[0]
+    if ":" in netloc:
+        raise PgUrlError("must not carry a password: name an environment variable in "
+                         "store.password_env instead")
+    if any(k.lower() == "password" for k, _ in parse_qsl(parts.query)):
+        raise PgUrlError("must not carry password=: name an environment variable in "
+                         "store.password_env instead")
+
+
+def pg_connect_kwargs(url: str, password_env: str | None, environ=os.environ) -> dict:
+    """psycopg.connect(**kwargs): the URL, and the password read from the environment.
+    KeyError naming the variable if it is not set."""
+    kw: dict = {"conninfo": url}
+    if password_env:
+        if password_env not in environ:
+            raise KeyError(password_env)
+        kw["password"] = environ[password_env]
+    return kw

@@ -23,13 +23,19 @@ from __future__ import annotations
 import sqlite3
 import time
 
-from relay.auth import Auth
-from relay.budget import window_bounds
-from relay.cors import Cors
 from relay.config import Config, ConfigError
-from relay.routing import Router
-from relay.stall import StallPolicy
-
+from relay.http.to_upstream import fixed_headers
+from relay.policy.budget import window_bounds
+from relay.policy.cors import Cors
+from relay.policy.keys import Auth
+from relay.policy.routing import Router
+from relay.proxy.upstreams import (
+    Upstream,
+    upstream_auth,
+    upstream_keepalive,
+    upstream_tls,
+)
+from relay.stream.stall import StallPolicy
 
 RESTORE_FLUSH_S = 2.0
 
@@ -55,8 +61,6 @@ def restored_usage(app, windows: list[tuple[str, str]], now: float) -> dict:
 
 def apply(app, new: Config) -> dict:
     """Apply `new` to `app`, or raise ConfigError leaving it as it was; a summary."""
-    from relay.app import Upstream, upstream_auth, upstream_keepalive, upstream_tls
-    from relay.upstream_headers import fixed_headers
 
     old = app.config
     for what, a, b in (("server.host", old.server.host, new.server.host),

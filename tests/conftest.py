@@ -4,9 +4,15 @@ import socket
 import pytest
 
 from relay.app import App
-from relay.config import Config, DispatcherConfig, ServerConfig, StoreConfig, UpstreamConfig
-from relay.log import quiet
-from relay.sim import Simulator
+from relay.config import (
+    Config,
+    DispatcherConfig,
+    ServerConfig,
+    StoreConfig,
+    UpstreamConfig,
+)
+from relay.observe.log import quiet
+from relay.sim.server import Simulator
 
 
 @pytest.fixture

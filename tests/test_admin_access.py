@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from relay.access import is_loopback, is_relay_admin, is_upstream_admin
+from relay.policy.admin_access import is_loopback, is_relay_admin, is_upstream_admin
 from tests import httpc
 from tests.test_keys_budgets import ADMIN, SECRET, bearer, key, sha
 
@@ -36,7 +36,7 @@ ADMIN_UPSTREAM = [("POST", "/props"), ("POST", "/slots/0?action=erase"),
 
 
 def test_upstream_admin_paths():
-    from relay.paths import normalize
+    from relay.http.request_path import normalize
     for method, target in ADMIN_UPSTREAM:
         assert is_upstream_admin(method.encode(), normalize(target.encode())), target
     for method, target in [("GET", "/props"), ("GET", "/lora-adapters"), ("GET", "/models"),

@@ -9,7 +9,7 @@ import types
 import pytest
 
 from bench import framings, load
-from relay.sim import Simulator
+from relay.sim.server import Simulator
 
 
 def _args(extra: list[str]):

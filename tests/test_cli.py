@@ -8,7 +8,6 @@ import sys
 
 from tests import httpc
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from relay import __version__, cli
-from relay.record import MAX_AGENT_CHARS
+from relay.observe.record import MAX_AGENT_CHARS
 from tests import httpc
 from tests.conftest import wait_for
 
@@ -46,9 +46,11 @@ def test_sim_help_documents_every_knob():
                           ("--head-delay-ms", "0.0"), ("--model", "models/tiny.gguf")):
         assert flag in flat and f"default {default}" in flat, flag
     assert flat.count("milliseconds") >= 3
-    from relay import sim_plan
     import inspect
-    src = inspect.getsource(sim_plan) + inspect.getsource(__import__("relay.sim").sim)
+
+    from relay.sim import plan as sim_plan
+    from relay.sim import server as sim_server
+    src = inspect.getsource(sim_plan) + inspect.getsource(sim_server)
     knobs = set(re.findall(r'(?:sim|knobs)\.get\("([a-z_]+)"', src))
     assert knobs >= {"tokens", "interval_ms", "stall_after", "drop_after", "status"}
     for knob in knobs:

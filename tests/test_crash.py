@@ -4,10 +4,10 @@ has exactly one row, and a key cannot make more requests than its limit."""
 import asyncio
 import json
 import signal
-import time
 import sqlite3
+import time
 
-from relay.sim import Simulator
+from relay.sim.server import Simulator
 from tests import httpc
 from tests.conftest import wait_for
 from tests.test_cli import start, wait_listening
@@ -95,8 +95,8 @@ async def test_kill_9_after_a_burst_loses_no_admitted_request(tmp_path):
 
 
 async def test_admission_is_replaced_by_its_row_and_recovered_after_a_crash(tmp_path):
-    from relay.record import Record
-    from relay.store import Store
+    from relay.observe.record import Record
+    from relay.store.sqlite import Store
 
     db = str(tmp_path / "a.db")
     store = Store(db)
@@ -198,8 +198,8 @@ async def test_a_relay_that_cannot_listen_does_not_touch_the_database(tmp_path):
     import errno
 
     from relay.app import App
-    from relay.log import quiet
-    from relay.store import StoreLocked
+    from relay.observe.log import quiet
+    from relay.store.sqlite import StoreLocked
 
     sim = Simulator()
     await sim.start()

@@ -8,7 +8,7 @@ import json
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from relay.chunked import frame
+from relay.http.chunked import frame
 from tests import httpc
 from tests.conftest import wait_for
 from tests.fakeup import Scripted
@@ -255,7 +255,7 @@ async def test_flm_usage_figures_are_exposed(make_relay):
 
 async def test_metrics_keyed_by_each_upstream(make_relay, sim):
     from relay.config import UpstreamConfig
-    from relay.sim import Simulator
+    from relay.sim.server import Simulator
 
     other = Simulator()
     await other.start()

@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from relay.config import UpstreamConfig
-from relay.sim import Simulator
+from relay.sim.server import Simulator
 from tests import httpc
 from tests.conftest import closed_port, wait_for
 

@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from relay import sim_frames as F
 from relay.config import KeyConfig, UpstreamConfig
+from relay.sim import frames as F
 from tests import httpc
 from tests.conftest import wait_for
 from tests.fakeup import Scripted

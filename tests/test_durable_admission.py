@@ -7,9 +7,9 @@ import asyncio
 import sqlite3
 import time
 
-from relay.dispatch import ADMIT_WAIT_S
-from relay.record import Record
-from relay.store import Store
+from relay.observe.record import Record
+from relay.proxy.dispatch import ADMIT_WAIT_S
+from relay.store.sqlite import Store
 from tests import httpc
 from tests.conftest import wait_for
 from tests.test_keys_budgets import bearer, key

@@ -58,7 +58,7 @@ def _unanswering_listener() -> tuple[socket.socket, list[socket.socket]]:
 
 
 async def test_connect_deadline_and_an_outside_cancel_are_told_apart():
-    from relay.upstream import ConnectError, Pool
+    from relay.proxy.pool import ConnectError, Pool
 
     lsock, fillers = _unanswering_listener()
     pool = Pool("127.0.0.1", lsock.getsockname()[1], keepalive_s=5.0)

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from relay import sim_frames as F
 from relay.config import KeyConfig, UpstreamConfig
-from relay.sim import SimDefaults, Simulator
+from relay.sim import frames as F
+from relay.sim.server import SimDefaults, Simulator
 from tests import httpc
 from tests.conftest import closed_port, wait_for
 from tests.fakeup import Scripted

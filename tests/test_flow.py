@@ -3,7 +3,7 @@
 import asyncio
 import socket
 
-from relay.client import WRITE_HIGH_WATER
+from relay.proxy.client import WRITE_HIGH_WATER
 from tests import httpc
 from tests.conftest import wait_for
 

@@ -28,9 +28,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from relay.app import App
-from relay.config import Config, DispatcherConfig, ServerConfig, StoreConfig, UpstreamConfig
-from relay.log import quiet
-from relay.sim import Simulator
+from relay.config import (
+    Config,
+    DispatcherConfig,
+    ServerConfig,
+    StoreConfig,
+    UpstreamConfig,
+)
+from relay.observe.log import quiet
+from relay.sim.server import Simulator
 
 CHAT = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
                    "max_tokens": 1, "stream": False}).encode()

@@ -15,8 +15,8 @@ import json
 
 import pytest
 
-from relay import sim_frames as F
 from relay.config import UpstreamConfig
+from relay.sim import frames as F
 from tests import httpc
 from tests.conftest import closed_port, wait_for
 from tests.fakeup import Scripted

@@ -13,10 +13,10 @@ from datetime import datetime, timezone
 
 import pytest
 
-import relay.dispatch
-import relay.settle
-from relay.budget import Budgets, BudgetExceeded, window_bounds
+import relay.proxy.dispatch
+import relay.proxy.settle
 from relay.config import KeyConfig, UpstreamConfig
+from relay.policy.budget import BudgetExceeded, Budgets, window_bounds
 from tests import httpc
 from tests.conftest import wait_for
 
@@ -76,7 +76,7 @@ def budget_error(limit: str, used: int, limit_value: int, resets_at: float) -> d
 
 
 class Clock:
-    """A settable wall clock for relay.dispatch and relay.settle (perf_counter / monotonic
+    """A settable wall clock for relay.proxy.dispatch and relay.proxy.settle (perf_counter / monotonic
     stay real)."""
 
     def __init__(self, t: float) -> None:
@@ -85,8 +85,8 @@ class Clock:
     def install(self, monkeypatch) -> "Clock":
         fake = types.SimpleNamespace(time=lambda: self.t, perf_counter=time.perf_counter,
                                      monotonic=time.monotonic)
-        monkeypatch.setattr(relay.dispatch, "time", fake)
-        monkeypatch.setattr(relay.settle, "time", fake)
+        monkeypatch.setattr(relay.proxy.dispatch, "time", fake)
+        monkeypatch.setattr(relay.proxy.settle, "time", fake)
         return self
 
 

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from relay.metrics import Registry, UpstreamMetrics
+from relay.observe.metrics import Registry, UpstreamMetrics
 
 
 def tokens_0_to_9(m: UpstreamMetrics) -> None:

@@ -8,7 +8,7 @@ import json
 import os
 import shutil
 
-from relay.sim import Simulator
+from relay.sim.server import Simulator
 from tests.conftest import wait_for
 from tests.pg_relays import Relay, chat, config
 from tests.pg_server import PASSWORD, PASSWORD_ENV

@@ -6,7 +6,7 @@ import collections
 import json
 import signal
 
-from relay.sim import Simulator
+from relay.sim.server import Simulator
 from tests import httpc
 from tests.conftest import wait_for
 from tests.pg_relays import CHAT, Relay, chat, config, headers

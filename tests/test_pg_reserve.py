@@ -7,12 +7,11 @@ import time
 
 import pytest
 
-from relay import pg_sql
-from relay.budget import Budgets
-from relay.config import KeyConfig
-from relay.pg_budget import SharedBudget, Unavailable
-from relay.pg_url import connect_kwargs
-from relay.record import Record
+from relay.config import KeyConfig, pg_connect_kwargs
+from relay.observe.record import Record
+from relay.policy.budget import Budgets
+from relay.store import pg_sql
+from relay.store.pg_budget import SharedBudget, Unavailable
 from tests.pg_server import PASSWORD_ENV
 
 
@@ -28,7 +27,7 @@ def db(pg_server):
 
 
 def _shared(pg_server, db: str, relay_id: str, ttl: float = 30.0) -> SharedBudget:
-    return SharedBudget(connect_kwargs(pg_server.url(db), PASSWORD_ENV), relay_id, ttl)
+    return SharedBudget(pg_connect_kwargs(pg_server.url(db), PASSWORD_ENV), relay_id, ttl)
 
 
 def _ask(shared: SharedBudget, budgets: Budgets, lease: str, tokens: int = 10):
@@ -106,7 +105,7 @@ async def test_an_unreachable_server_fails_fast_then_is_tried_again(pg_server, d
     with pytest.raises(Unavailable, match="retrying shortly"):  # no new attempt yet
         await _ask(shared, _budgets(requests_per_day=2), "x2")
     assert time.monotonic() - t0 < 1.0 and shared.unavailable == 2
-    shared.kw = connect_kwargs(pg_server.url(db), PASSWORD_ENV)
+    shared.kw = pg_connect_kwargs(pg_server.url(db), PASSWORD_ENV)
     shared._down_until = 0.0
     assert await _ask(shared, _budgets(requests_per_day=2), "x3") is None
     await shared.close()
@@ -116,7 +115,7 @@ async def test_a_row_replaces_its_expired_leases_placeholder_and_is_never_double
         pg_server, db):
     import psycopg
 
-    from relay.store import COLUMNS
+    from relay.store.sqlite import COLUMNS
 
     late = _shared(pg_server, db, "late", ttl=0.05)
     assert await _ask(late, _budgets(requests_per_day=5), "late-1") is None

@@ -12,8 +12,10 @@ import types
 
 import pytest
 
-from relay import durable, pg_sql, store_pg
-from relay.budget import window_bounds
+from relay.policy.budget import window_bounds
+from relay.store import admissions as durable
+from relay.store import pg_sql
+from relay.store import postgres as store_pg
 
 BY_DAY = (f"SELECT key_id, floor(ts / 86400) * 86400 AS day,"
           f" sum(CASE WHEN {durable.CHARGED} THEN 1 ELSE 0 END),"

@@ -3,8 +3,8 @@ while it is down, and the probe runs every down_probe_interval_s (0.5 s) meanwhi
 
 import asyncio
 
-from relay.health import DOWN, READY, Health
-from relay.sim import Simulator
+from relay.proxy.health import DOWN, READY, Health
+from relay.sim.server import Simulator
 from tests import httpc
 from tests.conftest import closed_port, wait_for
 

@@ -3,8 +3,15 @@ import time
 
 import pytest
 
-from relay.report import aggregate, main, parse_since, percentile, render_table, summarize
-from relay.store import Store
+from relay.report.summary import (
+    aggregate,
+    main,
+    parse_since,
+    percentile,
+    render_table,
+    summarize,
+)
+from relay.store.sqlite import Store
 
 
 def row(model, upstream, ok=1, code=None, status=200, stream=1, queue=None, ttft=None,

@@ -11,8 +11,10 @@ import sqlite3
 
 import pytest
 
-from relay import benchview, gaps as G, report
-from relay.store import Store
+from relay.report import bench as benchview
+from relay.report import summary as report
+from relay.store.sqlite import Store
+from relay.stream import itl as G
 
 T0 = 1_790_000_000.0  # the window: [T0, T0 + 100]
 

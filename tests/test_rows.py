@@ -10,9 +10,9 @@ import socket
 import sqlite3
 import time
 
-from relay import report
 from relay.config import UpstreamConfig
-from relay.store import COLUMNS
+from relay.report import summary as report
+from relay.store.sqlite import COLUMNS
 from tests import httpc
 from tests.conftest import wait_for
 from tests.test_dispatch_slots import slow_client

@@ -88,7 +88,7 @@ async def test_sigterm_with_a_queue_on_a_relay_process(tmp_path):
     """The issue's run: 5 streams, 15 queued, drain 2 s, SIGTERM to a real relay process."""
     import signal
 
-    from relay.sim import Simulator
+    from relay.sim.server import Simulator
     from tests.test_cli import start, wait_listening
 
     sim = Simulator()
@@ -157,7 +157,7 @@ async def test_a_request_dispatched_in_the_drains_loop_pass_gets_an_answer_and_a
         make_relay, sim, tmp_path, monkeypatch):
     """SIGTERM handled in the same loop pass as a request's last bytes (the drain's first step
     runs before the request task's): the request is counted, answered 503, and has its row."""
-    from relay import client as C
+    from relay.proxy import client as C
 
     db = str(tmp_path / "relay.db")
     app = await make_relay(store=db)

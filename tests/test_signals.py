@@ -7,7 +7,7 @@ import json
 import signal
 import sqlite3
 
-from relay.sim import Simulator
+from relay.sim.server import Simulator
 from tests import httpc
 from tests.test_cli import start, wait_listening
 from tests.test_keys_budgets import OTHER_SECRET, SECRET, sha

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from relay import sim_frames as F
-from relay.sim import SimDefaults, Simulator
+from relay.sim import frames as F
+from relay.sim.server import SimDefaults, Simulator
 from tests import paths
 
 FIX = paths.FIXTURES
@@ -601,7 +601,7 @@ async def test_stop_closes_everything():
 
 
 def test_main_smoke():
-    code = "from relay.sim import main; raise SystemExit(main(['--port', '0', '--tokens', '3']))"
+    code = "from relay.sim.server import main; raise SystemExit(main(['--port', '0', '--tokens', '3']))"
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                          cwd=pathlib.Path(__file__).resolve().parents[1])
     try:

@@ -10,11 +10,11 @@ import types
 
 import pytest
 
-from relay import sim_frames as F
-from relay.sim_gen import Gen
-from relay.sim_plan import make_plan
-from relay.sim import SimDefaults
-from relay.sim_shapes import OBF_MAX
+from relay.sim import frames as F
+from relay.sim.gen import Gen
+from relay.sim.plan import make_plan
+from relay.sim.server import SimDefaults
+from relay.sim.shapes import OBF_MAX
 from tests.test_sim import CHAT, events, hval, stream
 
 ENVELOPE = {"vllm": ["id", "object", "created", "model", "choices"],
@@ -132,7 +132,7 @@ def test_bad_knob_values_fall_back_to_the_defaults():
 @pytest.mark.parametrize("argv", [["--events-per-chunk", "0"], ["--chunks-per-write", "5000"],
                                   ["--shape", "sglang"]])
 def test_the_command_line_refuses_bad_framing_flags(argv, capsys):
-    from relay.sim import main
+    from relay.sim.server import main
     with pytest.raises(SystemExit) as e:
         main(["--port", "0", *argv])
     assert e.value.code == 2 and argv[0] in capsys.readouterr().err

@@ -3,7 +3,6 @@
 import asyncio
 import json
 
-
 from tests import httpc
 
 TAIL = b"data: [DONE]\n\n"

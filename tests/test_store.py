@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from relay.store import COLUMNS, Store
+from relay.store.sqlite import COLUMNS, Store
 
 DAY = 86400.0
 BASE = float(int(time.time()) - 3600)  # recent: inside the default 30-day retention
@@ -302,7 +302,7 @@ def test_start_reports_an_unopenable_path(tmp_path):
 
 def test_interpreter_exit_without_close_still_writes_rows(db):
     script = (
-        "import sys; from relay.store import Store\n"
+        "import sys; from relay.store.sqlite import Store\n"
         "s = Store(sys.argv[1], flush_interval_s=60.0); s.start()\n"
         "for i in range(1000): s.put({'ts': 1e9 + i, 'request_id': str(i)})\n"
     )

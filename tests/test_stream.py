@@ -6,10 +6,9 @@ import re
 
 import pytest
 
-from relay.chunked import frame
-from tests import httpc
+from relay.http.chunked import frame
+from tests import httpc, paths
 from tests.fakeup import Scripted, response_of
-from tests import paths
 
 FIXTURES = paths.FIXTURES
 

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from relay import gaps as G
-from relay.store import ADDED, COLUMNS, Store
-from relay.timing import tpot_ms
+from relay.observe.row_timings import tpot_ms
+from relay.store.sqlite import ADDED, COLUMNS, Store
+from relay.stream import itl as G
 from tests import httpc
 from tests.test_rows import CHAT, one_row, rid_header
 
@@ -155,8 +155,8 @@ async def test_first_byte_before_ttft_with_heartbeats(make_relay):
 
 def test_no_tpot_from_a_reservation():
     """A row charged its reservation (usage unknown) has no token count to divide by."""
-    from relay.record import Record
-    from relay.timing import fill
+    from relay.observe.record import Record
+    from relay.observe.row_timings import fill
 
     for source, want in (("exact", 100.0), ("approx", 100.0), ("reserved", None)):
         rec = Record(ts=0.0, request_id="r", path=CHAT, status=200, total_ms=1000.0,

@@ -16,7 +16,7 @@ import types
 import pytest
 
 from relay.config import ConfigError, UpstreamConfig
-from relay.sim import SimDefaults, Simulator
+from relay.sim.server import SimDefaults, Simulator
 from tests import httpc, paths
 from tests.conftest import wait_for
 from tests.fakeup import Scripted, response_of
@@ -388,7 +388,7 @@ async def test_openai_client_through_relay_to_tls_upstream(make_relay, pki, tls_
 
 # ---- backpressure holds over TLS too --------------------------------------------------------
 async def test_slow_reader_pauses_the_tls_upstream(make_relay, pki, tls_sim):
-    from relay.client import WRITE_HIGH_WATER
+    from relay.proxy.client import WRITE_HIGH_WATER
     from tests.test_flow import READ_SIZE, paused_stream, settled
 
     app = await make_relay(upstreams=[remote(tls_sim.url, pki)])

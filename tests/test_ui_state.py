@@ -6,10 +6,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from relay import ui
-from relay.metrics import Registry, UpstreamMetrics
-from relay.record import Record
-from relay.ui_state import Recent, Trend, budgets, tokens_per_s
+from relay.observe import ui_page as ui
+from relay.observe.metrics import Registry, UpstreamMetrics
+from relay.observe.record import Record
+from relay.observe.ui_state import Recent, Trend, budgets, tokens_per_s
 from tests import httpc
 from tests.test_admin_access import OWN, _fetch
 from tests.test_keys_budgets import ADMIN, SECRET, bearer, key, sha

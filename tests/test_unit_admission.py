@@ -5,12 +5,12 @@ import json
 import msgspec
 import pytest
 
-from relay import admission as A
-from relay import reqhead
-from relay.auth import Auth
-from relay.bodies import BodyBytes
 from relay.config import KeyConfig
 from relay.errors import RelayError
+from relay.http import request_framing as reqhead
+from relay.policy import admission as A
+from relay.policy.keys import Auth
+from relay.proxy.body_memory import BodyBytes
 
 H = [(b"Host", b"a")]
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from relay import chunked
-from relay.chunked import LAST_CHUNK, ChunkError, ChunkTracker, frame
+from relay.http import chunked
+from relay.http.chunked import LAST_CHUNK, ChunkError, ChunkTracker, frame
 from tests import paths
 
 FIXTURES = str(paths.FIXTURES)
@@ -410,7 +410,7 @@ def test_close_with_after_done_adds_nothing():
 
 
 def test_close_with_stall_frame_ends_half_sent_line():
-    from relay.stall import stall_frame
+    from relay.stream.stall import stall_frame
 
     ev = b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'
     t = ChunkTracker()

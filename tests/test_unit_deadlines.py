@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from relay.deadlines import Deadlines
-from relay.stall import StallPolicy
+from relay.stream.deadlines import Deadlines
+from relay.stream.stall import StallPolicy
 
 
 class FakeLoop:

@@ -19,13 +19,15 @@ import types
 
 import pytest
 
-from relay import framing, sim_frames as F
-from relay import exchange as X
-from relay.chunked import SIZE, ChunkTracker
-from relay.fastpath import events_in, learn, size_line
-from relay.gaps import Gaps
-from relay.sse import SseScanner, is_meta
-from relay.usage import stream_usage
+from relay.http import response_framing as framing
+from relay.http.chunked import SIZE, ChunkTracker
+from relay.proxy import exchange as X
+from relay.sim import frames as F
+from relay.stream import endings as E
+from relay.stream.fastpath import events_in, learn, size_line
+from relay.stream.itl import Gaps
+from relay.stream.sse import SseScanner, is_meta
+from relay.stream.usage import stream_usage
 
 TOKEN = (b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"Hi"}}],'
          b'"created":1764000000,"id":"chatcmpl-x","model":"m","system_fingerprint":"b1",'
@@ -147,7 +149,7 @@ def test_streams_whose_events_start_alike_share_one_prefix_and_its_heads():
     same for every stream (the id comes after the text), so its streams share the prefix and
     the size-line+prefix strings; vLLM's/OpenAI's start with the stream's id, each its own.
     The split around a varying value is made only when a read needs it."""
-    from relay import fastpath
+    from relay.stream import fastpath
 
     fastpath._SHARED.clear()  # (what earlier tests' streams left there)
     one = shape_of(TOKEN)
@@ -357,7 +359,7 @@ def test_whole_streams_give_the_same_bytes_tokens_usage_and_gaps_either_way(fram
         assert fast == ref and none == 0
         fast_tokens[n % 2] += taken
         all_tokens[n % 2] += tokens
-        assert fast[0] == body and fast[1] == tokens and fast[-1] == X.DONE
+        assert fast[0] == body and fast[1] == tokens and fast[-1] == E.DONE
         if framing_[2] or framing_[1] == "llama":  # usage (or llama-server's timings) read
             assert fast[2] is not None and fast[2].completion_tokens == tokens
     assert fast_tokens[0] > all_tokens[0] / 2 and fast_tokens[1] > all_tokens[1] / 2  # (it ran)

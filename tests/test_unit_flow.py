@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from relay.flow import ClientFlow
+from relay.stream.client_flow import ClientFlow
 
 
 class Loop:

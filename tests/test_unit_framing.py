@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from relay.framing import (CHUNK, CHUNKED, DECHUNK, EMPTY, LENGTH, PASS, UNTIL_CLOSE,
-                           FramingError, carriage, client_chunked, self_delimited,
-                           upstream_body)
+from relay.http.response_framing import (
+    CHUNK,
+    CHUNKED,
+    DECHUNK,
+    EMPTY,
+    LENGTH,
+    PASS,
+    UNTIL_CLOSE,
+    FramingError,
+    carriage,
+    client_chunked,
+    self_delimited,
+    upstream_body,
+)
 
 TE_CHUNKED = [(b"Transfer-Encoding", b"chunked")]
 CL = lambda n: [(b"Content-Length", n)]  # noqa: E731
@@ -112,8 +123,16 @@ def test_end_to_end_decision(method, status, headers, http11, want):
 
 
 def test_closing_bytes_for_each_carriage():
-    from relay.chunked import ChunkTracker
-    from relay.framing import CHUNK, CHUNKED, DECHUNK, LENGTH, PASS, UNTIL_CLOSE, closing_bytes
+    from relay.http.chunked import ChunkTracker
+    from relay.http.response_framing import (
+        CHUNK,
+        CHUNKED,
+        DECHUNK,
+        LENGTH,
+        PASS,
+        UNTIL_CLOSE,
+        closing_bytes,
+    )
 
     t = ChunkTracker()
     t.feed(b"5\r\nhel")  # the client is inside a 5-byte chunk: 2 bytes owed

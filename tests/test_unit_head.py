@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import h11
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from relay import framing
-from relay.head import MAX_HEAD, BadHead, HeadReader, parse_response_head
-from relay.headers import client_response
+from relay.http import response_framing as framing
+from relay.http.response_head import MAX_HEAD, BadHead, HeadReader, parse_response_head
+from relay.http.to_client import client_response
 
 SETTINGS = settings(max_examples=500, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

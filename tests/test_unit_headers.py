@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import h11
 
-from relay.headers import (HOP_BY_HOP, client_response, get, has_token, relay_response,
-                           upstream_request_headers)
+from relay.http.fields import HOP_BY_HOP, get, has_token
+from relay.http.to_client import client_response, relay_response
+from relay.http.to_upstream import upstream_request_headers
 
 CLIENT = [
     (b"Host", b"relay.example:8080"),

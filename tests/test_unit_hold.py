@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from relay import hold as H
-from relay.chunked import frame
+from relay.http.chunked import frame
+from relay.stream import content_hold as H
 
 
 class FakeLoop:

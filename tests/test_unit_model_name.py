@@ -6,9 +6,10 @@ import json
 
 import msgspec
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from relay.model_name import NotJson, model_spans, served_name, with_model
+from relay.policy.model_map import NotJson, model_spans, served_name, with_model
 
 
 def test_plain_body():

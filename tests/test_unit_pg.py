@@ -6,14 +6,21 @@ import zlib
 
 import pytest
 
-from relay import spill
-from relay.budget import BudgetExceeded, Budgets, window_bounds
-from relay.config import ConfigError, KeyConfig, parse_config
-from relay.metrics import Registry
-from relay.pg_budget import decision, reserve_params
-from relay.pg_sql import portable
-from relay.pg_url import PgUrlError, check_url, connect_kwargs, is_url
-from relay.record import Record
+from relay.config import (
+    ConfigError,
+    KeyConfig,
+    PgUrlError,
+    check_pg_url,
+    is_pg_url,
+    parse_config,
+    pg_connect_kwargs,
+)
+from relay.observe.metrics import Registry
+from relay.observe.record import Record
+from relay.policy.budget import BudgetExceeded, Budgets, window_bounds
+from relay.store import spill
+from relay.store.pg_budget import decision, reserve_params
+from relay.store.pg_sql import portable
 
 ROWS = [(1.5, "rid-1", None, "/v1/x", 0, "a-1"), (2.0, "rid-2", "k", "/v1/y", 1, "a-2")]
 
@@ -129,11 +136,11 @@ def test_a_url_that_is_not_postgresql_is_refused(url, why):
 def test_password_env_must_name_a_variable_and_be_set():
     with pytest.raises(ConfigError, match="store.password_env"):
         _store(url="postgresql://u@h/db", password_env="not a name")
-    assert connect_kwargs("postgresql://u@h/db", "PW", {"PW": "s3"}) == \
+    assert pg_connect_kwargs("postgresql://u@h/db", "PW", {"PW": "s3"}) == \
         {"conninfo": "postgresql://u@h/db", "password": "s3"}
-    assert connect_kwargs("postgresql://u@h/db", None, {}) == {"conninfo": "postgresql://u@h/db"}
+    assert pg_connect_kwargs("postgresql://u@h/db", None, {}) == {"conninfo": "postgresql://u@h/db"}
     with pytest.raises(KeyError):
-        connect_kwargs("postgresql://u@h/db", "PW", {})
+        pg_connect_kwargs("postgresql://u@h/db", "PW", {})
 
 
 def test_a_relay_whose_password_variable_is_unset_does_not_start(monkeypatch):
@@ -153,12 +160,12 @@ def test_a_relay_whose_password_variable_is_unset_does_not_start(monkeypatch):
         make_store(cfg, None)
 
 
-def test_is_url_and_check_url():
-    assert is_url("postgresql://h/db") and is_url("POSTGRES://h") and not is_url("relay.db")
-    assert not is_url("/var/lib/postgresql://x") and not is_url(None)
-    check_url("postgresql:///relay?host=/run/postgresql")  # a unix socket, libpq's way
+def test_is_pg_url_and_check_pg_url():
+    assert is_pg_url("postgresql://h/db") and is_pg_url("POSTGRES://h") and not is_pg_url("relay.db")
+    assert not is_pg_url("/var/lib/postgresql://x") and not is_pg_url(None)
+    check_pg_url("postgresql:///relay?host=/run/postgresql")  # a unix socket, libpq's way
     with pytest.raises(PgUrlError):
-        check_url("relay.db")
+        check_pg_url("relay.db")
 
 
 def test_portable_sql_spells_sqlite_placeholders_for_postgresql():

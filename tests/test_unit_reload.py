@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from relay.budget import Budgets
 from relay.config import ConfigError, KeyConfig, StoreConfig
-from relay.slots import SlotPool
+from relay.policy.budget import Budgets
+from relay.proxy.slots import SlotPool
 
 SHA = "a" * 64
 NOW = 1_700_000_000.0

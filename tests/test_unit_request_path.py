@@ -14,15 +14,18 @@ import random
 
 import h11
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from relay import head as head_mod
-from relay import headers as hdr
-from relay import paths
-from relay.head import BadHead, HeadReader
-from relay.record import LOG_FIELDS, Record, _log_values, user_agent
-from relay.store import COLUMNS, Store
-from relay.timing import round3
+from relay.http import fields as hdr
+from relay.http import request_path as paths
+from relay.http import response_head as head_mod
+from relay.http.response_head import BadHead, HeadReader
+from relay.http.to_client import client_response
+from relay.http.to_upstream import upstream_request_headers
+from relay.observe.record import LOG_FIELDS, Record, _log_values, user_agent
+from relay.observe.row_timings import round3
+from relay.store.sqlite import COLUMNS, Store
 
 SETTINGS = settings(max_examples=400, deadline=None, derandomize=True)
 
@@ -46,15 +49,15 @@ def test_header_list_lookups_agree_with_a_plain_scan(items, name, token):
     assert kept == items
     assert hdr.get(kept, name) == hdr.get(list(items), name)
     assert hdr.has_token(kept, name, token) == hdr.has_token(list(items), name, token)
-    assert hdr._listed_in_connection(kept) == hdr._listed_in_connection(list(items))
+    assert hdr.connection_tokens(kept) == hdr.connection_tokens(list(items))
     assert user_agent(kept) == user_agent(list(items))
     for chunked in (False, True):
-        assert (hdr.client_response(200, b"OK", kept, b"rid", chunked, True)
-                == hdr.client_response(200, b"OK", list(items), b"rid", chunked, True))
+        assert (client_response(200, b"OK", kept, b"rid", chunked, True)
+                == client_response(200, b"OK", list(items), b"rid", chunked, True))
     for creds in (False, True):
-        assert (hdr.upstream_request_headers(kept, b"h:1", 3, b"rid", None, [(b"X-S", b"1")],
+        assert (upstream_request_headers(kept, b"h:1", 3, b"rid", None, [(b"X-S", b"1")],
                                              pass_credentials=creds)
-                == hdr.upstream_request_headers(list(items), b"h:1", 3, b"rid", None,
+                == upstream_request_headers(list(items), b"h:1", 3, b"rid", None,
                                                 [(b"X-S", b"1")], pass_credentials=creds))
 
 
@@ -194,7 +197,7 @@ def test_a_parsed_response_head_keeps_its_lower_case_names():
                                            b"gzip, chunked", b""])), max_size=4),
        st.booleans())
 def test_request_framing_fast_path_says_what_the_loop_says(items, http11):
-    from relay.reqhead import framing_error
+    from relay.http.request_framing import framing_error
 
     def outcome(headers):
         err = framing_error(headers, http11)
@@ -209,8 +212,8 @@ async def test_streamed_requests_leave_no_cyclic_garbage(make_relay):
     request do not wait for the cyclic collector (memory and collector work per request)."""
     import gc
 
-    from relay.client import ClientConn
-    from relay.exchange import Exchange
+    from relay.proxy.client import ClientConn
+    from relay.proxy.exchange import Exchange
     from tests import httpc
     from tests.conftest import wait_for
 

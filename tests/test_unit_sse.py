@@ -6,8 +6,8 @@ import glob
 
 import pytest
 
-from relay.chunked import ChunkTracker
-from relay.sse import SseScanner, carries_content, event_json
+from relay.http.chunked import ChunkTracker
+from relay.stream.sse import SseScanner, carries_content, event_json
 from tests import paths
 
 FIXTURES = str(paths.FIXTURES)

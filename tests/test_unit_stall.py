@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from relay.stall import DONE_EVENT, StallPolicy, stall_frame, stall_notice
+from relay.stream.stall import DONE_EVENT, StallPolicy, stall_frame, stall_notice
 
 INF = float("inf")
 

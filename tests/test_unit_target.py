@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from relay.target import TargetError, parse_target
+from relay.http.upstream_url import TargetError, parse_target
 
 
 @pytest.mark.parametrize("url,scheme,host,port,host_header,prefix", [

@@ -6,7 +6,7 @@ import ssl
 
 import pytest
 
-from relay.tls import client_context, describe
+from relay.http.tls import client_context, describe
 
 
 def test_context_verifies_by_default():

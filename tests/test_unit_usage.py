@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from relay.chunked import ChunkTracker
-from relay.sse import SseScanner
-from relay.usage import Usage, exact_usage, stream_usage
+from relay.http.chunked import ChunkTracker
+from relay.stream.sse import SseScanner
+from relay.stream.usage import Usage, exact_usage, stream_usage
 from tests import paths
 
 FIXTURES = str(paths.FIXTURES)

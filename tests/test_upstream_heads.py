@@ -201,7 +201,7 @@ async def test_endless_interim_heads_end_in_a_prompt_502_and_do_not_starve_other
 
 
 async def test_a_head_over_max_head_in_one_read_is_refused(make_relay):
-    from relay.head import MAX_HEAD
+    from relay.http.response_head import MAX_HEAD
     raw = (b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"p" * MAX_HEAD + b"\r\n"
            b"Content-Length: 2\r\n\r\nok")
     up, app = await relay_for(make_relay, raw)
@@ -215,7 +215,8 @@ async def test_the_pool_never_hands_out_a_connection_with_unread_bytes():
     released and taken again before that) still retire the connection."""
     import select
     import socket
-    from relay.upstream import Pool
+
+    from relay.proxy.pool import Pool
 
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -240,7 +241,8 @@ async def test_the_pool_never_hands_out_a_connection_with_unread_bytes():
 async def test_one_large_event_in_small_reads_is_scanned_in_linear_time(make_relay, monkeypatch):
     """The scanner's unfinished event grows in place (it was re-joined on every read: 9.6 s
     of CPU for 20 MB in 1 KB reads); the stream still passes byte for byte."""
-    from relay import exchange, sse
+    from relay.proxy import exchange
+    from relay.stream import sse
 
     spent = {"cpu": 0.0, "calls": 0}
 

@@ -1,0 +1,73 @@
+"""Header fields as received, and the lookups every rule uses.
+
+A request's headers come from h11, a response's from `response_head`; both are kept as
+`HeaderList`s: the (name as sent, value) pairs in order, with their lower-case names beside
+them, so a lookup is a C scan of those names, not a `lower()` per name per lookup.
+"""
+
+from __future__ import annotations
+
+HOP_BY_HOP = frozenset({
+    b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
+    b"proxy-authorization", b"te", b"trailer", b"transfer-encoding", b"upgrade",
+})
+
+Headers = list[tuple[bytes, bytes]]
+
+
+
+class HeaderList(list):
+    """Headers as received ((name as sent, value) pairs, in order) with their lower-case names
+    beside them in `lows` (h11 made them for a request, `response_head` for a response), so
+    the relay's lookups are C scans of `lows`, not a lower() per name per lookup."""
+
+    __slots__ = ("lows",)
+    lows: list[bytes]
+
+
+def header_list(pairs, lows: list[bytes]) -> HeaderList:
+    """A HeaderList of `pairs` with `lows` (a plain function: no Python __init__ to run)."""
+    out = HeaderList(pairs)
+    out.lows = lows
+    return out
+
+
+def request_headers(h11_headers) -> HeaderList:
+    """The HeaderList of an h11 request's headers."""
+    full = getattr(h11_headers, "_full_items", None)  # (h11 keeps the lower-case names here)
+    if full is None:
+        full = [(k, k.lower(), v) for k, v in h11_headers.raw_items()]
+    return header_list([(raw, v) for raw, _, v in full], [low for _, low, _ in full])
+
+
+def lower_names(headers: Headers) -> list[bytes]:
+    """The headers' lower-case names in order: a HeaderList's own, else made here."""
+    return headers.lows if type(headers) is HeaderList else [k.lower() for k, _ in headers]
+
+
+def values_of(headers: Headers, lows: list[bytes], name: bytes) -> list[bytes]:
+    """Every value of the header `name` (lower case); `lows`: `lower_names(headers)`."""
+    n = lows.count(name)
+    if n <= 1:  # the usual head: none, or one found by index
+        return [headers[lows.index(name)][1]] if n else []
+    return [v for (_, v), low in zip(headers, lows) if low == name]
+
+
+def connection_tokens(headers: Headers) -> set[bytes]:
+    """The header names a `Connection` header lists (hop-by-hop for this one message)."""
+    return {t.strip().lower() for value in values_of(headers, lower_names(headers), b"connection")
+            for t in value.split(b",") if t.strip()}
+
+
+def get(headers: Headers, name: bytes) -> bytes | None:
+    """First value of a header (name given in lower case)."""
+    lows = lower_names(headers)
+    return headers[lows.index(name)][1] if name in lows else None
+
+
+def has_token(headers: Headers, name: bytes, token: bytes) -> bool:
+    """Whether a comma-separated header (e.g. Connection) lists `token`."""
+    return any(t.strip().lower() == token
+               for v in values_of(headers, lower_names(headers), name) for t in v.split(b","))
+
+

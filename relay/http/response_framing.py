@@ -1,0 +1,124 @@
+"""How a response body is delimited upstream, and how it is carried to the client."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from relay.http.chunked import LAST_CHUNK, ChunkTracker, frame
+from relay.http.fields import Headers, get, has_token
+from relay.http.response_head import MAX_LENGTH_DIGITS
+
+# Upstream body kinds
+EMPTY, LENGTH, CHUNKED, UNTIL_CLOSE = "empty", "length", "chunked", "close"
+# Client carriage
+PASS = "pass"  # bytes as they come (chunked->chunked raw, length->length, close->close)
+DECHUNK = "dechunk"  # chunked upstream to an HTTP/1.0 client: payloads, then close
+CHUNK = "chunk"  # close-delimited upstream to an HTTP/1.1 client: the relay frames chunks
+# The client's head went out before this upstream's (heartbeats, see hold.py): payloads, which
+# the relay frames as chunks itself; a chunked upstream goes back to PASS at a chunk boundary.
+REFRAME = "reframe"
+
+
+class FramingError(ValueError):
+    pass
+
+
+def upstream_body(method: bytes, status: int, headers: Headers) -> tuple[str, int]:
+    """(kind, content length) of an upstream response body (RFC 9112 section 6.3)."""
+    if method == b"HEAD" or status < 200 or status in (204, 304):
+        return EMPTY, 0
+    te = get(headers, b"transfer-encoding")
+    cl = get(headers, b"content-length")
+    if te is not None:
+        # `chunked` alone: another coding would reach the client dropped or mangled, and a
+        # Content-Length beside it makes the framing ambiguous (RFC 9112 6.1, 6.3 item 3).
+        # relay/head.py refuses such heads first; this stays total on its own.
+        if te.strip(b" \t").lower() != b"chunked":
+            raise FramingError(f"unknown Transfer-Encoding {te[:40]!r}")
+        if cl is not None:
+            raise FramingError("Content-Length and Transfer-Encoding together")
+        return CHUNKED, -1
+    if cl is not None:
+        if not cl.isdigit() or len(cl) > MAX_LENGTH_DIGITS:
+            raise FramingError(f"bad Content-Length {cl[:20]!r}")
+        n = int(cl)
+        return (LENGTH, n) if n else (EMPTY, 0)
+    return UNTIL_CLOSE, -1
+
+
+def carriage(kind: str, client_http11: bool) -> str:
+    if kind == CHUNKED and not client_http11:
+        return DECHUNK
+    if kind == UNTIL_CLOSE and client_http11:
+        return CHUNK
+    return PASS
+
+
+def committed_carriage(kind: str, client_http11: bool) -> str:
+    """The carriage when the client's head is already out: chunks of the relay's own for an
+    HTTP/1.1 client, a close-delimited body (payloads) for HTTP/1.0."""
+    if client_http11:
+        return REFRAME
+    return DECHUNK if kind == CHUNKED else PASS
+
+
+def client_chunked(kind: str, mode: str) -> bool:
+    """Whether the client sees Transfer-Encoding: chunked."""
+    return (kind == CHUNKED and mode == PASS) or mode == CHUNK or mode == REFRAME
+
+
+def payload_of(kind: str, mode: str, sent: bytes) -> bytes:
+    """The body payload in bytes that were to go to the client as they are (chunk framing
+    included when the client's body is chunked)."""
+    if not client_chunked(kind, mode):
+        return sent
+    _, payloads = ChunkTracker().feed(sent)
+    return b"".join(payloads)
+
+
+def self_delimited(kind: str, mode: str) -> bool:
+    """Whether the client can tell where the body ends without a close (keep-alive possible)."""
+    return kind in (EMPTY, LENGTH) or client_chunked(kind, mode)
+
+
+def closing_bytes(kind: str, mode: str, tracker: ChunkTracker | None,
+                  payload: bytes) -> tuple[bytes, bool]:
+    """The bytes that end a body early carrying `payload` (a stall frame), and whether the
+    client can still tell where the body ends (keep-alive possible) afterwards."""
+    if kind == CHUNKED and mode == PASS:
+        return tracker.close_with(payload), True
+    if mode == CHUNK or mode == REFRAME:
+        return frame(payload) + LAST_CHUNK, True
+    if kind == LENGTH:
+        return b"", False  # a declared length cannot grow: the body is cut
+    return payload, False  # close-delimited to the client
+
+
+class Plan(NamedTuple):
+    """How one upstream response travels: decided once, from its head."""
+
+    kind: str
+    remaining: int  # the declared length (LENGTH)
+    mode: str
+    sse: bool
+    json: bool
+    upstream_keep_alive: bool
+    client_keep_alive: bool
+    holdable: bool  # a 2xx event stream: held until its first content event
+
+
+def plan(method: bytes, status: int, http_version: bytes, headers: Headers, client_http11: bool,
+         client_keep_alive: bool, committed: bool) -> Plan:
+    """`committed`: the client's head already went out (heartbeats): this body continues it."""
+    kind, remaining = upstream_body(method, status, headers)  # (FramingError: the caller's)
+    ctype = (get(headers, b"content-type") or b"").lower()
+    sse = ctype.startswith(b"text/event-stream")
+    if committed:
+        mode = committed_carriage(kind, client_http11)
+        client_keep_alive = client_keep_alive and client_http11
+    else:
+        mode = carriage(kind, client_http11)
+        client_keep_alive = client_keep_alive and self_delimited(kind, mode)
+    return Plan(kind, remaining, mode, sse, not sse and b"json" in ctype,
+                http_version == b"1.1" and not has_token(headers, b"connection", b"close"),
+                client_keep_alive, sse and 200 <= status < 300)

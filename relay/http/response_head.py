@@ -1,0 +1,183 @@
+"""The upstream's HTTP/1.1 response head, read by a small strict parser.
+
+The client side keeps h11 (its peer is anyone on the network). Towards the upstream the
+relay writes the request itself - every client header already passed h11's validation - and
+reads the response head with this small strict parser: on this edge-class hardware h11's
+per-request work on this side (about 150 us) was a third of the relay's added TTFT.
+
+Strict means: whatever h11 would reject is rejected here too (tests/test_unit_head.py holds
+it to h11 as the oracle), and so is a head whose body framing is ambiguous or in a transfer
+coding the relay does not carry (RFC 9112 6.1 / 6.3, as nginx answers it: 502). The bytes are
+read once however they are split, and interim (1xx) heads are bounded in number and, with
+the final head, in bytes.
+"""
+
+from __future__ import annotations
+
+import re
+
+from relay.http.fields import header_list, lower_names
+
+MAX_HEAD = 64 * 1024  # all the heads of one response together (interim ones included)
+MAX_INTERIM = 8  # 1xx heads before the final one
+MAX_LENGTH_DIGITS = 18  # a Content-Length below 10**18 fits in 63 bits
+# A reason phrase is HTAB, SP, VCHAR or obs-text: no other control byte reaches a client.
+_STATUS = re.compile(rb"HTTP/(1\.[01]) ([1-9][0-9][0-9])(?: ([\t\x20-\x7e\x80-\xff]*))?")
+# Every header line at once: token name, colon, a value without control characters but TAB.
+_FIELDS = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\x00-\x08\x0a-\x1f\x7f]*\r\n)*")
+# One valid header line (see _FIELDS): its name, and its value without the blanks around it.
+_FIELD = re.compile(rb"([^:]+):[\t ]*(.*?)[\t ]*\r\n")
+_LENGTH = re.compile(rb"[0-9]{1,%d}" % MAX_LENGTH_DIGITS)
+
+
+class BadHead(ValueError):
+    pass
+
+
+class ResponseHead:
+    __slots__ = ("http_version", "status_code", "reason", "headers")
+
+    def __init__(self, http_version: bytes, status_code: int, reason: bytes,
+                 headers: list[tuple[bytes, bytes]]) -> None:
+        self.http_version = http_version
+        self.status_code = status_code
+        self.reason = reason
+        self.headers = headers  # (name as sent, value), in order
+
+
+class HeadReader:
+    """The response head as it arrives in reads: `feed` returns (final head, the bytes after
+    it) once it is in, None while more is needed, and raises BadHead on anything malformed.
+
+    Each byte is searched for the blank line once (a partial head waits in a bytearray, the
+    search resumes where it stopped) and each head is parsed once, so the work is linear in
+    the bytes received however they are split. Interim 1xx heads are dropped as they end.
+    """
+
+    __slots__ = ("pending", "used", "interim")
+
+    def __init__(self) -> None:
+        self.pending: bytearray | None = None  # an unfinished head
+        self.used = 0  # bytes of the interim heads already read
+        self.interim = 0
+
+    def feed(self, data: bytes) -> tuple[ResponseHead, bytes] | None:
+        pending = self.pending
+        if pending is not None:  # the slow case: a head split across reads
+            scan = max(len(pending) - 3, 0)
+            pending += data
+            if _blank_line(pending, scan) < 0:
+                self._bound(len(pending))
+                return None
+            buf, self.pending = bytes(pending), None
+        else:
+            buf, scan = data, 0
+        pos = 0
+        while True:
+            end = _blank_line(buf, scan)
+            if end < 0:
+                self._bound(len(buf) - pos)
+                self.pending = bytearray(memoryview(buf)[pos:])
+                return None
+            self.used += end - pos
+            if self.used > MAX_HEAD:
+                raise BadHead("response head too large")
+            head = _one_head(buf, pos, end)
+            if head is not None:
+                return head, buf[end:]
+            self.interim += 1
+            if self.interim > MAX_INTERIM:
+                raise BadHead(f"more than {MAX_INTERIM} interim (1xx) responses")
+            pos = scan = end
+
+    def _bound(self, unfinished: int) -> None:
+        if self.used + unfinished >= MAX_HEAD:  # its blank line would end past the bound
+            raise BadHead("response head too large")
+
+
+def _blank_line(buf, scan: int) -> int:
+    """Where the head that holds buf[scan:] ends (after its CRLF CRLF); -1 when not in yet.
+
+    A head ends at the first blank line however its lines end (h11 reads LF as a line end
+    too), so a bare LF there is refused at once, never waited past."""
+    end = buf.find(b"\n\r\n", scan)
+    if buf.find(b"\n\n", scan, len(buf) if end < 0 else end) >= 0 or (
+            end >= 0 and (end == 0 or buf[end - 1] != 13)):
+        raise BadHead("bare LF in the response head")
+    return end + 3 if end >= 0 else -1
+
+
+def parse_response_head(buf: bytes) -> tuple[ResponseHead, int] | None:
+    """(head, bytes used) once a whole final response head is in `buf`; None for more.
+
+    Interim 1xx heads (100 Continue) are skipped. Raises BadHead on anything malformed.
+    """
+    out = HeadReader().feed(buf)
+    if out is None:
+        return None
+    return out[0], len(buf) - len(out[1])
+
+
+def _one_head(buf: bytes, pos: int, end: int) -> ResponseHead | None:
+    """The head in buf[pos:end] (its blank line included); None for an interim one."""
+    line_end = buf.find(b"\r\n", pos)
+    m = _STATUS.fullmatch(buf, pos, line_end)
+    if m is None:
+        raise BadHead(f"bad status line {buf[pos:line_end][:60]!r}")
+    if line_end + 4 < end:
+        if _FIELDS.fullmatch(buf, line_end + 2, end - 2) is None:
+            raise BadHead("malformed header line")
+        # (the lines are valid: one C pass splits them into names and stripped values)
+        pairs = _FIELD.findall(buf, line_end + 2, end - 2)
+        headers = header_list(pairs, [name.lower() for name, _ in pairs])
+    else:
+        headers = header_list((), [])  # with the lower-case names beside (relay/headers.py)
+    version = m.group(1)
+    _check_framing(version, headers)
+    status = int(m.group(2))
+    if status == 101:
+        raise BadHead("protocol switch is not relayed")
+    if status < 200:
+        return None  # interim response: the final one follows
+    return ResponseHead(version, status, m.group(3) or b"", headers)
+
+
+def _check_framing(version: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    """One way to read where the body ends, in a coding the relay carries: at most one
+    Content-Length of at most 18 digits, at most one Transfer-Encoding and it `chunked` alone
+    (any other coding would be dropped or mangled on the way), never both, and no
+    Transfer-Encoding on HTTP/1.0 (RFC 9112 6.1: its framing is faulty)."""
+    lows = lower_names(headers)
+    cl, te = lows.count(b"content-length"), lows.count(b"transfer-encoding")
+    if cl + te == 0:
+        return
+    if cl + te == 1:  # the usual head: one of them, checked alone (the same order)
+        value = headers[lows.index(b"content-length" if cl else b"transfer-encoding")][1]
+        if cl:
+            if _LENGTH.fullmatch(value) is None:
+                raise BadHead(f"bad Content-Length {value[:20]!r}")
+        elif value.lower() != b"chunked":
+            raise BadHead(f"upstream sent unknown Transfer-Encoding {value[:40]!r}")
+        elif version == b"1.0":
+            raise BadHead("upstream sent Transfer-Encoding in an HTTP/1.0 response")
+        return
+    length = coding = None
+    for (_, value), low in zip(headers, lows):
+        if low == b"content-length":
+            if length is not None:
+                raise BadHead("upstream sent several Content-Length headers")
+            if _LENGTH.fullmatch(value) is None:
+                raise BadHead(f"bad Content-Length {value[:20]!r}")
+            length = value
+        elif low == b"transfer-encoding":
+            if coding is not None:
+                raise BadHead("upstream sent several Transfer-Encoding headers")
+            if value.lower() != b"chunked":
+                raise BadHead(f"upstream sent unknown Transfer-Encoding {value[:40]!r}")
+            coding = value
+    if coding is not None:
+        if length is not None:
+            raise BadHead('upstream sent "Content-Length" and "Transfer-Encoding" headers '
+                          "at the same time")
+        if version == b"1.0":
+            raise BadHead("upstream sent Transfer-Encoding in an HTTP/1.0 response")

@@ -1,0 +1,57 @@
+"""What the relay writes to the client: response heads (relayed or its own), whole answers.
+
+The upstream's headers cross minus hop-by-hop ones and the relay's own `X-Request-Id`; the
+framing headers are the relay's to set for the client's side of the wire.
+"""
+
+from __future__ import annotations
+
+from relay.http.fields import HOP_BY_HOP, Headers, connection_tokens, lower_names
+
+_NOT_DOWNSTREAM = HOP_BY_HOP | {b"x-request-id"}
+# ... and no Content-Length where the client's framing is the relay's chunking, or where
+# the status has no body and forbids one (204, 1xx: RFC 9110 8.6).
+_NOT_DOWNSTREAM_NO_LENGTH = _NOT_DOWNSTREAM | {b"content-length"}
+
+
+def with_cors(headers: Headers, own: Headers) -> Headers:
+    """The upstream's headers with its own CORS answer (`Access-Control-*`) replaced by the
+    relay's (`own`, from `policy.cors`)."""
+    return [(k, v) for k, v in headers
+            if not k.lower().startswith(b"access-control-")] + list(own)
+
+
+def client_response(status: int, reason: bytes, upstream: Headers, request_id: bytes,
+                    chunked: bool, keep_alive: bool) -> bytes:
+    """The response head sent to the client: upstream headers minus hop-by-hop ones.
+
+    Content-Length crosses unchanged when the upstream gave one (the body is passed through
+    as is); `chunked` adds the relay's own Transfer-Encoding instead, so the head never holds
+    both. A 204 or 1xx never carries a Content-Length.
+    """
+    no_length = chunked or status == 204 or status < 200
+    drop = (_NOT_DOWNSTREAM_NO_LENGTH if no_length else _NOT_DOWNSTREAM) | connection_tokens(
+        upstream)
+    lines = [b"HTTP/1.1 %d %s" % (status, reason)]
+    lines += [k + b": " + v for (k, v), low in zip(upstream, lower_names(upstream))
+              if low not in drop]
+    if chunked:
+        lines.append(b"Transfer-Encoding: chunked")
+    lines.append(b"X-Request-Id: " + request_id)
+    if not keep_alive:
+        lines.append(b"Connection: close")
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def relay_response(status: int, reason: bytes, body: bytes, request_id: bytes | None,
+                   keep_alive: bool, extra: Headers = (),
+                   content_type: bytes = b"application/json") -> bytes:
+    """A whole response the relay answers itself (errors, metrics, model list)."""
+    lines = [b"HTTP/1.1 %d %s" % (status, reason), b"Content-Type: " + content_type,
+             b"Content-Length: %d" % len(body)]
+    lines.extend(k + b": " + v for k, v in extra)
+    if request_id is not None:
+        lines.append(b"X-Request-Id: " + request_id)
+    if not keep_alive:
+        lines.append(b"Connection: close")
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body

@@ -1,0 +1,104 @@
+"""The request the relay writes to an upstream: which client headers cross, what it adds.
+
+What an `[[upstream]]` adds to every request it is sent: static headers and its own key.
+
+`headers = { "OpenAI-Organization" = "org-x" }` is for what a provider needs that is not a
+secret. Anything that looks like a credential is refused at start: secrets come only from
+the environment (`auth_header` + `auth_value_env`), so a config file never holds one.
+
+When an upstream has its own key, none of the client's credentials go to it (the relay's
+key is the one the provider bills): `CLIENT_CREDENTIALS` are dropped from what crosses.
+
+Every upstream is asked for an unencoded body (`Accept-Encoding: identity`): the relay reads
+what passes (content events, `usage`), which a hosted API would otherwise gzip when the client
+says it accepts that (the openai client does), leaving the row without tokens and the hold
+before the first content event waiting for an event it cannot see.
+"""
+
+from __future__ import annotations
+
+import re
+
+from relay.http.fields import HOP_BY_HOP, Headers, connection_tokens, lower_names
+
+# Header names that carry a caller's credential.
+CLIENT_CREDENTIALS = frozenset({
+    b"authorization", b"proxy-authorization", b"x-api-key", b"api-key", b"cookie",
+})
+# Words in a header name that say it carries a secret (x-goog-api-key, x-auth-token, ...).
+_SECRET_WORDS = ("auth", "key", "token", "secret", "passw", "cookie", "credential", "session")
+# Set by the relay itself, or hop-by-hop: a static value would break the exchange.
+_RELAY_OWNED = frozenset({
+    "host", "content-length", "transfer-encoding", "connection", "keep-alive", "te",
+    "trailer", "upgrade", "expect", "proxy-connection", "x-request-id", "accept-encoding",
+})
+# The caller's credentials: consumed by the relay when it checks keys (or sends its own).
+CREDENTIALS = frozenset({b"authorization", b"x-api-key"})
+# Never forwarded upstream: the relay sets these itself.
+_NOT_UPSTREAM = HOP_BY_HOP | {b"host", b"content-length", b"x-request-id", b"expect"}
+IDENTITY = (b"Accept-Encoding", b"identity")
+_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_VALUE = re.compile(r"^[^\x00-\x08\x0a-\x1f\x7f]*$")
+
+
+def looks_like_credential(name: str) -> bool:
+    low = name.lower()
+    return low.encode() in CLIENT_CREDENTIALS or any(w in low for w in _SECRET_WORDS)
+
+
+def check_static_headers(headers: dict[str, str], auth_header: str | None = None) -> None:
+    """Raises ValueError naming the first header that cannot be a static upstream header."""
+    for name, value in headers.items():
+        if not _TOKEN.match(name):
+            raise ValueError(f"{name!r} is not a header name")
+        if not _VALUE.match(value) or value != value.strip(" \t"):
+            raise ValueError(f"{name!r}: the value has control characters or edge spaces")
+        low = name.lower()
+        if low in _RELAY_OWNED:
+            raise ValueError(f"{name!r} is set by the relay")
+        if looks_like_credential(name) or (auth_header and low == auth_header.lower()):
+            raise ValueError(
+                f"{name!r} looks like a credential: secrets only through auth_header + "
+                "auth_value_env (read from the environment), never in the file")
+
+
+def fixed_headers(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    """The headers an upstream adds to every request besides its key: identity coding, then
+    its static ones (`upstream_request_headers` puts the key last)."""
+    return [IDENTITY] + [(k.encode(), v.encode()) for k, v in headers.items()]
+
+
+def upstream_request_headers(client: Headers, host: bytes, body_len: int,
+                             request_id: bytes, auth: tuple[bytes, bytes] | None,
+                             static: Headers = (), pass_credentials: bool = False) -> Headers:
+    """The request headers sent upstream (the body goes with Content-Length).
+
+    The caller's Authorization / x-api-key cross only with `pass_credentials` (the relay
+    checks no keys and sends no credential of its own: the upstream checks them).
+    `static`: the upstream's configured headers, which replace the client's of those names;
+    `auth`: the upstream's own key, with which none of the client's credentials cross.
+    """
+    drop = _NOT_UPSTREAM | connection_tokens(client)
+    if not pass_credentials:
+        drop = drop | CREDENTIALS
+    if auth is not None:
+        drop = drop | CLIENT_CREDENTIALS | {auth[0].lower()}
+    if static:
+        drop = drop | {k.lower() for k, _ in static}
+    out = [(b"Host", host)]
+    out += [kv for kv, low in zip(client, lower_names(client)) if low not in drop]
+    out.extend(static)
+    if auth is not None:
+        out.append(auth)
+    out.append((b"X-Request-Id", request_id))
+    out.append((b"Content-Length", b"%d" % body_len))
+    return out
+
+
+def request_bytes(method: bytes, target: bytes, headers: list[tuple[bytes, bytes]],
+                  body: bytes) -> bytes:
+    lines = [b"%s %s HTTP/1.1" % (method, target)]
+    lines += [k + b": " + v for k, v in headers]
+    lines.append(b"")
+    lines.append(b"")
+    return b"\r\n".join(lines) + body

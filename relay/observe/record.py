@@ -1,0 +1,109 @@
+"""What the relay knows about one request: filled in along the way, written once as a row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from itertools import compress, repeat
+from operator import attrgetter, is_not
+
+from relay.http.fields import get
+from relay.stream.usage import Usage
+
+CRASHED = "relay_crashed"  # error_code of a request a crash cut (store.admissions)
+RESERVED = "reserved"  # tokens_source: the reservation charged, no count known
+
+
+@dataclass(slots=True)  # one per request, alive for the whole stream: no instance dict
+class Record:
+    ts: float
+    request_id: str
+    path: str
+    method: str = ""
+    key_id: str | None = None
+    model: str | None = None
+    stream: bool = False
+    upstream_requested: str | None = None
+    upstream_served: str | None = None
+    fallback_attempts: int = 0
+    status: int | None = None
+    ok: bool = False
+    error_code: str | None = None
+    error: str | None = None  # what failed, in words (e.g. a TLS reason), when known
+    queue_ms: float | None = None
+    ttft_ms: float | None = None
+    total_ms: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    tokens_source: str | None = None
+    bytes_out: int = 0
+    client_closed: bool = False
+    # benchmark timings (relay/timing.py), ms measured at the relay on the client side
+    first_byte_ms: float | None = None
+    e2e_ms: float | None = None
+    tpot_ms: float | None = None
+    itl_p50_ms: float | None = None
+    itl_p99_ms: float | None = None
+    itl_max_ms: float | None = None
+    itl_hist: str | None = None  # the gaps' buckets (relay/gaps.py), pooled by `relay report`
+    # the upstream's own `timings` (llama-server), when it sent them
+    prompt_ms: float | None = None
+    prompt_per_second: float | None = None
+    predicted_per_second: float | None = None
+    outcome: str | None = None  # log only: done, client_closed, stall, upstream_dropped, ...
+    client_addr: str | None = None  # log only: the client's address
+    user_agent: str | None = None  # log only: its User-Agent, bounded (MAX_AGENT_CHARS)
+
+    def row(self) -> dict:
+        out = dict(zip(ROW_FIELDS, _row_values(self)))  # (one C call reads every field)
+        for k in ("stream", "ok", "client_closed"):
+            out[k] = int(out[k])
+        return out
+
+    def log_fields(self) -> dict:
+        # (dataclasses.asdict deep-copies every value: 60 us a call on an edge box)
+        values = _log_values(self)  # (the None ones left out, in C: ~40 fields)
+        return dict(compress(zip(LOG_FIELDS, values), map(is_not, values, repeat(None))))
+
+    def set_tokens(self, exact: Usage | None, approx_completion: int | None,
+                   approx_prompt: int | None) -> None:
+        """Exact figures when the upstream sent them, else the relay's estimate. A stream's
+        final usage may cover one completion of several (prompts x choices): the completion
+        charged is never below the content events counted."""
+        if exact is not None and exact.completion_tokens is not None:
+            counted = approx_completion or 0
+            self.completion_tokens = max(exact.completion_tokens, counted)
+            self.prompt_tokens = exact.prompt_tokens
+            self.tokens_source = "exact" if exact.completion_tokens >= counted else "approx"
+        elif approx_completion is not None:
+            self.completion_tokens = approx_completion
+            self.prompt_tokens = approx_prompt
+            self.tokens_source = "approx"
+
+    def set_reserved(self, prompt: int, completion: int) -> None:
+        """No usable figure for a request that was served: it is charged what it reserved
+        (the rule crash recovery follows, relay/durable.py)."""
+        self.prompt_tokens, self.completion_tokens = prompt, completion
+        self.tokens_source = RESERVED
+
+    @property
+    def total_tokens(self) -> int:
+        return (self.prompt_tokens or 0) + (self.completion_tokens or 0)
+
+
+LOG_FIELDS = tuple(f.name for f in fields(Record) if f.name not in ("ts", "itl_hist"))
+ROW_FIELDS = tuple(f.name for f in fields(Record)
+                   if f.name not in ("method", "outcome", "client_addr", "user_agent"))
+_row_values = attrgetter(*ROW_FIELDS)
+_log_values = attrgetter(*LOG_FIELDS)
+MAX_AGENT_CHARS = 200
+
+
+def user_agent(headers) -> str | None:
+    """The request's User-Agent for the access log: bounded, control characters replaced."""
+    v = get(headers, b"user-agent")
+    if v is None:
+        return None
+    text = v[:MAX_AGENT_CHARS].decode("latin-1")
+    if text.isprintable() and text.isascii():  # (the usual agent: nothing to replace)
+        return text
+    return "".join(c if " " <= c != "\x7f" else "?" for c in text)

@@ -1,0 +1,64 @@
+"""The operator page: `GET /ui` and its files, packaged with relay (no build step, no CDN).
+
+The files hold no data: every figure comes from `GET /api/ui/state` (relay/ui_state.py),
+an admin endpoint like the rest of `/api/*`, which the page's script polls once a second,
+sending the admin key typed into the page as `Authorization: Bearer` (never in a URL). The
+files themselves follow the admin rule's network part: with API keys but no admin key they
+are served to loopback peers only (the state they would show is loopback-only then too).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from relay.errors import RelayError
+from relay.policy import admin_access as access
+
+PAGES = {"/ui": ("index.html", b"text/html; charset=utf-8"),
+         "/ui/": ("index.html", b"text/html; charset=utf-8"),
+         "/ui/app.js": ("app.js", b"text/javascript; charset=utf-8"),
+         "/ui/app.css": ("app.css", b"text/css; charset=utf-8")}
+STATE_PATH = "/api/ui/state"
+AUTH_PATH = "/ui/auth"  # {"admin_key": bool}: whether the page must ask for the admin key
+NO_STORE = [(b"Cache-Control", b"no-store")]
+# the page loads only its own files and talks only to its own origin
+PAGE_HEADERS = NO_STORE + [
+    (b"Content-Security-Policy", b"default-src 'self'; img-src 'self' data:; "
+     b"frame-ancestors 'none'"), (b"X-Content-Type-Options", b"nosniff")]
+_cache: dict[str, bytes] = {}
+
+
+def is_page(path: str) -> bool:
+    return path == "/ui" or path.startswith("/ui/")
+
+
+def page(path: str) -> tuple[bytes, bytes] | None:
+    """(body, content type) of a page file, or None (a 404)."""
+    found = PAGES.get(path)
+    if found is None:
+        return None
+    name, ctype = found
+    body = _cache.get(name)
+    if body is None:
+        from importlib import (
+            resources,  # (at the page's first request: not at start-up)
+        )
+
+        body = _cache[name] = resources.files("relay.observe").joinpath("static", name).read_bytes()
+    return body, ctype
+
+
+def answer(auth, client, req, rid: bytes) -> None:
+    """Answer a request for a page file: no data in them, so no key is needed for them when an
+    admin key guards the data; loopback peers only when keys exist without one."""
+    if auth.admin is None:
+        refused = access.admin_refusal(auth, req.headers, client.peer_host)
+        if refused is not None:
+            raise RelayError(*refused)
+    if req.path == AUTH_PATH:
+        found = msgspec.json.encode({"admin_key": auth.admin is not None}), b"application/json"
+    else:
+        found = page(req.path) if req.method in (b"GET", b"HEAD") else None
+    if found is None:
+        raise RelayError("not_found", f"no such endpoint {req.path}")
+    client.respond(200, found[0], rid, req.keep_alive, PAGE_HEADERS, found[1])

@@ -1,0 +1,83 @@
+"""One configured upstream as the relay holds it: address, TLS, pool, slots, health, metrics.
+
+Built at start and again by a reload (a changed URL is a new upstream under the same name);
+what it reads from the environment (its key) and from disk (its CA file) is read here, and a
+failure names the configuration key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from relay.config import ConfigError, UpstreamConfig, parse_target_url
+from relay.http.tls import client_context
+from relay.http.to_upstream import fixed_headers
+from relay.http.upstream_url import Target
+from relay.observe.metrics import UpstreamMetrics
+from relay.proxy.health import Health
+from relay.proxy.pool import Pool
+from relay.proxy.slots import SlotPool
+
+# An idle pooled connection to an https upstream (a hosted API keeps one open for minutes,
+# and a new one costs a TLS handshake) is kept this long unless `keepalive_s` says otherwise.
+TLS_KEEPALIVE_S = 60.0
+
+
+def upstream_auth(cfg: UpstreamConfig) -> tuple[bytes, bytes] | None:
+    """The header the upstream wants, its value read from the environment (never the file)."""
+    if not cfg.auth_header:
+        return None
+    value = os.environ.get(cfg.auth_value_env or "")
+    if value is None:
+        raise ConfigError(f"upstream.{cfg.name}.auth_value_env: environment variable "
+                          f"{cfg.auth_value_env} is not set")
+    return cfg.auth_header.encode(), value.encode()
+
+
+def upstream_tls(cfg: UpstreamConfig, target: Target):
+    """The TLS context of an https upstream (None for http); ConfigError naming ca_file."""
+    if not target.tls:
+        return None
+    try:
+        return client_context(cfg.verify, cfg.ca_file)
+    except (OSError, ValueError) as exc:  # (ssl.SSLError is an OSError)
+        raise ConfigError(f"upstream.{cfg.name}.ca_file: cannot load {cfg.ca_file!r}: "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
+
+
+def upstream_keepalive(cfg: UpstreamConfig, target: Target, keepalive_s: float) -> float:
+    """How long an idle pooled connection is kept: `keepalive_s` of the upstream, else
+    `[dispatcher].upstream_keepalive_s`, raised to TLS_KEEPALIVE_S for https (unless 0)."""
+    if cfg.keepalive_s is not None:
+        return cfg.keepalive_s
+    if target.tls and keepalive_s > 0:
+        return max(keepalive_s, TLS_KEEPALIVE_S)
+    return keepalive_s
+
+
+class Upstream:
+    def __init__(self, cfg: UpstreamConfig, keepalive_s: float, prewarm: bool = False,
+                 connect_timeout_s: float = 5.0) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self.target = parse_target_url(cfg.url)
+        self.host, self.port = self.target.host, self.target.port
+        self.host_header = self.target.host_header
+        self.tls = upstream_tls(cfg, self.target)
+        self.pool = Pool(self.host, self.port, upstream_keepalive(cfg, self.target, keepalive_s),
+                         prewarm, connect_timeout_s, self.tls)
+        self.slots = SlotPool(cfg.parallel, cfg.queue)
+        self.health = Health()
+        self.metrics = UpstreamMetrics(cfg.name, cfg.parallel)
+        self.auth = upstream_auth(cfg)
+        self.static = fixed_headers(cfg.headers)  # sent with every request
+        self.probe_task: asyncio.Task | None = None
+
+    @property
+    def state(self) -> str:
+        return self.health.state(self.slots.in_flight)
+
+    def refresh_metrics(self) -> None:
+        m = self.metrics
+        m.state, m.in_flight, m.queued = self.state, self.slots.in_flight, self.slots.queued

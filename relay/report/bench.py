@@ -1,0 +1,174 @@
+"""`relay report --bench`: the figures benchmarking tools print, computed from stored rows.
+
+Pure: rows in (dicts of the `request` table), groups out. Definitions follow vLLM's
+`vllm bench serve` (README, "Benchmark view"):
+
+- only successful requests (`ok = 1`) enter the latency figures and throughputs, as vLLM
+  counts only completed requests;
+- TTFT (`ttft_ms`), TPOT (`tpot_ms` = (E2EL - TTFT) / (output tokens - 1)), E2EL (`e2e_ms`):
+  mean and p50/p90/p99 over the requests, percentiles interpolated linearly between the two
+  nearest values (numpy's default, which vLLM uses);
+- ITL: every gap between content events of every request, pooled (vLLM's ITL; AIPerf and
+  GenAI-Perf call this figure's per-request mean "ITL" and vLLM's TPOT "inter token
+  latency"): from the rows' gap buckets (`itl_hist`), each gap read as its bucket's midpoint
+  (within 6.25%);
+- duration: the window asked for (`--since` up to now, or `--from`..`--to`); request
+  throughput = completed requests / duration, output throughput = their completion tokens /
+  duration; goodput = completed requests meeting every given SLO / duration (vLLM's
+  `--goodput ttft:..,tpot:..,e2el:..`; a request of one token has TPOT 0 there and here; a
+  request with no TTFT, not streamed, does not meet a TTFT SLO).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import re
+
+from relay.stream import itl as G
+
+BY = {"model": "model", "upstream": "upstream_served", "key": "key_id"}
+READ_COLUMNS = ("ts", "key_id", "model", "upstream_served", "ok", "stream", "ttft_ms",
+                "tpot_ms", "e2e_ms", "itl_hist", "completion_tokens", "prompt_tokens",
+                "tokens_source")
+SLO_NAMES = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2e_ms"}
+FIGURES = ("ttft", "tpot", "itl", "e2el")
+STATS = ("mean", "p50", "p90", "p99")
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """`ttft=500ms,tpot=50ms,e2el=2s` -> {"ttft": 500.0, ...} in ms (a bare number is ms,
+    as in vLLM's --goodput)."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        m = re.fullmatch(r"(ttft|tpot|e2el)\s*[=:]\s*(\d+(?:\.\d+)?)\s*(ms|s)?", part.lower())
+        if not m:
+            raise ValueError(f"bad --slo part {part!r}: use e.g. ttft=500ms,tpot=50ms,e2el=10s")
+        out[m.group(1)] = float(m.group(2)) * (1000.0 if m.group(3) == "s" else 1.0)
+    if not out:
+        raise ValueError("--slo names no figure")
+    return out
+
+
+def percentile(values: list[float], p: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy.percentile's default)."""
+    v = sorted(values)
+    if not v:
+        return None
+    pos = (len(v) - 1) * p / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def _stats(values: list[float]) -> dict:
+    return {"mean": sum(values) / len(values) if values else None,
+            "p50": percentile(values, 50), "p90": percentile(values, 90),
+            "p99": percentile(values, 99), "n": len(values)}
+
+
+def _itl_stats(rows: list[dict]) -> dict:
+    buckets: dict[int, int] = {}
+    zeros = 0
+    for r in rows:
+        _, z = G.decode(r.get("itl_hist"), buckets)
+        zeros += z
+    n = zeros + sum(buckets.values())
+    mean = None
+    if n:
+        mean = sum(c * sum(G.bucket_bounds(k)) / 2 for k, c in buckets.items()) / n * 1000
+    q = {f"p{p}": (None if not n else G.quantile_of(buckets, zeros, p / 100) * 1000)
+         for p in (50, 90, 99)}
+    return {"mean": mean, **q, "n": n}
+
+
+def meets(row: dict, slo: dict[str, float]) -> bool:
+    for name, limit in slo.items():
+        value = row.get(SLO_NAMES[name])
+        if value is None:
+            if name == "tpot" and (row.get("completion_tokens") or 0) <= 1:
+                continue  # vLLM: TPOT 0 for a single output token
+            return False
+        if value > limit:
+            return False
+    return True
+
+
+def summarize(rows: list[dict], duration_s: float, slo: dict[str, float] | None,
+              group: str | None) -> dict:
+    done = [r for r in rows if r.get("ok")]
+    out_tokens = sum(r.get("completion_tokens") or 0 for r in done
+                     if r.get("tokens_source") != "reserved")  # a reservation is no count
+    out = {"group": group, "requests": len(rows), "completed": len(done),
+           "failed": len(rows) - len(done), "duration_s": duration_s,
+           "request_throughput": len(done) / duration_s if duration_s > 0 else None,
+           "output_throughput": out_tokens / duration_s if duration_s > 0 else None,
+           "output_tokens": out_tokens}
+    for name, col in (("ttft", "ttft_ms"), ("tpot", "tpot_ms"), ("e2el", "e2e_ms")):
+        out[name] = _stats([r[col] for r in done if r.get(col) is not None])
+    out["itl"] = _itl_stats(done)
+    if slo:
+        good = sum(1 for r in done if meets(r, slo))
+        out["slo"] = dict(slo)
+        out["good"] = good
+        out["goodput"] = good / duration_s if duration_s > 0 else None
+    return out
+
+
+def bench(rows: list[dict], by: str, duration_s: float,
+          slo: dict[str, float] | None = None) -> tuple[list[dict], dict]:
+    """(one summary per group, ordered by name; the summary of all rows)."""
+    col = BY[by]
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(r.get(col), []).append(r)
+    keyed = sorted(groups, key=lambda k: (k is None, k or ""))
+    return ([summarize(groups[k], duration_s, slo, k) for k in keyed],
+            summarize(rows, duration_s, slo, "TOTAL"))
+
+
+# ---- rendering -------------------------------------------------------------------------
+def flat(s: dict) -> dict:
+    """One group as a flat record (CSV columns, table cells)."""
+    out = {k: s[k] for k in ("group", "requests", "completed", "failed", "duration_s",
+                             "request_throughput", "output_throughput", "output_tokens")}
+    for f in FIGURES:
+        for st in STATS:
+            out[f"{f}_{st}_ms"] = s[f][st]
+    if "goodput" in s:
+        out["good"] = s["good"]
+        out["goodput"] = s["goodput"]
+    return out
+
+
+def render_csv(groups: list[dict], total: dict) -> str:
+    records = [flat(g) for g in groups] + [flat(total)]
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(records[0]), lineterminator="\n")
+    w.writeheader()
+    for r in records:
+        w.writerow({k: ("" if v is None else v) for k, v in r.items()})
+    return buf.getvalue()
+
+
+def _num(v, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def render_table(groups: list[dict], total: dict, by: str) -> str:
+    lines = []
+    for s in groups + [total]:
+        name = s["group"] if s["group"] is not None else "-"
+        head = (f"{by} {name}" if s is not total else "TOTAL")
+        lines.append(f"== {head}: {s['completed']} completed, {s['failed']} failed, "
+                     f"over {s['duration_s']:.1f} s")
+        lines.append(f"   request throughput {_num(s['request_throughput'], 3)} req/s, "
+                     f"output {_num(s['output_throughput'], 2)} tok/s"
+                     + (f", goodput {_num(s['goodput'], 3)} req/s ({s['good']} met the SLOs)"
+                        if "goodput" in s else ""))
+        lines.append("   ms        mean      p50      p90      p99")
+        for f in FIGURES:
+            st = s[f]
+            lines.append(f"   {f.upper():<6}" + "".join(f"{_num(st[k]):>9}" for k in STATS))
+    return "\n".join(lines) + "\n"

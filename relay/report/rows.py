@@ -1,0 +1,66 @@
+"""Read-only access to the stored rows for `relay report`: a SQLite file (`[store].path`) or
+the PostgreSQL table several relays share (`--db postgresql://...`; the password from libpq's
+PGPASSWORD or ~/.pgpass, never the command line). The SQL is written once in SQLite's
+spelling; relay/pg_sql.py `portable` turns it into PostgreSQL's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sqlite3
+
+from relay.config import is_pg_url
+from relay.store.sqlite import is_memory, open_readonly
+
+
+def shown(db: str) -> str:
+    """`db` as printed: a password someone put in a URL on the command line is masked."""
+    return re.sub(r"^(\w+://[^:/@]*):[^@/]*@", r"\1:***@", db)
+
+
+def errors() -> tuple[type[BaseException], ...]:
+    """What a read may raise, for either engine (psycopg only if it is installed)."""
+    try:
+        import psycopg
+    except ImportError:
+        return (sqlite3.Error,)
+    return (sqlite3.Error, psycopg.Error)
+
+
+def missing(db: str) -> str | None:
+    """Why there is nothing to read at `db` (None: go ahead)."""
+    if is_pg_url(db):
+        try:
+            import psycopg  # noqa: F401
+        except ImportError:
+            return "reading PostgreSQL needs the driver: pip install 'relay[postgres]'"
+        return None
+    if is_memory(db) or not os.path.isfile(db):
+        return (f"no database file at {db!r} (pass --db PATH, the [store].path of the relay, "
+                "or --db postgresql://... its [store].url)")
+    return None
+
+
+def fetch(db: str, sql: str, params: tuple = ()) -> list[dict]:
+    if is_pg_url(db):
+        import psycopg
+        from psycopg.rows import dict_row
+
+        from relay.store.pg_sql import portable
+
+        with psycopg.connect(db, autocommit=True, row_factory=dict_row) as conn:
+            return conn.execute(portable(sql), params).fetchall()
+    conn = open_readonly(db)
+    try:
+        return conn.execute(sql, params).fetchall()
+    finally:
+        conn.close()
+
+
+def columns(db: str, table: str = "request") -> set[str]:
+    if is_pg_url(db):
+        return {r["column_name"] for r in fetch(
+            db, "SELECT column_name FROM information_schema.columns WHERE table_name = ?",
+            (table,))}
+    return {r["name"] for r in fetch(db, f"PRAGMA table_info({table})")}

@@ -1,0 +1,266 @@
+"""`relay report`: per (model, upstream) latency, throughput and failure summary of stored rows.
+
+Aggregation (`aggregate`, `summarize`, `percentile`, `tokens_per_s`) is pure; `main` does the
+I/O: parse flags, read rows read-only (a SQLite file or the shared PostgreSQL table:
+relay/rows_read.py), print a table or JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+from collections import Counter
+from datetime import datetime, timezone
+from typing import Iterable
+
+from relay.report import bench as benchview
+from relay.report import rows as rows_read
+
+READ_COLUMNS = ("model", "upstream_served", "status", "ok", "error_code", "stream", "queue_ms",
+                "ttft_ms", "total_ms", "completion_tokens", "tokens_source")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_since(text: str) -> float | None:
+    """`30m`, `1h`, `24h`, `7d` (also `s`, fractions) -> seconds; `all` -> None."""
+    text = text.strip().lower()
+    if text == "all":
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text)
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"bad --since {text!r}: use e.g. 30m, 1h, 24h, 7d or all")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def percentile(values: Iterable[float], p: float) -> float | None:
+    """Nearest-rank percentile: the smallest value with at least p% of values <= it."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    rank = math.ceil(round(p * len(ordered) / 100.0, 9))
+    return ordered[min(max(rank, 1), len(ordered)) - 1]
+
+
+def tokens_per_s(row: dict) -> float | None:
+    """Decode rate of a streamed ok row: completion tokens over the time after the first token."""
+    tokens, ttft, total = row.get("completion_tokens"), row.get("ttft_ms"), row.get("total_ms")
+    if not row.get("stream") or not row.get("ok") or not tokens or tokens <= 0:
+        return None
+    if ttft is None or total is None or total <= ttft:
+        return None
+    return tokens / ((total - ttft) / 1000.0)
+
+
+def failure_code(row: dict) -> str:
+    if row.get("error_code"):
+        return str(row["error_code"])
+    return f"http_{row['status']}" if row.get("status") else "unknown"
+
+
+def summarize(rows: list[dict], model: str | None = None, upstream: str | None = None) -> dict:
+    """One group's numbers (any subset of rows; the total line uses all of them)."""
+    ok = sum(1 for r in rows if r.get("ok"))
+    failures = Counter(failure_code(r) for r in rows if not r.get("ok"))
+    ttft = [r["ttft_ms"] for r in rows if r.get("ttft_ms") is not None]
+    rates = [t for t in map(tokens_per_s, rows) if t is not None]
+    queue = [r["queue_ms"] for r in rows if r.get("queue_ms") is not None]
+    return {
+        "model": model,
+        "upstream": upstream,
+        "requests": len(rows),
+        "ok": ok,
+        "failed": len(rows) - ok,
+        "failures": dict(sorted(failures.items(), key=lambda kv: (-kv[1], kv[0]))),
+        "ttft_p50_ms": percentile(ttft, 50),
+        "ttft_p95_ms": percentile(ttft, 95),
+        "ttft_p99_ms": percentile(ttft, 99),
+        "tok_s_p50": percentile(rates, 50),
+        "queue_p95_ms": percentile(queue, 95),
+        "completion_tokens": sum(r.get("completion_tokens") or 0 for r in rows),
+        "tokens_exact": sum(1 for r in rows if r.get("tokens_source") == "exact"),
+        "tokens_approx": sum(1 for r in rows if r.get("tokens_source") == "approx"),
+    }
+
+
+def aggregate(rows: Iterable[dict]) -> list[dict]:
+    """Rows grouped by (model, upstream_served), ordered by model then upstream."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row.get("model"), row.get("upstream_served")), []).append(row)
+    keys = sorted(groups, key=lambda k: (k[0] or "", k[1] or ""))
+    return [summarize(groups[k], model=k[0], upstream=k[1]) for k in keys]
+
+
+# ---- rendering -------------------------------------------------------------------------
+_HEADERS = ("model", "upstream", "reqs", "ok", "fail", "ttft p50", "ttft p95", "ttft p99",
+            "tok/s p50", "queue p95", "compl tok", "exact", "approx", "failures")
+_LEFT = {0, 1, 13}  # text columns; the rest are numbers, right-aligned
+
+
+_COUNTS = ("requests", "ok", "failed")
+_MEASURES = ("ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "tok_s_p50", "queue_p95_ms")
+_TOKENS = ("completion_tokens", "tokens_exact", "tokens_approx")
+
+
+def _text(v) -> str:
+    return "-" if v is None else str(v)
+
+
+def _measure(v) -> str:
+    return "-" if v is None else f"{float(v):.1f}"
+
+
+def _cells(g: dict) -> list[str]:
+    failures = " ".join(f"{code}:{n}" for code, n in g["failures"].items())
+    return [_text(g["model"]), _text(g["upstream"]), *(str(g[k]) for k in _COUNTS),
+            *(_measure(g[k]) for k in _MEASURES), *(str(g[k]) for k in _TOKENS), failures or "-"]
+
+
+def render_table(groups: list[dict], total: dict | None = None) -> str:
+    """Aligned plain text: one line per group, then a TOTAL line. Times in ms."""
+    body = [_cells(g) for g in groups]
+    foot = [_cells({**total, "model": "TOTAL", "upstream": ""})] if total else []
+    lines = [list(_HEADERS), *body, *foot]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(_HEADERS))]
+
+    def fmt(cells: list[str]) -> str:
+        out = [c.ljust(w) if i in _LEFT else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return "  ".join(out).rstrip()
+
+    rule = "  ".join("-" * w for w in widths[:-1] + [len(_HEADERS[-1])])
+    text = [fmt(lines[0]), rule, *map(fmt, body)]
+    if foot:
+        text += [rule, fmt(foot[0])]
+    return "\n".join(text) + "\n"
+
+
+# ---- I/O -------------------------------------------------------------------------------
+def read_rows(path: str, since_ts: float | None) -> list[dict]:
+    sql = f"SELECT {', '.join(READ_COLUMNS)} FROM request"
+    params: tuple = ()
+    if since_ts is not None:
+        sql, params = sql + " WHERE ts >= ?", (since_ts,)
+    return rows_read.fetch(path, sql, params)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="relay report",
+                                description="summarize stored request rows per model/upstream")
+    p.add_argument("--db", default="relay.db", help="SQLite file ([store].path, default relay.db) or "
+                   "postgresql://... ([store].url; password from PGPASSWORD)")
+    p.add_argument("--since", default="1h", help="30m, 1h, 24h, 7d or all (default 1h)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    b = p.add_argument_group(
+        "benchmark view", "TTFT, TPOT, ITL, E2EL (mean, p50, p90, p99), request and output "
+        "token throughput and goodput over the window, as vLLM's `vllm bench serve` defines "
+        "them (README: Benchmark view). Any of these flags selects it.")
+    b.add_argument("--bench", action="store_true", help="the benchmark view (grouped by model)")
+    b.add_argument("--by", choices=sorted(benchview.BY), help="group by model, upstream or key")
+    b.add_argument("--from", dest="from_ts", metavar="TIME",
+                   help="window start: unix seconds or ISO 8601 (UTC unless it says); "
+                   "instead of --since")
+    b.add_argument("--to", dest="to_ts", metavar="TIME", help="window end (default now)")
+    b.add_argument("--slo", help="goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2el=10s "
+                   "(a bare number is ms)")
+    b.add_argument("--csv", action="store_true", help="print CSV (one line per group, then TOTAL)")
+    return p
+
+
+def parse_time(text: str) -> float:
+    """Unix seconds, or an ISO 8601 date/time (UTC unless it carries an offset)."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        t = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"bad time {text!r}: use unix seconds or ISO 8601") from None
+    return (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def window(args, now: float) -> tuple[float | None, float]:
+    """[start, end] of the rows asked for; start None: all rows."""
+    end = parse_time(args.to_ts) if args.to_ts else now
+    if args.from_ts:
+        start = parse_time(args.from_ts)
+    else:
+        since_s = parse_since(args.since)
+        start = None if since_s is None else end - since_s
+    if start is not None and end <= start:
+        raise ValueError("the window ends before it starts")
+    return start, end
+
+
+def bench_main(args, parser) -> int:
+    try:
+        start, end = window(args, time.time())
+        slo = benchview.parse_slo(args.slo) if args.slo else None
+    except ValueError as exc:
+        parser.error(str(exc))
+    params: tuple = (end,) if start is None else (end, start)
+    try:  # a database no relay of issue 13 opened yet lacks the timing columns: NULLs
+        have = rows_read.columns(args.db)
+        cols = ", ".join(c if c in have else f"NULL AS {c}" for c in benchview.READ_COLUMNS)
+        sql = f"SELECT {cols} FROM request WHERE ts <= ?" + (
+            "" if start is None else " AND ts >= ?")
+        rows = rows_read.fetch(args.db, sql, params)
+    except rows_read.errors() as exc:
+        print(f"relay report: cannot read {rows_read.shown(args.db)!r}: {exc}", file=sys.stderr)
+        return 2
+    if start is None:  # all rows: the window is the rows' own span
+        start = min((r["ts"] for r in rows), default=end)
+    by = args.by or "model"
+    groups, total = benchview.bench(rows, by, end - start, slo)
+    if args.json:
+        print(json.dumps({"from": start, "to": end, "by": by, "groups": groups,
+                          "total": total}, indent=2))
+    elif args.csv:
+        print(benchview.render_csv(groups, total), end="")
+    else:
+        print(f"relay report: {rows_read.shown(args.db)}, {len(rows)} requests from "
+              f"{_iso(start)} to {_iso(end)}; times in ms")
+        print(benchview.render_table(groups, total, by), end="")
+    return 0
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        since_s = parse_since(args.since)
+    except ValueError as exc:
+        parser.error(str(exc))   # exits 2
+    why = rows_read.missing(args.db)
+    if why is not None:
+        print(f"relay report: {why}", file=sys.stderr)
+        return 2
+    if args.bench or args.by or args.from_ts or args.to_ts or args.slo or args.csv:
+        return bench_main(args, parser)
+    since_ts = None if since_s is None else time.time() - since_s
+    try:
+        rows = read_rows(args.db, since_ts)
+    except rows_read.errors() as exc:
+        print(f"relay report: cannot read {rows_read.shown(args.db)!r}: {exc}", file=sys.stderr)
+        return 2
+    groups = aggregate(rows)
+    total = summarize(rows, model="TOTAL")
+    if args.json:
+        print(json.dumps({"since_s": since_s, "groups": groups, "total": total}, indent=2))
+        return 0
+    window = "all rows" if since_s is None else f"last {args.since}"
+    print(f"relay report: {rows_read.shown(args.db)}, {window}, {len(rows)} requests; times in ms")
+    print(render_table(groups, total), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

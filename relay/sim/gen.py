@@ -1,0 +1,166 @@
+"""One streamed generation of the simulator: frames paced by a loop.call_at chain.
+
+Token i is due at t0 + i*interval (no drift), each event is one transport.write (or, with the
+events_per_chunk / chunks_per_write knobs, a group of them when its last one is due), and
+production stops while the connection's transport is paused. Knobs (stall, drop, mid-line
+or mid-chunk cuts, content-length bodies) come from the request's plan (sim_frames.Plan).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from relay.sim import frames as F
+
+if TYPE_CHECKING:
+    from relay.sim.plan import Plan
+    from relay.sim.server import SimRequest, _Conn
+
+SSE_HEAD = F.head(200, F.SSE_CT, sse=True)
+
+
+class Gen:
+    """One streamed generation response, driven by a call_at chain."""
+
+    __slots__ = ("c", "req", "p", "f", "i", "handle", "t0", "stop_at", "role", "state", "cl_tail")
+
+    def __init__(self, conn: _Conn, req: SimRequest, plan: Plan, frames: F.StreamFrames) -> None:
+        self.c, self.req, self.p, self.f = conn, req, plan, frames
+        self.i = 0
+        self.handle = None
+        self.state = "head"
+        self.role: bytes | None = None
+        self.cl_tail = b""
+        lim = [x for x in (plan.stall_after, plan.drop_after, plan.n) if x is not None and x >= 0]
+        self.stop_at = min(lim) if lim else None
+        self.t0 = req.started_at + plan.head_delay + plan.ftd
+
+    def start(self) -> None:
+        if self.p.head_delay > 0:
+            self.handle = self.c.loop.call_at(self.req.started_at + self.p.head_delay, self._head)
+        else:
+            self._head()
+
+    def cancel(self) -> None:
+        self.state = "done"
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+
+    def resume(self) -> None:
+        if self.state == "run" and self.handle is None:
+            self.handle = self.c.loop.call_soon(self._tick)
+
+    def _tail_payloads(self, tm: dict) -> list[bytes]:
+        p, f = self.p, self.f
+        n = p.n or 0
+        parts = [f.stop_token_event(n, p.predicted_n, p.stop_word, p.eos, tm),
+                 f.final_events(n, p.predicted_n, p.finish, tm, p.stop_word, p.settings, p.prompt),
+                 f.done_event]
+        return [x for x in parts if x]
+
+    def _tail(self, tm: dict) -> bytes:
+        parts = self._tail_payloads(tm)
+        if self.p.content_length:
+            return b"".join(parts)
+        return b"".join(map(F.chunk, parts)) + F.TERMINATOR
+
+    def _head(self) -> None:
+        self.handle = None
+        p, f = self.p, self.f
+        role = f.role_event()
+        keep = self.c._keep
+        if p.content_length:
+            n = p.n or 0
+            self.cl_tail = self._tail(F.timings(p.prompt_n, p.predicted_n, (p.ftd + max(n - 1, 0) * p.interval) * 1e3))
+            length = f.body_len(n) + len(role or b"") + len(self.cl_tail)
+            head = F.head(200, F.SSE_CT, length=length, sse=True, close=not keep)
+        elif f.kind == "octet" or not keep:
+            head = F.head(200, f.content_type, sse=True, close=not keep)
+        else:
+            head = SSE_HEAD
+        if role is not None and (p.ftd > 0 or self.stop_at == 0):
+            head += role if p.content_length else F.chunk(role)
+        else:
+            self.role = role
+        self.c.transport.write(head)
+        self.state = "run"
+        self._tick()
+
+    def _frame(self, i: int) -> bytes:
+        if self.role is not None:
+            data, self.role = self.role + self.f.event(i), None
+            return data if self.p.content_length else F.chunk(data)
+        return self.f.event(i) if self.p.content_length else self.f.chunk(i)
+
+    def _frames(self, i: int, j: int) -> bytes:
+        """Content events i..j-1 in one write: `events_per_chunk` of them to a chunk."""
+        evs = [self.f.event(k) for k in range(i, j)]
+        if self.role is not None:
+            evs[0], self.role = self.role + evs[0], None
+        if self.p.content_length:
+            return b"".join(evs)
+        per = self.p.events_per_chunk
+        return b"".join(F.chunk(b"".join(evs[k:k + per])) for k in range(0, len(evs), per))
+
+    def _tick(self) -> None:
+        self.handle = None
+        c = self.c
+        if self.state != "run" or c.paused:
+            return
+        loop, tr, req, sim = c.loop, c.transport, self.req, c.sim
+        now, iv, t0, stop_at = loop.time() + 0.001, self.p.interval, self.t0, self.stop_at
+        budget = 256
+        group = self.p.events_per_chunk * self.p.chunks_per_write  # events per write
+        while True:
+            i = self.i
+            if i == stop_at:
+                self._boundary()
+                return
+            j = i + group if stop_at is None else min(i + group, stop_at)
+            due = t0 + (j - 1) * iv  # a group goes out when its last event is due
+            if due > now:
+                self.handle = loop.call_at(due, self._tick)
+                return
+            if budget == 0:
+                self.handle = loop.call_soon(self._tick)
+                return
+            tr.write(self._frame(i) if group == 1 else self._frames(i, j))
+            self.i = j
+            req.tokens_sent += j - i
+            sim.tokens_sent_total += j - i
+            budget -= 1
+            if c.paused:
+                return
+
+    def _boundary(self) -> None:
+        p, i = self.p, self.i
+        if p.drop_after is not None and i == p.drop_after:
+            self.state = "done"
+            self.c.abort()
+            return
+        if p.stall_after is not None and i == p.stall_after:
+            self.state = "stalled"
+            if p.mid_line or p.mid_chunk:
+                if p.n is None or i < p.n:
+                    nxt = (self.role or b"") + self.f.event(i)
+                else:
+                    nxt = (self._tail_payloads(self._timings()) or [b""])[0]
+                half = nxt[: len(nxt) // 2]
+                if not nxt:
+                    pass
+                elif p.content_length:
+                    self.c.transport.write(half)
+                elif p.mid_line:
+                    self.c.transport.write(F.chunk(half))
+                else:
+                    self.c.transport.write(b"%x\r\n" % len(nxt) + half)
+            return
+        self.state = "done"
+        self.c.transport.write(self.cl_tail if p.content_length else self._tail(self._timings()))
+        self.req.completion_tokens = p.predicted_n
+        self.c.finish_stream()
+
+    def _timings(self) -> dict:
+        ms = (self.c.loop.time() - self.t0) * 1000.0 if self.i else 0.0
+        return F.timings(self.p.prompt_n, self.p.predicted_n, ms)

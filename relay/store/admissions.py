@@ -1,0 +1,73 @@
+"""Durable admissions: a keyed request is on disk before its upstream is contacted.
+
+A budget is only as good as the record of what was spent. Request rows are written in
+batches (a crash loses the last batch), so for a key with limits the relay first commits an
+admission record - what the request was and the tokens it reserved - and only then contacts
+the upstream. The request's row later replaces it in one transaction. An admission still
+there at start means the relay died mid-request: it becomes a request row with error code
+`relay_crashed`, counted against the key with its reserved tokens (the most it could have
+used), so a restart never gives a key back what it spent.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+from relay.observe.record import CRASHED, RESERVED
+
+FIELDS = ("id", "ts", "request_id", "key_id", "path", "model", "stream",
+          "upstream_requested", "prompt_tokens", "completion_tokens")
+SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS admission (id INTEGER PRIMARY KEY, ts REAL, request_id TEXT,"
+    " key_id TEXT, path TEXT, model TEXT, stream INTEGER, upstream_requested TEXT,"
+    " prompt_tokens INTEGER, completion_tokens INTEGER)",
+)
+INSERT = (f"INSERT INTO admission ({', '.join(FIELDS)}) "
+          f"VALUES ({', '.join('?' for _ in FIELDS)})")
+DELETE = "DELETE FROM admission WHERE id = ?"
+# what a budget charges: requests an upstream served, and requests cut by a crash
+CHARGED = f"(upstream_served IS NOT NULL OR error_code = '{CRASHED}')"
+
+_RECOVER = (
+    "INSERT INTO request (ts, request_id, key_id, path, model, stream, upstream_requested,"
+    " fallback_attempts, ok, error_code, prompt_tokens, completion_tokens, tokens_source,"
+    " bytes_out, client_closed)"
+    f" SELECT ts, request_id, key_id, path, model, stream, upstream_requested, 0, 0,"
+    f" '{CRASHED}', prompt_tokens, completion_tokens, '{RESERVED}', 0, 0"
+    " FROM admission ORDER BY id"
+)
+
+
+def values(admission_id: int, rec, prompt_tokens: int, completion_tokens: int) -> tuple:
+    """The admission record of a request (`rec`: relay.record.Record)."""
+    return (admission_id, rec.ts, rec.request_id, rec.key_id, rec.path, rec.model,
+            int(rec.stream), rec.upstream_requested, prompt_tokens, completion_tokens)
+
+
+def insert(conn: sqlite3.Connection, records: list[tuple]) -> None:
+    """Commit admission records (one transaction for all that are waiting)."""
+    conn.execute("BEGIN")
+    try:
+        conn.executemany(INSERT, records)
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+
+
+def recover(conn: sqlite3.Connection) -> int:
+    """Turn leftover admissions into `relay_crashed` request rows; how many there were."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        n = conn.execute("SELECT COUNT(*) AS n FROM admission").fetchone()
+        n = n["n"] if isinstance(n, dict) else n[0]
+        if n:
+            conn.execute(_RECOVER)
+            conn.execute("DELETE FROM admission")
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    return n

@@ -1,0 +1,159 @@
+"""Budgets shared by every relay on one PostgreSQL: the reservation is taken in the database.
+
+`SharedBudget.reserve` runs `relay_reserve` (relay/pg_sql.py) in one round trip on a small
+pool of asyncio connections (psycopg's AsyncConnection on the relay's own loop): under a
+per-key lock the database checks settled usage plus live leases against every window and
+inserts the lease, so N relays against one key admit exactly the limit. A lease lives
+`reservation_ttl_s`; `renew` (every third of it) keeps a live relay's leases, and the row that
+settles a request deletes its lease in the same transaction (relay/store_pg.py).
+
+When the server cannot be reached (refused, reset, or no answer within `timeout_s`) the call
+raises Unavailable at once - for `retry_s` further calls fail fast without trying - and the
+caller serves on the relay's local budget view (relay/budget.py), which `refresh` keeps
+seeded with the shared usage. `decision` is the pure part: the function's answer -> None or
+BudgetExceeded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from relay.policy.budget import BudgetExceeded
+from relay.store import pg_sql
+
+
+class Unavailable(RuntimeError):
+    """The shared budget cannot be asked now (PostgreSQL unreachable)."""
+
+
+def reserve_params(lease_id: str, relay_id: str, ttl: float, res, rec, prompt: int,
+                   completion: int) -> tuple:
+    """relay_reserve's arguments: the lease, the request, the windows of `res` (a local
+    relay.budget.Reservation: its windows carry kind, start and limits)."""
+    ws = res.windows
+    return (lease_id, relay_id, res.key_id, res.tokens, ttl, rec.ts, rec.request_id, rec.path,
+            rec.model, int(rec.stream), rec.upstream_requested, prompt, completion,
+            [w.kind for w in ws], list(res.starts), [w.req_limit for w in ws],
+            [w.tok_limit for w in ws])
+
+
+def decision(answer: str | None, res, now: float) -> BudgetExceeded | None:
+    """None: the lease is taken. Else the function named the full window and its usage
+    ("daily_requests 10"): the BudgetExceeded a local refusal would raise."""
+    if answer is None:
+        return None
+    limit, _, used = answer.partition(" ")
+    kind, _, what = limit.rpartition("_")
+    for w in res.windows:
+        if w.kind == kind:
+            value = w.req_limit if what == "requests" else w.tok_limit
+            return BudgetExceeded(limit, int(used), value, w.end, now)
+    raise ValueError(f"relay_reserve answered {answer!r} for no window of the request")
+
+
+class SharedBudget:
+    pool_size = 4
+
+    def __init__(self, connect_kwargs: dict, relay_id: str, ttl: float,
+                 timeout_s: float = 2.0, retry_s: float = 0.5) -> None:
+        self.kw = connect_kwargs
+        self.relay_id = relay_id
+        self.ttl = ttl
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self.unavailable = 0   # calls that found the server unreachable
+        self._idle: list = []
+        self._sem: asyncio.Semaphore | None = None
+        self._down_until = 0.0
+
+    async def reserve(self, lease_id: str, res, rec, prompt: int, completion: int,
+                      now: float) -> BudgetExceeded | None:
+        params = reserve_params(lease_id, self.relay_id, self.ttl, res, rec, prompt, completion)
+        row = await self._one(pg_sql.RESERVE, params)
+        return decision(row[0], res, now)
+
+    async def renew(self) -> None:
+        """Keep this relay's leases (in flight, or settled with the row not yet written)."""
+        await self._one(pg_sql.RENEW, (self.ttl, self.relay_id), fetch=False)
+
+    async def expire(self) -> None:
+        """Leases whose relay stopped renewing them become charged rows (any key)."""
+        await self._one(pg_sql.EXPIRE_ALL, (), fetch=False)
+
+    async def usage(self, key_id: str, since_ts: float) -> tuple[int, int]:
+        row = await self._one(pg_sql.USAGE, (key_id, since_ts))
+        return int(row[0]), int(row[1])
+
+    async def close(self) -> None:
+        while self._idle:
+            await self._idle.pop().close()
+
+    # ---- the pool ------------------------------------------------------------------------
+    async def _one(self, sql: str, params: tuple, fetch: bool = True):
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.pool_size)
+        self._check_down()
+        async with self._sem:
+            self._check_down()  # (it went down while this call waited for a connection)
+            fresh = not self._idle
+            while True:
+                conn = self._idle.pop() if self._idle else await self._connect()
+                try:
+                    async with asyncio.timeout(self.timeout_s):
+                        cur = await conn.execute(sql, params)
+                        row = await cur.fetchone() if fetch else None
+                except BaseException as exc:
+                    await _discard(conn)
+                    if isinstance(exc, asyncio.CancelledError) or not _retryable(exc):
+                        raise
+                    idle, self._idle = self._idle, []
+                    for c in idle:  # pooled ones died with the server (or hang with it)
+                        await _discard(c)
+                    if fresh or isinstance(exc, TimeoutError):
+                        # a new connection failed, or no answer in time (the statement may
+                        # still run: not sent again): the server is gone for now
+                        self._failed()
+                        raise Unavailable(f"PostgreSQL: {_why(exc)}") from None
+                    fresh = True
+                    continue
+                self._idle.append(conn)
+                return row
+
+    def _check_down(self) -> None:
+        if time.monotonic() < self._down_until:
+            self.unavailable += 1
+            raise Unavailable("PostgreSQL unreachable (retrying shortly)")
+
+    async def _connect(self):
+        import psycopg
+
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await psycopg.AsyncConnection.connect(
+                    **self.kw, autocommit=True, connect_timeout=max(1, int(self.timeout_s)))
+        except (OSError, TimeoutError, psycopg.Error) as exc:
+            self._failed()
+            raise Unavailable(f"PostgreSQL: {_why(exc)}") from None
+
+    def _failed(self) -> None:
+        self.unavailable += 1
+        self._down_until = time.monotonic() + self.retry_s
+
+
+def _retryable(exc: BaseException) -> bool:
+    import psycopg
+
+    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError, OSError,
+                            TimeoutError))
+
+
+def _why(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
+async def _discard(conn) -> None:
+    try:
+        await conn.close()
+    except Exception:  # noqa: BLE001 - a connection already broken
+        pass

@@ -1,0 +1,320 @@
+"""Request rows and budget leases in PostgreSQL, shared by any number of relays.
+
+The same shape as the SQLite store (relay/store.py, which this extends): `put` snapshots a
+row into a bounded deque on the loop thread and never blocks; one writer thread commits
+batches. Every row carries a `row_id` unique across relays and restarts (this process's random
+relay id and a counter; a keyed request's row id is its lease id), and the insert ignores a
+row the table already has, so writing a row twice leaves it once.
+
+While the server cannot be reached the relay keeps relaying: each batch goes to the spill
+file (relay/spill.py, fsync'd) instead, and so does whatever is queued when the relay stops.
+The writer tries the server again every `reconnect_s`; once it answers, the spill is
+replayed (at start too, before the relay serves) and then emptied - a crash between the
+commit and the emptying replays rows the table already has, which changes nothing.
+
+Keyed requests take their reservation in the database (relay/pg_budget.py); `maintain`
+renews this relay's leases, turns leases of dead relays into charged rows, and refreshes
+the local budget view that serves while the server is away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from types import SimpleNamespace
+
+import psycopg
+from psycopg.rows import dict_row
+
+from relay.config import ConfigError, StoreConfig, pg_connect_kwargs
+from relay.observe.log import Log
+from relay.policy.budget import window_bounds
+from relay.store import pg_sql
+from relay.store.pg_budget import SharedBudget, Unavailable
+from relay.store.spill import Spill
+from relay.store.sqlite import Store, clean
+
+DEFAULT_SPILL = "relay-spill.jsonl"
+_LOST = (psycopg.OperationalError, psycopg.InterfaceError)
+_KEY = pg_sql.ROW_COLUMNS.index("key_id")
+
+
+class PgUnreachable(OSError):
+    """PostgreSQL could not be reached or set up when the relay started."""
+
+
+class PgStore(Store):
+    connect_timeout_s = 2
+    reconnect_s = 0.5
+    statement_timeout_ms = 10_000
+
+    def __init__(self, url: str, kw: dict, spill_path: str = DEFAULT_SPILL,
+                 reservation_ttl_s: float = 30.0, retention_days: float = 30.0,
+                 log: Log | None = None, **opts) -> None:
+        super().__init__(url, retention_days, log=log, **opts)
+        # the writer thread blocks on its connection: bounded by the server (statement
+        # timeout) and, for a server that vanished from the network, by TCP itself
+        self.kw = {**kw, "connect_timeout": self.connect_timeout_s,
+                   "options": f"-c statement_timeout={self.statement_timeout_ms}",
+                   "tcp_user_timeout": self.statement_timeout_ms, "keepalives_idle": 5,
+                   "keepalives_interval": 2, "keepalives_count": 3}
+        self.relay_id = os.urandom(8).hex()  # this process: its leases and its row ids
+        self._ids = itertools.count(1)
+        self.spill = Spill(spill_path)
+        self.rows_spilled = 0    # rows that went to the spill file (total)
+        self.rows_replayed = 0   # rows replayed from it into the database (total)
+        self.ttl = reservation_ttl_s
+        self.shared = SharedBudget(kw, self.relay_id, reservation_ttl_s)
+        self._conn: psycopg.Connection | None = None   # the writer thread's
+        self._retry_at = 0.0
+
+    @classmethod
+    def configured(cls, cfg: StoreConfig, log: Log) -> PgStore:
+        try:
+            kw = pg_connect_kwargs(cfg.url, cfg.password_env)
+        except KeyError as exc:
+            raise ConfigError(f"store.password_env: environment variable {exc.args[0]} is "
+                              "not set") from None
+        return cls(cfg.url, kw, cfg.spill_path or DEFAULT_SPILL, cfg.reservation_ttl_s,
+                   cfg.retention_days, log)
+
+    # ---- event-loop side -------------------------------------------------------------
+    def next_admission_id(self) -> str:
+        return f"{self.relay_id}-{next(self._ids)}"
+
+    def put(self, row: dict) -> None:
+        if row.get("admission_id") is None:  # its row id (a keyed row's is its lease id)
+            row["admission_id"] = self.next_admission_id()
+        super().put(row)
+
+    def put_record(self, rec, admission_id=None) -> None:
+        row = rec.row()  # (the PostgreSQL writer takes the row as the dict has it)
+        row["admission_id"] = admission_id
+        self.put(row)
+
+    @property
+    def spilled(self) -> int:
+        return self.spill.count
+
+    async def admit(self, admission_id: str, rec, prompt_tokens: int, completion_tokens: int,
+                    timeout: float | None = None, res=None) -> None:
+        """Take the request's lease in the shared budget: BudgetExceeded if a window is
+        full across all relays; RuntimeError if the server cannot be asked (the caller
+        serves on the local budget view)."""
+        if res is None:
+            return
+        try:
+            exceeded = await self.shared.reserve(admission_id, res, rec, prompt_tokens,
+                                                 completion_tokens, time.time())
+        except Unavailable as exc:
+            raise RuntimeError(f"shared budget not asked, the local view holds: {exc}") from None
+        except psycopg.Error as exc:  # refused by the server (a deadlock victim, ...): the same
+            raise RuntimeError(f"shared budget failed, the local view holds: {_first(exc)}") \
+                from None
+        if exceeded is not None:
+            raise exceeded
+
+    async def maintain(self, app) -> None:
+        """Every third of the lease time: renew this relay's leases, expire dead relays'
+        leases, and re-seed the local budget view from the shared usage."""
+        while True:
+            await asyncio.sleep(max(0.02, self.ttl / 3))
+            try:
+                await self.shared.renew()
+                await self.shared.expire()
+                now = time.time()
+                for key_id in list(app.budgets.keys):
+                    for kind in app.budgets.windows_of(key_id):
+                        start, _ = window_bounds(kind, now)
+                        used = await self.shared.usage(key_id, start)
+                        if kind in app.budgets.windows_of(key_id):  # (a reload meanwhile)
+                            app.budgets.restore(key_id, kind, *used, time.time())
+            except Unavailable:
+                pass  # the writer spills, requests use the local view; next round retries
+            except psycopg.Error as exc:
+                self.log.event("store_warning", kind="maintain", message=str(exc)[:300])
+
+    async def aclose(self) -> None:
+        await self.shared.close()
+        await super().aclose()
+
+    # ---- reading ---------------------------------------------------------------------
+    def query(self, sql: str, params=()) -> list[dict]:
+        """SQLite-style SQL (`?`), read on a short-lived connection."""
+        return self._read(pg_sql.portable(sql), params)
+
+    def usage_since(self, key_id: str | None, since_ts: float,
+                    served_only: bool = False) -> tuple[int, int]:
+        row = self._read(pg_sql.USAGE if served_only else pg_sql.COUNT, (key_id, since_ts))[0]
+        return int(row["n"]), int(row["tokens"])
+
+    def _read(self, sql: str, params) -> list[dict]:
+        try:
+            with psycopg.connect(**self.kw, autocommit=True, row_factory=dict_row) as conn:
+                return conn.execute(sql, params).fetchall()
+        except psycopg.Error as exc:  # an OSError, as a SQLite file that cannot be read
+            raise PgUnreachable(f"store.url: {_first(exc)}") from None
+
+    # ---- writer thread ---------------------------------------------------------------
+    def _acquire(self) -> None:
+        self.spill.open()  # its lock (one relay per spill file), a torn tail cut off
+
+    def _unlock(self) -> None:
+        self.spill.close()
+
+    def _open(self):
+        try:
+            self._conn = psycopg.connect(**self.kw, autocommit=True)
+            with self._conn.transaction():
+                self._conn.execute("SELECT pg_advisory_xact_lock(%s)", (pg_sql.SCHEMA_LOCK,))
+                for stmt in pg_sql.SETUP:
+                    self._conn.execute(stmt)
+        except psycopg.Error as exc:
+            self._disconnect()
+            raise PgUnreachable(f"store.url: {_first(exc)}") from None
+        self.log.event("store_postgres", relay_id=self.relay_id, url=self.path,
+                       spill_path=self.spill.path, spilled=self.spill.count)
+        self._replay()
+        self._prune(None)
+        return SimpleNamespace(close=self._disconnect)
+
+    def _disconnect(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _drain(self, conn) -> None:
+        self._reconnect()
+        super()._drain(conn)
+
+    def _reconnect(self) -> None:
+        if self._conn is None:
+            if time.monotonic() < self._retry_at:
+                return
+            try:
+                self._conn = psycopg.connect(**self.kw, autocommit=True)
+            except _LOST:
+                self._retry_at = time.monotonic() + self.reconnect_s
+                return
+            self.log.event("store_reconnected", spilled=self.spill.count)
+        if self.spill.count:
+            self._replay()
+
+    def _replay(self) -> None:
+        rows = self.spill.read()
+        if not rows:
+            return
+        try:
+            for i in range(0, len(rows), self.batch_max):
+                self._commit_pg(rows[i:i + self.batch_max])
+        except _LOST as exc:
+            self._lost(exc)
+            return
+        self.spill.clear()
+        self.rows_replayed += len(rows)
+        self.log.event("spill_replayed", rows=len(rows))
+
+    def _write_with_retry(self, conn, batch: list[tuple]) -> None:
+        now = time.time()
+        rows = [_pg_row(v, now) for v in batch]
+        if self._conn is not None and not self.spill.count:
+            try:
+                self._commit_pg(rows)
+                self._settle(len(rows), written=True)
+                return
+            except _LOST as exc:
+                self._lost(exc)
+            except psycopg.Error as exc:  # a row the server refuses: isolate it
+                self.write_errors += 1
+                self._write_one_by_one(conn, rows, exc)
+                return
+        self._to_spill(conn, rows)
+
+    def _write_one_by_one(self, conn, rows: list[tuple], exc) -> None:
+        for row in rows:
+            try:
+                self._commit_pg([row])
+                self._settle(1, written=True)
+            except _LOST as lost:
+                self._lost(lost)
+                self._to_spill(conn, [row])
+            except psycopg.Error:
+                self._settle(1, written=False)
+        self._warn("reject", f"rows PostgreSQL rejected were dropped ({_first(exc)})")
+
+    def _to_spill(self, conn, rows: list[tuple]) -> None:
+        delay = self.retry_base_s
+        while True:
+            try:
+                self.spill.append(rows)
+                break
+            except OSError as exc:  # disk full: keep the rows, try again
+                self.write_errors += 1
+                self._warn("spill", f"spill file not written ({exc}); retrying, rows kept")
+            if self._backoff(conn, delay):
+                self._settle(len(rows), written=False)
+                return
+            delay = min(delay * 2, self.retry_max_s)
+        self.rows_spilled += len(rows)
+        with self._settled_cv:   # durable (locally): flush() need not wait for them
+            self._settled += len(rows)
+            self._settled_cv.notify_all()
+
+    def _commit_pg(self, rows: list[tuple]) -> None:
+        """Rows (values, row id): each row in once, and its lease (if any) gone with it.
+        The leases go first: a concurrent expiry of one of them (its relay_reserve or
+        `expire` locks the lease, then inserts under the row's id) waits for this
+        transaction and then finds nothing, instead of the two waiting on each other."""
+        with self._conn.transaction(), self._conn.cursor() as cur:
+            cur.execute(pg_sql.DELETE_LEASES, ([r[-1] for r in rows],))
+            # by key: each row locks its key's usage_day row (pg_sql.USAGE_DAY), so two
+            # relays' batches lock them in one order and never wait on each other
+            cur.executemany(pg_sql.INSERT, sorted(rows, key=_by_key))
+
+    def _lost(self, exc: BaseException) -> None:
+        self.write_errors += 1
+        self._warn("unreachable", f"PostgreSQL unreachable ({_first(exc)}); rows go to "
+                   f"the spill file {self.spill.path!r}")
+        try:
+            self._conn.close()
+        except Exception:  # noqa: BLE001 - already broken
+            pass
+        self._conn = None
+        self._retry_at = time.monotonic() + self.reconnect_s
+
+    def _give_up(self) -> None:
+        """close() stopped waiting for the server: the rest goes to the spill file."""
+        rows = []
+        now = time.time()
+        for source in (self._queue, self._overflow):
+            while source:
+                rows.append(_pg_row(source.popleft(), now))
+        if rows:
+            self._to_spill(None, rows)
+
+    def _prune(self, conn) -> None:
+        if self.retention_days <= 0 or self._conn is None:
+            return
+        cutoff = time.time() - self.retention_days * 86400.0
+        try:
+            self.rows_pruned += self._conn.execute(pg_sql.PRUNE, (cutoff,)).rowcount
+        except psycopg.Error as exc:
+            self.write_errors += 1
+            self._warn("prune", f"prune failed ({_first(exc)})")
+
+
+def _pg_row(values: tuple, now: float) -> tuple:
+    """A queued row (columns, then its row id) as PostgreSQL takes it: booleans as 0/1 (the
+    columns are integers, as in SQLite)."""
+    return tuple(int(v) if v is True or v is False else v
+                 for v in clean(values[:-1], now)) + (values[-1],)
+
+
+def _by_key(row: tuple) -> str:
+    return row[_KEY] or ""
+
+
+def _first(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
