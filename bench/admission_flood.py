@@ -58,8 +58,10 @@ def rss_mb(pid: int) -> float:
 
 
 def one_byte_chunked(size: int) -> bytes:
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: b\r\nContent-Type: application/json\r\n"
-            b"Authorization: Bearer " + SECRET.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n")
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: b\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + SECRET.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
     prefix = b'{"model":"tiny","max_tokens":1,"messages":[{"role":"user","content":"'
     body = prefix + b"x" * (size - len(prefix) - 4) + b'"}]}'
     return head + b"".join(b"1\r\n%c\r\n" % c for c in body) + b"0\r\n\r\n"
@@ -72,7 +74,7 @@ async def send_and_status(port: int, data: bytes, timeout: float) -> tuple[int |
         writer.write(data)
         line = await asyncio.wait_for(reader.readline(), timeout)
         return (int(line.split()[1]) if line else None), time.monotonic() - t0
-    except (asyncio.TimeoutError, ConnectionError):
+    except (TimeoutError, ConnectionError):
         return None, time.monotonic() - t0
     finally:
         writer.close()
@@ -83,25 +85,27 @@ async def unauth_client(port: int, body: bytes, auth: bool = False) -> int | Non
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
     except OSError:
         return None
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: b\r\nContent-Type: application/json\r\n"
-            + (b"Authorization: Bearer " + SECRET.encode() + b"\r\n" if auth else b"")
-            + b"Content-Length: %d\r\n\r\n" % len(body))
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: b\r\nContent-Type: application/json\r\n"
+        + (b"Authorization: Bearer " + SECRET.encode() + b"\r\n" if auth else b"")
+        + b"Content-Length: %d\r\n\r\n" % len(body)
+    )
     status = None
     try:
         writer.write(head)
         view = memoryview(body)
         for i in range(0, len(body), 256 * 1024):
-            writer.write(view[i:i + 256 * 1024])
+            writer.write(view[i : i + 256 * 1024])
             await writer.drain()
         line = await asyncio.wait_for(reader.readline(), 60)
         status = int(line.split()[1]) if line else None
-    except (ConnectionError, asyncio.TimeoutError, OSError):
+    except (TimeoutError, ConnectionError, OSError):
         pass
     if status is None:
         try:
             line = await asyncio.wait_for(reader.readline(), 5)
             status = int(line.split()[1]) if line else None
-        except (ConnectionError, asyncio.TimeoutError, OSError, IndexError):
+        except (TimeoutError, ConnectionError, OSError, IndexError):
             pass
     writer.close()
     return status
@@ -119,25 +123,38 @@ async def flood(pid: int, port: int, clients: int, mib: int, auth: bool = False)
     took = time.monotonic() - t0
     statuses = [t.result() for t in tasks]
     await asyncio.sleep(3.0)  # lingering closes are over
-    return {"rss_before_mb": round(before, 1), "rss_peak_mb": round(peak, 1),
-            "rss_after_mb": round(rss_mb(pid), 1), "seconds": round(took, 2),
-            "statuses": {s: statuses.count(s) for s in set(statuses)}}
+    return {
+        "rss_before_mb": round(before, 1),
+        "rss_peak_mb": round(peak, 1),
+        "rss_after_mb": round(rss_mb(pid), 1),
+        "seconds": round(took, 2),
+        "statuses": {s: statuses.count(s) for s in set(statuses)},
+    }
 
 
 async def measure(pid: int, port: int, args) -> None:
     if args.flood_only:
         who = "authenticated" if args.auth else "unauthenticated"
-        print(f"{args.clients} {who} x {args.mib} MiB: "
-              f"{await flood(pid, port, args.clients, args.mib, args.auth)}", flush=True)
+        print(
+            f"{args.clients} {who} x {args.mib} MiB: "
+            f"{await flood(pid, port, args.clients, args.mib, args.auth)}",
+            flush=True,
+        )
         return
     c0 = cpu_s(pid)
     status, took = await send_and_status(port, one_byte_chunked(1_000_000), 60)
-    print(f"1 MB in 1-byte chunks: status {status}, relay CPU {cpu_s(pid) - c0:.2f} s, "
-          f"answer after {took:.2f} s", flush=True)
+    print(
+        f"1 MB in 1-byte chunks: status {status}, relay CPU {cpu_s(pid) - c0:.2f} s, "
+        f"answer after {took:.2f} s",
+        flush=True,
+    )
     c0 = cpu_s(pid)
     status, took = await send_and_status(port, one_byte_chunked(4_000_000), 60)
-    print(f"4 MB in 1-byte chunks: status {status} after {took:.2f} s, "
-          f"relay CPU {cpu_s(pid) - c0:.2f} s", flush=True)
+    print(
+        f"4 MB in 1-byte chunks: status {status} after {took:.2f} s, "
+        f"relay CPU {cpu_s(pid) - c0:.2f} s",
+        flush=True,
+    )
     res = await flood(pid, port, args.clients, args.mib)
     print(f"{args.clients} unauthenticated x {args.mib} MiB: {res}", flush=True)
 
@@ -147,7 +164,9 @@ def main() -> int:
     ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent))
     ap.add_argument("--clients", type=int, default=60)
     ap.add_argument("--mib", type=int, default=7)
-    ap.add_argument("--flood-only", action="store_true", help="only measurement 3, on a fresh relay")
+    ap.add_argument(
+        "--flood-only", action="store_true", help="only measurement 3, on a fresh relay"
+    )
     ap.add_argument("--auth", action="store_true", help="--flood-only with a valid key")
     ap.add_argument("--extra", default="", help="more [server] TOML lines, e.g. max_body_chunks")
     args = ap.parse_args()
@@ -167,12 +186,22 @@ url = "http://127.0.0.1:{sim_port}"
 id = "bench"
 sha256 = "{hashlib.sha256(SECRET.encode()).hexdigest()}"
 """)
-    logs = open(Path(tmp, "out.log"), "wb")
-    sim = subprocess.Popen([sys.executable, "-m", "relay.sim.server", "--port", str(sim_port)],
-                           cwd=args.root, env=env, stdout=logs, stderr=logs)
+    logs = open(Path(tmp, "out.log"), "wb")  # noqa: SIM115 - the children write it to the end
+    sim = subprocess.Popen(
+        [sys.executable, "-m", "relay.sim.server", "--port", str(sim_port)],
+        cwd=args.root,
+        env=env,
+        stdout=logs,
+        stderr=logs,
+    )
     wait_port(sim_port)  # before the relay's first health probe
-    relay = subprocess.Popen([sys.executable, "-m", "relay", "serve", "--config", str(cfg)],
-                             cwd=args.root, env=env, stdout=logs, stderr=logs)
+    relay = subprocess.Popen(
+        [sys.executable, "-m", "relay", "serve", "--config", str(cfg)],
+        cwd=args.root,
+        env=env,
+        stdout=logs,
+        stderr=logs,
+    )
     try:
         wait_port(sim_port)
         wait_port(relay_port)

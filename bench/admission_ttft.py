@@ -28,8 +28,15 @@ async def _proc(*args: str, cwd: str, log: str):
     env = {**os.environ, "PYTHONPATH": ROOT}
     with open(os.path.join(cwd, log), "wb") as err:  # a file: a full pipe would block it
         return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "relay", *args, stdout=asyncio.subprocess.PIPE,
-            stderr=err, env=env, cwd=cwd)
+            sys.executable,
+            "-m",
+            "relay",
+            *args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=err,
+            env=env,
+            cwd=cwd,
+        )
 
 
 async def _listening(path: str) -> int:
@@ -43,9 +50,10 @@ async def _listening(path: str) -> int:
 
 
 async def _ttft(reader, writer, body: bytes, secret: str) -> float:
-    req = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: b\r\nContent-Type: application/json\r\n"
-           b"Authorization: Bearer " + secret.encode() + b"\r\nContent-Length: %d\r\n\r\n"
-           % len(body)) + body
+    req = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: b\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + secret.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+    ) + body
     t0 = time.perf_counter()
     writer.write(req)
     head = await reader.readuntil(b"\r\n\r\n")
@@ -62,9 +70,11 @@ async def _ttft(reader, writer, body: bytes, secret: str) -> float:
 def _config(tmp: str, name: str, sim_port: int, store: str, keys: dict) -> str:
     cfg = os.path.join(tmp, f"{name}.toml")
     with open(cfg, "w") as fh:
-        fh.write(f'[server]\nport = 0\n[store]\n{store}\n'
-                 f'[[upstream]]\nname = "llm"\nurl = "http://127.0.0.1:{sim_port}"\n'
-                 f'parallel = 4\n')
+        fh.write(
+            f"[server]\nport = 0\n[store]\n{store}\n"
+            f'[[upstream]]\nname = "llm"\nurl = "http://127.0.0.1:{sim_port}"\n'
+            f"parallel = 4\n"
+        )
         for kid, secret in keys.items():
             sha = hashlib.sha256(secret.encode()).hexdigest()
             limit = "requests_per_day = 1000000000\n" if kid == "limited" else ""
@@ -99,13 +109,24 @@ async def main(n: int, store: str = "sqlite", pg_url: str | None = None) -> None
         stores["postgres"], server = _postgres(pg_url)
         stores["postgres"] += f'\nspill_path = "{tmp}/spill.jsonl"'
     relays, conns = [], {}
-    body = json.dumps({"model": "tiny", "stream": True, "max_tokens": 4,
-                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    body = json.dumps(
+        {
+            "model": "tiny",
+            "stream": True,
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+    ).encode()
     got: dict[tuple, list[float]] = {}
     try:
         for name, lines in stores.items():
-            relay = await _proc("serve", "--config", _config(tmp, name, sim_port, lines, keys),
-                                cwd=tmp, log=f"{name}.log")
+            relay = await _proc(
+                "serve",
+                "--config",
+                _config(tmp, name, sim_port, lines, keys),
+                cwd=tmp,
+                log=f"{name}.log",
+            )
             relays.append(relay)
             port = await _listening(os.path.join(tmp, f"{name}.log"))
             for k in keys:
@@ -126,20 +147,30 @@ async def main(n: int, store: str = "sqlite", pg_url: str | None = None) -> None
             server.destroy()
     p50 = {f"{s}/{k}": statistics.median(v) for (s, k), v in got.items()}
     p90 = {f"{s}/{k}": statistics.quantiles(v, n=10)[-1] for (s, k), v in got.items()}
-    out = {"requests_per_key": n, "ttft_p50_ms": p50, "ttft_p90_ms": p90,
-           "added_p50_ms": {s: p50[f"{s}/limited"] - p50[f"{s}/free"] for s in stores}}
+    out = {
+        "requests_per_key": n,
+        "ttft_p50_ms": p50,
+        "ttft_p90_ms": p90,
+        "added_p50_ms": {s: p50[f"{s}/limited"] - p50[f"{s}/free"] for s in stores},
+    }
     if len(stores) == 2:
-        out["postgres_minus_sqlite_keyed_p50_ms"] = \
-            p50["postgres/limited"] - p50["sqlite/limited"]
+        out["postgres_minus_sqlite_keyed_p50_ms"] = p50["postgres/limited"] - p50["sqlite/limited"]
     print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=200)
-    ap.add_argument("--store", choices=("sqlite", "postgres", "both"), default="sqlite",
-                    help="both: a SQLite relay and a PostgreSQL relay in the same run")
-    ap.add_argument("--pg-url", help="an existing PostgreSQL for --store postgres/both "
-                    "(password from PGPASSWORD); default: a throwaway server (Debian's binaries)")
+    ap.add_argument(
+        "--store",
+        choices=("sqlite", "postgres", "both"),
+        default="sqlite",
+        help="both: a SQLite relay and a PostgreSQL relay in the same run",
+    )
+    ap.add_argument(
+        "--pg-url",
+        help="an existing PostgreSQL for --store postgres/both "
+        "(password from PGPASSWORD); default: a throwaway server (Debian's binaries)",
+    )
     args = ap.parse_args()
     asyncio.run(main(args.requests, args.store, args.pg_url))

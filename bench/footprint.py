@@ -17,6 +17,7 @@ For each target and each stream count a FRESH proxy process:
 The client side is this process: one asyncio loop holding every connection, reading and
 discarding what arrives (so nothing piles up in a socket buffer).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,12 +44,15 @@ def rss_kb(proc: procs.Proc) -> int:
 
 
 def request(port: int, tokens: int, interval_ms: float) -> bytes:
-    body = (b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,'
-            b'"max_tokens":%d,"sim":{"tokens":%d,"interval_ms":%d}}' % (tokens, tokens,
-                                                                          interval_ms))
-    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: "
-            b"application/json\r\nAccept: text/event-stream\r\nContent-Length: %d\r\n\r\n"
-            % (HOST.encode(), port, len(body))) + body
+    body = (
+        b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,'
+        b'"max_tokens":%d,"sim":{"tokens":%d,"interval_ms":%d}}' % (tokens, tokens, interval_ms)
+    )
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: "
+        b"application/json\r\nAccept: text/event-stream\r\nContent-Length: %d\r\n\r\n"
+        % (HOST.encode(), port, len(body))
+    ) + body
 
 
 class _Stream(asyncio.Protocol):
@@ -86,7 +90,8 @@ async def hold_streams(port: int, n: int, interval_ms: float, timeout: float, on
             for _ in range(min(CONNECT_BATCH, n - start)):
                 fut = loop.create_future()
                 tr, _ = await asyncio.wait_for(
-                    loop.create_connection(lambda f=fut: _Stream(f), HOST, port), timeout)
+                    loop.create_connection(lambda f=fut: _Stream(f), HOST, port), timeout
+                )
                 transports.append(tr)
                 tr.write(req)
                 firsts.append(fut)
@@ -105,8 +110,7 @@ def _start(target: str, up, logdir: Path, relay_toml: Path):
     return start_proxy(target, up, logdir, a)
 
 
-def measure(target: str, n: int, up, logdir: Path, interval_ms: float,
-            warmup: int = 20) -> dict:
+def measure(target: str, n: int, up, logdir: Path, interval_ms: float, warmup: int = 20) -> dict:
     row = {"scenario": "footprint", "target": target, "streams": n}
     if target == "nginx" and not nginx.binary():
         return {**row, "skipped": "nginx: not found"}
@@ -121,8 +125,9 @@ def measure(target: str, n: int, up, logdir: Path, interval_ms: float,
             _one_request(proxy.port, warm)
         time.sleep(0.2)
         row["warm_rss_kb"] = rss_kb(proxy)
-        row["open_rss_kb"] = asyncio.run(hold_streams(
-            proxy.port, n, interval_ms, 60.0, lambda: rss_kb(proxy)))
+        row["open_rss_kb"] = asyncio.run(
+            hold_streams(proxy.port, n, interval_ms, 60.0, lambda: rss_kb(proxy))
+        )
         row["kb_per_stream"] = (row["open_rss_kb"] - row["warm_rss_kb"]) / n
     finally:
         proxy.stop()
@@ -157,8 +162,18 @@ def measure_startup(target: str, up, logdir: Path, runs: int) -> dict:
         port = procs.free_port(HOST)
         if target == "relay":
             conf = relay_conf.write(up.url, logdir, str(toml))
-            argv = [sys.executable, "-m", "relay", "serve", "--config", str(conf),
-                    "--host", HOST, "--port", str(port)]
+            argv = [
+                sys.executable,
+                "-m",
+                "relay",
+                "serve",
+                "--config",
+                str(conf),
+                "--host",
+                HOST,
+                "--port",
+                str(port),
+            ]
             t0 = time.monotonic()
             p = procs.Proc(target, argv, logdir, env=env)
         else:
@@ -187,25 +202,39 @@ def _first_answer(p: procs.Proc, port: int, t0: float, timeout: float = 20.0) ->
     raise TimeoutError(f"{p.name}: no answer on {port} in {timeout}s: {p.tail()}")
 
 
-def run(up, logdir: Path, targets: list[str], counts: list[int], startups: int,
-        interval_ms: float, repeat: int = 1, rep: int | None = None) -> list[dict]:
+def run(
+    up,
+    logdir: Path,
+    targets: list[str],
+    counts: list[int],
+    startups: int,
+    interval_ms: float,
+    repeat: int = 1,
+    rep: int | None = None,
+) -> list[dict]:
     """Start-up and footprint rows for relay and nginx (`rep`: one given repeat only)."""
     rows = []
-    for rep in range(repeat) if rep is None else [rep]:
+    for i in range(repeat) if rep is None else [rep]:
         for target in targets:
             if target not in ("relay", "nginx"):
                 continue
-            print(f"bench: [{rep + 1}] startup -> {target} ...", file=sys.stderr, flush=True)
-            rows.append({**measure_startup(target, up, logdir, startups), "repeat": rep})
+            print(f"bench: [{i + 1}] startup -> {target} ...", file=sys.stderr, flush=True)
+            rows.append({**measure_startup(target, up, logdir, startups), "repeat": i})
             for n in counts:
-                print(f"bench: [{rep + 1}] footprint {n} streams -> {target} ...",
-                      file=sys.stderr, flush=True)
-                r = {**measure(target, n, up, logdir, interval_ms), "repeat": rep}
+                print(
+                    f"bench: [{i + 1}] footprint {n} streams -> {target} ...",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                r = {**measure(target, n, up, logdir, interval_ms), "repeat": i}
                 rows.append(r)
                 if "kb_per_stream" in r:
-                    print(f"bench:   base {r['base_rss_kb']} KB, warm {r['warm_rss_kb']} KB, "
-                          f"open {r['open_rss_kb']} KB: {r['kb_per_stream']:.2f} KB/stream",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"bench:   base {r['base_rss_kb']} KB, warm {r['warm_rss_kb']} KB, "
+                        f"open {r['open_rss_kb']} KB: {r['kb_per_stream']:.2f} KB/stream",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     return rows
 
 
@@ -216,29 +245,41 @@ def render(rows: list[dict]) -> list[str]:
     if not fp and not st:
         return []
     med = statistics.median
-    out = ["", "**Footprint** (a fresh proxy per line; RSS = VmRSS of the proxy process tree; "
-           "per stream = (RSS with N slow streams open − RSS after 20 warm-up requests) ÷ N):",
-           "", "| target | open streams | base RSS MiB (started) | RSS MiB after warm-up "
-           "| RSS MiB with N open | KB per open stream | repeats |", "|" + "---|" * 7]
+    out = [
+        "",
+        "**Footprint** (a fresh proxy per line; RSS = VmRSS of the proxy process tree; "
+        "per stream = (RSS with N slow streams open − RSS after 20 warm-up requests) ÷ N):",
+        "",
+        "| target | open streams | base RSS MiB (started) | RSS MiB after warm-up "
+        "| RSS MiB with N open | KB per open stream | repeats |",
+        "|" + "---|" * 7,
+    ]
     for t in sorted({r["target"] for r in fp}, key=["relay", "nginx"].index):
         for n in sorted({r["streams"] for r in fp if r["target"] == t}):
             rs = [r for r in fp if r["target"] == t and r["streams"] == n]
-            out.append(f"| {t} | {n} | {med([r['base_rss_kb'] for r in rs]) / 1024:.1f} | "
-                       f"{med([r['warm_rss_kb'] for r in rs]) / 1024:.1f} | "
-                       f"{med([r['open_rss_kb'] for r in rs]) / 1024:.1f} | "
-                       f"**{med([r['kb_per_stream'] for r in rs]):.2f}** | "
-                       + ", ".join(f"{r['kb_per_stream']:.2f}" for r in rs) + " |")
+            out.append(
+                f"| {t} | {n} | {med([r['base_rss_kb'] for r in rs]) / 1024:.1f} | "
+                f"{med([r['warm_rss_kb'] for r in rs]) / 1024:.1f} | "
+                f"{med([r['open_rss_kb'] for r in rs]) / 1024:.1f} | "
+                f"**{med([r['kb_per_stream'] for r in rs]):.2f}** | "
+                + ", ".join(f"{r['kb_per_stream']:.2f}" for r in rs)
+                + " |"
+            )
     for t in ("relay", "nginx"):
         times = [x for r in st if r["target"] == t for x in r["startup_s"]]
         if times:
-            out.append(f"\nStart-up, {t} (spawn → first accepted connection answered, "
-                       f"{len(times)} starts): median **{med(times) * 1000:.0f} ms**, "
-                       f"min {min(times) * 1000:.0f} ms, max {max(times) * 1000:.0f} ms")
+            out.append(
+                f"\nStart-up, {t} (spawn → first accepted connection answered, "
+                f"{len(times)} starts): median **{med(times) * 1000:.0f} ms**, "
+                f"min {min(times) * 1000:.0f} ms, max {max(times) * 1000:.0f} ms"
+            )
     return out
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.footprint", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.footprint", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--targets", default="relay,nginx")
     p.add_argument("--streams", default="1000,5000", help="comma list of open stream counts")
     p.add_argument("--startups", type=int, default=5, help="start-up time: starts per target")
@@ -251,13 +292,21 @@ def main(argv=None) -> int:
     up = SimUpstream(HOST)
     try:
         up.start(logdir)
-        rows = run(up, logdir, a.targets.split(","), [int(x) for x in a.streams.split(",")],
-                   a.startups, a.interval_ms, a.repeat)
+        rows = run(
+            up,
+            logdir,
+            a.targets.split(","),
+            [int(x) for x in a.streams.split(",")],
+            a.startups,
+            a.interval_ms,
+            a.repeat,
+        )
     finally:
         up.stop()
         procs.stop_all()
         if not a.keep_logs:
             import shutil
+
             shutil.rmtree(logdir, ignore_errors=True)
     print("\n".join(render(rows)))
     return 0

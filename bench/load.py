@@ -9,6 +9,7 @@ transfer decoding, ``\\n\\n``-separated events counted, the first content
 event (``"content":"``) timestamped for TTFT (measured from just before the
 request is written to the socket).  Prints ONE JSON line with the results.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,19 @@ now = time.perf_counter
 
 
 class Result:
-    __slots__ = ("error", "status", "events", "content", "done", "finished",
-                 "t_sent", "t_first", "t_last", "max_gap", "sample")
+    __slots__ = (
+        "content",
+        "done",
+        "error",
+        "events",
+        "finished",
+        "max_gap",
+        "sample",
+        "status",
+        "t_first",
+        "t_last",
+        "t_sent",
+    )
 
     def __init__(self):
         self.error = None
@@ -40,12 +52,12 @@ class Result:
 class Stream(asyncio.Protocol):
     def __init__(self, request: bytes, fut: asyncio.Future):
         self.request, self.fut, self.r = request, fut, Result()
-        self.head = b""           # None once the response head is parsed
+        self.head = b""  # None once the response head is parsed
         self.chunked = False
-        self.cbuf = b""           # undecoded chunked bytes
-        self.remain = 0           # bytes left in the current chunk
-        self.crlf = False         # expecting the CRLF after chunk data
-        self.ebuf = b""           # partial event
+        self.cbuf = b""  # undecoded chunked bytes
+        self.remain = 0  # bytes left in the current chunk
+        self.crlf = False  # expecting the CRLF after chunk data
+        self.ebuf = b""  # partial event
         self.tr = None
 
     def connection_made(self, tr):
@@ -66,7 +78,7 @@ class Stream(asyncio.Protocol):
                 if len(self.head) > 65536:
                     self._fail("response head too large")
                 return
-            head, data, self.head = self.head[:i], self.head[i + 4:], None
+            head, data, self.head = self.head[:i], self.head[i + 4 :], None
             try:
                 self.r.status = int(head.split(b" ", 2)[1])
             except (IndexError, ValueError):
@@ -85,7 +97,7 @@ class Stream(asyncio.Protocol):
         while pos < n:
             if self.remain:
                 take = min(self.remain, n - pos)
-                self._events(buf[pos:pos + take])
+                self._events(buf[pos : pos + take])
                 pos += take
                 self.remain -= take
                 self.crlf = not self.remain
@@ -141,17 +153,26 @@ class Stream(asyncio.Protocol):
 
 
 def build_request(a) -> bytes:
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-            "stream": True, "max_tokens": a.max_tokens}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "max_tokens": a.max_tokens,
+    }
     if not a.no_sim:
-        body["sim"] = {"tokens": a.max_tokens, "interval_ms": a.interval_ms,
-                       **json.loads(a.sim_knobs)}
+        body["sim"] = {
+            "tokens": a.max_tokens,
+            "interval_ms": a.interval_ms,
+            **json.loads(a.sim_knobs),
+        }
     if a.include_usage:
         body["stream_options"] = {"include_usage": True}
     b = json.dumps(body, separators=(",", ":")).encode()
-    return (f"POST {a.path} HTTP/1.1\r\nHost: {a.host}:{a.port}\r\n"
-            "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-            f"Connection: close\r\nContent-Length: {len(b)}\r\n\r\n").encode() + b
+    return (
+        f"POST {a.path} HTTP/1.1\r\nHost: {a.host}:{a.port}\r\n"
+        "Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+        f"Connection: close\r\nContent-Length: {len(b)}\r\n\r\n"
+    ).encode() + b
 
 
 async def one(loop, a, request: bytes) -> Result:
@@ -160,7 +181,7 @@ async def one(loop, a, request: bytes) -> Result:
     try:
         await asyncio.wait_for(loop.create_connection(lambda: s, a.host, a.port), a.timeout)
         return await asyncio.wait_for(fut, a.timeout)
-    except (OSError, asyncio.TimeoutError) as e:
+    except (TimeoutError, OSError) as e:
         if s.tr is not None:
             s.tr.abort()
         s.r.error = s.r.error or ("timeout" if isinstance(e, asyncio.TimeoutError) else repr(e))
@@ -183,7 +204,9 @@ async def run(a) -> dict:
     ru0, t0 = resource.getrusage(resource.RUSAGE_SELF), now()
     await asyncio.gather(*(worker(i) for i in range(min(a.concurrency, a.requests))))
     wall, ru1 = now() - t0, resource.getrusage(resource.RUSAGE_SELF)
-    return summarize(a, results, wall, (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime))
+    return summarize(
+        a, results, wall, (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
+    )
 
 
 def pct(values: list[float], p: float):
@@ -196,37 +219,63 @@ def pct(values: list[float], p: float):
 
 def summarize(a, results: list[Result], wall: float, cpu: float) -> dict:
     errors = [r for r in results if r.error]
-    incomplete = [r for r in results if not r.error and not (
-        r.finished and r.done and (not a.expect or r.content == a.max_tokens))]
+    incomplete = [
+        r
+        for r in results
+        if not r.error
+        and not (r.finished and r.done and (not a.expect or r.content == a.max_tokens))
+    ]
     ttft = [(r.t_first - r.t_sent) * 1e3 for r in results if r.t_first is not None]
-    rates = [(r.content - 1) / (r.t_last - r.t_first) for r in results
-             if r.content > 1 and r.t_last > r.t_first]
+    rates = [
+        (r.content - 1) / (r.t_last - r.t_first)
+        for r in results
+        if r.content > 1 and r.t_last > r.t_first
+    ]
     # request written -> last content event: the rate a caller sees, TTFT included
-    e2e = [r.content / (r.t_last - r.t_sent) for r in results
-           if r.content and r.t_last is not None and r.t_last > r.t_sent]
+    e2e = [
+        r.content / (r.t_last - r.t_sent)
+        for r in results
+        if r.content and r.t_last is not None and r.t_last > r.t_sent
+    ]
     gaps = [r.max_gap * 1e3 for r in results if r.content > 1]
     target = 1000.0 / a.interval_ms if a.interval_ms else None
     samples = sorted({r.error for r in errors})[:5]
     if incomplete:
         r = incomplete[0]
-        samples.append(f"incomplete: finished={r.finished} done={r.done} content={r.content} "
-                       f"first bytes: {r.sample[:240]!r}")
+        samples.append(
+            f"incomplete: finished={r.finished} done={r.done} content={r.content} "
+            f"first bytes: {r.sample[:240]!r}"
+        )
     return {
-        "requests": len(results), "errors": len(errors), "incomplete": len(incomplete),
+        "requests": len(results),
+        "errors": len(errors),
+        "incomplete": len(incomplete),
         "ok": len(results) - len(errors) - len(incomplete),
         "events": sum(r.events for r in results),
         "content_events": sum(r.content for r in results),
-        "ttft_ms": {"p50": pct(ttft, 50), "p99": pct(ttft, 99), "n": len(ttft),
-                    "mean": sum(ttft) / len(ttft) if ttft else None},
-        "rate_tps": {"target": target, "mean": sum(rates) / len(rates) if rates else None,
-                     "min": min(rates, default=None), "p5": pct(rates, 5), "p50": pct(rates, 50),
-                     # too few tokens in a stream make its rate meaningless
-                     "late": sum(1 for x in rates if target and x < 0.9 * target)
-                     if a.max_tokens >= 10 else None},
+        "ttft_ms": {
+            "p50": pct(ttft, 50),
+            "p99": pct(ttft, 99),
+            "n": len(ttft),
+            "mean": sum(ttft) / len(ttft) if ttft else None,
+        },
+        "rate_tps": {
+            "target": target,
+            "mean": sum(rates) / len(rates) if rates else None,
+            "min": min(rates, default=None),
+            "p5": pct(rates, 5),
+            "p50": pct(rates, 50),
+            # too few tokens in a stream make its rate meaningless
+            "late": sum(1 for x in rates if target and x < 0.9 * target)
+            if a.max_tokens >= 10
+            else None,
+        },
         "stream_tps": {"p50": pct(e2e, 50), "p99_low": pct(e2e, 1), "n": len(e2e)},
         "throughput_tps": sum(r.content for r in results) / wall if wall else None,
         "max_gap_ms": {"p50": pct(gaps, 50), "max": max(gaps, default=None)},
-        "wall_s": wall, "client_cpu_s": cpu, "client_cpu_frac": cpu / wall if wall else 0,
+        "wall_s": wall,
+        "client_cpu_s": cpu,
+        "client_cpu_frac": cpu / wall if wall else 0,
         "error_samples": samples,
     }
 
@@ -243,13 +292,23 @@ def parse_args(argv=None):
     p.add_argument("--ramp-s", type=float, default=0.0, help="spread connection starts")
     p.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     p.add_argument("--no-sim", action="store_true", help="omit the sim knobs (real server)")
-    p.add_argument("--sim-knobs", default="{}",
-                   help='more sim knobs, JSON (e.g. {"shape": "openai", "events_per_chunk": 3})')
-    p.add_argument("--include-usage", action="store_true",
-                   help="ask for stream_options.include_usage (a last usage chunk; vLLM and "
-                        "OpenAI then put usage: null in every chunk)")
-    p.add_argument("--no-expect", dest="expect", action="store_false",
-                   help="do not require content events == max tokens")
+    p.add_argument(
+        "--sim-knobs",
+        default="{}",
+        help='more sim knobs, JSON (e.g. {"shape": "openai", "events_per_chunk": 3})',
+    )
+    p.add_argument(
+        "--include-usage",
+        action="store_true",
+        help="ask for stream_options.include_usage (a last usage chunk; vLLM and "
+        "OpenAI then put usage: null in every chunk)",
+    )
+    p.add_argument(
+        "--no-expect",
+        dest="expect",
+        action="store_false",
+        help="do not require content events == max tokens",
+    )
     return p.parse_args(argv)
 
 
@@ -257,11 +316,13 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     try:
         from bench.procs import raise_nofile
+
         raise_nofile(max(4096, 4 * a.concurrency))
     except (ImportError, OSError, ValueError):
         pass
     try:
         import uvloop
+
         factory, loop_name = uvloop.new_event_loop, "uvloop"
     except ImportError:
         factory, loop_name = None, "asyncio"

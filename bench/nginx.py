@@ -1,4 +1,5 @@
 """nginx as the reference proxy: config generation, version, argv."""
+
 from __future__ import annotations
 
 import os
@@ -57,7 +58,8 @@ http {{
 
 def binary() -> str | None:
     return shutil.which("nginx") or next(
-        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None)
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
+    )
 
 
 def version() -> str:
@@ -79,8 +81,15 @@ TLS = """
             proxy_ssl_trusted_certificate {ca};"""
 
 
-def write_conf(tmp: Path, host: str, port: int, up_host: str, up_port: int,
-               ca: Path | None = None, ssl_name: str = "localhost") -> Path:
+def write_conf(
+    tmp: Path,
+    host: str,
+    port: int,
+    up_host: str,
+    up_port: int,
+    ca: Path | None = None,
+    ssl_name: str = "localhost",
+) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     # As root the workers would switch to "nobody"; keep them as us so they
     # can use the temp dir.
@@ -90,9 +99,19 @@ def write_conf(tmp: Path, host: str, port: int, up_host: str, up_port: int,
     nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     nofile = 65536 if nofile == resource.RLIM_INFINITY else min(nofile, 65536)
     tls = TLS.format(name=ssl_name, ca=ca) if ca else ""
-    conf.write_text(CONF.format(tmp=tmp, user=user, host=host, port=port, nofile=nofile,
-                                up_host=up_host, up_port=up_port, scheme="https" if ca else "http",
-                                tls=tls))
+    conf.write_text(
+        CONF.format(
+            tmp=tmp,
+            user=user,
+            host=host,
+            port=port,
+            nofile=nofile,
+            up_host=up_host,
+            up_port=up_port,
+            scheme="https" if ca else "http",
+            tls=tls,
+        )
+    )
     return conf
 
 

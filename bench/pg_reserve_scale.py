@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from relay.store import pg_sql  # noqa: E402
-from tests.pg_server import PgServer, find_bin  # noqa: E402
+from relay.store import pg_sql
+from tests.pg_server import PgServer, find_bin
 
 
 def _p50(conn, sql: str, params, calls: int, after=None) -> float:
@@ -61,19 +61,42 @@ def main() -> None:
                 # table filled from them once and the trigger made, as a relay's start does)
                 c.execute("DROP TRIGGER relay_usage_day ON request")
                 c.execute("DROP TABLE usage_day")
-                c.execute("INSERT INTO request (ts, key_id, ok, upstream_served, prompt_tokens,"
-                          " completion_tokens, row_id) SELECT %s + random() * %s, 'k', 1, 'u',"
-                          " 10, 20, md5(random()::text) FROM generate_series(1, %s)",
-                          (day0, now - day0, n - have))
+                c.execute(
+                    "INSERT INTO request (ts, key_id, ok, upstream_served, prompt_tokens,"
+                    " completion_tokens, row_id) SELECT %s + random() * %s, 'k', 1, 'u',"
+                    " 10, 20, md5(random()::text) FROM generate_series(1, %s)",
+                    (day0, now - day0, n - have),
+                )
                 c.execute(pg_sql.USAGE_DAY_TABLE)
                 c.execute("VACUUM ANALYZE request")
                 have = n
                 rows = _p50(c, pg_sql.USED_BY_ROWS, ("k", day0), args.calls)
                 days = _p50(c, "SELECT * FROM relay_used(%s, %s)", ("k", day0), args.calls)
-                res = _p50(c, pg_sql.RESERVE, lambda: (
-                    uuid.uuid4().hex, "r1", "k", 100, 30.0, now, "x", "/v1/chat/completions",
-                    "m", 1, "u", 0, 0, ["day"], [day0], [10 ** 9], [10 ** 12]), args.calls,
-                    after="DELETE FROM reservation")
+                res = _p50(
+                    c,
+                    pg_sql.RESERVE,
+                    lambda: (
+                        uuid.uuid4().hex,
+                        "r1",
+                        "k",
+                        100,
+                        30.0,
+                        now,
+                        "x",
+                        "/v1/chat/completions",
+                        "m",
+                        1,
+                        "u",
+                        0,
+                        0,
+                        ["day"],
+                        [day0],
+                        [10**9],
+                        [10**12],
+                    ),
+                    args.calls,
+                    after="DELETE FROM reservation",
+                )
                 print(f"| {n} | {rows:.2f} | {days:.2f} | {res:.2f} |", flush=True)
     finally:
         server.destroy()

@@ -6,6 +6,7 @@ stderr going to files in a temp dir (never an unread pipe that could fill up
 and stall the child).  All started processes are kept in a registry so that
 ``stop_all()`` can end them even on error.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 NOFILE = 65536
 
-_registry: list["Proc"] = []
+_registry: list[Proc] = []
 
 
 def raise_nofile(n: int = NOFILE) -> None:
@@ -55,8 +56,15 @@ class Proc:
         full_env.update(env or {})
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
             self.popen = subprocess.Popen(
-                argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=str(logdir),
-                env=full_env, start_new_session=True, preexec_fn=raise_nofile)
+                argv,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                cwd=str(logdir),
+                env=full_env,
+                start_new_session=True,
+                preexec_fn=raise_nofile,
+            )
         self.pid = self.popen.pid
         _registry.append(self)
 
@@ -91,8 +99,14 @@ class Proc:
             time.sleep(0.05)
         raise TimeoutError(f"{self.name}: no {event!r} line in {timeout}s: {self.tail()}")
 
-    def wait_http(self, host: str, port: int, path: str = "/health",
-                  timeout: float = 20.0, need_ok: bool = True) -> None:
+    def wait_http(
+        self,
+        host: str,
+        port: int,
+        path: str = "/health",
+        timeout: float = 20.0,
+        need_ok: bool = True,
+    ) -> None:
         """Poll TCP connect + ``GET path`` until a response (2xx if need_ok)."""
         deadline = time.monotonic() + timeout
         last = ""
@@ -153,7 +167,9 @@ def stop_all() -> None:
 
 def http_get_status(host: str, port: int, path: str, timeout: float = 2.0) -> int:
     with socket.create_connection((host, port), timeout=timeout) as s:
-        s.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
+        s.sendall(
+            f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode()
+        )
         data = b""
         while b"\r\n" not in data:
             chunk = s.recv(4096)
@@ -182,7 +198,7 @@ def wait_tcp(host: str, port: int, timeout: float = 20.0) -> None:
 def _stat_fields(pid: int) -> list[str]:
     with open(f"/proc/{pid}/stat") as f:
         data = f.read()
-    return data[data.rindex(")") + 2:].split()  # fields from #3 (state) on
+    return data[data.rindex(")") + 2 :].split()  # fields from #3 (state) on
 
 
 def cpu_us(pid: int) -> float:

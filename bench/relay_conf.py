@@ -8,6 +8,7 @@ FILE`` (TOML) is merged over this: its tables' keys win, and the keys of its
 first ``[[upstream]]`` are merged into the benchmark's upstream (whose ``url``
 always stays the benchmark upstream).
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,7 @@ import tomllib
 from pathlib import Path
 
 
-def build(up_url: str, tmp: Path, user_file: str | None = None,
-          ca_file: str | None = None) -> dict:
+def build(up_url: str, tmp: Path, user_file: str | None = None, ca_file: str | None = None) -> dict:
     conf: dict = {
         "upstream": [{"name": "bench", "url": up_url, "parallel": 4096}],
         "store": {"path": str(tmp / "relay.db")},
@@ -50,8 +50,12 @@ def _value(v) -> str:
 
 def dumps(conf: dict) -> str:
     """Enough TOML for the relay's config: scalars, tables, arrays of tables."""
-    top = [f"{k} = {_value(v)}" for k, v in conf.items() if not isinstance(v, (dict, list))
-           or (isinstance(v, list) and not (v and isinstance(v[0], dict)))]
+    top = [
+        f"{k} = {_value(v)}"
+        for k, v in conf.items()
+        if not isinstance(v, (dict, list))
+        or (isinstance(v, list) and not (v and isinstance(v[0], dict)))
+    ]
     out = top + [""] if top else []
     for k, v in conf.items():
         if isinstance(v, dict):
@@ -62,8 +66,7 @@ def dumps(conf: dict) -> str:
     return "\n".join(out)
 
 
-def write(up_url: str, tmp: Path, user_file: str | None = None,
-          ca_file: str | None = None) -> Path:
+def write(up_url: str, tmp: Path, user_file: str | None = None, ca_file: str | None = None) -> Path:
     for suffix in ("", "-wal", "-shm"):  # every relay starts with an empty store
         (tmp / f"relay.db{suffix}").unlink(missing_ok=True)
     path = tmp / "relay.toml"

@@ -10,6 +10,7 @@ Instruction counts do not depend on what else the machine runs (CPU time does), 
 compare within about 1 % (event-loop turns still depend on timing). `--keep DIR` keeps the
 callgrind files for `callgrind_annotate`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,26 @@ HOST = "127.0.0.1"
 
 def _load(port: int, n: int) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "bench.load", "--port", str(port), "--concurrency", "1",
-         "--requests", str(n), "--max-tokens", "4", "--interval-ms", "5"],
-        check=True, capture_output=True, text=True, cwd=str(procs.ROOT)).stdout
+        [
+            sys.executable,
+            "-m",
+            "bench.load",
+            "--port",
+            str(port),
+            "--concurrency",
+            "1",
+            "--requests",
+            str(n),
+            "--max-tokens",
+            "4",
+            "--interval-ms",
+            "5",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=str(procs.ROOT),
+    ).stdout
     res = json.loads(out.strip().splitlines()[-1])
     if res.get("errors") or res.get("incomplete"):
         raise RuntimeError(f"load failed: {res}")
@@ -68,9 +86,21 @@ def measure(a, tmp: Path) -> float:
         conf = relay_conf.build(sim.url, tmp)
         conf["server"] = {"host": HOST, "port": port}
         (tmp / "relay.toml").write_text(relay_conf.dumps(conf))
-        relay = procs.Proc("relay", [
-            "valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/callgrind.out.%p",
-            sys.executable, "-m", "relay", "serve", "--config", str(tmp / "relay.toml")], tmp)
+        relay = procs.Proc(
+            "relay",
+            [
+                "valgrind",
+                "--tool=callgrind",
+                f"--callgrind-out-file={tmp}/callgrind.out.%p",
+                sys.executable,
+                "-m",
+                "relay",
+                "serve",
+                "--config",
+                str(tmp / "relay.toml"),
+            ],
+            tmp,
+        )
         relay.wait_http(HOST, port, "/health", timeout=120)
         _load(port, a.warm)
         pid = relay.pid
@@ -89,7 +119,9 @@ def measure(a, tmp: Path) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.req_profile", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.req_profile", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--warm", type=int, default=50)
     p.add_argument("--requests", type=int, default=100)
     p.add_argument("--repeat", type=int, default=1)

@@ -1,6 +1,7 @@
 """Certificates for the TLS scenario: a private CA and a leaf for the simulator, made with
 trustme (a test/bench dependency) in the run's temp dir. The relay trusts the CA through
 `ca_file`, nginx through `proxy_ssl_trusted_certificate`; both verify the peer."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,9 +12,9 @@ NAME = "localhost"  # the name nginx checks (its check does not look at IP SANs)
 
 @dataclass
 class Pki:
-    ca: Path    # the CA certificate (PEM) both proxies trust
+    ca: Path  # the CA certificate (PEM) both proxies trust
     cert: Path  # the simulator's certificate chain (PEM)
-    key: Path   # its private key (PEM)
+    key: Path  # its private key (PEM)
 
 
 def make(tmp: Path) -> Pki:

@@ -29,8 +29,13 @@ def main() -> None:
                     raise ConnectionError("closed")
                 head += chunk
             top, _, body = head.partition(b"\r\n\r\n")
-            length = int(next(line.split(b":")[1] for line in top.split(b"\r\n")
-                              if line.lower().startswith(b"content-length")))
+            length = int(
+                next(
+                    line.split(b":")[1]
+                    for line in top.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                )
+            )
             while len(body) < length:
                 body += sock.recv(65536)
             polls += 1

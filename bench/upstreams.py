@@ -4,6 +4,7 @@ Only this part differs between ``python -m bench`` and ``python -m bench --real`
 each upstream has ``start(logdir)``, ``host``, ``port``, ``url``, ``cpu_us()``
 and ``stop()``.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,11 +36,25 @@ class SimUpstream:
         cmd = os.environ.get("BENCH_SIM_CMD")
         base = shlex.split(cmd) if cmd else [sys.executable, "-m", "relay", "sim"]
         port = procs.free_port(self.host)
-        tls = ["--tls-cert", str(self.pki.cert), "--tls-key", str(self.pki.key),
-               "--keep-alive-streams"] if self.pki else []
-        self.proc = procs.Proc("sim-tls" if self.pki else "sim-keep" if self.extra else "sim", base + [
-            "--host", self.host, "--port", str(port), "--first-token-delay-ms", "0"] + tls
-            + self.extra, logdir)
+        tls = (
+            [
+                "--tls-cert",
+                str(self.pki.cert),
+                "--tls-key",
+                str(self.pki.key),
+                "--keep-alive-streams",
+            ]
+            if self.pki
+            else []
+        )
+        self.proc = procs.Proc(
+            "sim-tls" if self.pki else "sim-keep" if self.extra else "sim",
+            base
+            + ["--host", self.host, "--port", str(port), "--first-token-delay-ms", "0"]
+            + tls
+            + self.extra,
+            logdir,
+        )
         ev = self.proc.wait_json_event("sim_listening")
         self.port = int(ev.get("port") or port)
         procs.wait_tcp(self.host, self.port)
@@ -74,7 +89,8 @@ class RealUpstream:
         if not helper.exists():
             raise RuntimeError(
                 f"--real needs {helper.relative_to(procs.ROOT)} (class LlamaServer), "
-                "which does not exist yet")
+                "which does not exist yet"
+            )
         if str(procs.ROOT) not in sys.path:
             sys.path.insert(0, str(procs.ROOT))
         try:

@@ -41,10 +41,13 @@ class App:
         self.config = config
         self.log = log or Log()
         d = config.dispatcher
-        self.policy = StallPolicy(d.stream_idle_timeout_s, d.stream_total_timeout_s,
-                                  d.direct_read_timeout_s)
-        self.upstreams = {u.name: Upstream(u, d.upstream_keepalive_s, d.prewarm,
-                                           d.connect_timeout_s) for u in config.upstream}
+        self.policy = StallPolicy(
+            d.stream_idle_timeout_s, d.stream_total_timeout_s, d.direct_read_timeout_s
+        )
+        self.upstreams = {
+            u.name: Upstream(u, d.upstream_keepalive_s, d.prewarm, d.connect_timeout_s)
+            for u in config.upstream
+        }
         self.router = Router(config.upstream)
         self.auth = Auth(config.key, config.admin_key_sha256)
         self.cors = Cors(config.server.cors_origins)
@@ -76,8 +79,13 @@ class App:
         # bind first: a relay that cannot listen (the address is in use: another relay?)
         # fails before it touches the database; serving starts once budgets are rebuilt
         self.server = await self.loop.create_server(
-            lambda: ClientConn(self), s.host, s.port, backlog=4096, reuse_address=True,
-            start_serving=False)
+            lambda: ClientConn(self),
+            s.host,
+            s.port,
+            backlog=4096,
+            reuse_address=True,
+            start_serving=False,
+        )
         self.port = self.server.sockets[0].getsockname()[1]
         try:
             self.store.start()  # the database's lock, then recovery (StoreLocked: in use)
@@ -91,12 +99,17 @@ class App:
         self.start_probes()
         self.background.append(self.loop.create_task(self._sample_tokens()))
         self.background.append(self.loop.create_task(self.store.maintain(self)))
-        self.log.event("relay_listening", host=s.host, port=self.port,
-                       upstreams=list(self.upstreams))
+        self.log.event(
+            "relay_listening", host=s.host, port=self.port, upstreams=list(self.upstreams)
+        )
         for up in self.upstreams.values():
             if up.target.tls and not up.cfg.verify:
-                self.log.event("upstream_tls_unverified", upstream=up.name, url=up.cfg.url,
-                               note="verify = false: certificate and hostname are not checked")
+                self.log.event(
+                    "upstream_tls_unverified",
+                    upstream=up.name,
+                    url=up.cfg.url,
+                    note="verify = false: certificate and hostname are not checked",
+                )
 
     def start_probes(self) -> None:
         """One /health probe task per upstream (again after a reload: the old ones end)."""
@@ -136,8 +149,9 @@ class App:
         await asyncio.sleep(0)
         for client in list(self.clients):
             if not client.busy and not client.gone:
-                if client.head is not None or (client.h11 is not None
-                                                and client.h11.trailing_data[0]):
+                if client.head is not None or (
+                    client.h11 is not None and client.h11.trailing_data[0]
+                ):
                     # a request half-read gets its answer with the lingering close (the
                     # client may still be sending: a plain close would reset the connection
                     # and destroy the answer); the connection closes on its bounded timer
@@ -177,8 +191,12 @@ class App:
             await asyncio.wait(late, timeout=2.0)
             pending |= late
         await self.store.aclose()
-        self.log.event("relay_stopped", unfinished=len([t for t in pending if not t.done()]),
-                       rows_written=self.store.rows_written, rows_dropped=self.store.rows_dropped)
+        self.log.event(
+            "relay_stopped",
+            unfinished=len([t for t in pending if not t.done()]),
+            rows_written=self.store.rows_written,
+            rows_dropped=self.store.rows_dropped,
+        )
         self.log.flush()
 
     def _live_tasks(self) -> set:
@@ -189,8 +207,11 @@ class App:
         closed by its own timer (bounded; `hurry()` skips it)."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
-        while (any(c.lingering for c in self.clients) and not self._hurry.is_set()
-               and (remaining := end - loop.time()) > 0):
+        while (
+            any(c.lingering for c in self.clients)
+            and not self._hurry.is_set()
+            and (remaining := end - loop.time()) > 0
+        ):
             self._closed.clear()
             waiters = [loop.create_task(self._closed.wait()), loop.create_task(self._hurry.wait())]
             try:
@@ -218,8 +239,9 @@ class App:
         hurry = loop.create_task(self._hurry.wait())
         try:
             while left and not hurry.done() and (remaining := end - loop.time()) > 0:
-                await asyncio.wait(left | {hurry}, timeout=remaining,
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    left | {hurry}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                )
                 left = {t for t in left if not t.done()}
         finally:
             hurry.cancel()
@@ -247,18 +269,25 @@ class App:
         while True:
             d = self.config.dispatcher
             wake.clear()
-            status, error = await probe_once(up.host, up.port, up.host_header,
-                                             d.connect_timeout_s, up.tls,
-                                             up.target.join(b"/health"))
+            status, error = await probe_once(
+                up.host,
+                up.port,
+                up.host_header,
+                d.connect_timeout_s,
+                up.tls,
+                up.target.join(b"/health"),
+            )
             before = up.health.probe
             up.health.probed(status, error)
             if up.health.probe != before:
-                self.log.event("upstream_state", upstream=up.name, state=up.state,
-                               was=before, status=status)
+                self.log.event(
+                    "upstream_state", upstream=up.name, state=up.state, was=before, status=status
+                )
             try:
-                await asyncio.wait_for(wake.wait(), up.health.probe_delay(
-                    d.health_interval_s, d.down_probe_interval_s))
-            except (TimeoutError, asyncio.TimeoutError):
+                await asyncio.wait_for(
+                    wake.wait(), up.health.probe_delay(d.health_interval_s, d.down_probe_interval_s)
+                )
+            except TimeoutError:
                 pass
 
     async def _sample_tokens(self) -> None:

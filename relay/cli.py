@@ -20,10 +20,12 @@ def _serve_parser(sub) -> None:
     p.add_argument("--host", help="listen address (overrides [server].host)")
     p.add_argument("--port", type=int, help="listen port (overrides [server].port)")
     p.add_argument("--upstream", help="single upstream URL, e.g. http://127.0.0.1:8081")
-    p.add_argument("--parallel", type=int,
-                   help="with --upstream/--demo: slots of that upstream (default 4)")
-    p.add_argument("--demo", action="store_true",
-                   help="run in front of the built-in llama-server simulator")
+    p.add_argument(
+        "--parallel", type=int, help="with --upstream/--demo: slots of that upstream (default 4)"
+    )
+    p.add_argument(
+        "--demo", action="store_true", help="run in front of the built-in llama-server simulator"
+    )
 
 
 def build_config(args, sim_url: str | None = None):
@@ -37,8 +39,9 @@ def build_config(args, sim_url: str | None = None):
     if url:
         if data.get("upstream"):
             raise ConfigError("--upstream/--demo: the config file already has [[upstream]]")
-        data["upstream"] = [{"name": "demo" if sim_url else "default", "url": url,
-                             "parallel": args.parallel or 4}]
+        data["upstream"] = [
+            {"name": "demo" if sim_url else "default", "url": url, "parallel": args.parallel or 4}
+        ]
     if not data.get("upstream"):
         raise ConfigError("no upstream: give --upstream URL, --demo, or [[upstream]] in --config")
     return parse_config(data)
@@ -51,8 +54,10 @@ async def _serve(args) -> int:
     log = Log()
     # what asyncio would print as text (a callback's exception, ...) is a JSON line too
     asyncio.get_running_loop().set_exception_handler(
-        lambda _loop, ctx: log.event("loop_error", message=str(ctx.get("message")),
-                                     error=repr(ctx.get("exception"))[:300]))
+        lambda _loop, ctx: log.event(
+            "loop_error", message=str(ctx.get("message")), error=repr(ctx.get("exception"))[:300]
+        )
+    )
     sim = None
     sim_url = None
     if args.demo:
@@ -74,10 +79,14 @@ async def _serve(args) -> int:
         return 2
     if args.demo:
         host = app.config.server.host
-        log.event("demo_try", command=(
-            f"curl -N http://{host}:{app.port}/v1/chat/completions "
-            "-H 'Content-Type: application/json' -d '{\"model\":\"demo\",\"stream\":true,"
-            "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'"))
+        log.event(
+            "demo_try",
+            command=(
+                f"curl -N http://{host}:{app.port}/v1/chat/completions "
+                '-H \'Content-Type: application/json\' -d \'{"model":"demo","stream":true,'
+                '"messages":[{"role":"user","content":"hi"}]}\''
+            ),
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -132,14 +141,18 @@ def main(argv: list[str] | None = None) -> int:
         return report.main(argv[1:])
     from relay import __version__
 
-    parser = argparse.ArgumentParser(prog="relay", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="relay", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"relay {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     _serve_parser(sub)
     sub.add_parser("sim", help="run the built-in llama-server simulator (see `relay sim -h`)")
-    sub.add_parser("report", help="latency, throughput and benchmark figures (TTFT, TPOT, ITL, "
-                   "E2EL, goodput) of the stored request rows (see `relay report -h`)")
+    sub.add_parser(
+        "report",
+        help="latency, throughput and benchmark figures (TTFT, TPOT, ITL, "
+        "E2EL, goodput) of the stored request rows (see `relay report -h`)",
+    )
     args = parser.parse_args(argv)
     if args.cmd == "serve":
         try:

@@ -65,8 +65,9 @@ class UpstreamConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     fallback: list[str] = msgspec.field(default_factory=list)
     # public name (model, alias, or one reaching it as a fallback; "*" for any other) -> the
     # name this upstream expects in the request body's "model"
-    model_map: dict[Annotated[str, Meta(min_length=1)], Annotated[str, Meta(min_length=1)]] = \
+    model_map: dict[Annotated[str, Meta(min_length=1)], Annotated[str, Meta(min_length=1)]] = (
         msgspec.field(default_factory=dict)
+    )
     auth_header: str | None = None
     auth_value_env: str | None = None
     # https upstreams (`http.tls`): verify against the system store or ca_file (PEM)
@@ -150,7 +151,8 @@ def check(cfg: Config) -> Config:
     if s.max_buffered_body_bytes < s.max_body_bytes:  # every body between them: 503 forever
         raise ConfigError(
             f"server.max_buffered_body_bytes ({s.max_buffered_body_bytes}) must be at least "
-            f"server.max_body_bytes ({s.max_body_bytes}): a body the relay accepts must fit")
+            f"server.max_body_bytes ({s.max_body_bytes}): a body the relay accepts must fit"
+        )
     names = [u.name for u in cfg.upstream]
     if len(set(names)) != len(names):
         raise ConfigError("upstream.name: names must be unique")
@@ -168,9 +170,7 @@ def check(cfg: Config) -> Config:
             if fb not in names or fb == up.name:
                 raise ConfigError(f"upstream.{up.name}.fallback: unknown upstream {fb!r}")
         if (up.auth_header is None) != (up.auth_value_env is None):
-            raise ConfigError(
-                f"upstream.{up.name}: auth_header and auth_value_env go together"
-            )
+            raise ConfigError(f"upstream.{up.name}: auth_header and auth_value_env go together")
     ids = [k.id for k in cfg.key]
     if len(set(ids)) != len(ids):
         raise ConfigError("key.id: ids must be unique")
@@ -241,11 +241,13 @@ def check_pg_url(url: str) -> None:
         raise PgUrlError(f"not a valid URL ({exc})") from None
     netloc = parts.netloc.rpartition("@")[0]
     if ":" in netloc:
-        raise PgUrlError("must not carry a password: name an environment variable in "
-                         "store.password_env instead")
+        raise PgUrlError(
+            "must not carry a password: name an environment variable in store.password_env instead"
+        )
     if any(k.lower() == "password" for k, _ in parse_qsl(parts.query)):
-        raise PgUrlError("must not carry password=: name an environment variable in "
-                         "store.password_env instead")
+        raise PgUrlError(
+            "must not carry password=: name an environment variable in store.password_env instead"
+        )
 
 
 def pg_connect_kwargs(url: str, password_env: str | None, environ=os.environ) -> dict:

@@ -48,8 +48,13 @@ _encode = msgspec.json.Encoder().encode
 class RelayError(Exception):
     """An error answered by the relay; carries everything the response needs."""
 
-    def __init__(self, code: str, message: str, details: dict | None = None,
-                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        details: dict | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.status, self.type = _KINDS[code]

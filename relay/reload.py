@@ -55,19 +55,23 @@ def restored_usage(app, windows: list[tuple[str, str]], now: float) -> dict:
             out[key_id, kind] = app.store.usage_since(key_id, start, served_only=True)
         return out
     except (RuntimeError, TimeoutError, OSError, sqlite3.Error) as exc:  # (OSError: PostgreSQL)
-        raise ConfigError(f"key: the usage of new limits cannot be rebuilt from the store "
-                          f"({exc}); nothing changed") from None
+        raise ConfigError(
+            f"key: the usage of new limits cannot be rebuilt from the store "
+            f"({exc}); nothing changed"
+        ) from None
 
 
 def apply(app, new: Config) -> dict:
     """Apply `new` to `app`, or raise ConfigError leaving it as it was; a summary."""
 
     old = app.config
-    for what, a, b in (("server.host", old.server.host, new.server.host),
-                       ("server.port", old.server.port, new.server.port),
-                       ("store.path", old.store.path, new.store.path),
-                       ("store.url", old.store.url, new.store.url),
-                       ("store.spill_path", old.store.spill_path, new.store.spill_path)):
+    for what, a, b in (
+        ("server.host", old.server.host, new.server.host),
+        ("server.port", old.server.port, new.server.port),
+        ("store.path", old.store.path, new.store.path),
+        ("store.url", old.store.url, new.store.url),
+        ("store.spill_path", old.store.spill_path, new.store.spill_path),
+    ):
         if a != b:
             raise ConfigError(f"{what}: changing it needs a restart ({a!r} -> {b!r})")
     if not new.upstream:
@@ -94,8 +98,7 @@ def apply(app, new: Config) -> dict:
     router = Router(new.upstream)
     auth = Auth(new.key, new.admin_key_sha256)
     cors = Cors(new.server.cors_origins)
-    policy = StallPolicy(d.stream_idle_timeout_s, d.stream_total_timeout_s,
-                         d.direct_read_timeout_s)
+    policy = StallPolicy(d.stream_idle_timeout_s, d.stream_total_timeout_s, d.direct_read_timeout_s)
     restored = restored_usage(app, app.budgets.fresh_windows(new.key), time.time())
     # ---- swap (cannot fail) ----
     for up, cfg, up_auth, up_tls in in_place:
@@ -108,8 +111,7 @@ def apply(app, new: Config) -> dict:
         pool.prewarm = d.prewarm and pool.keepalive_s > 0
         pool.use_tls(up_tls)
     removed = [name for name in app.upstreams if name not in ups or name in changed]
-    app.retired.extend(up for name, up in app.upstreams.items()
-                       if ups.get(name) is not up)
+    app.retired.extend(up for name, up in app.upstreams.items() if ups.get(name) is not up)
     app.config = new
     app.upstreams = ups
     app.router = router
@@ -124,6 +126,10 @@ def apply(app, new: Config) -> dict:
     for (key_id, kind), (requests, tokens) in restored.items():
         app.budgets.restore(key_id, kind, requests, tokens, now)
     app.start_probes()
-    return {"upstreams": list(ups), "added": added,
-            "removed": [n for n in removed if n not in changed], "changed": changed,
-            "keys": len(new.key)}
+    return {
+        "upstreams": list(ups),
+        "added": added,
+        "removed": [n for n in removed if n not in changed],
+        "changed": changed,
+        "keys": len(new.key),
+    }

@@ -17,10 +17,18 @@ import shutil
 import struct
 import urllib.parse
 
-CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                  "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync",
-                  "--disable-dev-shm-usage", "--window-size=1280,900")
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1280,900",
+)
 
 
 def chromium_path() -> str | None:
@@ -36,14 +44,19 @@ class WebSocket:
         self.reader, self.writer = reader, writer
 
     @classmethod
-    async def connect(cls, url: str, timeout: float = 10.0) -> "WebSocket":
+    async def connect(cls, url: str, timeout: float = 10.0) -> WebSocket:
         u = urllib.parse.urlsplit(url)
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(u.hostname, u.port), timeout)
+            asyncio.open_connection(u.hostname, u.port), timeout
+        )
         key = base64.b64encode(os.urandom(16)).decode()
-        writer.write((f"GET {u.path} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\n"
-                      "Upgrade: websocket\r\nConnection: Upgrade\r\n"
-                      f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+        writer.write(
+            (
+                f"GET {u.path} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\n"
+                "Upgrade: websocket\r\nConnection: Upgrade\r\n"
+                f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            ).encode()
+        )
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
         if not head.startswith(b"HTTP/1.1 101"):
             raise ConnectionError(f"websocket upgrade refused: {head[:80]!r}")
@@ -136,8 +149,13 @@ class Page:
 
     async def eval(self, expression: str, timeout: float = 10.0):
         """The value of a JS expression (a promise is awaited)."""
-        res = await self.send("Runtime.evaluate", timeout=timeout, expression=expression,
-                              awaitPromise=True, returnByValue=True)
+        res = await self.send(
+            "Runtime.evaluate",
+            timeout=timeout,
+            expression=expression,
+            awaitPromise=True,
+            returnByValue=True,
+        )
         if "exceptionDetails" in res:
             raise RuntimeError(f"JS error: {res['exceptionDetails']}")
         return res["result"].get("value")
@@ -146,10 +164,12 @@ class Page:
         """Resolve when a JS expression is truthy (checked on every animation frame, bounded
         inside the page); its value, or an error naming the condition."""
         ms = int(timeout * 1000)
-        js = (f"new Promise((ok, fail) => {{ const end = performance.now() + {ms};"
-              f" const check = () => {{ let v; try {{ v = ({condition}); }} catch (e) {{ v = null; }}"
-              f" if (v) ok(v); else if (performance.now() > end) fail(new Error('timeout'));"
-              f" else requestAnimationFrame(check); }}; check(); }})")
+        js = (
+            f"new Promise((ok, fail) => {{ const end = performance.now() + {ms};"
+            f" const check = () => {{ let v; try {{ v = ({condition}); }} catch (e) {{ v = null; }}"
+            f" if (v) ok(v); else if (performance.now() > end) fail(new Error('timeout'));"
+            f" else requestAnimationFrame(check); }}; check(); }})"
+        )
         try:
             return await self.eval(js, timeout=timeout + 5)
         except RuntimeError as exc:
@@ -183,11 +203,16 @@ class Browser:
         self.proc, self.port = proc, port
 
     @classmethod
-    async def start(cls, exe: str, profile_dir: str, timeout: float = 30.0) -> "Browser":
+    async def start(cls, exe: str, profile_dir: str, timeout: float = 30.0) -> Browser:
         proc = await asyncio.create_subprocess_exec(
-            exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile_dir}",
-            "--remote-debugging-port=0", "about:blank",
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+            exe,
+            *CHROMIUM_FLAGS,
+            f"--user-data-dir={profile_dir}",
+            "--remote-debugging-port=0",
+            "about:blank",
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
         try:
             port = await asyncio.wait_for(cls._devtools_port(proc), timeout)
         except BaseException:
@@ -210,8 +235,10 @@ class Browser:
     async def _http_json(self, method: str, path: str):
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
         try:
-            writer.write(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
-                         "Connection: close\r\n\r\n".encode())
+            writer.write(
+                f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
+                "Connection: close\r\n\r\n".encode()
+            )
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
             m = re.search(rb"(?i)content-length:\s*(\d+)", head)
             body = await asyncio.wait_for(reader.readexactly(int(m.group(1))), 10)
@@ -231,7 +258,7 @@ class Browser:
             self.proc.terminate()
             try:
                 await asyncio.wait_for(self.proc.wait(), 10)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.proc.kill()
                 await self.proc.wait()
 

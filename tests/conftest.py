@@ -32,19 +32,32 @@ async def make_relay(sim):
     """
     apps = []
 
-    async def make(url: str | None = None, upstreams: list | None = None, keys: list = (),
-                   store: str = ":memory:", admin_key_sha256: str | None = None,
-                   parallel: int = 256, queue: int = 64, **fields) -> App:
+    async def make(
+        url: str | None = None,
+        upstreams: list | None = None,
+        keys: list = (),
+        store: str = ":memory:",
+        admin_key_sha256: str | None = None,
+        parallel: int = 256,
+        queue: int = 64,
+        **fields,
+    ) -> App:
         server = {k: v for k, v in fields.items() if k in ServerConfig.__struct_fields__}
         disp = {k: v for k, v in fields.items() if k in DispatcherConfig.__struct_fields__}
         unknown = set(fields) - set(server) - set(disp)
         assert not unknown, unknown
         disp.setdefault("health_interval_s", 0)  # no background probe unless a test wants one
-        ups = upstreams or [UpstreamConfig(name="llm", url=url or sim.url, parallel=parallel,
-                                           queue=queue)]
-        cfg = Config(server=ServerConfig(port=0, **server), dispatcher=DispatcherConfig(**disp),
-                     upstream=ups, key=list(keys), store=StoreConfig(path=store),
-                     admin_key_sha256=admin_key_sha256)
+        ups = upstreams or [
+            UpstreamConfig(name="llm", url=url or sim.url, parallel=parallel, queue=queue)
+        ]
+        cfg = Config(
+            server=ServerConfig(port=0, **server),
+            dispatcher=DispatcherConfig(**disp),
+            upstream=ups,
+            key=list(keys),
+            store=StoreConfig(path=store),
+            admin_key_sha256=admin_key_sha256,
+        )
         app = App(cfg, quiet())
         await app.start()
         apps.append(app)

@@ -22,7 +22,7 @@ class Scripted:
     def url(self) -> str:
         return f"{'https' if self.ssl else 'http'}://127.0.0.1:{self.port}"
 
-    async def start(self) -> "Scripted":
+    async def start(self) -> Scripted:
         self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0, ssl=self.ssl)
         self.port = self.server.sockets[0].getsockname()[1]
         return self

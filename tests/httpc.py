@@ -44,9 +44,14 @@ class Response:
         return out
 
 
-def build_request(method: str, path: str, body: bytes | dict | None = None,
-                  headers: dict | list | None = None, http: str = "1.1",
-                  host: str = "relay.test") -> bytes:
+def build_request(
+    method: str,
+    path: str,
+    body: bytes | dict | None = None,
+    headers: dict | list | None = None,
+    http: str = "1.1",
+    host: str = "relay.test",
+) -> bytes:
     if isinstance(body, dict):
         body = json.dumps(body).encode()
     items = list(headers.items()) if isinstance(headers, dict) else list(headers or [])
@@ -123,11 +128,20 @@ async def read_body(reader: asyncio.StreamReader, resp: Response, method: str = 
     resp.body = bytes(body)
 
 
-async def fetch(port: int, method: str, path: str, body=None, headers=None, http: str = "1.1",
-                timeout: float = TIMEOUT, ssl=None) -> Response:
+async def fetch(
+    port: int,
+    method: str,
+    path: str,
+    body=None,
+    headers=None,
+    http: str = "1.1",
+    timeout: float = TIMEOUT,
+    ssl=None,
+) -> Response:
     """One request on a new connection (TLS with an `ssl` context); closed afterwards."""
     reader, writer = await asyncio.open_connection(
-        "127.0.0.1", port, ssl=ssl, server_hostname="localhost" if ssl else None)
+        "127.0.0.1", port, ssl=ssl, server_hostname="localhost" if ssl else None
+    )
     try:
         writer.write(build_request(method, path, body, headers, http))
         resp = await asyncio.wait_for(read_head(reader), timeout)
@@ -137,8 +151,9 @@ async def fetch(port: int, method: str, path: str, body=None, headers=None, http
         writer.close()
 
 
-async def exchange(reader, writer, method: str, path: str, body=None, headers=None,
-                   timeout: float = TIMEOUT) -> Response:
+async def exchange(
+    reader, writer, method: str, path: str, body=None, headers=None, timeout: float = TIMEOUT
+) -> Response:
     """One request on an open connection (keep-alive)."""
     writer.write(build_request(method, path, body, headers))
     resp = await asyncio.wait_for(read_head(reader), timeout)
@@ -147,8 +162,7 @@ async def exchange(reader, writer, method: str, path: str, body=None, headers=No
 
 
 def chat(tokens: int | None = None, stream: bool = True, model: str = "tiny", **sim) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": "Hi there"}],
-            "stream": stream}
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi there"}], "stream": stream}
     if tokens is not None:
         body["max_tokens"] = tokens
     if sim:

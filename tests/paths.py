@@ -3,6 +3,9 @@
 import os
 from pathlib import Path
 
-FIXTURES = Path(os.environ.get(
-    "LLAMA_FIXTURES",
-    Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "llama-server"))
+FIXTURES = Path(
+    os.environ.get(
+        "LLAMA_FIXTURES",
+        Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "llama-server",
+    )
+)

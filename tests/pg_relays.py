@@ -14,16 +14,24 @@ from tests.test_keys_budgets import SECRET, sha
 CHAT = "/v1/chat/completions"
 
 
-def config(tmp_path, name: str, sim_port: int, url: str, limit: int = 10, ttl: float = 30.0,
-           parallel: int = 64) -> str:
+def config(
+    tmp_path,
+    name: str,
+    sim_port: int,
+    url: str,
+    limit: int = 10,
+    ttl: float = 30.0,
+    parallel: int = 64,
+) -> str:
     cfg = tmp_path / f"{name}.toml"
     cfg.write_text(
-        f'[server]\nport = 0\n'
+        f"[server]\nport = 0\n"
         f'[store]\nurl = "{url}"\npassword_env = "{PASSWORD_ENV}"\n'
         f'spill_path = "{tmp_path / (name + "-spill.jsonl")}"\nreservation_ttl_s = {ttl}\n'
         f'[[upstream]]\nname = "llm"\nurl = "http://127.0.0.1:{sim_port}"\n'
-        f'parallel = {parallel}\nqueue = 1000\n'
-        f'[[key]]\nid = "alpha"\nsha256 = "{sha(SECRET)}"\nrequests_per_day = {limit}\n')
+        f"parallel = {parallel}\nqueue = 1000\n"
+        f'[[key]]\nid = "alpha"\nsha256 = "{sha(SECRET)}"\nrequests_per_day = {limit}\n'
+    )
     return str(cfg)
 
 

@@ -56,9 +56,14 @@ class PgServer:
         os.chmod(self.root, 0o700)
 
     def _run(self, *args: str, timeout: float = 60.0) -> None:
-        subprocess.run([*self.as_user, os.path.join(self.bindir, args[0]), *args[1:]],
-                       check=True, timeout=timeout, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.PIPE, cwd=self.root)
+        subprocess.run(
+            [*self.as_user, os.path.join(self.bindir, args[0]), *args[1:]],
+            check=True,
+            timeout=timeout,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            cwd=self.root,
+        )
 
     def init(self) -> None:
         pwfile = os.path.join(self.root, "pw")
@@ -67,19 +72,42 @@ class PgServer:
         if self.as_user:
             pw = pwd.getpwnam("postgres")
             os.chown(pwfile, pw.pw_uid, pw.pw_gid)
-        self._run("initdb", "-D", self.data, "-U", USER, "--pwfile", pwfile, "-E", "UTF8",
-                  "--auth-local=trust", "--auth-host=scram-sha-256", "--no-sync")
+        self._run(
+            "initdb",
+            "-D",
+            self.data,
+            "-U",
+            USER,
+            "--pwfile",
+            pwfile,
+            "-E",
+            "UTF8",
+            "--auth-local=trust",
+            "--auth-host=scram-sha-256",
+            "--no-sync",
+        )
         os.unlink(pwfile)
         with open(os.path.join(self.data, "postgresql.conf"), "a") as fh:
-            fh.write(f"listen_addresses = '127.0.0.1'\nport = {self.port}\n"
-                     f"unix_socket_directories = '{self.root}'\n"
-                     f"fsync = {'on' if self.fsync else 'off'}\n"
-                     "max_connections = 200\nlog_min_messages = warning\n")
+            fh.write(
+                f"listen_addresses = '127.0.0.1'\nport = {self.port}\n"
+                f"unix_socket_directories = '{self.root}'\n"
+                f"fsync = {'on' if self.fsync else 'off'}\n"
+                "max_connections = 200\nlog_min_messages = warning\n"
+            )
         self.start()
 
     def start(self) -> None:
-        self._run("pg_ctl", "-D", self.data, "-l", os.path.join(self.root, "log"), "-w",
-                  "-t", "30", "start")
+        self._run(
+            "pg_ctl",
+            "-D",
+            self.data,
+            "-l",
+            os.path.join(self.root, "log"),
+            "-w",
+            "-t",
+            "30",
+            "start",
+        )
         self.wait_ready()
 
     def stop(self) -> None:
@@ -122,6 +150,6 @@ class PgServer:
     def destroy(self) -> None:
         try:
             self.stop()
-        except Exception:  # noqa: BLE001 - already stopped
+        except Exception:
             pass
         shutil.rmtree(self.root, ignore_errors=True)

@@ -28,29 +28,55 @@ def _own_address() -> str | None:
 
 OWN = _own_address()
 
-ADMIN_UPSTREAM = [("POST", "/props"), ("POST", "/slots/0?action=erase"),
-                  ("POST", "/slots/1?action=save"), ("POST", "/slots/0?action=restore"),
-                  ("GET", "/slots"), ("POST", "/lora-adapters"), ("POST", "/models/load"),
-                  ("POST", "/models/unload"), ("POST", "/%73lots/0?action=erase"),
-                  ("POST", "/v1/../props"), ("POST", "//props/")]
+ADMIN_UPSTREAM = [
+    ("POST", "/props"),
+    ("POST", "/slots/0?action=erase"),
+    ("POST", "/slots/1?action=save"),
+    ("POST", "/slots/0?action=restore"),
+    ("GET", "/slots"),
+    ("POST", "/lora-adapters"),
+    ("POST", "/models/load"),
+    ("POST", "/models/unload"),
+    ("POST", "/%73lots/0?action=erase"),
+    ("POST", "/v1/../props"),
+    ("POST", "//props/"),
+]
 
 
 def test_upstream_admin_paths():
     from relay.http.request_path import normalize
+
     for method, target in ADMIN_UPSTREAM:
         assert is_upstream_admin(method.encode(), normalize(target.encode())), target
-    for method, target in [("GET", "/props"), ("GET", "/lora-adapters"), ("GET", "/models"),
-                           ("POST", "/v1/chat/completions"), ("GET", "/health"),
-                           ("POST", "/completion"), ("GET", "/v1/models")]:
+    for method, target in [
+        ("GET", "/props"),
+        ("GET", "/lora-adapters"),
+        ("GET", "/models"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/health"),
+        ("POST", "/completion"),
+        ("GET", "/v1/models"),
+    ]:
         assert not is_upstream_admin(method.encode(), normalize(target.encode())), target
     assert is_relay_admin(normalize(b"/%6detrics")) and is_relay_admin("/api/slots/metrics")
 
 
-@pytest.mark.parametrize("host, loop", [("127.0.0.1", True), ("127.8.9.10", True),
-                                        ("::1", True), ("::ffff:127.0.0.1", True),
-                                        ("192.0.2.2", False), ("10.0.0.1", False),
-                                        ("::ffff:10.0.0.1", False), ("fd00::2", False),
-                                        (None, False), ("", False), ("garbage", False)])
+@pytest.mark.parametrize(
+    "host, loop",
+    [
+        ("127.0.0.1", True),
+        ("127.8.9.10", True),
+        ("::1", True),
+        ("::ffff:127.0.0.1", True),
+        ("192.0.2.2", False),
+        ("10.0.0.1", False),
+        ("::ffff:10.0.0.1", False),
+        ("fd00::2", False),
+        (None, False),
+        ("", False),
+        ("garbage", False),
+    ],
+)
 def test_is_loopback(host, loop):
     assert is_loopback(host) is loop
 
@@ -72,15 +98,19 @@ async def _fetch(host: str, port: int, method: str, target: str, headers=None, b
 async def test_keys_without_admin_key_admin_is_loopback_only(make_relay, sim):
     app = await make_relay(keys=[key()], host="0.0.0.0")
     seen = len(sim.requests)
-    for method, target in [("GET", "/metrics"), ("GET", "/api/slots/metrics"),
-                           ("GET", "/%6detrics")] + ADMIN_UPSTREAM:
+    for method, target in [
+        ("GET", "/metrics"),
+        ("GET", "/api/slots/metrics"),
+        ("GET", "/%6detrics"),
+    ] + ADMIN_UPSTREAM:
         resp = await _fetch(OWN, app.port, method, target, bearer())
         assert resp.status == 403, (method, target, resp.status)
         assert resp.json()["error"]["code"] == "forbidden"
     assert len(sim.requests) == seen  # none of them reached the upstream
     # a key holder from elsewhere still gets inference
-    resp = await _fetch(OWN, app.port, "POST", "/v1/chat/completions", bearer(),
-                        httpc.chat(3, stream=False))
+    resp = await _fetch(
+        OWN, app.port, "POST", "/v1/chat/completions", bearer(), httpc.chat(3, stream=False)
+    )
     assert resp.status == 200
     # the loopback peer is the operator: the relay's endpoints and the upstream's admin ones
     assert (await _fetch("127.0.0.1", app.port, "GET", "/metrics")).status == 200
@@ -103,8 +133,11 @@ async def test_admin_key_guards_upstream_admin_endpoints(make_relay, sim):
 
 async def test_no_keys_leaves_everything_open(make_relay, sim):
     app = await make_relay()
-    for method, target in [("GET", "/metrics"), ("POST", "/props"),
-                           ("POST", "/slots/0?action=erase")]:
+    for method, target in [
+        ("GET", "/metrics"),
+        ("POST", "/props"),
+        ("POST", "/slots/0?action=erase"),
+    ]:
         resp = await _fetch("127.0.0.1", app.port, method, target)
         assert resp.status not in (401, 403), target
     assert sim.requests[-1].path.startswith("/slots/0")

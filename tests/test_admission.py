@@ -36,8 +36,9 @@ def responses(raw: bytes) -> list[tuple[int, bytes, bytes]]:
         head, sep, rest = raw.partition(b"\r\n\r\n")
         assert sep, raw[:200]
         lines = head.split(b"\r\n")
-        fields = {k.strip().lower(): v.strip()
-                  for k, _, v in (ln.partition(b":") for ln in lines[1:])}
+        fields = {
+            k.strip().lower(): v.strip() for k, _, v in (ln.partition(b":") for ln in lines[1:])
+        }
         assert not (b"content-length" in fields and b"transfer-encoding" in fields)
         n = int(fields[b"content-length"])
         out.append((int(lines[0].split(b" ")[1]), head, rest[:n]))
@@ -54,37 +55,80 @@ BODY = json.dumps(httpc.chat(2, stream=False)).encode()
 
 
 def head(*lines: bytes, http: bytes = b"1.1") -> bytes:
-    return b"\r\n".join([b"POST " + CHAT.encode() + b" HTTP/" + http, b"Host: relay.test",
-                         b"Content-Type: application/json", *lines]) + b"\r\n\r\n"
+    return (
+        b"\r\n".join(
+            [
+                b"POST " + CHAT.encode() + b" HTTP/" + http,
+                b"Host: relay.test",
+                b"Content-Type: application/json",
+                *lines,
+            ]
+        )
+        + b"\r\n\r\n"
+    )
 
 
-@pytest.mark.parametrize("data,status,code", [
-    # CL + TE: read as chunked, the bytes after the body were a second request
-    (head(b"Content-Length: %d" % len(chunked(BODY)), b"Transfer-Encoding: chunked")
-     + chunked(BODY) + SMUGGLED, 400, "bad_request"),
-    (head(b"Transfer-Encoding: chunked", b"Content-Length: 4") + chunked(BODY) + SMUGGLED,
-     400, "bad_request"),
-    # obs-folded TE (h11 joins the lines and reads chunked)
-    (head(b"Transfer-Encoding:", b" chunked") + chunked(BODY) + SMUGGLED, 400, "bad_request"),
-    (head(b"Content-Length: %d" % len(chunked(BODY)), b"Transfer-Encoding:", b"\tchunked")
-     + chunked(BODY) + SMUGGLED, 400, "bad_request"),
-    (head(b"X-Note: a", b" b", b"Content-Length: %d" % len(BODY)) + BODY + SMUGGLED,
-     400, "bad_request"),
-    # HTTP/1.0 has no transfer codings
-    (head(b"Transfer-Encoding: chunked", http=b"1.0") + chunked(BODY) + SMUGGLED,
-     400, "bad_request"),
-    # codings the relay cannot decode
-    (head(b"Transfer-Encoding: gzip, chunked") + chunked(BODY) + SMUGGLED, 501, "not_implemented"),
-    (head(b"Transfer-Encoding: chunked, identity") + chunked(BODY) + SMUGGLED,
-     501, "not_implemented"),
-    (head(b"Content-Length: 5", b"Content-Length: 6") + b"12345" + SMUGGLED, 400, "bad_request"),
-])
-async def test_ambiguous_framing_is_refused_and_the_connection_closed(make_relay, sim, data,
-                                                                      status, code):
+@pytest.mark.parametrize(
+    "data,status,code",
+    [
+        # CL + TE: read as chunked, the bytes after the body were a second request
+        (
+            head(b"Content-Length: %d" % len(chunked(BODY)), b"Transfer-Encoding: chunked")
+            + chunked(BODY)
+            + SMUGGLED,
+            400,
+            "bad_request",
+        ),
+        (
+            head(b"Transfer-Encoding: chunked", b"Content-Length: 4") + chunked(BODY) + SMUGGLED,
+            400,
+            "bad_request",
+        ),
+        # obs-folded TE (h11 joins the lines and reads chunked)
+        (head(b"Transfer-Encoding:", b" chunked") + chunked(BODY) + SMUGGLED, 400, "bad_request"),
+        (
+            head(b"Content-Length: %d" % len(chunked(BODY)), b"Transfer-Encoding:", b"\tchunked")
+            + chunked(BODY)
+            + SMUGGLED,
+            400,
+            "bad_request",
+        ),
+        (
+            head(b"X-Note: a", b" b", b"Content-Length: %d" % len(BODY)) + BODY + SMUGGLED,
+            400,
+            "bad_request",
+        ),
+        # HTTP/1.0 has no transfer codings
+        (
+            head(b"Transfer-Encoding: chunked", http=b"1.0") + chunked(BODY) + SMUGGLED,
+            400,
+            "bad_request",
+        ),
+        # codings the relay cannot decode
+        (
+            head(b"Transfer-Encoding: gzip, chunked") + chunked(BODY) + SMUGGLED,
+            501,
+            "not_implemented",
+        ),
+        (
+            head(b"Transfer-Encoding: chunked, identity") + chunked(BODY) + SMUGGLED,
+            501,
+            "not_implemented",
+        ),
+        (
+            head(b"Content-Length: 5", b"Content-Length: 6") + b"12345" + SMUGGLED,
+            400,
+            "bad_request",
+        ),
+    ],
+)
+async def test_ambiguous_framing_is_refused_and_the_connection_closed(
+    make_relay, sim, data, status, code
+):
     app = await make_relay()
     got = responses(await read_all(app.port, data))
     assert [s for s, _, _ in got] == [status]  # one answer, then the relay closed
-    st, rhead, body = got[0]
+    _st, rhead, body = got[0]
     assert b"Connection: close" in rhead
     assert json.loads(body)["error"]["code"] == code
     assert sim.requests == []  # nothing of it reached the upstream
@@ -118,8 +162,13 @@ async def test_json_nested_5000_deep_is_invalid_json_not_a_relay_error(make_rela
 # ---- the key is checked on the head -------------------------------------------------------
 async def open_with_head(port: int, size: int, headers: list[str]) -> tuple:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    lines = [f"POST {CHAT} HTTP/1.1", "Host: relay.test", "Content-Type: application/json",
-             f"Content-Length: {size}", *headers]
+    lines = [
+        f"POST {CHAT} HTTP/1.1",
+        "Host: relay.test",
+        "Content-Type: application/json",
+        f"Content-Length: {size}",
+        *headers,
+    ]
     writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
     return reader, writer
 
@@ -128,8 +177,9 @@ async def open_with_head(port: int, size: int, headers: list[str]) -> tuple:
 async def test_401_comes_before_the_body_is_sent_and_no_100_continue(make_relay, sim, expect):
     app = await make_relay(keys=[key()])
     size = 7 * 1024 * 1024
-    reader, writer = await open_with_head(app.port, size,
-                                          ["Expect: 100-continue"] if expect else [])
+    reader, writer = await open_with_head(
+        app.port, size, ["Expect: 100-continue"] if expect else []
+    )
     try:
         resp = await asyncio.wait_for(httpc.read_head(reader), HEAD_TIMEOUT)  # no body sent
         assert resp.status == 401 and resp.header("connection") == "close"
@@ -164,7 +214,7 @@ async def test_bodies_held_relay_wide_are_bounded_503_and_given_back(make_relay,
     big = json.dumps({**httpc.chat(2, stream=False), "pad": pad}).encode()
     ra, wa = await open_with_head(app.port, len(big), [])
     try:
-        wa.write(big[:40 * 1024])  # A holds 40 KiB, body not complete
+        wa.write(big[: 40 * 1024])  # A holds 40 KiB, body not complete
         await wait_for(lambda: app.dispatcher.bodies.held == 40 * 1024)
         # B declares more than is left: refused on its head, before its body is read
         rb, wb = await open_with_head(app.port, 32 * 1024, [])
@@ -175,13 +225,17 @@ async def test_bodies_held_relay_wide_are_bounded_503_and_given_back(make_relay,
         assert resp.json()["error"]["code"] == "server_busy"
         # C sends chunked (no size known up front): refused once its bytes reach the bound
         rc, wc = await asyncio.open_connection("127.0.0.1", app.port)
-        wc.write(head(b"Transfer-Encoding: chunked") + b"%x\r\n" % (30 * 1024)
-                 + b"y" * (30 * 1024) + b"\r\n")
+        wc.write(
+            head(b"Transfer-Encoding: chunked")
+            + b"%x\r\n" % (30 * 1024)
+            + b"y" * (30 * 1024)
+            + b"\r\n"
+        )
         resp = await asyncio.wait_for(httpc.read_head(rc), HEAD_TIMEOUT)
         wc.close()
         assert resp.status == 503
         assert app.dispatcher.bodies.held == 40 * 1024
-        wa.write(big[40 * 1024:])  # A completes and is served
+        wa.write(big[40 * 1024 :])  # A completes and is served
         resp = await asyncio.wait_for(httpc.read_head(ra), HEAD_TIMEOUT)
         await asyncio.wait_for(httpc.read_body(ra, resp), HEAD_TIMEOUT)
         assert resp.status == 200
@@ -189,7 +243,7 @@ async def test_bodies_held_relay_wide_are_bounded_503_and_given_back(make_relay,
         wa.close()
     await wait_for(lambda: app.dispatcher.bodies.held == 0)
     # a client leaving mid-body gives its bytes back too
-    rd, wd = await open_with_head(app.port, len(big), [])
+    _rd, wd = await open_with_head(app.port, len(big), [])
     wd.write(big[:20000])
     await wait_for(lambda: app.dispatcher.bodies.held == 20000)
     wd.close()
@@ -252,8 +306,9 @@ async def test_the_body_is_peeked_whatever_the_content_type(make_relay, sim):
 async def test_percent_encoded_slot_path_takes_a_slot(make_relay, sim):
     app = await make_relay(parallel=1, queue=0, pool_timeout_s=0.0)
     body = httpc.chat(2, first_token_delay_ms=300)
-    results = await asyncio.gather(*(httpc.fetch(app.port, "POST", "/v1/chat/%63ompletions", body)
-                                     for _ in range(4)))
+    results = await asyncio.gather(
+        *(httpc.fetch(app.port, "POST", "/v1/chat/%63ompletions", body) for _ in range(4))
+    )
     assert sorted(r.status for r in results) == [200, 503, 503, 503]
     rows = await rows_of(app, 4)
     assert {r["path"] for r in rows} == {CHAT}
@@ -288,7 +343,7 @@ async def test_body_bytes_are_given_back_when_the_client_leaves_mid_request(make
     app = await make_relay()
     for served in (False, True):  # gone as soon as its body is held, or once it reached upstream
         body = httpc.chat(2, first_token_delay_ms=200)
-        reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
+        _reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
         writer.write(httpc.build_request("POST", CHAT, body))
         await wait_for(lambda: app.dispatcher.bodies.held > 0 or sim.requests)
         if served:
@@ -310,8 +365,9 @@ async def test_a_limit_field_the_path_ignores_is_no_limit(make_relay, sim):
     cap = app.config.budget.default_max_tokens
     assert statuses == [200, 200, 429, 429]
     assert [r.completion_tokens for r in sim.requests] == [cap, cap]
-    assert all(r.json["max_tokens"] == cap and r.json["max_output_tokens"] == 5
-               for r in sim.requests)
+    assert all(
+        r.json["max_tokens"] == cap and r.json["max_output_tokens"] == 5 for r in sim.requests
+    )
     assert await charged(app, 4) <= 3000
     # the native /completion knows no max_completion_tokens
     app = await make_relay(keys=[key(tokens_per_day=3000)])
@@ -326,38 +382,53 @@ async def test_a_limit_field_the_path_ignores_is_no_limit(make_relay, sim):
 # ---- every generating route takes a slot and a reservation (issue 10 item 8) ---------------
 def slow_sse(hold_s: float, events: int = 3):
     """An upstream answering every request with a stream of `events` content events."""
+
     async def script(upstream, index, reader, writer):
         while await upstream.read_request(reader) is not None:
             await asyncio.sleep(hold_s)
-            out = b"".join(b'data: {"type":"content_block_delta","delta":{"text":"x%d"}}\n\n' % i
-                           for i in range(events))
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(out), out))
+            out = b"".join(
+                b'data: {"type":"content_block_delta","delta":{"text":"x%d"}}\n\n' % i
+                for i in range(events)
+            )
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(out), out)
+            )
             await writer.drain()
+
     return script
 
 
-@pytest.mark.parametrize("path,field", [("/v1/messages", "max_tokens"),
-                                        ("/responses", "max_output_tokens"),
-                                        ("/v1/responses", "max_output_tokens"),
-                                        ("/v1/rerank", None),
-                                        ("/some/future/route", None)])
+@pytest.mark.parametrize(
+    "path,field",
+    [
+        ("/v1/messages", "max_tokens"),
+        ("/responses", "max_output_tokens"),
+        ("/v1/responses", "max_output_tokens"),
+        ("/v1/rerank", None),
+        ("/some/future/route", None),
+    ],
+)
 async def test_every_generating_route_takes_a_slot_and_is_capped(make_relay, path, field):
     from tests.fakeup import Scripted
+
     up = await Scripted(slow_sse(0.3)).start()
     try:
-        app = await make_relay(url=up.url, keys=[key(tokens_per_day=50000)], parallel=1,
-                               queue=0, pool_timeout_s=0.0)
+        app = await make_relay(
+            url=up.url, keys=[key(tokens_per_day=50000)], parallel=1, queue=0, pool_timeout_s=0.0
+        )
         seen = []
 
         async def watch():
             while True:
                 seen.append(app.upstreams["llm"].slots.in_flight)
                 await asyncio.sleep(0.005)
+
         w = asyncio.create_task(watch())
         body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-        rs = await asyncio.gather(*(httpc.fetch(app.port, "POST", path, body, headers=bearer())
-                                    for _ in range(3)))
+        rs = await asyncio.gather(
+            *(httpc.fetch(app.port, "POST", path, body, headers=bearer()) for _ in range(3))
+        )
         w.cancel()
         assert sorted(r.status for r in rs) == [200, 503, 503]
         assert max(seen) == 1 and len(up.bodies) == 1
@@ -388,24 +459,32 @@ async def test_cheap_routes_take_no_slot(make_relay, sim):
 def multi_stream(per: int):
     """llama-server's way with `"prompt": [p1 .. pN]`: `per` tokens for each prompt, and a
     final usage that covers one completion only."""
+
     async def script(upstream, index, reader, writer):
         while await upstream.read_request(reader) is not None:
             doc = json.loads(upstream.bodies[-1])
             p = doc["prompt"]
             prompts = p if isinstance(p, list) and not all(isinstance(x, int) for x in p) else [p]
             n = len(prompts) * max(1, doc.get("n", 1))
-            out = b"".join(b'data: {"choices":[{"text":"t","index":%d}]}\n\n' % (i % n)
-                           for i in range(per * n))
-            out += (b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":%d}}'
-                    b'\n\ndata: [DONE]\n\n' % per)
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(out), out))
+            out = b"".join(
+                b'data: {"choices":[{"text":"t","index":%d}]}\n\n' % (i % n) for i in range(per * n)
+            )
+            out += (
+                b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":%d}}'
+                b"\n\ndata: [DONE]\n\n" % per
+            )
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(out), out)
+            )
             await writer.drain()
+
     return script
 
 
 async def test_multi_prompt_and_n_are_reserved_and_charged_in_full(make_relay):
     from tests.fakeup import Scripted
+
     up = await Scripted(multi_stream(100)).start()
     try:
         app = await make_relay(url=up.url, keys=[key(tokens_per_day=1000)])
@@ -435,8 +514,10 @@ def json_answers(doc: bytes):
 
     async def script(upstream, index, reader, writer):
         while await upstream.read_request(reader) is not None:
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n" % len(doc) + doc)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(doc) + doc
+            )
             await writer.drain()
 
     return script
@@ -444,9 +525,14 @@ def json_answers(doc: bytes):
 
 async def test_a_non_streamed_answer_to_several_prompts_is_charged_its_reservation(make_relay):
     from tests.fakeup import Scripted
+
     # llama-server's /v1/completions: N choices, a usage that counts one completion only
-    doc = json.dumps({"choices": [{"text": "t" * 100, "index": i} for i in range(4)],
-                      "usage": {"prompt_tokens": 3, "completion_tokens": 100}}).encode()
+    doc = json.dumps(
+        {
+            "choices": [{"text": "t" * 100, "index": i} for i in range(4)],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 100},
+        }
+    ).encode()
 
     up = await Scripted(json_answers(doc)).start()
     try:
@@ -460,7 +546,8 @@ async def test_a_non_streamed_answer_to_several_prompts_is_charged_its_reservati
         rows = await rows_of(app, 3)
         est = len(json.dumps(four)) // 4
         assert [(r["completion_tokens"], r["tokens_source"]) for r in rows[:2]] == [
-            (400, "reserved")] * 2
+            (400, "reserved")
+        ] * 2
         assert await charged(app, 3) == 2 * (est + 400) <= 1000
     finally:
         await up.stop()
@@ -469,9 +556,14 @@ async def test_a_non_streamed_answer_to_several_prompts_is_charged_its_reservati
 # ---- no usable token figure: the reservation is charged (issue 10 item 7) -----------------
 async def test_a_served_body_without_a_usable_figure_is_charged_its_reservation(make_relay):
     from tests.fakeup import Scripted
+
     pad = "x" * (1536 * 1024)  # more than the relay keeps of a JSON body
-    doc = json.dumps({"choices": [{"message": {"content": pad}}],
-                      "usage": {"prompt_tokens": 5, "completion_tokens": 700}}).encode()
+    doc = json.dumps(
+        {
+            "choices": [{"message": {"content": pad}}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 700},
+        }
+    ).encode()
 
     up = await Scripted(json_answers(doc)).start()
     try:
@@ -484,8 +576,9 @@ async def test_a_served_body_without_a_usable_figure_is_charged_its_reservation(
         assert statuses == [200, 200, 429]
         rows = await rows_of(app, 3)
         prompt_est = len(json.dumps(body)) // 4
-        assert [(r["prompt_tokens"], r["completion_tokens"], r["tokens_source"])
-                for r in rows[:2]] == [(prompt_est, 800, "reserved")] * 2
+        assert [
+            (r["prompt_tokens"], r["completion_tokens"], r["tokens_source"]) for r in rows[:2]
+        ] == [(prompt_est, 800, "reserved")] * 2
         assert await charged(app, 3) == 2 * (prompt_est + 800) <= 2000
     finally:
         await up.stop()
@@ -495,8 +588,13 @@ async def test_a_served_body_without_a_usable_figure_is_charged_its_reservation(
 async def test_the_cap_is_spliced_into_the_body_bytes(make_relay, sim):
     app = await make_relay(keys=[key(tokens_per_day=100000)])
     raw = b'{"model":"m", "prompt": "}{\\"}", "stream": true, "a": {"b": {}}}\r\n  '
-    resp = await httpc.fetch(app.port, "POST", "/completion", raw,
-                             headers={**bearer(), "Content-Type": "application/json"})
+    resp = await httpc.fetch(
+        app.port,
+        "POST",
+        "/completion",
+        raw,
+        headers={**bearer(), "Content-Type": "application/json"},
+    )
     assert resp.status == 200
     cap = app.config.budget.default_max_tokens
     assert sim.requests[0].body == raw.rstrip()[:-1] + b',"n_predict":%d}\r\n  ' % cap

@@ -17,8 +17,10 @@ def one_byte_chunks(body: bytes) -> bytes:
 
 
 def chunked_head(path: str = CHAT) -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: relay.test\r\nContent-Type: application/json\r\n"
-            "Transfer-Encoding: chunked\r\n\r\n").encode()
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: relay.test\r\nContent-Type: application/json\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n"
+    ).encode()
 
 
 def padded_chat(size: int) -> bytes:
@@ -45,7 +47,7 @@ async def test_a_body_in_too_many_chunks_is_refused_413_early(make_relay, sim):
     app = await make_relay(max_body_chunks=4096)
     data = chunked_head() + one_byte_chunks(padded_chat(1_000_000))
     cpu0 = time.process_time()
-    resp, took = await send_and_read_head(app.port, data, 5.0)
+    resp, _took = await send_and_read_head(app.port, data, 5.0)
     cpu = time.process_time() - cpu0
     assert resp.status == 413
     err = resp.json()["error"]

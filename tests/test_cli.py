@@ -15,8 +15,15 @@ async def start(*args: str, env: dict | None = None, cwd: str | None = None):
     env = {**os.environ, **(env or {})}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "relay", *args, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd)
+        sys.executable,
+        "-m",
+        "relay",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+        cwd=cwd,
+    )
     return proc
 
 
@@ -41,7 +48,9 @@ async def run_to_end(*args: str, stdout: bool = False) -> tuple[int, str]:
 
 async def test_unknown_config_key_is_rejected_naming_it(tmp_path):
     cfg = tmp_path / "relay.toml"
-    cfg.write_text('[server]\nport = 0\nbogus = 1\n[[upstream]]\nname = "a"\nurl = "http://127.0.0.1:9"\n')
+    cfg.write_text(
+        '[server]\nport = 0\nbogus = 1\n[[upstream]]\nname = "a"\nurl = "http://127.0.0.1:9"\n'
+    )
     code, err = await run_to_end("serve", "--config", str(cfg))
     assert code == 2
     assert "server" in err and "bogus" in err
@@ -49,8 +58,10 @@ async def test_unknown_config_key_is_rejected_naming_it(tmp_path):
 
 async def test_out_of_range_value_is_rejected_naming_key_and_range(tmp_path):
     cfg = tmp_path / "relay.toml"
-    cfg.write_text('[dispatcher]\ndirect_read_timeout_s = 5\n'
-                   '[[upstream]]\nname = "a"\nurl = "http://127.0.0.1:9"\n')
+    cfg.write_text(
+        "[dispatcher]\ndirect_read_timeout_s = 5\n"
+        '[[upstream]]\nname = "a"\nurl = "http://127.0.0.1:9"\n'
+    )
     code, err = await run_to_end("serve", "--config", str(cfg))
     assert code == 2
     assert "dispatcher.direct_read_timeout_s" in err and ">= 30.0" in err
@@ -66,8 +77,9 @@ async def test_demo_answers_a_stream_then_sigterm_drains_and_exits_zero(tmp_path
     try:
         port, _ = await wait_listening(proc)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(httpc.build_request("POST", "/v1/chat/completions",
-                                         httpc.chat(12, interval_ms=20)))
+        writer.write(
+            httpc.build_request("POST", "/v1/chat/completions", httpc.chat(12, interval_ms=20))
+        )
         resp = await asyncio.wait_for(httpc.read_head(reader), 10)
         assert resp.status == 200
         proc.send_signal(signal.SIGTERM)  # mid-stream: the stream must still finish
@@ -81,8 +93,9 @@ async def test_demo_answers_a_stream_then_sigterm_drains_and_exits_zero(tmp_path
         access = [json.loads(x) for x in rest.splitlines() if '"event":"access"' in x]
         assert access and access[-1]["outcome"] == "done"
         # the row was flushed at shutdown and `relay report` reads it
-        code, out = await run_to_end("report", "--db", str(tmp_path / "relay.db"),
-                                     "--json", stdout=True)
+        code, out = await run_to_end(
+            "report", "--db", str(tmp_path / "relay.db"), "--json", stdout=True
+        )
         assert code == 0
         assert sum(g["requests"] for g in json.loads(out)["groups"]) == 1
     finally:
@@ -105,8 +118,10 @@ async def test_sim_subcommand_serves_health():
 
 async def test_unwritable_store_is_a_clear_error(tmp_path):
     cfg = tmp_path / "relay.toml"
-    cfg.write_text(f'[store]\npath = "{tmp_path}/missing/dir/relay.db"\n'
-                   '[[upstream]]\nname = "a"\nurl = "http://127.0.0.1:9"\n')
+    cfg.write_text(
+        f'[store]\npath = "{tmp_path}/missing/dir/relay.db"\n'
+        '[[upstream]]\nname = "a"\nurl = "http://127.0.0.1:9"\n'
+    )
     code, err = await run_to_end("serve", "--config", str(cfg), "--port", "0")
     assert code == 2
     assert "store.path" in err and "unable to open database file" in err
@@ -115,16 +130,20 @@ async def test_unwritable_store_is_a_clear_error(tmp_path):
 
 async def test_a_secret_in_the_file_or_an_unreadable_ca_file_stops_the_start(tmp_path):
     cfg = tmp_path / "relay.toml"
-    cfg.write_text('[server]\nport = 0\n[[upstream]]\nname = "openai"\n'
-                   'url = "https://api.example.com/v1"\n'
-                   'headers = { "Authorization" = "Bearer sk-in-file" }\n')
+    cfg.write_text(
+        '[server]\nport = 0\n[[upstream]]\nname = "openai"\n'
+        'url = "https://api.example.com/v1"\n'
+        'headers = { "Authorization" = "Bearer sk-in-file" }\n'
+    )
     code, err = await run_to_end("serve", "--config", str(cfg))
     assert code == 2
     assert "upstream.openai.headers: 'Authorization' looks like a credential" in err
     assert "sk-in-file" not in err
-    cfg.write_text('[server]\nport = 0\n[[upstream]]\nname = "openai"\n'
-                   'url = "https://api.example.com/v1"\n'
-                   f'ca_file = "{tmp_path / "missing.pem"}"\n')
+    cfg.write_text(
+        '[server]\nport = 0\n[[upstream]]\nname = "openai"\n'
+        'url = "https://api.example.com/v1"\n'
+        f'ca_file = "{tmp_path / "missing.pem"}"\n'
+    )
     code, err = await run_to_end("serve", "--config", str(cfg))
     assert code == 2 and "upstream.openai.ca_file: cannot load" in err
 
@@ -144,8 +163,10 @@ async def test_every_stderr_line_is_json(tmp_path):
     code, err = await run_to_end("serve", "--port", "0")
     assert code == 2 and "no upstream" in _all_json(err)[0]["error"]
     cfg = tmp_path / "relay.toml"
-    cfg.write_text(f'[store]\npath = "{tmp_path}/missing/dir/relay.db"\n'
-                   '[[upstream]]\nname = "a"\nurl = "http://127.0.0.1:9"\n')
+    cfg.write_text(
+        f'[store]\npath = "{tmp_path}/missing/dir/relay.db"\n'
+        '[[upstream]]\nname = "a"\nurl = "http://127.0.0.1:9"\n'
+    )
     code, err = await run_to_end("serve", "--config", str(cfg), "--port", "0")
     [rec] = _all_json(err)
     assert code == 2 and rec["event"] == "relay_start_failed" and "store.path" in rec["error"]

@@ -41,15 +41,22 @@ def test_sim_help_documents_every_knob():
     code, text = run(["sim", "--help"])
     assert code == 0
     flat = " ".join(text.split())
-    for flag, default in (("--host", "127.0.0.1"), ("--port", "8081"), ("--tokens", "16"),
-                          ("--interval-ms", "0.0"), ("--first-token-delay-ms", "0.0"),
-                          ("--head-delay-ms", "0.0"), ("--model", "models/tiny.gguf")):
+    for flag, default in (
+        ("--host", "127.0.0.1"),
+        ("--port", "8081"),
+        ("--tokens", "16"),
+        ("--interval-ms", "0.0"),
+        ("--first-token-delay-ms", "0.0"),
+        ("--head-delay-ms", "0.0"),
+        ("--model", "models/tiny.gguf"),
+    ):
         assert flag in flat and f"default {default}" in flat, flag
     assert flat.count("milliseconds") >= 3
     import inspect
 
     from relay.sim import plan as sim_plan
     from relay.sim import server as sim_server
+
     src = inspect.getsource(sim_plan) + inspect.getsource(sim_server)
     knobs = set(re.findall(r'(?:sim|knobs)\.get\("([a-z_]+)"', src))
     assert knobs >= {"tokens", "interval_ms", "stall_after", "drop_after", "status"}
@@ -60,8 +67,7 @@ def test_sim_help_documents_every_knob():
 async def test_access_line_names_client_and_user_agent(make_relay):
     app = await make_relay()
     agent = "bench/1.0 " + "x" * 5000
-    resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(2),
-                             headers={"User-Agent": agent})
+    resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(2), headers={"User-Agent": agent})
     assert resp.status == 200
     resp = await httpc.fetch(app.port, "POST", CHAT, b"{", headers={"User-Agent": "a\x01b"})
     assert resp.status == 400

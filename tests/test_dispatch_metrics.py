@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from itertools import pairwise
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -63,14 +64,16 @@ async def test_request_and_token_counters_equal_what_the_simulator_sent(make_rel
     for n in plain:
         resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(n, stream=False))
         assert resp.status == 200
-    resp = await httpc.fetch(app.port, "POST", CHAT,
-                             {**httpc.chat(6), "stream_options": {"include_usage": True}})
+    resp = await httpc.fetch(
+        app.port, "POST", CHAT, {**httpc.chat(6), "stream_options": {"include_usage": True}}
+    )
     assert resp.data_events()[-2]["usage"]["completion_tokens"] == 6
     got = await settled(app, 8)
     expected = sum(streams) + sum(plain) + 6
     assert sim.tokens_sent_total == expected
     assert [(r["completion_tokens"], r["tokens_source"]) for r in got] == [
-        (n, "exact") for n in streams + plain + [6]]
+        (n, "exact") for n in streams + plain + [6]
+    ]
 
     snap = await snapshot(app)
     assert snap["requests_total"] == 8 and snap["requests_failed"] == 0
@@ -78,7 +81,12 @@ async def test_request_and_token_counters_equal_what_the_simulator_sent(make_rel
     assert snap["stall_trips"] == {"total": 0, "idle": 0, "read": 0}
     assert snap["failures_by_code"] == {}
     assert (snap["name"], snap["state"], snap["parallel"], snap["in_flight"], snap["queued"]) == (
-        "llm", "ready", 256, 0, 0)
+        "llm",
+        "ready",
+        256,
+        0,
+        0,
+    )
     assert snap["queue_wait_count"] == 8
 
     prom = await prometheus(app)
@@ -88,9 +96,10 @@ async def test_request_and_token_counters_equal_what_the_simulator_sent(make_rel
     assert prom[("relay_slots_in_flight", up())] == 0
     assert prom[("relay_queue_waiting", up())] == 0
     assert prom[("relay_upstream_up", up())] == 1
-    assert {s: prom[("relay_upstream_state", up(state=s))]
-            for s in ("ready", "serving", "loading", "down")} == {
-        "ready": 1, "serving": 0, "loading": 0, "down": 0}
+    assert {
+        s: prom[("relay_upstream_state", up(state=s))]
+        for s in ("ready", "serving", "loading", "down")
+    } == {"ready": 1, "serving": 0, "loading": 0, "down": 0}
     assert prom[("relay_queue_wait_seconds_count", up())] == 8
     assert not [k for k in prom if k[0] == "relay_requests_failed_total"]
 
@@ -101,7 +110,11 @@ async def test_stall_trips_by_reason_and_the_stall_event_is_no_token(make_relay,
     assert resp.complete and b"relay-stall-guard" in resp.body
     [row] = await settled(app, 1)
     assert (row["ok"], row["error_code"], row["completion_tokens"], row["tokens_source"]) == (
-        0, "stream_stall_idle", 3, "approx")
+        0,
+        "stream_stall_idle",
+        3,
+        "approx",
+    )
     snap = await snapshot(app)
     assert snap["stall_trips"] == {"total": 0, "idle": 1, "read": 0}
     assert snap["requests_total"] == 1 and snap["requests_failed"] == 1
@@ -181,7 +194,7 @@ def split_marker_stream(n: int) -> tuple[list[bytes], bytes]:
         cuts.append(i + 4)
         pos = i + 1
     bounds = [0, *cuts, len(payload)]
-    chunks = [payload[a:b] for a, b in zip(bounds, bounds[1:])]
+    chunks = [payload[a:b] for a, b in pairwise(bounds)]
     body = b"".join(frame(c) for c in chunks) + b"0\r\n\r\n"
     # write boundaries inside the markers too, at another offset (and inside size lines)
     wcuts, pos = [], 0
@@ -189,14 +202,16 @@ def split_marker_stream(n: int) -> tuple[list[bytes], bytes]:
         wcuts.append(i + 7)
         pos = i + 1
     wbounds = [0, *wcuts, len(body)]
-    return [body[a:b] for a, b in zip(wbounds, wbounds[1:])], body
+    return [body[a:b] for a, b in pairwise(wbounds)], body
 
 
 async def test_split_markers_are_counted_once_each(make_relay):
     n = 17
     pieces, body = split_marker_stream(n)
-    head = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    )
 
     async def script(upstream, index, reader, writer):
         await upstream.read_request(reader)
@@ -223,17 +238,28 @@ async def test_split_markers_are_counted_once_each(make_relay):
 
 
 async def test_flm_usage_figures_are_exposed(make_relay):
-    doc = {"id": "x", "object": "chat.completion",
-           "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
-                        "finish_reason": "stop"}],
-           "usage": {"prompt_tokens": 11, "completion_tokens": 2, "total_tokens": 13,
-                     "decoding_speed_tps": 41.5, "kv_token_occupancy_rate_percentage": 12.25}}
+    doc = {
+        "id": "x",
+        "object": "chat.completion",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
+        ],
+        "usage": {
+            "prompt_tokens": 11,
+            "completion_tokens": 2,
+            "total_tokens": 13,
+            "decoding_speed_tps": 41.5,
+            "kv_token_occupancy_rate_percentage": 12.25,
+        },
+    }
     raw = json.dumps(doc).encode()
 
     async def script(upstream, index, reader, writer):
         while await upstream.read_request(reader) is not None:
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw)
+            )
 
     upstream = await Scripted(script).start()
     try:
@@ -242,7 +268,10 @@ async def test_flm_usage_figures_are_exposed(make_relay):
         assert resp.body == raw
         [row] = await settled(app, 1)
         assert (row["prompt_tokens"], row["completion_tokens"], row["tokens_source"]) == (
-            11, 2, "exact")
+            11,
+            2,
+            "exact",
+        )
         snap = await snapshot(app)
         assert snap["decoding_speed_tps"] == 41.5 and snap["kv_occupancy_pct"] == 12.25
         assert snap["tokens_total"] == 2
@@ -260,17 +289,22 @@ async def test_metrics_keyed_by_each_upstream(make_relay, sim):
     other = Simulator()
     await other.start()
     try:
-        app = await make_relay(upstreams=[
-            UpstreamConfig(name="a", url=sim.url, models=["alpha"], parallel=2),
-            UpstreamConfig(name="b", url=other.url, models=["beta"], parallel=3)])
+        app = await make_relay(
+            upstreams=[
+                UpstreamConfig(name="a", url=sim.url, models=["alpha"], parallel=2),
+                UpstreamConfig(name="b", url=other.url, models=["beta"], parallel=3),
+            ]
+        )
         for model, n in [("alpha", 4), ("beta", 6), ("beta", 2)]:
             resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(n, model=model))
             assert resp.status == 200
         await wait_for(lambda: all(u.slots.in_flight == 0 for u in app.upstreams.values()))
         body = (await httpc.fetch(app.port, "GET", "/api/slots/metrics")).json()
         assert sorted(body) == ["a", "b"]
-        assert [(body[k]["parallel"], body[k]["requests_total"], body[k]["tokens_total"])
-                for k in ("a", "b")] == [(2, 1, 4), (3, 2, 8)]
+        assert [
+            (body[k]["parallel"], body[k]["requests_total"], body[k]["tokens_total"])
+            for k in ("a", "b")
+        ] == [(2, 1, 4), (3, 2, 8)]
         prom = await prometheus(app)
         assert prom[("relay_tokens_total", (("upstream", "a"),))] == 4 == sim.tokens_sent_total
         assert prom[("relay_tokens_total", (("upstream", "b"),))] == 8 == other.tokens_sent_total

@@ -45,8 +45,11 @@ def error_of(resp) -> dict:
 
 
 def content_of(resp) -> str:
-    return "".join(e["choices"][0]["delta"].get("content") or "" for e in resp.data_events()
-                   if isinstance(e, dict) and e["choices"])
+    return "".join(
+        e["choices"][0]["delta"].get("content") or ""
+        for e in resp.data_events()
+        if isinstance(e, dict) and e["choices"]
+    )
 
 
 @pytest.fixture
@@ -65,7 +68,7 @@ class Held:
         self.reader, self.writer, self.resp = reader, writer, resp
 
     @classmethod
-    async def open(cls, port: int, tokens: int = 9, **knobs) -> "Held":
+    async def open(cls, port: int, tokens: int = 9, **knobs) -> Held:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(httpc.build_request("POST", CHAT, httpc.chat(tokens, stall_after=1, **knobs)))
         resp = await asyncio.wait_for(httpc.read_head(reader), 5)
@@ -78,8 +81,10 @@ class Held:
 
 # ---- routing -------------------------------------------------------------------------------
 def two_upstreams(sim, sim_b, catch_all: bool = False) -> list[UpstreamConfig]:
-    ups = [UpstreamConfig(name="a", url=sim.url, models=["alpha", "alpha-2"], aliases=["al"]),
-           UpstreamConfig(name="b", url=sim_b.url, models=["beta"], aliases=["be", "alpha"])]
+    ups = [
+        UpstreamConfig(name="a", url=sim.url, models=["alpha", "alpha-2"], aliases=["al"]),
+        UpstreamConfig(name="b", url=sim_b.url, models=["beta"], aliases=["be", "alpha"]),
+    ]
     if catch_all:
         ups.append(UpstreamConfig(name="c", url=sim_b.url))
     return ups
@@ -88,8 +93,14 @@ def two_upstreams(sim, sim_b, catch_all: bool = False) -> list[UpstreamConfig]:
 async def test_model_picks_the_upstream_exact_then_alias_then_first(make_relay, sim, sim_b):
     app = await make_relay(upstreams=two_upstreams(sim, sim_b))
     # (model, tokens to tell the requests apart, upstream expected)
-    cases = [("alpha", 1, "a"), ("beta", 2, "b"), ("alpha-2", 3, "a"), ("al", 4, "a"),
-             ("be", 5, "b"), (None, 6, "a")]
+    cases = [
+        ("alpha", 1, "a"),
+        ("beta", 2, "b"),
+        ("alpha-2", 3, "a"),
+        ("al", 4, "a"),
+        ("be", 5, "b"),
+        (None, 6, "a"),
+    ]
     for model, tokens, _ in cases:
         body = httpc.chat(tokens, stream=False, model=model)
         if model is None:
@@ -102,8 +113,10 @@ async def test_model_picks_the_upstream_exact_then_alias_then_first(make_relay, 
     assert [r.json["max_tokens"] for r in sim_b.requests] == [2, 5]
     assert [r.json.get("model") for r in sim.requests] == ["alpha", "alpha-2", "al", None]
     got = rows(app)
-    assert [(r["model"], r["upstream_requested"], r["upstream_served"], r["status"], r["ok"])
-            for r in got] == [(m, u, u, 200, 1) for m, _, u in cases]
+    assert [
+        (r["model"], r["upstream_requested"], r["upstream_served"], r["status"], r["ok"])
+        for r in got
+    ] == [(m, u, u, 200, 1) for m, _, u in cases]
 
 
 async def test_unknown_model_is_404_model_not_found(make_relay, sim, sim_b):
@@ -116,9 +129,14 @@ async def test_unknown_model_is_404_model_not_found(make_relay, sim, sim_b):
     assert "gamma" in err["message"]
     assert sim.requests == [] and sim_b.requests == []
     [row] = rows(app)
-    assert (row["status"], row["ok"], row["error_code"], row["model"],
-            row["upstream_requested"], row["upstream_served"]) == (
-        404, 0, "model_not_found", "gamma", None, None)
+    assert (
+        row["status"],
+        row["ok"],
+        row["error_code"],
+        row["model"],
+        row["upstream_requested"],
+        row["upstream_served"],
+    ) == (404, 0, "model_not_found", "gamma", None, None)
 
 
 async def test_catch_all_takes_unknown_models_but_not_listed_ones(make_relay, sim, sim_b):
@@ -138,13 +156,17 @@ async def test_v1_models_lists_configured_models(make_relay, sim, sim_b):
     app = await make_relay(upstreams=two_upstreams(sim, sim_b))
     resp = await httpc.fetch(app.port, "GET", "/v1/models")
     assert resp.status == 200 and resp.header("content-type") == "application/json"
-    assert resp.json() == {"object": "list", "data": [
-        {"id": "alpha", "object": "model", "created": 0, "owned_by": "a"},
-        {"id": "alpha-2", "object": "model", "created": 0, "owned_by": "a"},
-        {"id": "beta", "object": "model", "created": 0, "owned_by": "b"},
-        # every public name: the aliases too (one shadowed by an exact name is that name)
-        {"id": "al", "object": "model", "created": 0, "owned_by": "a"},
-        {"id": "be", "object": "model", "created": 0, "owned_by": "b"}]}
+    assert resp.json() == {
+        "object": "list",
+        "data": [
+            {"id": "alpha", "object": "model", "created": 0, "owned_by": "a"},
+            {"id": "alpha-2", "object": "model", "created": 0, "owned_by": "a"},
+            {"id": "beta", "object": "model", "created": 0, "owned_by": "b"},
+            # every public name: the aliases too (one shadowed by an exact name is that name)
+            {"id": "al", "object": "model", "created": 0, "owned_by": "a"},
+            {"id": "be", "object": "model", "created": 0, "owned_by": "b"},
+        ],
+    }
     assert sim.requests == [] and sim_b.requests == []
 
 
@@ -268,8 +290,9 @@ async def test_queue_full_is_503_upstream_busy_with_retry_after(make_relay, sim)
     assert (await asyncio.wait_for(waiting, 5)).status == 200
     await wait_for(lambda: up.slots.in_flight == 0)
     busy = rows(app, "WHERE status = 503")
-    assert [(r["error_code"], r["ok"], r["upstream_requested"], r["upstream_served"])
-            for r in busy] == [("upstream_busy", 0, "llm", None)]
+    assert [
+        (r["error_code"], r["ok"], r["upstream_requested"], r["upstream_served"]) for r in busy
+    ] == [("upstream_busy", 0, "llm", None)]
 
 
 async def test_pool_timeout_is_503_after_the_wait(make_relay, sim):
@@ -301,7 +324,7 @@ async def _client_gone(app, sim):
 
 
 async def _gone_before_head(app, sim):
-    reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
+    _reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
     writer.write(httpc.build_request("POST", CHAT, httpc.chat(5, head_delay_ms=3000)))
     await wait_for(lambda: len(sim.requests) == 2)
     writer.transport.abort()
@@ -333,13 +356,15 @@ async def _timeout_504(app, sim):
     return "upstream_timeout"
 
 
-@pytest.mark.parametrize("exit_path", [_client_gone, _gone_before_head, _stall, _drop,
-                                       _status_500, _timeout_504],
-                         ids=["client_gone", "gone_before_head", "stall", "drop", "status_500",
-                              "timeout_504"])
+@pytest.mark.parametrize(
+    "exit_path",
+    [_client_gone, _gone_before_head, _stall, _drop, _status_500, _timeout_504],
+    ids=["client_gone", "gone_before_head", "stall", "drop", "status_500", "timeout_504"],
+)
 async def test_slot_released_once_on_every_exit_path(make_relay, sim, exit_path):
-    app = await make_relay(parallel=2, pool_timeout_s=0, stream_idle_timeout_s=0.2,
-                           direct_read_timeout_s=0.3)
+    app = await make_relay(
+        parallel=2, pool_timeout_s=0, stream_idle_timeout_s=0.2, direct_read_timeout_s=0.3
+    )
     up = app.upstreams["llm"]
     # a long-lived holder: a double release on the exit path would free its slot too
     reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
@@ -367,7 +392,7 @@ async def test_client_gone_while_queued_leaves_the_queue(make_relay, sim):
     app = await make_relay(parallel=1, queue=4)
     up = app.upstreams["llm"]
     holder = await Held.open(app.port)
-    reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
+    _reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
     writer.write(httpc.build_request("POST", CHAT, httpc.chat(3), {"X-Request-Id": "leaver"}))
     await wait_for(lambda: up.slots.queued == 1)
     behind = asyncio.create_task(httpc.fetch(app.port, "POST", CHAT, httpc.chat(4)))
@@ -381,8 +406,13 @@ async def test_client_gone_while_queued_leaves_the_queue(make_relay, sim):
     await wait_for(lambda: up.slots.in_flight == 0)
     assert [r.json["max_tokens"] for r in sim.requests] == [9, 4]  # the leaver never got there
     [row] = rows(app, "WHERE request_id = 'leaver'")
-    assert (row["client_closed"], row["ok"], row["error_code"], row["status"],
-            row["upstream_served"]) == (1, 0, "client_closed", None, None)
+    assert (
+        row["client_closed"],
+        row["ok"],
+        row["error_code"],
+        row["status"],
+        row["upstream_served"],
+    ) == (1, 0, "client_closed", None, None)
     assert len(rows(app)) == 3
 
 
@@ -414,7 +444,11 @@ async def test_down_upstream_fails_fast_with_502_and_recovers(make_relay):
     assert app.upstreams["llm"].slots.in_flight == 0
     [row] = rows(app)
     assert (row["status"], row["ok"], row["error_code"], row["upstream_served"]) == (
-        502, 0, "upstream_unavailable", None)
+        502,
+        0,
+        "upstream_unavailable",
+        None,
+    )
 
     back = Simulator(port=port)
     await back.start()
@@ -448,8 +482,9 @@ async def test_down_upstream_is_not_even_tried(make_relay):
     """Down by the probe: a request is refused at once, not after a connect timeout."""
     port, held = unresponsive_listener()
     try:
-        app = await make_relay(url=f"http://127.0.0.1:{port}", health_interval_s=0.05,
-                               connect_timeout_s=1.0)
+        app = await make_relay(
+            url=f"http://127.0.0.1:{port}", health_interval_s=0.05, connect_timeout_s=1.0
+        )
         await until_state(app, "llm", "down")
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -492,12 +527,17 @@ async def test_serving_state_while_a_request_holds_a_slot(make_relay, sim):
 
 
 # ---- pass-through endpoints --------------------------------------------------------------------
-@pytest.mark.parametrize("method, path, body", [
-    ("GET", "/health", None), ("GET", "/props", None), ("GET", "/slots", None),
-    ("POST", "/tokenize", {"content": "Hello from a tiny llama"}),
-    ("POST", "/detokenize", {"tokens": [300, 368, 369]}),
-    ("POST", "/v1/embeddings", {"input": ["one", "two words"]}),
-])
+@pytest.mark.parametrize(
+    "method, path, body",
+    [
+        ("GET", "/health", None),
+        ("GET", "/props", None),
+        ("GET", "/slots", None),
+        ("POST", "/tokenize", {"content": "Hello from a tiny llama"}),
+        ("POST", "/detokenize", {"tokens": [300, 368, 369]}),
+        ("POST", "/v1/embeddings", {"input": ["one", "two words"]}),
+    ],
+)
 async def test_llama_server_endpoints_pass_through(make_relay, sim, method, path, body):
     app = await make_relay()
     direct = await httpc.fetch(sim.port, method, path, body)
@@ -517,8 +557,9 @@ async def test_native_completion_stream_has_no_done(make_relay, sim):
     assert b"[DONE]" not in relayed.body
     events = relayed.data_events()
     assert len(events) == 6 and events[-1]["stop"] is True
-    assert "".join(e["content"] for e in events) == "".join(e["content"]
-                                                         for e in direct.data_events())
+    assert "".join(e["content"] for e in events) == "".join(
+        e["content"] for e in direct.data_events()
+    )
     assert relayed.events()[:-1] == direct.events()[:-1]  # content events byte for byte
     [row] = rows(app, "WHERE path = '/completion'")
     assert (row["ok"], row["completion_tokens"], row["tokens_source"]) == (1, 5, "exact")

@@ -20,9 +20,12 @@ from tests.fakeup import Scripted
 CHAT = "/v1/chat/completions"
 SECRET = "sk-relay-key"
 EVENTS = [b'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\n', b"data: [DONE]\n\n"]
-SSE = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-       b"Access-Control-Allow-Origin: \r\nTransfer-Encoding: chunked\r\n\r\n"
-       + b"".join(F.chunk(e) for e in EVENTS) + b"0\r\n\r\n")
+SSE = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+    b"Access-Control-Allow-Origin: \r\nTransfer-Encoding: chunked\r\n\r\n"
+    + b"".join(F.chunk(e) for e in EVENTS)
+    + b"0\r\n\r\n"
+)
 
 
 async def _answer(up: Scripted, index, reader, writer) -> None:
@@ -49,8 +52,11 @@ async def upstreams():
 
 
 def header(head: bytes, name: bytes) -> list[bytes]:
-    return [line.split(b":", 1)[1].strip() for line in head.split(b"\r\n")[1:]
-            if line.split(b":", 1)[0].lower() == name]
+    return [
+        line.split(b":", 1)[1].strip()
+        for line in head.split(b"\r\n")[1:]
+        if line.split(b":", 1)[0].lower() == name
+    ]
 
 
 async def rows_of(app, n: int) -> list[dict]:
@@ -65,7 +71,8 @@ def chat(model: str = "m") -> dict:
 
 # ---- credentials --------------------------------------------------------------------------------
 async def test_client_credentials_reach_the_upstream_when_the_relay_checks_none(
-        make_relay, upstreams):
+    make_relay, upstreams
+):
     up = await upstreams()
     app = await make_relay(up.url)
     creds = {"Authorization": "Bearer sk-upstream", "x-api-key": "sk-other"}
@@ -78,10 +85,13 @@ async def test_client_credentials_reach_the_upstream_when_the_relay_checks_none(
 
 async def test_client_credentials_are_consumed_when_the_relay_checks_keys(make_relay, upstreams):
     up = await upstreams()
-    app = await make_relay(up.url, keys=[
-        KeyConfig(id="k", sha256=hashlib.sha256(SECRET.encode()).hexdigest())])
-    for creds in ({"Authorization": f"Bearer {SECRET}"},
-                  {"x-api-key": SECRET, "Authorization": "Bearer " + SECRET}):
+    app = await make_relay(
+        up.url, keys=[KeyConfig(id="k", sha256=hashlib.sha256(SECRET.encode()).hexdigest())]
+    )
+    for creds in (
+        {"Authorization": f"Bearer {SECRET}"},
+        {"x-api-key": SECRET, "Authorization": "Bearer " + SECRET},
+    ):
         resp = await httpc.fetch(app.port, "POST", CHAT, chat(), headers=creds)
         assert resp.status == 200
         assert header(up.heads[-1], b"authorization") == []
@@ -91,40 +101,63 @@ async def test_client_credentials_are_consumed_when_the_relay_checks_keys(make_r
 async def test_upstream_credential_replaces_the_clients(make_relay, upstreams, monkeypatch):
     monkeypatch.setenv("RELAY_UP_KEY", "Bearer up-secret")
     up = await upstreams()
-    app = await make_relay(upstreams=[UpstreamConfig(
-        name="llm", url=up.url, auth_header="Authorization", auth_value_env="RELAY_UP_KEY")])
-    await httpc.fetch(app.port, "POST", CHAT, chat(),
-                      headers={"Authorization": "Bearer client", "x-api-key": "client"})
+    app = await make_relay(
+        upstreams=[
+            UpstreamConfig(
+                name="llm", url=up.url, auth_header="Authorization", auth_value_env="RELAY_UP_KEY"
+            )
+        ]
+    )
+    await httpc.fetch(
+        app.port,
+        "POST",
+        CHAT,
+        chat(),
+        headers={"Authorization": "Bearer client", "x-api-key": "client"},
+    )
     assert header(up.heads[-1], b"authorization") == [b"Bearer up-secret"]
     assert header(up.heads[-1], b"x-api-key") == []
 
 
 # ---- model names --------------------------------------------------------------------------------
 # whitespace, escapes and a nested "model" the splice must leave alone
-RAW_BODY = (b'{ "messages" : [ {"role":"user","content":"say \\"model\\": \\"x\\"",'
-            b' "model": "inner"} ],\n  "model"\t:\t"gpt-4o-mini" , "stream": true,'
-            b' "max_tokens": 30, "temperature": 1e-1 }')
+RAW_BODY = (
+    b'{ "messages" : [ {"role":"user","content":"say \\"model\\": \\"x\\"",'
+    b' "model": "inner"} ],\n  "model"\t:\t"gpt-4o-mini" , "stream": true,'
+    b' "max_tokens": 30, "temperature": 1e-1 }'
+)
 
 
 def mapped(body: bytes, old: bytes, new: bytes) -> bytes:
     i = body.rindex(old)
-    return body[:i] + new + body[i + len(old):]
+    return body[:i] + new + body[i + len(old) :]
 
 
 async def post_raw(port: int, body: bytes) -> httpc.Response:
-    return await httpc.fetch(port, "POST", CHAT, body,
-                             headers={"Content-Type": "application/json"})
+    return await httpc.fetch(port, "POST", CHAT, body, headers={"Content-Type": "application/json"})
 
 
 async def test_model_name_rewritten_byte_exact_on_every_hop(make_relay, upstreams):
     busy = await upstreams(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n")
     small = await upstreams()
-    app = await make_relay(upstreams=[
-        UpstreamConfig(name="big", url=busy.url, models=["qwen-7b"], aliases=["gpt-4o-mini"],
-                       model_map={"gpt-4o-mini": "Qwen/Qwen2.5-7B-Instruct"},
-                       fallback=["small"]),
-        UpstreamConfig(name="small", url=small.url, models=["qwen-0.5b"],
-                       model_map={"*": "Qwen/Qwen2.5-0.5B-Instruct"})])
+    app = await make_relay(
+        upstreams=[
+            UpstreamConfig(
+                name="big",
+                url=busy.url,
+                models=["qwen-7b"],
+                aliases=["gpt-4o-mini"],
+                model_map={"gpt-4o-mini": "Qwen/Qwen2.5-7B-Instruct"},
+                fallback=["small"],
+            ),
+            UpstreamConfig(
+                name="small",
+                url=small.url,
+                models=["qwen-0.5b"],
+                model_map={"*": "Qwen/Qwen2.5-0.5B-Instruct"},
+            ),
+        ]
+    )
     resp = await post_raw(app.port, RAW_BODY)
     assert resp.status == 200 and resp.body == b"".join(EVENTS)
     # each hop got the client's bytes with only the model value replaced, its own name each
@@ -133,15 +166,25 @@ async def test_model_name_rewritten_byte_exact_on_every_hop(make_relay, upstream
     assert header(busy.heads[0], b"content-length") == [b"%d" % len(busy.bodies[0])]
     assert header(small.heads[0], b"content-length") == [b"%d" % len(small.bodies[0])]
     [row] = await rows_of(app, 1)
-    assert (row["model"], row["upstream_requested"], row["upstream_served"]) == \
-        ("gpt-4o-mini", "big", "small")
+    assert (row["model"], row["upstream_requested"], row["upstream_served"]) == (
+        "gpt-4o-mini",
+        "big",
+        "small",
+    )
 
 
 async def test_no_rewrite_when_the_names_agree_or_none_is_mapped(make_relay, upstreams):
     up = await upstreams()
-    app = await make_relay(upstreams=[UpstreamConfig(
-        name="u", url=up.url, models=["gpt-4o-mini", "other"],
-        model_map={"gpt-4o-mini": "gpt-4o-mini"})])
+    app = await make_relay(
+        upstreams=[
+            UpstreamConfig(
+                name="u",
+                url=up.url,
+                models=["gpt-4o-mini", "other"],
+                model_map={"gpt-4o-mini": "gpt-4o-mini"},
+            )
+        ]
+    )
     await post_raw(app.port, RAW_BODY)
     other = RAW_BODY.replace(b'"gpt-4o-mini"', b'"other"')
     await post_raw(app.port, other)
@@ -150,9 +193,17 @@ async def test_no_rewrite_when_the_names_agree_or_none_is_mapped(make_relay, ups
 
 async def test_models_list_every_public_name(make_relay, upstreams):
     up = await upstreams()
-    app = await make_relay(upstreams=[
-        UpstreamConfig(name="u", url=up.url, models=["qwen-7b"], aliases=["gpt-4o-mini"],
-                       model_map={"gpt-4o-mini": "Qwen/Qwen2.5-7B-Instruct"})])
+    app = await make_relay(
+        upstreams=[
+            UpstreamConfig(
+                name="u",
+                url=up.url,
+                models=["qwen-7b"],
+                aliases=["gpt-4o-mini"],
+                model_map={"gpt-4o-mini": "Qwen/Qwen2.5-7B-Instruct"},
+            )
+        ]
+    )
     resp = await httpc.fetch(app.port, "GET", "/v1/models")
     assert [m["id"] for m in resp.json()["data"]] == ["qwen-7b", "gpt-4o-mini"]
 
@@ -186,14 +237,20 @@ async def test_listening_on_ipv6(make_relay, upstreams, host):
 
 # ---- CORS ---------------------------------------------------------------------------------------
 ORIGIN = "https://chat.example"
-PREFLIGHT = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-             "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os"}
+PREFLIGHT = {
+    "Origin": ORIGIN,
+    "Access-Control-Request-Method": "POST",
+    "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os",
+}
 
 
 async def test_preflight_answered_before_auth(make_relay, upstreams):
     up = await upstreams()
-    app = await make_relay(up.url, cors_origins=[ORIGIN], keys=[
-        KeyConfig(id="k", sha256=hashlib.sha256(SECRET.encode()).hexdigest())])
+    app = await make_relay(
+        up.url,
+        cors_origins=[ORIGIN],
+        keys=[KeyConfig(id="k", sha256=hashlib.sha256(SECRET.encode()).hexdigest())],
+    )
     resp = await httpc.fetch(app.port, "OPTIONS", CHAT, headers=PREFLIGHT)
     assert resp.status == 204
     assert resp.header("access-control-allow-origin") == ORIGIN
@@ -203,17 +260,26 @@ async def test_preflight_answered_before_auth(make_relay, upstreams):
     assert resp.header("access-control-expose-headers") == "X-Request-Id"
     assert up.heads == []  # the upstream never saw it
     # an origin not listed gets no allowance
-    other = await httpc.fetch(app.port, "OPTIONS", CHAT,
-                              headers={**PREFLIGHT, "Origin": "https://evil.example"})
+    other = await httpc.fetch(
+        app.port, "OPTIONS", CHAT, headers={**PREFLIGHT, "Origin": "https://evil.example"}
+    )
     assert other.status == 204 and other.header("access-control-allow-origin") is None
 
 
 async def test_cors_headers_on_relayed_and_own_responses(make_relay, upstreams):
     up = await upstreams()
-    app = await make_relay(up.url, cors_origins=["*"], keys=[
-        KeyConfig(id="k", sha256=hashlib.sha256(SECRET.encode()).hexdigest())])
-    ok = await httpc.fetch(app.port, "POST", CHAT, chat(),
-                           headers={"Origin": ORIGIN, "Authorization": f"Bearer {SECRET}"})
+    app = await make_relay(
+        up.url,
+        cors_origins=["*"],
+        keys=[KeyConfig(id="k", sha256=hashlib.sha256(SECRET.encode()).hexdigest())],
+    )
+    ok = await httpc.fetch(
+        app.port,
+        "POST",
+        CHAT,
+        chat(),
+        headers={"Origin": ORIGIN, "Authorization": f"Bearer {SECRET}"},
+    )
     assert ok.status == 200
     # the upstream's own (empty) Access-Control-Allow-Origin is replaced, not doubled
     assert [v for k, v in ok.headers if k.lower() == "access-control-allow-origin"] == ["*"]
@@ -249,8 +315,9 @@ async def test_admin_key_is_not_passed_to_the_upstream(make_relay, upstreams):
     up = await upstreams(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
     admin = "sk-admin"
     app = await make_relay(up.url, admin_key_sha256=hashlib.sha256(admin.encode()).hexdigest())
-    resp = await httpc.fetch(app.port, "POST", "/props", {"x": 1},
-                             headers={"Authorization": f"Bearer {admin}"})
+    resp = await httpc.fetch(
+        app.port, "POST", "/props", {"x": 1}, headers={"Authorization": f"Bearer {admin}"}
+    )
     assert resp.status == 200
     assert header(up.heads[-1], b"authorization") == []  # the relay's own secret stays here
     await httpc.fetch(app.port, "POST", CHAT, chat(), headers={"Authorization": "Bearer up"})

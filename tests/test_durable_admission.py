@@ -24,18 +24,21 @@ def _lock(db: str) -> sqlite3.Connection:
 
 
 async def test_a_locked_database_delays_keyed_requests_by_the_admission_bound_only(
-        make_relay, tmp_path):
+    make_relay, tmp_path
+):
     db = str(tmp_path / "relay.db")
-    app = await make_relay(store=db, keys=[key(tokens_per_day=100000)], parallel=1,
-                           pool_timeout_s=1.0)
+    app = await make_relay(
+        store=db, keys=[key(tokens_per_day=100000)], parallel=1, pool_timeout_s=1.0
+    )
     assert (await httpc.fetch(app.port, "POST", CHAT, httpc.chat(2), bearer())).status == 200
     other = _lock(db)
     loop = asyncio.get_running_loop()
 
     async def one(i: int):
         t0 = loop.time()
-        resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(2),
-                                 {**bearer(), "X-Request-Id": f"locked{i}"})
+        resp = await httpc.fetch(
+            app.port, "POST", CHAT, httpc.chat(2), {**bearer(), "X-Request-Id": f"locked{i}"}
+        )
         return resp.status, loop.time() - t0
 
     try:
@@ -51,8 +54,9 @@ async def test_a_locked_database_delays_keyed_requests_by_the_admission_bound_on
     assert sorted(line["request_id"] for line in lines) == ["locked0", "locked1", "locked2"]
     app.store.flush()
     rows = app.store.query("SELECT request_id, status, key_id FROM request ORDER BY ts")
-    assert sorted((r["request_id"], r["status"]) for r in rows[1:]) == \
-        [(f"locked{i}", 200) for i in range(3)]
+    assert sorted((r["request_id"], r["status"]) for r in rows[1:]) == [
+        (f"locked{i}", 200) for i in range(3)
+    ]
     assert len(rows) == 4 and {r["key_id"] for r in rows} == {"alpha"}
     conn = sqlite3.connect(db)
     assert conn.execute("SELECT COUNT(*) FROM admission").fetchone() == (0,)
@@ -69,8 +73,9 @@ async def test_the_writer_serves_admissions_while_a_row_batch_backs_off(tmp_path
         store.put({"ts": 1e9, "request_id": "row"})
         store._wake.set()
         await wait_for(lambda: store.write_errors >= 1)  # the batch is retrying, rows kept
-        rec = Record(ts=time.time(), request_id="adm", path=CHAT, key_id="k",
-                     upstream_requested="llm")
+        rec = Record(
+            ts=time.time(), request_id="adm", path=CHAT, key_id="k", upstream_requested="llm"
+        )
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         try:

@@ -45,22 +45,29 @@ def test_reference_missing_is_not_replaced_by_another_version():
 def test_explicit_binary_is_the_reference_and_extras_follow_without_duplicates():
     extra = os.pathsep.join([str(SKULK), "/opt/other/llama-server", str(PINNED)])
     got = plan_builds("/opt/mine/llama-server", PINNED, SKULK, AVX512, extra)
-    assert names(got) == [("pinned", Path("/opt/mine/llama-server")), ("skulk", SKULK),
-                          ("extra2", Path("/opt/other/llama-server")), ("extra3", PINNED)]
+    assert names(got) == [
+        ("pinned", Path("/opt/mine/llama-server")),
+        ("skulk", SKULK),
+        ("extra2", Path("/opt/other/llama-server")),
+        ("extra3", PINNED),
+    ]
 
 
 def _pytest_e2e_without_numpy(ci: str | None) -> subprocess.CompletedProcess:
     """pytest on tests/e2e in a process where numpy and gguf cannot be imported."""
-    code = ("import sys; sys.modules['numpy'] = None; sys.modules['gguf'] = None\n"
-            "import pytest\n"
-            "sys.exit(pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', 'tests/e2e',\n"
-            "                      '-k', 'test_health_keeps_connection_open or "
-            "test_sim_matches_real_structurally']))\n")
+    code = (
+        "import sys; sys.modules['numpy'] = None; sys.modules['gguf'] = None\n"
+        "import pytest\n"
+        "sys.exit(pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', 'tests/e2e',\n"
+        "                      '-k', 'test_health_keeps_connection_open or "
+        "test_sim_matches_real_structurally']))\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "CI"}
     if ci is not None:
         env["CI"] = ci
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_plain_install_skips_e2e_with_the_extra_named():

@@ -106,8 +106,9 @@ async def test_502_when_connect_times_out(make_relay):
 
 async def test_504_when_head_does_not_arrive(make_relay, sim):
     app = await make_relay(direct_read_timeout_s=0.2)
-    resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions",
-                             httpc.chat(3, head_delay_ms=2000))
+    resp = await httpc.fetch(
+        app.port, "POST", "/v1/chat/completions", httpc.chat(3, head_delay_ms=2000)
+    )
     assert resp.status == 504
     err = error_of(resp)
     assert err["code"] == "upstream_timeout" and err["details"] == {"upstream": "llm"}
@@ -169,8 +170,10 @@ async def test_408_when_head_does_not_arrive(make_relay, sim):
 
 async def test_408_when_body_does_not_arrive(make_relay, sim):
     app = await make_relay(header_timeout_s=0.2)
-    raw = await raw_exchange(app.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                                       b"Content-Length: 100\r\n\r\n{\"mod")
+    raw = await raw_exchange(
+        app.port,
+        b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"mod',
+    )
     assert parse(raw)[0] == 408
     assert sim.requests == []
 
@@ -187,8 +190,10 @@ async def test_idle_keep_alive_connection_closed_silently(make_relay, sim):
 
 async def test_413_for_declared_oversized_body(make_relay, sim):
     app = await make_relay(max_body_bytes=1024)
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 5000\r\n\r\n")
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 5000\r\n\r\n"
+    )
     status, head, body = parse(await raw_exchange(app.port, head + b"x" * 5000))
     assert status == 413
     err = json.loads(body)["error"]
@@ -198,8 +203,10 @@ async def test_413_for_declared_oversized_body(make_relay, sim):
 
 async def test_413_for_chunked_body_that_grows_too_large(make_relay, sim):
     app = await make_relay(max_body_bytes=1024)
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n")
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
     chunks = b"".join(b"200\r\n" + b"x" * 512 + b"\r\n" for _ in range(4)) + b"0\r\n\r\n"
     status, _, _ = parse(await raw_exchange(app.port, head + chunks))
     assert status == 413
@@ -208,7 +215,7 @@ async def test_413_for_chunked_body_that_grows_too_large(make_relay, sim):
 
 async def test_431_for_oversized_head(make_relay, sim):
     app = await make_relay(max_header_bytes=2048)
-    head = (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 4000 + b"\r\n\r\n")
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 4000 + b"\r\n\r\n"
     status, _, body = parse(await raw_exchange(app.port, head))
     assert status == 431 and json.loads(body)["error"]["code"] == "headers_too_large"
     assert sim.requests == []

@@ -32,8 +32,10 @@ CANNED_EVENTS = [
     b"data: [DONE]\n\n",
 ]
 CANNED_BODY = b"".join(CANNED_EVENTS)
-CANNED_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-               b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n")
+CANNED_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+    b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
 
 
 async def _canned_script(up: Scripted, index: int, reader, writer) -> None:
@@ -73,9 +75,12 @@ def dead_url() -> str:
 def chain(*urls: str, parallel: int = 4) -> list[UpstreamConfig]:
     """Upstreams a, b, c, ... where a falls back to the others in order."""
     names = "abcdefgh"[: len(urls)]
-    return [UpstreamConfig(name=n, url=u, parallel=parallel,
-                           fallback=list(names[1:]) if n == "a" else [])
-            for n, u in zip(names, urls)]
+    return [
+        UpstreamConfig(
+            name=n, url=u, parallel=parallel, fallback=list(names[1:]) if n == "a" else []
+        )
+        for n, u in zip(names, urls)
+    ]
 
 
 async def rows_of(app, n: int) -> list[dict]:
@@ -92,9 +97,13 @@ async def slots_metrics(app) -> dict:
 
 
 def contents(resp) -> list:
-    return [e["choices"][0]["delta"].get("content") for e in resp.data_events()
-            if isinstance(e, dict) and e.get("choices")
-            and "content" in e["choices"][0].get("delta", {})]
+    return [
+        e["choices"][0]["delta"].get("content")
+        for e in resp.data_events()
+        if isinstance(e, dict)
+        and e.get("choices")
+        and "content" in e["choices"][0].get("delta", {})
+    ]
 
 
 def models_seen(resp) -> set:
@@ -109,22 +118,34 @@ def sent_body(body: dict) -> bytes:
 CAUSES = [
     # id, primary is reachable, sim knobs, relay fields, the fallback log's reason
     ("connect_refused", False, {}, {}, "upstream_unavailable"),
-    ("no_head_in_time", True, {"head_delay_ms": 3000}, {"direct_read_timeout_s": 0.2},
-     "upstream_timeout"),
+    (
+        "no_head_in_time",
+        True,
+        {"head_delay_ms": 3000},
+        {"direct_read_timeout_s": 0.2},
+        "upstream_timeout",
+    ),
     ("status_429", True, {"status": 429}, {}, "upstream_unavailable"),
     ("status_500", True, {"status": 500}, {}, "upstream_unavailable"),
     ("status_503", True, {"status": 503}, {}, "upstream_unavailable"),
     ("drop_before_content", True, {"drop_after": 0}, {}, "upstream_unavailable"),
-    ("stall_before_content", True, {"stall_after": 0}, {"stream_idle_timeout_s": 0.2},
-     "upstream_unavailable"),
+    (
+        "stall_before_content",
+        True,
+        {"stall_after": 0},
+        {"stream_idle_timeout_s": 0.2},
+        "upstream_unavailable",
+    ),
     ("error_event_first", True, {"error_event": True}, {}, "upstream_unavailable"),
 ]
 
 
-@pytest.mark.parametrize(("reachable", "knobs", "fields", "reason"),
-                         [c[1:] for c in CAUSES], ids=[c[0] for c in CAUSES])
-async def test_retryable_failure_moves_to_the_next_candidate(make_relay, sim, canned, reachable,
-                                                             knobs, fields, reason):
+@pytest.mark.parametrize(
+    ("reachable", "knobs", "fields", "reason"), [c[1:] for c in CAUSES], ids=[c[0] for c in CAUSES]
+)
+async def test_retryable_failure_moves_to_the_next_candidate(
+    make_relay, sim, canned, reachable, knobs, fields, reason
+):
     primary = sim.url if reachable else dead_url()
     app = await make_relay(upstreams=chain(primary, canned.url), **fields)
     body = httpc.chat(8, **knobs)
@@ -142,10 +163,19 @@ async def test_retryable_failure_moves_to_the_next_candidate(make_relay, sim, ca
         if "head_delay_ms" in knobs:
             assert sim.requests[0].peer_closed_at - t0 < 1.0  # not held to the head delay
     [row] = await rows_of(app, 1)
-    assert (row["upstream_requested"], row["upstream_served"], row["fallback_attempts"],
-            row["status"], row["ok"], row["error_code"]) == ("a", "b", 1, 200, 1, None)
-    assert (row["prompt_tokens"], row["completion_tokens"], row["tokens_source"]) == \
-        (11, 3, "exact")
+    assert (
+        row["upstream_requested"],
+        row["upstream_served"],
+        row["fallback_attempts"],
+        row["status"],
+        row["ok"],
+        row["error_code"],
+    ) == ("a", "b", 1, 200, 1, None)
+    assert (row["prompt_tokens"], row["completion_tokens"], row["tokens_source"]) == (
+        11,
+        3,
+        "exact",
+    )
     assert row["bytes_out"] >= len(CANNED_BODY)
     [fb] = app.log.of("fallback")
     assert (fb["upstream"], fb["next"], fb["reason"]) == ("a", "b", reason)
@@ -166,8 +196,11 @@ async def test_loading_primary_503_falls_back_to_a_simulator(make_relay, sim, si
     assert [r.status for r in sim.requests] == [503]
     assert len(sim_b.requests) == 1 and sim_b.requests[0].tokens_sent == 6
     [row] = await rows_of(app, 1)
-    assert (row["upstream_served"], row["fallback_attempts"], row["completion_tokens"]) == \
-        ("b", 1, 6)
+    assert (row["upstream_served"], row["fallback_attempts"], row["completion_tokens"]) == (
+        "b",
+        1,
+        6,
+    )
     m = await slots_metrics(app)
     assert m["b"]["tokens_total"] == sim_b.tokens_sent_total == 6
     assert m["a"]["tokens_total"] == 0
@@ -184,8 +217,12 @@ async def test_slow_head_primary_falls_back_to_a_simulator(make_relay, sim_b):
         assert resp.json()["usage"]["completion_tokens"] == 4
         await asyncio.wait_for(slow.requests[0].closed.wait(), 2)
         [row] = await rows_of(app, 1)
-        assert (row["upstream_served"], row["fallback_attempts"], row["tokens_source"],
-                row["completion_tokens"]) == ("b", 1, "exact", 4)
+        assert (
+            row["upstream_served"],
+            row["fallback_attempts"],
+            row["tokens_source"],
+            row["completion_tokens"],
+        ) == ("b", 1, "exact", 4)
         m = await slots_metrics(app)
         assert (m["a"]["tokens_total"], m["b"]["tokens_total"]) == (0, 4)
     finally:
@@ -202,31 +239,49 @@ async def test_three_candidates_in_order(make_relay, sim, sim_b, sim_c):
     assert sim.requests == []
     assert [r.status for r in sim_b.requests] == [503] and len(sim_c.requests) == 1
     [row] = await rows_of(app, 1)
-    assert (row["upstream_requested"], row["upstream_served"], row["fallback_attempts"],
-            row["ok"], row["completion_tokens"], row["tokens_source"]) == \
-        ("a", "c", 2, 1, 5, "exact")
+    assert (
+        row["upstream_requested"],
+        row["upstream_served"],
+        row["fallback_attempts"],
+        row["ok"],
+        row["completion_tokens"],
+        row["tokens_source"],
+    ) == ("a", "c", 2, 1, 5, "exact")
     assert [(f["upstream"], f["next"]) for f in app.log.of("fallback")] == [("a", "b"), ("b", "c")]
     m = await slots_metrics(app)
-    assert (m["a"]["tokens_total"], m["b"]["tokens_total"], m["c"]["tokens_total"]) == \
-        (0, 0, sim_c.tokens_sent_total)
+    assert (m["a"]["tokens_total"], m["b"]["tokens_total"], m["c"]["tokens_total"]) == (
+        0,
+        0,
+        sim_c.tokens_sent_total,
+    )
 
 
 async def test_fallback_reserves_and_settles_the_budget_once(make_relay, sim, sim_b):
     secret = "sk-fallback-budget"
     app = await make_relay(
         upstreams=chain(dead_url(), sim_b.url),
-        keys=[KeyConfig(id="k", sha256=hashlib.sha256(secret.encode()).hexdigest(),
-                        requests_per_day=1)])
+        keys=[
+            KeyConfig(
+                id="k", sha256=hashlib.sha256(secret.encode()).hexdigest(), requests_per_day=1
+            )
+        ],
+    )
     auth = {"Authorization": f"Bearer {secret}"}
     assert (await httpc.fetch(app.port, "POST", CHAT, httpc.chat(3), headers=auth)).status == 200
     assert app.budgets.usage("k", time.time())["daily"] == {
-        "requests": 1, "tokens": 2 + 3, "reserved_requests": 0, "reserved_tokens": 0}
+        "requests": 1,
+        "tokens": 2 + 3,
+        "reserved_requests": 0,
+        "reserved_tokens": 0,
+    }
     resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(3), headers=auth)
     assert resp.status == 429
     assert len(sim_b.requests) == 1
     rows = await rows_of(app, 2)
-    assert [(r["upstream_served"], r["fallback_attempts"], r["status"]) for r in rows] == \
-        [("b", 1, 200), (None, 0, 429)]
+    assert [(r["upstream_served"], r["fallback_attempts"], r["status"]) for r in rows] == [
+        ("b", 1, 200),
+        (None, 0, 429),
+    ]
 
 
 # ---- no fallback --------------------------------------------------------------------------------
@@ -243,8 +298,13 @@ async def test_other_4xx_pass_through_verbatim_without_fallback(make_relay, sim,
     assert canned.connections == 0 and canned.bodies == []
     assert len(sim.requests) == 2
     [row] = await rows_of(app, 1)
-    assert (row["upstream_served"], row["fallback_attempts"], row["status"], row["ok"],
-            row["error_code"]) == ("a", 0, status, 0, f"upstream_{status}")
+    assert (
+        row["upstream_served"],
+        row["fallback_attempts"],
+        row["status"],
+        row["ok"],
+        row["error_code"],
+    ) == ("a", 0, status, 0, f"upstream_{status}")
     assert app.log.of("fallback") == []
 
 
@@ -265,9 +325,14 @@ async def test_no_swap_after_first_content_drop(make_relay, sim, sim_b):
     assert b"[DONE]" not in resp.body
     assert sim_b.requests == [] and sim_b.connections_opened == 0
     [row] = await rows_of(app, 1)
-    assert (row["upstream_served"], row["fallback_attempts"], row["ok"], row["error_code"],
-            row["completion_tokens"], row["tokens_source"]) == \
-        ("a", 0, 0, "upstream_dropped", 3, "approx")
+    assert (
+        row["upstream_served"],
+        row["fallback_attempts"],
+        row["ok"],
+        row["error_code"],
+        row["completion_tokens"],
+        row["tokens_source"],
+    ) == ("a", 0, 0, "upstream_dropped", 3, "approx")
     assert app.log.of("fallback") == []
     m = await slots_metrics(app)
     assert (m["a"]["tokens_total"], m["b"]["tokens_total"]) == (3, 0)
@@ -282,8 +347,11 @@ async def test_no_swap_after_first_content_stall(make_relay, sim, sim_b):
     assert events[-1] == "[DONE]" and events[-2]["id"] == "relay-stall-guard"
     assert sim_b.requests == [] and sim_b.connections_opened == 0
     [row] = await rows_of(app, 1)
-    assert (row["upstream_served"], row["fallback_attempts"], row["error_code"]) == \
-        ("a", 0, "stream_stall_idle")
+    assert (row["upstream_served"], row["fallback_attempts"], row["error_code"]) == (
+        "a",
+        0,
+        "stream_stall_idle",
+    )
 
 
 async def test_slow_first_token_is_waited_for_not_swapped(make_relay, sim, sim_b):
@@ -302,11 +370,19 @@ async def test_all_unreachable_gives_502_naming_the_last(make_relay):
     err = resp.json()["error"]
     assert err["code"] == "upstream_unavailable" and err["details"]["upstream"] == "b"
     [row] = await rows_of(app, 1)
-    assert (row["upstream_requested"], row["upstream_served"], row["fallback_attempts"],
-            row["status"], row["ok"], row["error_code"]) == \
-        ("a", None, 1, 502, 0, "upstream_unavailable")
-    assert (row["prompt_tokens"], row["completion_tokens"], row["tokens_source"]) == \
-        (None, None, None)
+    assert (
+        row["upstream_requested"],
+        row["upstream_served"],
+        row["fallback_attempts"],
+        row["status"],
+        row["ok"],
+        row["error_code"],
+    ) == ("a", None, 1, 502, 0, "upstream_unavailable")
+    assert (row["prompt_tokens"], row["completion_tokens"], row["tokens_source"]) == (
+        None,
+        None,
+        None,
+    )
 
 
 async def test_all_slow_gives_504_naming_the_last(make_relay, sim, sim_b):
@@ -321,8 +397,9 @@ async def test_all_slow_gives_504_naming_the_last(make_relay, sim, sim_b):
 
 
 @pytest.mark.parametrize("status", [429, 500, 503])
-async def test_all_failing_status_gives_the_last_upstreams_own_response(make_relay, sim, sim_b,
-                                                                        status):
+async def test_all_failing_status_gives_the_last_upstreams_own_response(
+    make_relay, sim, sim_b, status
+):
     app = await make_relay(upstreams=chain(sim.url, sim_b.url))
     body = httpc.chat(3, status=status)
     resp = await httpc.fetch(app.port, "POST", CHAT, body)
@@ -330,8 +407,12 @@ async def test_all_failing_status_gives_the_last_upstreams_own_response(make_rel
     assert [r.status for r in sim.requests] == [status]
     assert [r.status for r in sim_b.requests] == [status]
     [row] = await rows_of(app, 1)
-    assert (row["upstream_served"], row["fallback_attempts"], row["status"], row["ok"]) == \
-        ("b", 1, status, 0)
+    assert (row["upstream_served"], row["fallback_attempts"], row["status"], row["ok"]) == (
+        "b",
+        1,
+        status,
+        0,
+    )
 
 
 async def test_unreachable_then_429_gives_the_429(make_relay, sim):
@@ -351,8 +432,12 @@ async def test_all_dropping_before_content_gives_502(make_relay, sim, sim_b):
     assert err["details"] == {"upstream": "b", "error": "upstream_dropped"}
     assert len(sim.requests) == 1 and len(sim_b.requests) == 1
     [row] = await rows_of(app, 1)
-    assert (row["upstream_served"], row["fallback_attempts"], row["status"], row["ok"]) == \
-        (None, 1, 502, 0)
+    assert (row["upstream_served"], row["fallback_attempts"], row["status"], row["ok"]) == (
+        None,
+        1,
+        502,
+        0,
+    )
     assert row["completion_tokens"] is None
 
 
@@ -376,15 +461,22 @@ async def test_all_stalling_before_content_ends_with_the_stall_frame(make_relay,
     assert models_seen(resp) >= {"models/b.gguf"}
     assert len(sim.requests) == 1 and len(sim_b.requests) == 1
     [row] = await rows_of(app, 1)
-    assert (row["upstream_served"], row["fallback_attempts"], row["error_code"]) == \
-        ("b", 1, "stream_stall_idle")
+    assert (row["upstream_served"], row["fallback_attempts"], row["error_code"]) == (
+        "b",
+        1,
+        "stream_stall_idle",
+    )
 
 
-@pytest.mark.parametrize(("first", "second", "status", "code"), [
-    ("slow", "dead", 502, "upstream_unavailable"),
-    ("dead", "slow", 504, "upstream_timeout"),
-    ("500", "dead", 502, "upstream_unavailable"),
-], ids=["timeout-then-refused", "refused-then-timeout", "500-then-refused"])
+@pytest.mark.parametrize(
+    ("first", "second", "status", "code"),
+    [
+        ("slow", "dead", 502, "upstream_unavailable"),
+        ("dead", "slow", 504, "upstream_timeout"),
+        ("500", "dead", 502, "upstream_unavailable"),
+    ],
+    ids=["timeout-then-refused", "refused-then-timeout", "500-then-refused"],
+)
 async def test_mixed_failures_give_the_last_one(make_relay, first, second, status, code):
     sims = []
 
@@ -399,15 +491,21 @@ async def test_mixed_failures_give_the_last_one(make_relay, first, second, statu
         return s.url
 
     try:
-        app = await make_relay(upstreams=chain(await upstream(first), await upstream(second)),
-                               direct_read_timeout_s=0.2)
+        app = await make_relay(
+            upstreams=chain(await upstream(first), await upstream(second)),
+            direct_read_timeout_s=0.2,
+        )
         resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(3))
         assert resp.status == status
         err = resp.json()["error"]
         assert err["code"] == code and err["details"]["upstream"] == "b"
         [row] = await rows_of(app, 1)
-        assert (row["upstream_served"], row["fallback_attempts"], row["status"],
-                row["error_code"]) == (None, 1, status, code)
+        assert (
+            row["upstream_served"],
+            row["fallback_attempts"],
+            row["status"],
+            row["error_code"],
+        ) == (None, 1, status, code)
     finally:
         for s in sims:
             await s.stop()
@@ -419,8 +517,11 @@ async def test_failed_attempts_are_counted_on_the_upstream_that_failed(make_rela
     assert resp.status == 200 and resp.body == CANNED_BODY
     metrics = json.loads((await httpc.fetch(app.port, "GET", "/api/slots/metrics")).body)
     a, b = metrics["a"], metrics["b"]
-    assert (a["requests_total"], a["requests_failed"], a["failures_by_code"]) == \
-        (1, 1, {"upstream_unavailable": 1})
+    assert (a["requests_total"], a["requests_failed"], a["failures_by_code"]) == (
+        1,
+        1,
+        {"upstream_unavailable": 1},
+    )
     assert (b["requests_total"], b["requests_failed"], b["tokens_total"]) == (1, 0, 3)
 
 
@@ -429,31 +530,48 @@ async def test_when_every_candidate_fails_the_last_one_carries_the_failure(make_
     resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(3))
     assert resp.status == 502 and resp.json()["error"]["details"]["upstream"] == "b"
     metrics = json.loads((await httpc.fetch(app.port, "GET", "/api/slots/metrics")).body)
-    assert [(metrics[n]["requests_total"], metrics[n]["requests_failed"]) for n in "ab"] == \
-        [(1, 1), (1, 1)]
+    assert [(metrics[n]["requests_total"], metrics[n]["requests_failed"]) for n in "ab"] == [
+        (1, 1),
+        (1, 1),
+    ]
 
 
 async def test_a_reload_removing_the_fallback_does_not_strand_a_request_falling_back(
-        make_relay, sim, sim_b):
+    make_relay, sim, sim_b
+):
     """SIGHUP removes b while a request queues on a: the request still falls back to the b it
     was routed among (its upstreams are taken at its start), no 500."""
     from relay.config import Config
 
-    ups = [UpstreamConfig(name="a", url=sim.url, parallel=1, queue=4, fallback=["b"]),
-           UpstreamConfig(name="b", url=sim_b.url, parallel=4)]
+    ups = [
+        UpstreamConfig(name="a", url=sim.url, parallel=1, queue=4, fallback=["b"]),
+        UpstreamConfig(name="b", url=sim_b.url, parallel=4),
+    ]
     app = await make_relay(upstreams=ups, pool_timeout_s=0.5)
-    holding = asyncio.create_task(httpc.fetch(
-        app.port, "POST", CHAT, httpc.chat(2, first_token_delay_ms=1500),
-        {"X-Request-Id": "holding"}))
+    holding = asyncio.create_task(
+        httpc.fetch(
+            app.port,
+            "POST",
+            CHAT,
+            httpc.chat(2, first_token_delay_ms=1500),
+            {"X-Request-Id": "holding"},
+        )
+    )
     await wait_for(lambda: len(sim.requests) == 1)
-    falling = asyncio.create_task(httpc.fetch(app.port, "POST", CHAT, httpc.chat(3),
-                                              {"X-Request-Id": "falling"}))
+    falling = asyncio.create_task(
+        httpc.fetch(app.port, "POST", CHAT, httpc.chat(3), {"X-Request-Id": "falling"})
+    )
     await wait_for(lambda: app.upstreams["a"].slots.queued == 1)
     old = app.config
-    summary = app.reload(Config(server=old.server, dispatcher=old.dispatcher,
-                                upstream=[UpstreamConfig(name="a", url=sim.url, parallel=1,
-                                                         queue=4)],
-                                key=[], store=old.store))
+    summary = app.reload(
+        Config(
+            server=old.server,
+            dispatcher=old.dispatcher,
+            upstream=[UpstreamConfig(name="a", url=sim.url, parallel=1, queue=4)],
+            key=[],
+            store=old.store,
+        )
+    )
     assert summary["removed"] == ["b"]
     first, second = await asyncio.wait_for(asyncio.gather(holding, falling), 10)
     assert (first.status, second.status) == (200, 200)
@@ -461,6 +579,10 @@ async def test_a_reload_removing_the_fallback_does_not_strand_a_request_falling_
     assert "".join(c for c in contents(second) if c) == httpc.sim_text(3)
     assert not app.log.of("internal_error")
     by_id = {r["request_id"]: r for r in await rows_of(app, 2)}
-    assert (by_id["falling"]["upstream_served"], by_id["falling"]["fallback_attempts"],
-            by_id["falling"]["status"], by_id["falling"]["completion_tokens"]) == ("b", 1, 200, 3)
+    assert (
+        by_id["falling"]["upstream_served"],
+        by_id["falling"]["fallback_attempts"],
+        by_id["falling"]["status"],
+        by_id["falling"]["completion_tokens"],
+    ) == ("b", 1, 200, 3)
     assert (by_id["holding"]["upstream_served"], by_id["holding"]["status"]) == ("a", 200)

@@ -29,8 +29,13 @@ async def paused_stream(app, n: int = 60000):
     reader, writer, resp = await open_stream(app.port, httpc.chat(n), rcvbuf=4096)
     assert resp.status == 200
     client = next(iter(app.clients))
-    await wait_for(lambda: client.exchange is not None and client.exchange.flow is not None
-                   and client.exchange.flow.paused)
+    await wait_for(
+        lambda: (
+            client.exchange is not None
+            and client.exchange.flow is not None
+            and client.exchange.flow.paused
+        )
+    )
     return reader, writer, resp, client, client.exchange
 
 
@@ -68,9 +73,10 @@ async def test_client_disconnect_closes_upstream_within_100ms(make_relay, sim):
 
 async def test_client_disconnect_while_waiting_for_head(make_relay, sim):
     app = await make_relay()
-    reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
-    writer.write(httpc.build_request("POST", "/v1/chat/completions",
-                                     httpc.chat(3, head_delay_ms=5000)))
+    _reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
+    writer.write(
+        httpc.build_request("POST", "/v1/chat/completions", httpc.chat(3, head_delay_ms=5000))
+    )
     await wait_for(lambda: sim.requests)
     loop = asyncio.get_running_loop()
     closed_at = loop.time()
@@ -86,8 +92,9 @@ async def test_upstream_drop_mid_stream_is_visible_to_the_client(make_relay, sim
     resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(20, drop_after=3))
     assert resp.status == 200
     assert not resp.complete  # no terminating chunk: truncation is not disguised as success
-    contents = [e["choices"][0]["delta"].get("content") for e in resp.data_events()
-                if isinstance(e, dict)]
+    contents = [
+        e["choices"][0]["delta"].get("content") for e in resp.data_events() if isinstance(e, dict)
+    ]
     assert contents == [None, "Hello", " from", " a"]
     assert b"[DONE]" not in resp.body
     access = app.log.of("access")[-1]
@@ -125,7 +132,7 @@ async def test_slow_reader_keeps_relay_buffer_bounded(make_relay, sim):
 
 async def test_client_that_never_reads_is_dropped_after_write_timeout(make_relay, sim):
     app = await make_relay(write_timeout_s=0.3)
-    reader, writer, resp = await open_stream(app.port, httpc.chat(200000), rcvbuf=4096)
+    _reader, writer, _resp = await open_stream(app.port, httpc.chat(200000), rcvbuf=4096)
     await asyncio.wait_for(sim.requests[-1].closed.wait(), 10)
     assert not sim.requests[-1].finished
     await wait_for(lambda: app.log.of("access"))

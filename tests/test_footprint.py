@@ -61,8 +61,10 @@ async def test_a_request_pipelined_behind_a_stream_is_answered_after_it(make_rel
     app = await make_relay()
     reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
     # one write: a stream, then a second request that h11 holds past the first one's body
-    writer.write(httpc.build_request("POST", "/v1/chat/completions", httpc.chat(4))
-                 + httpc.build_request("GET", "/health"))
+    writer.write(
+        httpc.build_request("POST", "/v1/chat/completions", httpc.chat(4))
+        + httpc.build_request("GET", "/health")
+    )
     first = await asyncio.wait_for(httpc.read_head(reader), 5)
     await asyncio.wait_for(httpc.read_body(reader, first, "POST"), 5)
     body = first.body
@@ -78,14 +80,19 @@ async def test_every_one_of_many_idle_streams_is_cut_by_its_guard_on_time(make_r
     trips with its own idle frame, about idle_s after its last read."""
     idle = 0.3
     app = await make_relay(stream_idle_timeout_s=idle, stream_total_timeout_s=0)
-    resps = await asyncio.gather(*(
-        httpc.fetch(app.port, "POST", "/v1/chat/completions",
-                    httpc.chat(50, stall_after=2 + i % 3)) for i in range(40)))
+    resps = await asyncio.gather(
+        *(
+            httpc.fetch(
+                app.port, "POST", "/v1/chat/completions", httpc.chat(50, stall_after=2 + i % 3)
+            )
+            for i in range(40)
+        )
+    )
     for resp in resps:
         assert resp.status == 200 and resp.complete
         events = resp.events()
         assert events[-1].strip(b"\n") == b"data: [DONE]"
-        stall = json.loads(events[-2].strip(b"\n")[len(b"data: "):])["x_relay_stall"]
+        stall = json.loads(events[-2].strip(b"\n")[len(b"data: ") :])["x_relay_stall"]
         assert stall["reason"] == "idle" and idle <= stall["elapsed_s"] < idle + 0.25
     trips = app.log.of("stream_stall_guard_tripped")
     assert len(trips) == 40 and {t["reason"] for t in trips} == {"idle"}

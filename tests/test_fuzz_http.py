@@ -38,8 +38,14 @@ from relay.config import (
 from relay.observe.log import quiet
 from relay.sim.server import Simulator
 
-CHAT = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
-                   "max_tokens": 1, "stream": False}).encode()
+CHAT = json.dumps(
+    {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 1,
+        "stream": False,
+    }
+).encode()
 IDLE_S = 0.15  # the relay's keep-alive and head deadlines here: it closes soon after the bytes
 
 
@@ -51,6 +57,7 @@ def relay():
     def run() -> None:
         try:
             import uvloop
+
             loop = uvloop.new_event_loop()
         except ImportError:
             loop = asyncio.new_event_loop()
@@ -59,12 +66,18 @@ def relay():
         async def main() -> None:
             sim = Simulator()
             await sim.start()
-            cfg = Config(server=ServerConfig(port=0, header_timeout_s=IDLE_S,
-                                             keepalive_timeout_s=IDLE_S, max_body_bytes=4096,
-                                             max_body_chunks=64),
-                         dispatcher=DispatcherConfig(health_interval_s=0),
-                         upstream=[UpstreamConfig(name="llm", url=sim.url, parallel=16)],
-                         store=StoreConfig(path=":memory:"))
+            cfg = Config(
+                server=ServerConfig(
+                    port=0,
+                    header_timeout_s=IDLE_S,
+                    keepalive_timeout_s=IDLE_S,
+                    max_body_bytes=4096,
+                    max_body_chunks=64,
+                ),
+                dispatcher=DispatcherConfig(health_interval_s=0),
+                upstream=[UpstreamConfig(name="llm", url=sim.url, parallel=16)],
+                store=StoreConfig(path=":memory:"),
+            )
             app = App(cfg, quiet())
             await app.start()
             box.update(app=app, loop=loop, stop=asyncio.Event())
@@ -86,7 +99,7 @@ def relay():
 
 # ---- generation -----------------------------------------------------------------------------
 def chunk_line(draw, size: int) -> bytes:
-    text = draw(st.sampled_from(["%x", "%X", "0%x", "%x ", "%x;a=b", "%x;ext=\"q\""])) % size
+    text = draw(st.sampled_from(["%x", "%X", "0%x", "%x ", "%x;a=b", '%x;ext="q"'])) % size
     return text.encode() + b"\r\n"
 
 
@@ -95,27 +108,51 @@ def chunked_body(draw, body: bytes) -> bytes:
     out, i = [], 0
     while i < len(body):
         n = draw(st.integers(1, max(1, len(body) - i)))
-        out.append(chunk_line(draw, n) + body[i:i + n] + b"\r\n")
+        out.append(chunk_line(draw, n) + body[i : i + n] + b"\r\n")
         i += n
-    out.append(draw(st.sampled_from([b"0\r\n\r\n", b"0\r\nX-T: 1\r\n\r\n", b"000;e\r\n\r\n",
-                                     b"0\r\n"])))  # last: cut short
+    out.append(
+        draw(st.sampled_from([b"0\r\n\r\n", b"0\r\nX-T: 1\r\n\r\n", b"000;e\r\n\r\n", b"0\r\n"]))
+    )  # last: cut short
     return b"".join(out)
 
 
 @st.composite
 def one_request(draw) -> bytes:
     method = draw(st.sampled_from(["GET", "POST", "POST"]))
-    path = draw(st.sampled_from(["/health", "/v1/chat/completions", "/v1/chat/%63ompletions",
-                                 "//v1/./chat/completions", "/nope?x=1"]))
+    path = draw(
+        st.sampled_from(
+            [
+                "/health",
+                "/v1/chat/completions",
+                "/v1/chat/%63ompletions",
+                "//v1/./chat/completions",
+                "/nope?x=1",
+            ]
+        )
+    )
     version = draw(st.sampled_from(["1.1", "1.1", "1.0"]))
     body = draw(st.sampled_from([b"", CHAT, CHAT, b"{}", b"[1]", b"x" * 5]))
-    framing = draw(st.sampled_from(["cl", "cl", "te", "both", "none", "cl-wrong", "te-fold",
-                                    "te-gzip", "cl-dup", "te-10"]))
+    framing = draw(
+        st.sampled_from(
+            ["cl", "cl", "te", "both", "none", "cl-wrong", "te-fold", "te-gzip", "cl-dup", "te-10"]
+        )
+    )
     lines = [f"{method} {path} HTTP/{version}".encode(), b"Host: r"]
-    lines += draw(st.lists(st.sampled_from([b"Connection: close", b"X-A: b\r\n c",
-                                            b"Expect: 100-continue", b"Content-Type: text/plain",
-                                            b"X-Request-Id: abc", b"Connection: keep-alive"]),
-                           max_size=2))
+    lines += draw(
+        st.lists(
+            st.sampled_from(
+                [
+                    b"Connection: close",
+                    b"X-A: b\r\n c",
+                    b"Expect: 100-continue",
+                    b"Content-Type: text/plain",
+                    b"X-Request-Id: abc",
+                    b"Connection: keep-alive",
+                ]
+            ),
+            max_size=2,
+        )
+    )
     cl = b"Content-Length: %d" % len(body)
     te = b"Transfer-Encoding: chunked"
     payload = body
@@ -127,8 +164,15 @@ def one_request(draw) -> bytes:
         lines += [cl, draw(st.sampled_from([cl, b"Content-Length: 1"]))]
     elif framing in ("te", "both", "te-fold", "te-gzip", "te-10"):
         payload = draw(chunked_body(body))
-        lines.append({"te": te, "both": te, "te-10": te, "te-fold": b"Transfer-Encoding:\r\n chunked",
-                      "te-gzip": b"Transfer-Encoding: gzip, chunked"}[framing])
+        lines.append(
+            {
+                "te": te,
+                "both": te,
+                "te-10": te,
+                "te-fold": b"Transfer-Encoding:\r\n chunked",
+                "te-gzip": b"Transfer-Encoding: gzip, chunked",
+            }[framing]
+        )
         if framing == "both":
             lines.insert(draw(st.integers(1, len(lines))), b"Content-Length: %d" % len(payload))
     head = b"\r\n".join(lines) + b"\r\n\r\n"
@@ -142,11 +186,21 @@ def byte_streams(draw) -> bytes:
     reqs = draw(st.lists(one_request(), min_size=1, max_size=3))
     data = b"".join(reqs)
     if draw(st.booleans()):
-        data += draw(st.sampled_from([b"", b"\r\n", b"GET / HTTP/1.1\r\n", b"junk\r\n\r\n",
-                                      b"\x00\xff", b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n"]))
+        data += draw(
+            st.sampled_from(
+                [
+                    b"",
+                    b"\r\n",
+                    b"GET / HTTP/1.1\r\n",
+                    b"junk\r\n\r\n",
+                    b"\x00\xff",
+                    b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n",
+                ]
+            )
+        )
     if draw(st.integers(0, 4)) == 0:  # one byte flipped somewhere
         i = draw(st.integers(0, len(data) - 1))
-        data = data[:i] + bytes([draw(st.integers(0, 255))]) + data[i + 1:]
+        data = data[:i] + bytes([draw(st.integers(0, 255))]) + data[i + 1 :]
     return data
 
 
@@ -156,9 +210,14 @@ def ambiguous(ev: h11.Request, data: bytes) -> bool:
     h11 reads these, but what follows their body must never be answered."""
     names = [k for k, _ in ev.headers]
     head = data.lstrip(b"\r\n").split(b"\r\n\r\n", 1)[0]
-    return (b"transfer-encoding" in names and (b"content-length" in names
-                                               or ev.http_version == b"1.0")
-            or b"\n " in head or b"\n\t" in head)
+    return (
+        (
+            b"transfer-encoding" in names
+            and (b"content-length" in names or ev.http_version == b"1.0")
+        )
+        or b"\n " in head
+        or b"\n\t" in head
+    )
 
 
 def h11_requests(data: bytes) -> int:
@@ -179,7 +238,8 @@ def h11_requests(data: bytes) -> int:
                         return done
                     raw = ev.headers
                     last = ev.http_version == b"1.0" or any(
-                        k == b"connection" and b"close" in v.lower() for k, v in raw)
+                        k == b"connection" and b"close" in v.lower() for k, v in raw
+                    )
                 if isinstance(ev, h11.EndOfMessage):
                     done += 1
                     break
@@ -199,8 +259,9 @@ def read_responses(raw: bytes) -> list[int]:
         assert sep, raw[:300]
         lines = head.split(b"\r\n")
         status = int(lines[0].split(b" ")[1])
-        fields = [(k.strip().lower(), v.strip()) for k, _, v in (ln.partition(b":")
-                                                                 for ln in lines[1:])]
+        fields = [
+            (k.strip().lower(), v.strip()) for k, _, v in (ln.partition(b":") for ln in lines[1:])
+        ]
         names = [k for k, _ in fields]
         assert not (b"content-length" in names and b"transfer-encoding" in names), head
         assert names.count(b"content-length") <= 1, head
@@ -221,8 +282,8 @@ def read_responses(raw: bytes) -> list[int]:
                     assert rest.startswith(b"\r\n")
                     rest = rest[2:]
                     break
-                assert rest[size:size + 2] == b"\r\n"
-                rest = rest[size + 2:]
+                assert rest[size : size + 2] == b"\r\n"
+                rest = rest[size + 2 :]
             raw = rest
         else:
             raw = b""
@@ -245,8 +306,12 @@ def exchange(port: int, data: bytes) -> bytes:
         return bytes(out)
 
 
-@settings(max_examples=150, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(data=byte_streams())
 def test_relay_never_answers_more_than_h11_parses(relay, data):
     statuses = read_responses(exchange(relay.port, data))
@@ -258,10 +323,19 @@ def test_relay_never_answers_more_than_h11_parses(relay, data):
     assert relay.log.of("internal_error") == []
 
 
-@pytest.mark.parametrize("data,want", [
-    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 5\r\n"
-     b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\nGET /health HTTP/1.1\r\nHost: r\r\n\r\n", [400]),
-    (b"GET /health HTTP/1.1\r\nHost: r\r\n\r\nGET /health HTTP/1.1\r\nHost: r\r\n\r\n", [200, 200]),
-])
+@pytest.mark.parametrize(
+    "data,want",
+    [
+        (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 5\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\nGET /health HTTP/1.1\r\nHost: r\r\n\r\n",
+            [400],
+        ),
+        (
+            b"GET /health HTTP/1.1\r\nHost: r\r\n\r\nGET /health HTTP/1.1\r\nHost: r\r\n\r\n",
+            [200, 200],
+        ),
+    ],
+)
 def test_known_byte_strings(relay, data, want):
     assert read_responses(exchange(relay.port, data)) == want

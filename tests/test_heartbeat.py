@@ -25,18 +25,27 @@ CHAT = "/v1/chat/completions"
 HB = b": relay heartbeat\n\n"
 HB_CHUNK = F.chunk(HB)
 RID = "hb-1"
-SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-            b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n")
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+    b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
 # What the client gets as head, from the relay (before the upstream's) or from this upstream.
-CLIENT_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-               b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n"
-               b"X-Request-Id: " + RID.encode() + b"\r\n\r\n")
-ROLE = (b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}],'
-        b'"model":"m"}\n\n')
-TOKENS = [b'data: {"choices":[{"index":0,"delta":{"content":"%s"}}],"model":"m"}\n\n' % t
-          for t in (b"Hello", b" there", b" friend")]
-FINISH = (b'data: {"choices":[{"index":0,"finish_reason":"stop","delta":{}}],"model":"m",'
-          b'"usage":{"completion_tokens":3,"prompt_tokens":7,"total_tokens":10}}\n\n')
+CLIENT_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+    b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n"
+    b"X-Request-Id: " + RID.encode() + b"\r\n\r\n"
+)
+ROLE = (
+    b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}],"model":"m"}\n\n'
+)
+TOKENS = [
+    b'data: {"choices":[{"index":0,"delta":{"content":"%s"}}],"model":"m"}\n\n' % t
+    for t in (b"Hello", b" there", b" friend")
+]
+FINISH = (
+    b'data: {"choices":[{"index":0,"finish_reason":"stop","delta":{}}],"model":"m",'
+    b'"usage":{"completion_tokens":3,"prompt_tokens":7,"total_tokens":10}}\n\n'
+)
 DONE = b"data: [DONE]\n\n"
 REST = b"".join(F.chunk(e) for e in TOKENS[1:] + [FINISH, DONE]) + b"0\r\n\r\n"
 PING = b": ping\n\n"
@@ -54,7 +63,7 @@ class Client:
         self.got = b""
 
     @classmethod
-    async def post(cls, port: int, payload: dict, http: str = "1.1") -> "Client":
+    async def post(cls, port: int, payload: dict, http: str = "1.1") -> Client:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(httpc.build_request("POST", CHAT, payload, {"X-Request-Id": RID}, http))
         return cls(reader, writer)
@@ -97,8 +106,10 @@ def json_after_gate(gate: Gate, status: bytes, doc: bytes):
     async def script(up, index, reader, writer):
         await up.read_request(reader)
         await gate.at(0)
-        writer.write(b"HTTP/1.1 %s\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (status, len(doc), doc))
+        writer.write(
+            b"HTTP/1.1 %s\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (status, len(doc), doc)
+        )
         await writer.drain()
 
     return script
@@ -146,7 +157,7 @@ async def test_heartbeats_while_the_upstream_holds_its_head(make_relay, upstream
     first = loop.time() - t0
     await c.expect(HB_CHUNK)
     second = loop.time() - t0
-    assert 0.09 <= first and 0.18 <= second  # one heartbeat_s apart, not sooner
+    assert first >= 0.09 and second >= 0.18  # one heartbeat_s apart, not sooner
     gate.open(0)
     # the upstream's head is not sent again; its events follow in the relay's chunks until
     # both sides stand between chunks, then its own chunks pass as they are
@@ -155,8 +166,13 @@ async def test_heartbeats_while_the_upstream_holds_its_head(make_relay, upstream
     await c.expect(REST)
     c.close()
     [row] = await rows_of(app, 1)
-    assert (row["status"], row["ok"], row["error_code"], row["completion_tokens"],
-            row["tokens_source"]) == (200, 1, None, 3, "exact")
+    assert (
+        row["status"],
+        row["ok"],
+        row["error_code"],
+        row["completion_tokens"],
+        row["tokens_source"],
+    ) == (200, 1, None, 3, "exact")
     assert row["ttft_ms"] >= 180  # the heartbeats are no first token
 
 
@@ -269,8 +285,9 @@ async def test_total_bound_still_ends_an_endless_ping(make_relay, upstreams):
             await asyncio.sleep(0.03)
 
     up = await upstreams(script)
-    app = await make_relay(up.url, heartbeat_s=0.02, stream_idle_timeout_s=0.2,
-                           stream_total_timeout_s=0.4)
+    app = await make_relay(
+        up.url, heartbeat_s=0.02, stream_idle_timeout_s=0.2, stream_total_timeout_s=0.4
+    )
     resp = await httpc.fetch(app.port, "POST", CHAT, body(), headers={"X-Request-Id": RID})
     assert resp.complete
     events = resp.data_events()
@@ -293,16 +310,22 @@ async def test_fallback_after_heartbeats_continues_the_same_response(make_relay,
     async def fallback(up, index, reader, writer):
         await up.read_request(reader)
         # another framing on purpose: close-delimited, the relay frames it for the client
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                     b"Connection: close\r\n\r\n" + PING + ROLE + TOKENS[0])
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Connection: close\r\n\r\n" + PING + ROLE + TOKENS[0]
+        )
         await writer.drain()
         writer.write(b"".join(TOKENS[1:]) + FINISH + DONE)
         await writer.drain()
 
     a, b = await upstreams(primary), await upstreams(fallback)
-    app = await make_relay(upstreams=[
-        UpstreamConfig(name="a", url=a.url, fallback=["b"]), UpstreamConfig(name="b", url=b.url)],
-        heartbeat_s=0.1)
+    app = await make_relay(
+        upstreams=[
+            UpstreamConfig(name="a", url=a.url, fallback=["b"]),
+            UpstreamConfig(name="b", url=b.url),
+        ],
+        heartbeat_s=0.1,
+    )
     c = await Client.post(app.port, body())
     await c.expect(CLIENT_HEAD + F.chunk(PING) + HB_CHUNK)
     gate.open(0)
@@ -314,8 +337,10 @@ async def test_fallback_after_heartbeats_continues_the_same_response(make_relay,
     assert payload.replace(HB, b"") == PING + ROLE + b"".join(TOKENS) + FINISH + DONE
     assert CLIENT_HEAD not in rest  # no second head
     rows = await rows_of(app, 1)
-    assert [(r["upstream_served"], r["fallback_attempts"], r["ok"], r["completion_tokens"])
-            for r in rows] == [("b", 1, 1, 3)]
+    assert [
+        (r["upstream_served"], r["fallback_attempts"], r["ok"], r["completion_tokens"])
+        for r in rows
+    ] == [("b", 1, 1, 3)]
     [fb] = app.log.of("fallback")
     assert (fb["upstream"], fb["next"]) == ("a", "b")
 
@@ -327,10 +352,10 @@ def httpc_chunks(raw: bytes) -> list[bytes]:
         nl = raw.index(b"\r\n", pos)
         size = int(raw[pos:nl], 16)
         if size == 0:
-            assert raw[nl + 2:] == b"\r\n"
+            assert raw[nl + 2 :] == b"\r\n"
             return out
-        out.append(raw[nl + 2:nl + 2 + size])
-        assert raw[nl + 2 + size:nl + 4 + size] == b"\r\n"
+        out.append(raw[nl + 2 : nl + 2 + size])
+        assert raw[nl + 2 + size : nl + 4 + size] == b"\r\n"
         pos = nl + 4 + size
 
 
@@ -347,9 +372,13 @@ async def test_fallback_after_heartbeats_before_any_head(make_relay, upstreams):
         await writer.drain()
 
     a, b = await upstreams(primary), await upstreams(fallback)
-    app = await make_relay(upstreams=[
-        UpstreamConfig(name="a", url=a.url, fallback=["b"]), UpstreamConfig(name="b", url=b.url)],
-        heartbeat_s=0.1)
+    app = await make_relay(
+        upstreams=[
+            UpstreamConfig(name="a", url=a.url, fallback=["b"]),
+            UpstreamConfig(name="b", url=b.url),
+        ],
+        heartbeat_s=0.1,
+    )
     c = await Client.post(app.port, body())
     await c.expect(CLIENT_HEAD + HB_CHUNK)
     gate.open(0)
@@ -359,15 +388,21 @@ async def test_fallback_after_heartbeats_before_any_head(make_relay, upstreams):
     await c.expect(REST)
     c.close()
     [row] = await rows_of(app, 1)
-    assert (row["upstream_served"], row["fallback_attempts"], row["status"], row["ok"]) == \
-        ("b", 1, 200, 1)
+    assert (row["upstream_served"], row["fallback_attempts"], row["status"], row["ok"]) == (
+        "b",
+        1,
+        200,
+        1,
+    )
 
 
 # ---- failures told in-band ---------------------------------------------------------------------
 def inband(message: str, type_: str, code: str) -> bytes:
     doc = {"error": {"message": message, "type": type_, "code": code}}
-    return F.chunk(b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
-                   + DONE) + b"0\r\n\r\n"
+    return (
+        F.chunk(b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n" + DONE)
+        + b"0\r\n\r\n"
+    )
 
 
 async def test_every_candidate_failed_after_heartbeats_is_told_in_band(make_relay, upstreams):
@@ -379,22 +414,34 @@ async def test_every_candidate_failed_after_heartbeats_is_told_in_band(make_rela
         writer.transport.abort()
 
     a = await upstreams(gone)
-    app = await make_relay(upstreams=[
-        UpstreamConfig(name="a", url=a.url, fallback=["b"]),
-        UpstreamConfig(name="b", url=f"http://127.0.0.1:{closed_port()}")], heartbeat_s=0.1)
+    app = await make_relay(
+        upstreams=[
+            UpstreamConfig(name="a", url=a.url, fallback=["b"]),
+            UpstreamConfig(name="b", url=f"http://127.0.0.1:{closed_port()}"),
+        ],
+        heartbeat_s=0.1,
+    )
     c = await Client.post(app.port, body())
     await c.expect(CLIENT_HEAD + HB_CHUNK)
     gate.open(0)
-    await c.expect(inband("upstream b is unavailable: connect failed: Connection refused",
-                          "upstream_error",
-                          "upstream_unavailable"))
+    await c.expect(
+        inband(
+            "upstream b is unavailable: connect failed: Connection refused",
+            "upstream_error",
+            "upstream_unavailable",
+        )
+    )
     # a clean end: the connection stays usable
     c.writer.write(httpc.build_request("GET", "/v1/models", None))
     await c.expect(b"HTTP/1.1 ")
     c.close()
     row = (await rows_of(app, 2))[0]
-    assert (row["status"], row["ok"], row["error_code"], row["upstream_served"]) == \
-        (502, 0, "upstream_unavailable", None)
+    assert (row["status"], row["ok"], row["error_code"], row["upstream_served"]) == (
+        502,
+        0,
+        "upstream_unavailable",
+        None,
+    )
 
 
 async def test_upstream_error_status_after_heartbeats_is_told_in_band(make_relay, upstreams):
@@ -410,8 +457,12 @@ async def test_upstream_error_status_after_heartbeats_is_told_in_band(make_relay
     await c.expect(inband("Invalid API Key", "authentication_error", "upstream_401"))
     c.close()
     [row] = await rows_of(app, 1)
-    assert (row["status"], row["ok"], row["error_code"], row["upstream_served"]) == \
-        (401, 0, "upstream_401", "llm")
+    assert (row["status"], row["ok"], row["error_code"], row["upstream_served"]) == (
+        401,
+        0,
+        "upstream_401",
+        "llm",
+    )
 
 
 async def test_error_event_after_heartbeats_is_told_in_band(make_relay, upstreams):
@@ -444,23 +495,30 @@ async def test_openai_client_raises_the_in_band_error(make_relay, upstreams):
     async def script(up, index, reader, writer):
         await up.read_request(reader)
         await wait_for(lambda: beats(app) >= 2)  # the client has its head and heartbeats
-        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(err), err))
+        writer.write(
+            b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(err), err)
+        )
         await writer.drain()
 
     up = await upstreams(script)
     app = await make_relay(up.url, heartbeat_s=0.05)
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{app.port}/v1", api_key="sk-x",
-                                max_retries=0, timeout=10)
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{app.port}/v1", api_key="sk-x", max_retries=0, timeout=10
+    )
     stream = await client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+        model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+    )
     with pytest.raises(openai.APIError) as info:
         async for _ in stream:
             pass
     await client.close()
     assert info.value.message == "Loading model"
-    assert info.value.body == {"message": "Loading model", "type": "unavailable_error",
-                               "code": "upstream_503"}
+    assert info.value.body == {
+        "message": "Loading model",
+        "type": "unavailable_error",
+        "code": "upstream_503",
+    }
     [row] = await rows_of(app, 1)
     assert (row["status"], row["error_code"]) == (503, "upstream_503")
 
@@ -474,8 +532,14 @@ def hold_of(app):
 
 
 def beats(app) -> int:
-    return max((c.exchange.hold.beats for c in app.clients
-                if c.exchange is not None and c.exchange.hold is not None), default=0)
+    return max(
+        (
+            c.exchange.hold.beats
+            for c in app.clients
+            if c.exchange is not None and c.exchange.hold is not None
+        ),
+        default=0,
+    )
 
 
 async def test_http10_client_gets_a_close_delimited_heartbeat_stream(make_relay, upstreams):
@@ -490,9 +554,10 @@ async def test_http10_client_gets_a_close_delimited_heartbeat_stream(make_relay,
     up = await upstreams(script)
     app = await make_relay(up.url, heartbeat_s=0.1)
     c = await Client.post(app.port, body(), http="1.0")
-    await c.expect(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                   b"Cache-Control: no-cache\r\nX-Request-Id: hb-1\r\nConnection: close\r\n\r\n"
-                   + HB)
+    await c.expect(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        b"Cache-Control: no-cache\r\nX-Request-Id: hb-1\r\nConnection: close\r\n\r\n" + HB
+    )
     gate.open(0)
     assert await c.rest() == ROLE + b"".join(TOKENS) + FINISH + DONE
     c.close()
@@ -525,8 +590,13 @@ async def test_json_answer_after_heartbeats_is_told_in_band(make_relay, upstream
     await c.expect(CLIENT_HEAD + HB_CHUNK)
     gate.open(0)
     # an event stream was promised: a whole JSON body cannot continue it
-    await c.expect(inband("upstream llm answered 200 without an event stream", "upstream_error",
-                          "upstream_bad_response"))
+    await c.expect(
+        inband(
+            "upstream llm answered 200 without an event stream",
+            "upstream_error",
+            "upstream_bad_response",
+        )
+    )
     c.close()
     [row] = await rows_of(app, 1)
     assert (row["status"], row["ok"], row["error_code"]) == (200, 0, "upstream_bad_response")
@@ -543,8 +613,9 @@ async def test_no_head_in_time_after_heartbeats_is_told_in_band(make_relay, upst
     await c.expect(CLIENT_HEAD + HB_CHUNK)
     tail = await c.until(b"\r\n0\r\n\r\n")
     events = tail.replace(HB_CHUNK, b"")
-    assert events == inband("upstream llm sent no response head within 0.3s", "timeout_error",
-                            "upstream_timeout")
+    assert events == inband(
+        "upstream llm sent no response head within 0.3s", "timeout_error", "upstream_timeout"
+    )
     c.close()
     [row] = await rows_of(app, 1)
     assert (row["status"], row["ok"], row["error_code"]) == (504, 0, "upstream_timeout")
@@ -561,10 +632,12 @@ async def test_openai_client_streams_through_heartbeats(make_relay, upstreams):
 
     up = await upstreams(script)
     app = await make_relay(up.url, heartbeat_s=0.05)
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{app.port}/v1", api_key="sk-x",
-                                max_retries=0, timeout=10)
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{app.port}/v1", api_key="sk-x", max_retries=0, timeout=10
+    )
     stream = await client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+        model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+    )
     text = [c.choices[0].delta.content or "" async for c in stream if c.choices]
     await client.close()
     assert "".join(text) == "Hello there friend"
@@ -581,8 +654,9 @@ async def test_drain_after_heartbeats_is_told_in_band(make_relay, upstreams):
     await c.expect(CLIENT_HEAD + HB_CHUNK)
     stop = asyncio.ensure_future(app.stop(drain_timeout_s=0.1))
     tail = await c.until(b"\r\n0\r\n\r\n")
-    assert tail.replace(HB_CHUNK, b"") == inband("the relay is shutting down", "server_error",
-                                                 "shutting_down")
+    assert tail.replace(HB_CHUNK, b"") == inband(
+        "the relay is shutting down", "server_error", "shutting_down"
+    )
     await stop
     c.close()
     [line] = app.log.of("access")

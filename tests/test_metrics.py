@@ -230,8 +230,10 @@ def parse(reg: Registry, now: float) -> dict[str, tuple[str, dict]]:
     out = {}
     for fam in text_string_to_metric_families(text):
         assert fam.name not in out
-        out[fam.name] = (fam.type, {(s.name, tuple(sorted(s.labels.items()))): s.value
-                                    for s in fam.samples})
+        out[fam.name] = (
+            fam.type,
+            {(s.name, tuple(sorted(s.labels.items()))): s.value for s in fam.samples},
+        )
     return out
 
 
@@ -271,22 +273,35 @@ def test_prometheus_families_and_values():
         assert sorted(ones) == [0, 0, 0, 1]
 
     # counters: the parser names the family without `_total`, samples keep it
-    assert fams["relay_requests"] == ("counter", {
-        ("relay_requests_total", lab(upstream=A)): 2,
-        ("relay_requests_total", lab(upstream=B)): 1,
-    })
-    assert fams["relay_requests_failed"] == ("counter", {
-        ("relay_requests_failed_total", lab(upstream=A, code="upstream_timeout")): 1,
-        ("relay_requests_failed_total", lab(upstream=B, code="connect_failed")): 1,
-    })
-    assert fams["relay_tokens"] == ("counter", {
-        ("relay_tokens_total", lab(upstream=A)): 95,
-        ("relay_tokens_total", lab(upstream=B)): 0,
-    })
-    assert fams["relay_stall_trips"] == ("counter", {
-        ("relay_stall_trips_total", lab(upstream=u, reason=r)): int(u == A and r == "total")
-        for u in (A, B) for r in ("total", "idle", "read")
-    })
+    assert fams["relay_requests"] == (
+        "counter",
+        {
+            ("relay_requests_total", lab(upstream=A)): 2,
+            ("relay_requests_total", lab(upstream=B)): 1,
+        },
+    )
+    assert fams["relay_requests_failed"] == (
+        "counter",
+        {
+            ("relay_requests_failed_total", lab(upstream=A, code="upstream_timeout")): 1,
+            ("relay_requests_failed_total", lab(upstream=B, code="connect_failed")): 1,
+        },
+    )
+    assert fams["relay_tokens"] == (
+        "counter",
+        {
+            ("relay_tokens_total", lab(upstream=A)): 95,
+            ("relay_tokens_total", lab(upstream=B)): 0,
+        },
+    )
+    assert fams["relay_stall_trips"] == (
+        "counter",
+        {
+            ("relay_stall_trips_total", lab(upstream=u, reason=r)): int(u == A and r == "total")
+            for u in (A, B)
+            for r in ("total", "idle", "read")
+        },
+    )
     kind, qwait = fams["relay_queue_wait_seconds"]
     assert kind == "histogram"  # (a summary before issue 13: _sum and _count kept)
     assert {k: v for k, v in qwait.items() if not k[0].endswith("_bucket")} == {
@@ -295,19 +310,28 @@ def test_prometheus_families_and_values():
         ("relay_queue_wait_seconds_sum", lab(upstream=B)): 0.0,
         ("relay_queue_wait_seconds_count", lab(upstream=B)): 0,
     }
-    a_buckets = {dict(k[1])["le"]: v for k, v in qwait.items()
-                 if k[0].endswith("_bucket") and dict(k[1])["upstream"] == A}
+    a_buckets = {
+        dict(k[1])["le"]: v
+        for k, v in qwait.items()
+        if k[0].endswith("_bucket") and dict(k[1])["upstream"] == A
+    }
     assert a_buckets["1.0"] == 0 and a_buckets["2.5"] == 1 and a_buckets["+Inf"] == 1
     assert fams["relay_key_requests"] == ("counter", {})
-    for name in ("relay_time_to_first_token_seconds", "relay_time_per_output_token_seconds",
-                 "relay_e2e_request_latency_seconds"):
+    for name in (
+        "relay_time_to_first_token_seconds",
+        "relay_time_per_output_token_seconds",
+        "relay_e2e_request_latency_seconds",
+    ):
         kind, samples = fams[name]
         assert kind == "histogram" and samples[(name + "_count", lab(upstream=A))] == 0
     assert fams["relay_rows_dropped"] == ("counter", {("relay_rows_dropped_total", ()): 7})
-    assert fams["relay_requests_rejected"] == ("counter", {
-        ("relay_requests_rejected_total", lab(code="429")): 2,
-        ("relay_requests_rejected_total", lab(code="401")): 1,
-    })
+    assert fams["relay_requests_rejected"] == (
+        "counter",
+        {
+            ("relay_requests_rejected_total", lab(code="429")): 2,
+            ("relay_requests_rejected_total", lab(code="401")): 1,
+        },
+    )
     assert len(fams) == 22
 
 
@@ -326,11 +350,12 @@ def test_prometheus_text_layout():
             assert current == helps[-1]  # HELP directly before its TYPE
         else:  # every sample sits under its own family's TYPE line
             name = line.split("{")[0].split(" ")[0]
-            assert name in (current, current + "_sum", current + "_count",
-                            current + "_bucket"), line
+            assert name in (current, current + "_sum", current + "_count", current + "_bucket"), (
+                line
+            )
     assert len(helps) == len(set(helps)) == len(types) == len(set(types)) == 22
-    assert "relay_tokens_total{upstream=\"gpu0\"} 95\n" in text  # ints as ints
-    assert "relay_tokens_per_second{upstream=\"gpu0\"} 5.0\n" in text  # floats via repr
+    assert 'relay_tokens_total{upstream="gpu0"} 95\n' in text  # ints as ints
+    assert 'relay_tokens_per_second{upstream="gpu0"} 5.0\n' in text  # floats via repr
     for name in types:
         if name.endswith("_total"):
             assert f"# TYPE {name} counter" in text
@@ -344,7 +369,9 @@ def test_prometheus_unknown_state_and_nan_gauge():
     m.decoding_speed_tps = math.nan  # set directly, bypassing set_flm's guard
     fams = parse(reg, 0.0)
     assert sum(fams["relay_upstream_state"][1].values()) == 1
-    assert fams["relay_upstream_state"][1][
-        ("relay_upstream_state", lab(upstream="x", state="weird"))] == 1
+    assert (
+        fams["relay_upstream_state"][1][("relay_upstream_state", lab(upstream="x", state="weird"))]
+        == 1
+    )
     assert fams["relay_decoding_speed_tps"] == ("gauge", {})
     assert b"NaN" not in reg.prometheus(0.0)

@@ -7,6 +7,7 @@ import collections
 import json
 import os
 import shutil
+from pathlib import Path
 
 from relay.sim.server import Simulator
 from tests.conftest import wait_for
@@ -27,6 +28,7 @@ async def _load(ports: list[int], stop: asyncio.Event, workers: int = 8) -> list
             rid = f"w{w}-{i}"
             out.append((rid, await chat(ports[(w + i) % len(ports)], rid)))
             i += 1
+
     await asyncio.gather(*(worker(w) for w in range(workers)))
     return out
 
@@ -36,12 +38,15 @@ def _ids(pg, db: str) -> collections.Counter:
 
 
 async def test_postgres_stopped_5s_under_load_fails_no_request_and_loses_no_row(
-        tmp_path, pg_server):
+    tmp_path, pg_server
+):
     sim = Simulator()
     await sim.start()
     db = pg_server.create_db()
-    relays = [Relay(config(tmp_path, f"r{i}", sim.port, pg_server.url(db), limit=10**9,
-                           ttl=1.0)) for i in range(2)]
+    relays = [
+        Relay(config(tmp_path, f"r{i}", sim.port, pg_server.url(db), limit=10**9, ttl=1.0))
+        for i in range(2)
+    ]
     await asyncio.gather(*(r.start() for r in relays))
     stop = asyncio.Event()
     load = asyncio.create_task(_load([r.port for r in relays], stop))
@@ -57,6 +62,7 @@ async def test_postgres_stopped_5s_under_load_fails_no_request_and_loses_no_row(
             for r in relays:
                 spilled[r.port] = await r.metric("relay_rows_spilled")
             return all(spilled.values())
+
         while not await all_spilled():
             assert loop.time() < back_at, spilled
             await asyncio.sleep(0.05)
@@ -73,8 +79,11 @@ async def test_postgres_stopped_5s_under_load_fails_no_request_and_loses_no_row(
         ids = _ids(pg_server, db)
         assert set(ids) == want and set(ids.values()) == {1}  # every row, once
         for r in relays:  # the spill was replayed and emptied
-            await wait_for(lambda r=r: os.path.getsize(
-                r.cfg.replace(".toml", "-spill.jsonl")) == 0, 5, step=0.05)
+            await wait_for(
+                lambda r=r: os.path.getsize(r.cfg.replace(".toml", "-spill.jsonl")) == 0,
+                5,
+                step=0.05,
+            )
             assert r.events("spill_replayed")
             assert await r.metric("relay_rows_spilled") == 0
     finally:
@@ -86,8 +95,7 @@ async def test_postgres_stopped_5s_under_load_fails_no_request_and_loses_no_row(
         await sim.stop()
 
 
-async def test_a_relay_stopped_with_a_spill_replays_it_once_at_its_next_start(
-        tmp_path, pg_server):
+async def test_a_relay_stopped_with_a_spill_replays_it_once_at_its_next_start(tmp_path, pg_server):
     sim = Simulator()
     await sim.start()
     db = pg_server.create_db()
@@ -99,7 +107,7 @@ async def test_a_relay_stopped_with_a_spill_replays_it_once_at_its_next_start(
         # down at once: keyed requests run on the local view (limit 3 still holds)
         assert [await chat(relay.port, f"down{i}") for i in range(5)] == [200] * 3 + [429] * 2
         assert await relay.stop() == 0  # SIGTERM: what is queued goes to the spill
-        assert len(open(spill, "rb").read().splitlines()) == 5
+        assert len(Path(spill).read_bytes().splitlines()) == 5
         shutil.copy(spill, spill + ".copy")
     finally:
         await asyncio.to_thread(pg_server.start)
@@ -131,12 +139,13 @@ async def test_a_relay_does_not_start_without_its_server_and_says_why(tmp_path, 
     wrong = tmp_path / "wrong.toml"  # the right server, the wrong password
     wrong.write_text(text.replace(PASSWORD_ENV, "RELAY_TEST_WRONG_PW"))
     closed = config(tmp_path, "c", 9, "postgresql://relay@127.0.0.1:1/x")  # nothing there
-    for cfg, env, why in ((str(wrong), {"RELAY_TEST_WRONG_PW": "not-it"}, "password"),
-                          (closed, {}, "127.0.0.1")):
+    for cfg, env, why in (
+        (str(wrong), {"RELAY_TEST_WRONG_PW": "not-it"}, "password"),
+        (closed, {}, "127.0.0.1"),
+    ):
         proc = await start("serve", "--config", cfg, env=env)
         _, err = await asyncio.wait_for(proc.communicate(), 30)
         assert proc.returncode == 2
-        [line] = [json.loads(x) for x in err.splitlines()
-                  if b'"relay_start_failed"' in x]
+        [line] = [json.loads(x) for x in err.splitlines() if b'"relay_start_failed"' in x]
         assert line["error"].startswith("store.url: ") and why in line["error"], line
         assert PASSWORD.encode() not in err and b"not-it" not in err

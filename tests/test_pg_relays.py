@@ -21,9 +21,11 @@ async def _rows(pg, db: str, timeout: float = 15.0, want: int | None = None) -> 
     got: list = []
 
     def enough() -> bool:
-        got[:] = pg.query(db, "SELECT request_id, status, error_code, upstream_served,"
-                              " row_id FROM request")
+        got[:] = pg.query(
+            db, "SELECT request_id, status, error_code, upstream_served, row_id FROM request"
+        )
         return want is None or len(got) >= want
+
     await wait_for(enough, timeout, step=0.05)
     return got
 
@@ -41,14 +43,14 @@ async def _stop_all(relays) -> None:
             await r.stop()
 
 
-async def test_three_relays_admit_exactly_the_limit_of_300_and_write_300_rows(tmp_path,
-                                                                               pg_server):
+async def test_three_relays_admit_exactly_the_limit_of_300_and_write_300_rows(tmp_path, pg_server):
     sim = Simulator()
     await sim.start()
     db, relays = await _relays(tmp_path, pg_server, sim, 3, limit=LIMIT)
     try:
-        statuses = await asyncio.gather(*(
-            chat(relays[i % 3].port, f"burst{i}") for i in range(300)))
+        statuses = await asyncio.gather(
+            *(chat(relays[i % 3].port, f"burst{i}") for i in range(300))
+        )
         count = collections.Counter(statuses)
         assert count == {200: LIMIT, 429: 300 - LIMIT}, count
         rows = await _rows(pg_server, db, want=300)
@@ -57,14 +59,31 @@ async def test_three_relays_admit_exactly_the_limit_of_300_and_write_300_rows(tm
         assert sum(1 for r in rows if r[2] == "budget_exceeded") == 300 - LIMIT
         assert pg_server.query(db, "SELECT count(*) FROM reservation") == [(0,)]
         # relay report reads the shared table (the password from libpq's PGPASSWORD)
-        proc = await start("report", "--db", pg_server.url(db), "--since", "all", "--json",
-                           env={"PGPASSWORD": PASSWORD})
+        proc = await start(
+            "report",
+            "--db",
+            pg_server.url(db),
+            "--since",
+            "all",
+            "--json",
+            env={"PGPASSWORD": PASSWORD},
+        )
         out, err = await asyncio.wait_for(proc.communicate(), 30)
         assert proc.returncode == 0, err
         total = json.loads(out)["total"]
         assert (total["requests"], total["ok"]) == (300, LIMIT), total
-        proc = await start("report", "--db", pg_server.url(db), "--bench", "--by", "key",
-                           "--since", "1h", "--json", env={"PGPASSWORD": PASSWORD})
+        proc = await start(
+            "report",
+            "--db",
+            pg_server.url(db),
+            "--bench",
+            "--by",
+            "key",
+            "--since",
+            "1h",
+            "--json",
+            env={"PGPASSWORD": PASSWORD},
+        )
         out, err = await asyncio.wait_for(proc.communicate(), 30)
         assert proc.returncode == 0, err
         [group] = json.loads(out)["groups"]
@@ -80,31 +99,35 @@ async def test_three_relays_admit_exactly_the_limit_of_300_and_write_300_rows(tm
 
 
 async def test_kill_9_mid_stream_its_lease_expires_into_a_charged_row_budget_exact(
-        tmp_path, pg_server):
+    tmp_path, pg_server
+):
     sim = Simulator()
     await sim.start()
     db, relays = await _relays(tmp_path, pg_server, sim, 3, limit=LIMIT, ttl=0.6)
     a, b, c = relays
     reader, writer = await asyncio.open_connection("127.0.0.1", a.port)
     try:
-        writer.write(httpc.build_request("POST", CHAT, httpc.chat(100000, interval_ms=50),
-                                         headers("killed")))
+        writer.write(
+            httpc.build_request("POST", CHAT, httpc.chat(100000, interval_ms=50), headers("killed"))
+        )
         assert (await asyncio.wait_for(httpc.read_head(reader), 10)).status == 200
         [(lease, relay_id)] = pg_server.query(db, "SELECT id, relay_id FROM reservation")
         await a.stop(signal.SIGKILL)  # mid-stream: no settlement, no row, no renewal
         # while the lease is live it holds its request: the others admit LIMIT - 1
-        statuses = await asyncio.gather(*(chat((b, c)[i % 2].port, f"after{i}")
-                                          for i in range(20)))
+        statuses = await asyncio.gather(*(chat((b, c)[i % 2].port, f"after{i}") for i in range(20)))
         assert collections.Counter(statuses) == {200: LIMIT - 1, 429: 20 - LIMIT + 1}
         # a live relay's lease is renewed, a dead one's expires: into a relay_crashed row
-        await wait_for(lambda: pg_server.query(
-            db, "SELECT count(*) FROM reservation") == [(0,)], 10, step=0.05)
-        crashed = pg_server.query(db, "SELECT request_id, row_id, tokens_source FROM request"
-                                      " WHERE error_code = 'relay_crashed'")
+        await wait_for(
+            lambda: pg_server.query(db, "SELECT count(*) FROM reservation") == [(0,)], 10, step=0.05
+        )
+        crashed = pg_server.query(
+            db,
+            "SELECT request_id, row_id, tokens_source FROM request"
+            " WHERE error_code = 'relay_crashed'",
+        )
         assert crashed == [("killed", lease, "reserved")] and lease.startswith(relay_id)
         # the budget is exact: the cut request is charged, nothing more is admitted
-        statuses = await asyncio.gather(*(chat((b, c)[i % 2].port, f"late{i}")
-                                          for i in range(5)))
+        statuses = await asyncio.gather(*(chat((b, c)[i % 2].port, f"late{i}") for i in range(5)))
         assert statuses == [429] * 5
         rows = await _rows(pg_server, db, want=26)
         charged = [r for r in rows if r[3] is not None or r[2] == "relay_crashed"]
@@ -122,14 +145,17 @@ async def test_a_long_stream_keeps_its_lease_past_the_ttl(tmp_path, pg_server):
     a, b = relays
     try:
         # 40 tokens 50 ms apart: a stream of 2 s, several lease times
-        stream = asyncio.create_task(httpc.fetch(
-            a.port, "POST", CHAT, httpc.chat(40, interval_ms=50), headers("long")))
-        await wait_for(lambda: pg_server.query(db, "SELECT count(*) FROM reservation")
-                       == [(1,)], 10, step=0.02)
+        stream = asyncio.create_task(
+            httpc.fetch(a.port, "POST", CHAT, httpc.chat(40, interval_ms=50), headers("long"))
+        )
+        await wait_for(
+            lambda: pg_server.query(db, "SELECT count(*) FROM reservation") == [(1,)], 10, step=0.02
+        )
         checks = 0
         while not stream.done():  # an expired lease would show as a relay_crashed row
-            assert pg_server.query(db, "SELECT count(*) FROM request WHERE error_code"
-                                       " = 'relay_crashed'") == [(0,)]
+            assert pg_server.query(
+                db, "SELECT count(*) FROM request WHERE error_code = 'relay_crashed'"
+            ) == [(0,)]
             checks += 1
             await asyncio.sleep(0.05)
         resp = stream.result()

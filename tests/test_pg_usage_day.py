@@ -17,10 +17,12 @@ from relay.store import admissions as durable
 from relay.store import pg_sql
 from relay.store import postgres as store_pg
 
-BY_DAY = (f"SELECT key_id, floor(ts / 86400) * 86400 AS day,"
-          f" sum(CASE WHEN {durable.CHARGED} THEN 1 ELSE 0 END),"
-          " sum(coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0))"
-          " FROM request WHERE key_id IS NOT NULL AND ts IS NOT NULL GROUP BY 1, 2")
+BY_DAY = (
+    f"SELECT key_id, floor(ts / 86400) * 86400 AS day,"
+    f" sum(CASE WHEN {durable.CHARGED} THEN 1 ELSE 0 END),"
+    " sum(coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0))"
+    " FROM request WHERE key_id IS NOT NULL AND ts IS NOT NULL GROUP BY 1, 2"
+)
 KEYS = ("a", "b", "c")
 
 
@@ -44,15 +46,17 @@ def conn(pg_server):
 
 def _starts(now: float) -> list[float]:
     day = window_bounds("day", now)[0]
-    return [day, day - 86400, window_bounds("month", now)[0], now - 12345.5, day - 3.5 * 86400,
-            0.0]
+    return [day, day - 86400, window_bounds("month", now)[0], now - 12345.5, day - 3.5 * 86400, 0.0]
 
 
 def _check(conn, now: float) -> None:
-    days = {(k, d): (n, t) for k, d, n, t in conn.execute(
-        "SELECT key_id, day, n, t FROM usage_day WHERE n <> 0 OR t <> 0").fetchall()}
-    assert days == {(k, d): (n, t) for k, d, n, t in conn.execute(BY_DAY).fetchall()
-                    if n or t}
+    days = {
+        (k, d): (n, t)
+        for k, d, n, t in conn.execute(
+            "SELECT key_id, day, n, t FROM usage_day WHERE n <> 0 OR t <> 0"
+        ).fetchall()
+    }
+    assert days == {(k, d): (n, t) for k, d, n, t in conn.execute(BY_DAY).fetchall() if n or t}
     for key in KEYS:
         for start in _starts(now):
             used = conn.execute("SELECT n, t FROM relay_used(%s, %s)", (key, start)).fetchone()
@@ -62,12 +66,18 @@ def _check(conn, now: float) -> None:
 
 def _random_row(rng: random.Random, now: float, row_id: str) -> tuple:
     served = rng.random() < 0.7
-    return _row(ts=now - rng.random() * 40 * 86400, request_id=row_id,
-                key_id=rng.choice(KEYS + (None,)), path="/v1/chat/completions", ok=int(served),
-                upstream_served="u" if served else None,
-                error_code=None if served else rng.choice(["upstream_error", durable.CRASHED]),
-                prompt_tokens=rng.choice([None, rng.randint(0, 50)]),
-                completion_tokens=rng.choice([None, rng.randint(0, 500)]), row_id=row_id)
+    return _row(
+        ts=now - rng.random() * 40 * 86400,
+        request_id=row_id,
+        key_id=rng.choice(KEYS + (None,)),
+        path="/v1/chat/completions",
+        ok=int(served),
+        upstream_served="u" if served else None,
+        error_code=None if served else rng.choice(["upstream_error", durable.CRASHED]),
+        prompt_tokens=rng.choice([None, rng.randint(0, 50)]),
+        completion_tokens=rng.choice([None, rng.randint(0, 500)]),
+        row_id=row_id,
+    )
 
 
 def test_usage_day_is_the_sum_of_the_rows_whatever_happens_to_them(conn):
@@ -94,17 +104,28 @@ def test_usage_day_is_the_sum_of_the_rows_whatever_happens_to_them(conn):
                     "INSERT INTO reservation (id, relay_id, key_id, expires, tokens, ts,"
                     " request_id, path, prompt_tokens, completion_tokens) VALUES (%s, 'dead',"
                     " %s, 0, 0, %s, %s, '/v1/completions', %s, %s)",
-                    (lid, rng.choice(KEYS), now - rng.random() * 3 * 86400, lid,
-                     rng.randint(0, 9), rng.randint(0, 99)))
+                    (
+                        lid,
+                        rng.choice(KEYS),
+                        now - rng.random() * 3 * 86400,
+                        lid,
+                        rng.randint(0, 9),
+                        rng.randint(0, 99),
+                    ),
+                )
                 ids.append(lid)
             conn.execute(pg_sql.EXPIRE_ALL)
         else:  # the oldest rows pruned
             conn.execute(pg_sql.PRUNE, (now - (38 - step // 5) * 86400,))
         _check(conn, now)
-    crashed = conn.execute("SELECT count(*) FROM request WHERE error_code = %s",
-                           (durable.CRASHED,)).fetchone()[0]
-    replaced = conn.execute("SELECT count(*) FROM request WHERE request_id LIKE 'lease%%'"
-                            " AND error_code IS DISTINCT FROM %s", (durable.CRASHED,)).fetchone()[0]
+    crashed = conn.execute(
+        "SELECT count(*) FROM request WHERE error_code = %s", (durable.CRASHED,)
+    ).fetchone()[0]
+    replaced = conn.execute(
+        "SELECT count(*) FROM request WHERE request_id LIKE 'lease%%'"
+        " AND error_code IS DISTINCT FROM %s",
+        (durable.CRASHED,),
+    ).fetchone()[0]
     assert crashed > 0 and conn.execute("SELECT count(*) FROM request").fetchone()[0] > 100
     assert replaced > 0  # (placeholders replaced by their rows: the UPDATE path)
 
@@ -144,9 +165,19 @@ def test_two_relays_writing_batches_of_the_same_keys_never_deadlock(pg_server, c
         with psycopg.connect(url, autocommit=True) as c:
             fake = types.SimpleNamespace(_conn=c)
             for b in range(40):
-                rows = [_row(ts=now, request_id=f"{tag}{b}-{i}", key_id=rng.choice(KEYS),
-                             upstream_served="u", ok=1, prompt_tokens=1, completion_tokens=2,
-                             row_id=f"{tag}{b}-{i}") for i in range(12)]
+                rows = [
+                    _row(
+                        ts=now,
+                        request_id=f"{tag}{b}-{i}",
+                        key_id=rng.choice(KEYS),
+                        upstream_served="u",
+                        ok=1,
+                        prompt_tokens=1,
+                        completion_tokens=2,
+                        row_id=f"{tag}{b}-{i}",
+                    )
+                    for i in range(12)
+                ]
                 rng.shuffle(rows)
                 try:
                     store_pg.PgStore._commit_pg(fake, rows)
@@ -159,6 +190,8 @@ def test_two_relays_writing_batches_of_the_same_keys_never_deadlock(pg_server, c
     for t in threads:
         t.join(120)
     assert not errors, errors[:3]
-    assert conn.execute("SELECT sum(n), sum(t) FROM usage_day").fetchone() == (3 * 40 * 12,
-                                                                                3 * 40 * 12 * 3)
+    assert conn.execute("SELECT sum(n), sum(t) FROM usage_day").fetchone() == (
+        3 * 40 * 12,
+        3 * 40 * 12 * 3,
+    )
     _check(conn, now)

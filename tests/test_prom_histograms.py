@@ -55,10 +55,12 @@ def count_le(buckets, le: float) -> float:
 async def test_latency_histograms_against_known_requests(make_relay):
     app = await make_relay(keys=[key()])
     # five fast-start and five slow-start streams of 5 tokens 120 ms apart
-    bodies = ([httpc.chat(5, first_token_delay_ms=150, interval_ms=120)] * 5
-              + [httpc.chat(5, first_token_delay_ms=600, interval_ms=120)] * 5)
-    resps = await asyncio.gather(*(httpc.fetch(app.port, "POST", CHAT, b, headers=bearer())
-                                   for b in bodies))
+    bodies = [httpc.chat(5, first_token_delay_ms=150, interval_ms=120)] * 5 + [
+        httpc.chat(5, first_token_delay_ms=600, interval_ms=120)
+    ] * 5
+    resps = await asyncio.gather(
+        *(httpc.fetch(app.port, "POST", CHAT, b, headers=bearer()) for b in bodies)
+    )
     assert all(r.status == 200 and r.complete for r in resps)
     text = (await httpc.fetch(app.port, "GET", "/metrics")).body.decode()
     h = scrape_histograms(text, "llm")
@@ -85,7 +87,6 @@ async def test_latency_histograms_against_known_requests(make_relay):
 
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     reqs = {s.labels["key"]: s.value for s in fams["relay_key_requests"].samples}
-    toks = {(s.labels["key"], s.labels["kind"]): s.value
-            for s in fams["relay_key_tokens"].samples}
+    toks = {(s.labels["key"], s.labels["kind"]): s.value for s in fams["relay_key_tokens"].samples}
     assert reqs == {"alpha": 10}
     assert toks == {("alpha", "completion"): 50, ("alpha", "prompt"): 20}

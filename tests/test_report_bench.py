@@ -35,7 +35,7 @@ ROWS = [  # model, upstream, key, ok, ttft, tpot, e2e, tokens, itl_hist
     ("a", "u2", "k2", 0, 50.0, None, 60.0, 3, None),  # failed: not in the figures
     ("b", "u1", "k1", 1, 1000.0, None, 1000.0, 1, None),  # one token: no TPOT
 ]
-MID_10MS = (10 / 16 + 11 / 16) / 2 * 2 ** -6 * 1000  # the 10 ms gaps' bucket midpoint, ms
+MID_10MS = (10 / 16 + 11 / 16) / 2 * 2**-6 * 1000  # the 10 ms gaps' bucket midpoint, ms
 MID_20MS = 2 * MID_10MS
 
 
@@ -45,12 +45,35 @@ def db(tmp_path):
     store = Store(path, retention_days=0)
     store.start()
     for i, (model, up, key, ok, ttft, tpot, e2e, tokens, ih) in enumerate(ROWS):
-        store.put({"ts": T0 + 10 + i, "request_id": f"r{i}", "model": model,
-                   "upstream_served": up, "key_id": key, "ok": ok, "stream": 1,
-                   "ttft_ms": ttft, "tpot_ms": tpot, "e2e_ms": e2e, "total_ms": e2e,
-                   "completion_tokens": tokens, "itl_hist": ih, "status": 200 if ok else 502})
-    store.put({"ts": T0 - 5, "request_id": "before", "model": "a", "ok": 1, "ttft_ms": 1.0,
-               "e2e_ms": 1.0, "completion_tokens": 1})  # outside the window
+        store.put(
+            {
+                "ts": T0 + 10 + i,
+                "request_id": f"r{i}",
+                "model": model,
+                "upstream_served": up,
+                "key_id": key,
+                "ok": ok,
+                "stream": 1,
+                "ttft_ms": ttft,
+                "tpot_ms": tpot,
+                "e2e_ms": e2e,
+                "total_ms": e2e,
+                "completion_tokens": tokens,
+                "itl_hist": ih,
+                "status": 200 if ok else 502,
+            }
+        )
+    store.put(
+        {
+            "ts": T0 - 5,
+            "request_id": "before",
+            "model": "a",
+            "ok": 1,
+            "ttft_ms": 1.0,
+            "e2e_ms": 1.0,
+            "completion_tokens": 1,
+        }
+    )  # outside the window
     store.close()
     return path
 
@@ -61,24 +84,49 @@ def run(capsys, *argv) -> str:
 
 
 def test_figures_by_model(db, capsys):
-    out = json.loads(run(capsys, "--db", db, "--from", str(T0), "--to", str(T0 + 100),
-                         "--slo", "ttft=300ms,tpot=0.025s", "--json"))
+    out = json.loads(
+        run(
+            capsys,
+            "--db",
+            db,
+            "--from",
+            str(T0),
+            "--to",
+            str(T0 + 100),
+            "--slo",
+            "ttft=300ms,tpot=0.025s",
+            "--json",
+        )
+    )
     assert out["by"] == "model" and (out["from"], out["to"]) == (T0, T0 + 100)
     a, b = out["groups"]
     assert (a["group"], a["requests"], a["completed"], a["failed"]) == ("a", 5, 4, 1)
     assert a["duration_s"] == 100.0
     assert a["request_throughput"] == 4 / 100 and a["output_throughput"] == 44 / 100
     # linear interpolation between closest ranks: p90 of 4 values sits at 2.7
-    assert a["ttft"] == {"mean": 250.0, "p50": 250.0, "p90": 370.0, "p99": pytest.approx(397.0),
-                         "n": 4}
-    assert a["tpot"] == {"mean": 25.0, "p50": 25.0, "p90": 37.0, "p99": pytest.approx(39.7),
-                         "n": 4}
-    assert a["e2el"] == {"mean": 500.0, "p50": 500.0, "p90": 740.0, "p99": pytest.approx(794.0),
-                         "n": 4}
+    assert a["ttft"] == {
+        "mean": 250.0,
+        "p50": 250.0,
+        "p90": 370.0,
+        "p99": pytest.approx(397.0),
+        "n": 4,
+    }
+    assert a["tpot"] == {"mean": 25.0, "p50": 25.0, "p90": 37.0, "p99": pytest.approx(39.7), "n": 4}
+    assert a["e2el"] == {
+        "mean": 500.0,
+        "p50": 500.0,
+        "p90": 740.0,
+        "p99": pytest.approx(794.0),
+        "n": 4,
+    }
     # ITL: 20 gaps pooled, 10 of 10 ms and 10 of 20 ms, each read as its bucket's midpoint
-    assert a["itl"] == {"mean": pytest.approx((MID_10MS + MID_20MS) / 2),
-                        "p50": pytest.approx(MID_10MS), "p90": pytest.approx(MID_20MS),
-                        "p99": pytest.approx(MID_20MS), "n": 20}
+    assert a["itl"] == {
+        "mean": pytest.approx((MID_10MS + MID_20MS) / 2),
+        "p50": pytest.approx(MID_10MS),
+        "p90": pytest.approx(MID_20MS),
+        "p99": pytest.approx(MID_20MS),
+        "n": 20,
+    }
     # goodput: TTFT <= 300 ms and TPOT <= 25 ms: the first two requests
     assert (a["good"], a["goodput"]) == (2, 0.02)
     assert (b["group"], b["completed"], b["good"]) == ("b", 1, 0)  # TTFT 1000 ms
@@ -89,8 +137,10 @@ def test_figures_by_model(db, capsys):
 
 
 def test_reserved_tokens_are_no_output():
-    rows = [{"ok": 1, "completion_tokens": 10, "tokens_source": "exact"},
-            {"ok": 1, "completion_tokens": 1024, "tokens_source": "reserved"}]
+    rows = [
+        {"ok": 1, "completion_tokens": 10, "tokens_source": "exact"},
+        {"ok": 1, "completion_tokens": 1024, "tokens_source": "reserved"},
+    ]
     _, total = benchview.bench(rows, "model", 10.0)
     assert total["output_tokens"] == 10 and total["output_throughput"] == 1.0
 
@@ -103,12 +153,36 @@ def test_one_token_request_meets_a_tpot_slo():
 
 
 def test_by_upstream_and_key_and_csv(db, capsys):
-    out = json.loads(run(capsys, "--db", db, "--from", str(T0), "--to", str(T0 + 100),
-                         "--by", "upstream", "--json"))
+    out = json.loads(
+        run(
+            capsys,
+            "--db",
+            db,
+            "--from",
+            str(T0),
+            "--to",
+            str(T0 + 100),
+            "--by",
+            "upstream",
+            "--json",
+        )
+    )
     assert [(g["group"], g["completed"]) for g in out["groups"]] == [("u1", 3), ("u2", 2)]
     assert "goodput" not in out["total"]
-    text = run(capsys, "--db", db, "--from", str(T0), "--to", str(T0 + 100), "--by", "key",
-               "--csv", "--slo", "e2el=1s")
+    text = run(
+        capsys,
+        "--db",
+        db,
+        "--from",
+        str(T0),
+        "--to",
+        str(T0 + 100),
+        "--by",
+        "key",
+        "--csv",
+        "--slo",
+        "e2el=1s",
+    )
     rows = list(csv.DictReader(io.StringIO(text)))
     assert [r["group"] for r in rows] == ["k1", "k2", "TOTAL"]
     assert rows[0]["completed"] == "3" and rows[0]["good"] == "3"  # e2e 200, 400, 1000
@@ -117,8 +191,16 @@ def test_by_upstream_and_key_and_csv(db, capsys):
 
 
 def test_table_and_iso_window(db, capsys):
-    text = run(capsys, "--db", db, "--from", "2026-09-21T14:13:20Z", "--to",
-               "2026-09-21T14:15:00+00:00", "--bench")
+    text = run(
+        capsys,
+        "--db",
+        db,
+        "--from",
+        "2026-09-21T14:13:20Z",
+        "--to",
+        "2026-09-21T14:15:00+00:00",
+        "--bench",
+    )
     assert "from 2026-09-21 14:13:20 UTC to 2026-09-21 14:15:00 UTC" in text
     assert "== model a: 4 completed, 1 failed, over 100.0 s" in text
     assert "request throughput 0.040 req/s, output 0.44 tok/s" in text
@@ -128,22 +210,29 @@ def test_table_and_iso_window(db, capsys):
 def test_old_database_reads(tmp_path, capsys):
     path = str(tmp_path / "old.db")
     conn = sqlite3.connect(path)
-    conn.execute("CREATE TABLE request (ts REAL, model TEXT, ok INTEGER, ttft_ms REAL,"
-                 " completion_tokens INTEGER, upstream_served TEXT, key_id TEXT, stream INT,"
-                 " prompt_tokens INT)")
+    conn.execute(
+        "CREATE TABLE request (ts REAL, model TEXT, ok INTEGER, ttft_ms REAL,"
+        " completion_tokens INTEGER, upstream_served TEXT, key_id TEXT, stream INT,"
+        " prompt_tokens INT)"
+    )
     conn.execute("INSERT INTO request VALUES (?, 'm', 1, 5.0, 3, 'u', NULL, 1, 1)", (T0 + 1,))
     conn.commit()
     conn.close()
-    out = json.loads(run(capsys, "--db", path, "--from", str(T0), "--to", str(T0 + 10),
-                         "--json"))
+    out = json.loads(run(capsys, "--db", path, "--from", str(T0), "--to", str(T0 + 10), "--json"))
     assert out["total"]["ttft"]["p50"] == 5.0 and out["total"]["e2el"]["n"] == 0
 
 
 def test_bad_flags(db, capsys):
-    for argv in (["--slo", "ttft=fast"], ["--from", "yesterday"],
-                 ["--from", str(T0 + 10), "--to", str(T0)]):
+    for argv in (
+        ["--slo", "ttft=fast"],
+        ["--from", "yesterday"],
+        ["--from", str(T0 + 10), "--to", str(T0)],
+    ):
         with pytest.raises(SystemExit) as exc:
             report.main(["--db", db, *argv])
         assert exc.value.code == 2
     assert benchview.parse_slo("ttft=500,tpot=50ms,e2el=2s") == {
-        "ttft": 500.0, "tpot": 50.0, "e2el": 2000.0}
+        "ttft": 500.0,
+        "tpot": 50.0,
+        "e2el": 2000.0,
+    }

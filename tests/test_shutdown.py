@@ -62,8 +62,7 @@ async def test_shutdown_refuses_the_queue_and_settles_cut_streams(make_relay, si
     # the queue is answered at once (well before the drain deadline), 503 shutting_down
     assert all(a is not None for a in answers), "an empty reply"
     assert [a.status for a in answers] == [503] * 15
-    assert [(a.status, a.json()["error"]["code"]) for a in answers] == \
-        [(503, "shutting_down")] * 15
+    assert [(a.status, a.json()["error"]["code"]) for a in answers] == [(503, "shutting_down")] * 15
     assert refused_after < 0.5
     # no upstream stream started after the drain began: only the five streams
     assert len(sim.requests) == 5
@@ -73,15 +72,25 @@ async def test_shutdown_refuses_the_queue_and_settles_cut_streams(make_relay, si
     assert len(by_id) == 20
     for i, h in enumerate(heads):
         row = by_id[f"s{i}"]
-        tokens = sum(1 for e in h.data_events() if e != "[DONE]" and e["choices"][0]["delta"].get("content"))
-        assert (row["status"], row["upstream_served"], row["ok"], row["error_code"]) == \
-            (200, "llm", 0, "shutdown")
+        tokens = sum(
+            1 for e in h.data_events() if e != "[DONE]" and e["choices"][0]["delta"].get("content")
+        )
+        assert (row["status"], row["upstream_served"], row["ok"], row["error_code"]) == (
+            200,
+            "llm",
+            0,
+            "shutdown",
+        )
         assert row["bytes_out"] == len(h.raw_body)
         assert row["completion_tokens"] == tokens and tokens >= 3
     for i in range(15):
         row = by_id[f"q{i}"]
-        assert (row["status"], row["error_code"], row["upstream_served"], row["bytes_out"]) == \
-            (503, "shutting_down", None, 0)
+        assert (row["status"], row["error_code"], row["upstream_served"], row["bytes_out"]) == (
+            503,
+            "shutting_down",
+            None,
+            0,
+        )
 
 
 async def test_sigterm_with_a_queue_on_a_relay_process(tmp_path):
@@ -95,8 +104,10 @@ async def test_sigterm_with_a_queue_on_a_relay_process(tmp_path):
     await sim.start()
     db = tmp_path / "relay.db"
     cfg = tmp_path / "relay.toml"
-    cfg.write_text(f'[server]\nport = 0\ndrain_timeout_s = 2\n[store]\npath = "{db}"\n'
-                   f'[[upstream]]\nname = "llm"\nurl = "{sim.url}"\nparallel = 5\n')
+    cfg.write_text(
+        f'[server]\nport = 0\ndrain_timeout_s = 2\n[store]\npath = "{db}"\n'
+        f'[[upstream]]\nname = "llm"\nurl = "{sim.url}"\nparallel = 5\n'
+    )
     proc = await start("serve", "--config", str(cfg))
     try:
         port, _ = await wait_listening(proc)
@@ -114,6 +125,7 @@ async def test_sigterm_with_a_queue_on_a_relay_process(tmp_path):
                 m = await httpc.fetch(port, "GET", "/api/slots/metrics")
                 queued_now = m.json()["llm"]["queued"]
                 await asyncio.sleep(0.02)
+
         await asyncio.wait_for(poll_queue(), 10)  # all 15 wait for a slot in the relay
         proc.send_signal(signal.SIGTERM)
         answers = await asyncio.gather(*(_read_all(r, w) for r, w in queued))
@@ -154,7 +166,8 @@ async def test_a_request_half_read_when_the_drain_begins_gets_503(make_relay, si
 
 
 async def test_a_request_dispatched_in_the_drains_loop_pass_gets_an_answer_and_a_row(
-        make_relay, sim, tmp_path, monkeypatch):
+    make_relay, sim, tmp_path, monkeypatch
+):
     """SIGTERM handled in the same loop pass as a request's last bytes (the drain's first step
     runs before the request task's): the request is counted, answered 503, and has its row."""
     from relay.proxy import client as C
@@ -176,22 +189,23 @@ async def test_a_request_dispatched_in_the_drains_loop_pass_gets_an_answer_and_a
     assert (resp.status, resp.json()["error"]["code"]) == (503, "shutting_down")
     assert (app.store.rows_written, app.store.rows_dropped) == (1, 0)
     [row] = rows(db)
-    assert (row["request_id"], row["status"], row["error_code"]) == \
-        ("racing", 503, "shutting_down")
+    assert (row["request_id"], row["status"], row["error_code"]) == ("racing", 503, "shutting_down")
     assert not sim.requests
 
 
 async def test_a_client_still_sending_its_body_when_the_drain_begins_reads_the_whole_503(
-        make_relay, sim, tmp_path):
+    make_relay, sim, tmp_path
+):
     """The drain's 503 to a request half-read goes out with a lingering close: the client
     keeps sending and still reads the whole answer (not a reset), then the end of the stream."""
     db = str(tmp_path / "relay.db")
     app = await make_relay(store=db)
     reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
     size = 4 * 1024 * 1024
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: sending\r\n"
-                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % size
-                 + b" " * 20000)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: sending\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % size + b" " * 20000
+    )
     await wait_for(lambda: any(c.head is not None and c.body_size for c in app.clients))
     answered = asyncio.Event()
 
@@ -220,6 +234,9 @@ async def test_a_client_still_sending_its_body_when_the_drain_begins_reads_the_w
     await asyncio.wait_for(stopping, 10)
     writer.close()
     [row] = rows(db)
-    assert (row["request_id"], row["status"], row["error_code"]) == \
-        ("sending", 503, "shutting_down")
+    assert (row["request_id"], row["status"], row["error_code"]) == (
+        "sending",
+        503,
+        "shutting_down",
+    )
     assert not sim.requests

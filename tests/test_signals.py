@@ -38,14 +38,18 @@ class Tail:
                         return rec
                 self.changed.clear()
                 await self.changed.wait()
+
         return await asyncio.wait_for(find(), timeout)
 
 
-def _toml(path, store: str, upstream_port: int, keys: list[tuple[str, str, int]],
-          extra: str = "") -> None:
-    text = (f'[server]\nport = 0\ndrain_timeout_s = 30\n[store]\npath = "{store}"\n{extra}'
-            f'[[upstream]]\nname = "llm"\nurl = "http://127.0.0.1:{upstream_port}"\n'
-            'parallel = 8\n')
+def _toml(
+    path, store: str, upstream_port: int, keys: list[tuple[str, str, int]], extra: str = ""
+) -> None:
+    text = (
+        f'[server]\nport = 0\ndrain_timeout_s = 30\n[store]\npath = "{store}"\n{extra}'
+        f'[[upstream]]\nname = "llm"\nurl = "http://127.0.0.1:{upstream_port}"\n'
+        "parallel = 8\n"
+    )
     for kid, secret, per_day in keys:
         text += f'[[key]]\nid = "{kid}"\nsha256 = "{sha(secret)}"\nrequests_per_day = {per_day}\n'
     path.write_text(text)
@@ -88,12 +92,14 @@ async def test_sighup_reloads_keys_limits_and_upstreams(tmp_path):
         port, _ = await wait_listening(proc)
         log = Tail(proc)
         assert (await httpc.fetch(port, "POST", CHAT, httpc.chat(2), _auth(SECRET))).status == 200
-        assert (await httpc.fetch(port, "POST", CHAT, httpc.chat(2),
-                                  _auth(OTHER_SECRET))).status == 401
+        assert (
+            await httpc.fetch(port, "POST", CHAT, httpc.chat(2), _auth(OTHER_SECRET))
+        ).status == 401
         # a stream in flight on upstream A when the file changes
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(httpc.build_request("POST", CHAT, httpc.chat(40, interval_ms=20),
-                                         _auth(SECRET)))
+        writer.write(
+            httpc.build_request("POST", CHAT, httpc.chat(40, interval_ms=20), _auth(SECRET))
+        )
         head = await asyncio.wait_for(httpc.read_head(reader), 10)
         reading = asyncio.create_task(httpc.read_body(reader, head))
         # new key beta, alpha down to 3 a day, the upstream moved to B
@@ -115,8 +121,11 @@ async def test_sighup_reloads_keys_limits_and_upstreams(tmp_path):
         await asyncio.wait_for(reading, 10)
         writer.close()
         assert head.status == 200 and head.complete
-        text = "".join(e["choices"][0]["delta"].get("content") or ""
-                       for e in head.data_events() if e != "[DONE]" and e["choices"])
+        text = "".join(
+            e["choices"][0]["delta"].get("content") or ""
+            for e in head.data_events()
+            if e != "[DONE]" and e["choices"]
+        )
         assert text == httpc.sim_text(40) and head.data_events()[-1] == "[DONE]"
         assert chats(sim_a)[-1].finished
 
@@ -126,8 +135,13 @@ async def test_sighup_reloads_keys_limits_and_upstreams(tmp_path):
         proc.send_signal(signal.SIGHUP)
         bad = await log.wait("config_reload_failed", mark)
         assert "relay.toml" in bad["reason"]
-        _toml(cfg, db, sim_b.port, [("alpha", SECRET, 3), ("beta", OTHER_SECRET, 5)],
-              extra="[dispatcher]\nnot_a_key = 1\n")
+        _toml(
+            cfg,
+            db,
+            sim_b.port,
+            [("alpha", SECRET, 3), ("beta", OTHER_SECRET, 5)],
+            extra="[dispatcher]\nnot_a_key = 1\n",
+        )
         mark = len(log.lines)
         proc.send_signal(signal.SIGHUP)
         bad = await log.wait("config_reload_failed", mark)
@@ -157,12 +171,16 @@ async def test_second_sigterm_ends_the_drain_at_once_with_rows_flushed(tmp_path)
         port, _ = await wait_listening(proc)
         log = Tail(proc)
         for i in range(3):
-            assert (await httpc.fetch(port, "POST", CHAT, httpc.chat(2),
-                                      _auth(SECRET, f"done{i}"))).status == 200
+            assert (
+                await httpc.fetch(port, "POST", CHAT, httpc.chat(2), _auth(SECRET, f"done{i}"))
+            ).status == 200
         for i in range(4):  # long streams: a 30 s drain would wait for them
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(httpc.build_request("POST", CHAT, httpc.chat(100000, interval_ms=50),
-                                             _auth(SECRET, f"long{i}")))
+            writer.write(
+                httpc.build_request(
+                    "POST", CHAT, httpc.chat(100000, interval_ms=50), _auth(SECRET, f"long{i}")
+                )
+            )
             head = await asyncio.wait_for(httpc.read_head(reader), 10)
             streams.append((reader, writer, head))
         proc.send_signal(signal.SIGTERM)

@@ -25,6 +25,7 @@ CHAT = {"messages": [{"role": "user", "content": "Hi there"}]}
 
 # ----------------------------------------------------------------------------- helpers
 
+
 def req_bytes(method: str, path: str, body=None, headers: tuple[str, ...] = ()) -> bytes:
     if isinstance(body, (dict, list)):
         body = json.dumps(body).encode()
@@ -80,7 +81,7 @@ class Client:
         """True if nothing arrives for SILENCE seconds (the connection stays open and quiet)."""
         try:
             data = await asyncio.wait_for(self.r.read(1), SILENCE)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return True
         raise AssertionError(f"unexpected bytes/EOF: {data!r}")
 
@@ -108,10 +109,10 @@ def parse_chunks(data: bytes) -> list[bytes]:
         nl = data.index(b"\r\n", pos)
         size = int(data[pos:nl], 16)
         if size == 0:
-            assert data[nl:nl + 4] == b"\r\n\r\n"
+            assert data[nl : nl + 4] == b"\r\n\r\n"
             return out
-        out.append(data[nl + 2:nl + 2 + size])
-        assert data[nl + 2 + size:nl + 4 + size] == b"\r\n"
+        out.append(data[nl + 2 : nl + 2 + size])
+        assert data[nl + 2 + size : nl + 4 + size] == b"\r\n"
         pos = nl + 4 + size
 
 
@@ -124,8 +125,12 @@ def fixture(name: str):
     status, headers = parse_head(head)
     if hval(headers, b"transfer-encoding") == b"chunked":
         return (json.loads(rb) if rb else None), status, headers, parse_chunks(body)
-    return (json.loads(rb) if rb.startswith(b"{") and rb.endswith(b"}") else rb), status, headers, \
-        body[:int(hval(headers, b"content-length"))]
+    return (
+        (json.loads(rb) if rb.startswith(b"{") and rb.endswith(b"}") else rb),
+        status,
+        headers,
+        body[: int(hval(headers, b"content-length"))],
+    )
 
 
 def events(payload: bytes) -> list[bytes]:
@@ -190,7 +195,9 @@ async def test_stream_matches_fixture(sim, name, knobs, exact):
     for mine, theirs in zip(chunks, fchunks):
         for me, te in zip(events(mine), events(theirs)):
             mj, tj = ev_json(me), ev_json(te)
-            if native and tj.get("stop") is True:  # shorter final event: same leading keys + timings
+            if (
+                native and tj.get("stop") is True
+            ):  # shorter final event: same leading keys + timings
                 mk, tk = list(mj), list(tj)
                 assert mk[:8] == tk[:8] and mk[-1] == tk[-1] == "timings"
                 assert all(k in tk for k in mk) and [k for k in tk if k in mj] == mk
@@ -225,7 +232,9 @@ async def test_stopword_and_usage_counts(sim):
 
 
 @needs_fixtures
-@pytest.mark.parametrize("name,knobs", [("chat_nonstream.http", {}), ("completions_nonstream.http", {"tokens": 4})])
+@pytest.mark.parametrize(
+    "name,knobs", [("chat_nonstream.http", {}), ("completions_nonstream.http", {"tokens": 4})]
+)
 async def test_nonstream_matches_fixture_and_keeps_alive(sim, name, knobs):
     body, fstatus, fheaders, fbody = fixture(name)
     path = (FIX / name).read_bytes().split(b" ", 2)[1].decode()
@@ -233,7 +242,9 @@ async def test_nonstream_matches_fixture_and_keeps_alive(sim, name, knobs):
     await c.send("POST", path, {**body, "sim": knobs} if knobs else body)
     status, headers = await c.head()
     assert status == fstatus and hnames(headers) == hnames(fheaders)
-    assert [h for h in headers if h[0] != b"Content-Length"] == [h for h in fheaders if h[0] != b"Content-Length"]
+    assert [h for h in headers if h[0] != b"Content-Length"] == [
+        h for h in fheaders if h[0] != b"Content-Length"
+    ]
     mine, theirs = json.loads(await c.body(headers)), json.loads(fbody)
     assert shape(mine) == shape(theirs)
     assert mine["choices"][0]["finish_reason"] == theirs["choices"][0]["finish_reason"]
@@ -248,7 +259,9 @@ async def test_nonstream_matches_fixture_and_keeps_alive(sim, name, knobs):
 
 
 @needs_fixtures
-@pytest.mark.parametrize("name", ["health.http", "slots.http", "metrics.http", "models.http", "props.http"])
+@pytest.mark.parametrize(
+    "name", ["health.http", "slots.http", "metrics.http", "models.http", "props.http"]
+)
 async def test_get_endpoints_match_fixture(sim, name):
     _, fstatus, fheaders, fbody = fixture(name)
     path = (FIX / name).read_bytes().split(b" ", 2)[1].decode()
@@ -276,11 +289,17 @@ async def test_errors_match_fixture(sim, name):
     method, path = raw.split(b" ", 2)[:2]
     _, fstatus, fheaders, fbody = fixture(name)
     c = await Client.connect(sim)
-    body = raw.split(b"\r\n\r\n", 1)[1].split(b"\n======== RESPONSE", 1)[0] if method == b"POST" else None
+    body = (
+        raw.split(b"\r\n\r\n", 1)[1].split(b"\n======== RESPONSE", 1)[0]
+        if method == b"POST"
+        else None
+    )
     await c.send(method.decode(), path.decode(), body)
     status, headers = await c.head()
     assert status == fstatus
-    assert [h for h in headers if h[0] != b"Content-Length"] == [h for h in fheaders if h[0] != b"Content-Length"]
+    assert [h for h in headers if h[0] != b"Content-Length"] == [
+        h for h in fheaders if h[0] != b"Content-Length"
+    ]
     mine = await c.body(headers)
     assert shape(json.loads(mine)) == shape(json.loads(fbody))
     if name == "err_404.http":
@@ -290,8 +309,11 @@ async def test_errors_match_fixture(sim, name):
 
 # ----------------------------------------------------------------------------- knobs
 
+
 async def test_stall_after(sim):
-    c, status, _ = await stream(sim, "/v1/chat/completions", {**CHAT, "stream": True, "sim": {"stall_after": 3}})
+    c, status, _ = await stream(
+        sim, "/v1/chat/completions", {**CHAT, "stream": True, "sim": {"stall_after": 3}}
+    )
     assert status == 200
     first = events(await c.chunk())
     assert len(first) == 2 and b'"role":"assistant"' in first[0]
@@ -305,8 +327,11 @@ async def test_stall_after(sim):
 
 
 async def test_stall_mid_line(sim):
-    c, _, _ = await stream(sim, "/v1/chat/completions",
-                           {**CHAT, "stream": True, "sim": {"stall_after": 2, "stall_mid_line": True}})
+    c, _, _ = await stream(
+        sim,
+        "/v1/chat/completions",
+        {**CHAT, "stream": True, "sim": {"stall_after": 2, "stall_mid_line": True}},
+    )
     await c.chunk(), await c.chunk()
     half = await c.chunk()  # a complete chunk holding half an event
     full = F.StreamFrames("chat", "models/tiny.gguf", 2).event(2)
@@ -318,8 +343,11 @@ async def test_stall_mid_line(sim):
 
 
 async def test_stall_mid_chunk(sim):
-    c, _, _ = await stream(sim, "/v1/completions",
-                           {"prompt": "x", "stream": True, "sim": {"stall_after": 1, "stall_mid_chunk": True}})
+    c, _, _ = await stream(
+        sim,
+        "/v1/completions",
+        {"prompt": "x", "stream": True, "sim": {"stall_after": 1, "stall_mid_chunk": True}},
+    )
     await c.chunk()
     size = int((await asyncio.wait_for(c.r.readuntil(b"\r\n"), T))[:-2], 16)
     full = F.StreamFrames("text", "models/tiny.gguf", 1).event(1)
@@ -331,7 +359,11 @@ async def test_stall_mid_chunk(sim):
 
 
 async def test_chatty_until_peer_closes(sim):
-    c, _, _ = await stream(sim, "/v1/chat/completions", {**CHAT, "stream": True, "sim": {"chatty": True, "interval_ms": 2}})
+    c, _, _ = await stream(
+        sim,
+        "/v1/chat/completions",
+        {**CHAT, "stream": True, "sim": {"chatty": True, "interval_ms": 2}},
+    )
     for _ in range(25):
         assert b'"content"' in await c.chunk()
     req = sim.requests[-1]
@@ -344,7 +376,9 @@ async def test_chatty_until_peer_closes(sim):
 
 
 async def test_drop_after(sim):
-    c, _, _ = await stream(sim, "/v1/chat/completions", {**CHAT, "stream": True, "sim": {"drop_after": 2}})
+    c, _, _ = await stream(
+        sim, "/v1/chat/completions", {**CHAT, "stream": True, "sim": {"drop_after": 2}}
+    )
     assert len(events(await c.chunk())) == 2
     assert b'" from"' in await c.chunk()
     assert await c.eof() == b""  # no terminating chunk
@@ -353,13 +387,27 @@ async def test_drop_after(sim):
     assert req.tokens_sent == 2 and not req.finished and req.peer_closed_at is None
 
 
-@pytest.mark.parametrize("code,type_", [(500, "server_error"), (429, "unavailable_error"),
-                                        (400, "invalid_request_error"), (503, "unavailable_error")])
+@pytest.mark.parametrize(
+    "code,type_",
+    [
+        (500, "server_error"),
+        (429, "unavailable_error"),
+        (400, "invalid_request_error"),
+        (503, "unavailable_error"),
+    ],
+)
 async def test_status_knob(sim, code, type_):
-    c, status, headers = await stream(sim, "/v1/chat/completions", {**CHAT, "stream": True, "sim": {"status": code}})
+    c, status, headers = await stream(
+        sim, "/v1/chat/completions", {**CHAT, "stream": True, "sim": {"status": code}}
+    )
     assert status == code
-    assert hnames(headers) == [b"Server", b"Access-Control-Allow-Origin", b"Content-Type", b"Content-Length",
-                               b"Connection"]
+    assert hnames(headers) == [
+        b"Server",
+        b"Access-Control-Allow-Origin",
+        b"Content-Type",
+        b"Content-Length",
+        b"Connection",
+    ]
     assert hval(headers, b"connection") == b"close"
     err = json.loads(await c.body(headers))
     assert list(err) == ["error"] and list(err["error"]) == ["code", "message", "type"]
@@ -368,32 +416,55 @@ async def test_status_knob(sim, code, type_):
 
 
 async def test_error_event(sim):
-    c, status, headers = await stream(sim, "/v1/chat/completions", {**CHAT, "stream": True, "sim": {"error_event": True}})
+    c, status, headers = await stream(
+        sim, "/v1/chat/completions", {**CHAT, "stream": True, "sim": {"error_event": True}}
+    )
     assert status == 200 and hval(headers, b"content-type") == b"text/event-stream"
-    assert await c.chunks() == [b'data: {"error":{"code":500,"message":"simulated","type":"server_error"}}\n\n']
+    assert await c.chunks() == [
+        b'data: {"error":{"code":500,"message":"simulated","type":"server_error"}}\n\n'
+    ]
     assert await c.eof() == b""
 
 
 async def test_octet_body(sim):
-    c, status, headers = await stream(sim, "/v1/completions", {"prompt": "x", "sim": {"body_kind": "octet", "tokens": 5}})
+    c, status, headers = await stream(
+        sim, "/v1/completions", {"prompt": "x", "sim": {"body_kind": "octet", "tokens": 5}}
+    )
     assert status == 200 and hval(headers, b"content-type") == b"application/octet-stream"
     assert hval(headers, b"transfer-encoding") == b"chunked"
     assert await c.chunks() == [F.octet_payload(i) for i in range(5)]
     assert await c.eof() == b""
     assert sim.requests[-1].tokens_sent == 5
-    c, _, _ = await stream(sim, "/v1/completions", {"prompt": "x", "sim": {"body_kind": "octet", "stall_after": 2}})
+    c, _, _ = await stream(
+        sim, "/v1/completions", {"prompt": "x", "sim": {"body_kind": "octet", "stall_after": 2}}
+    )
     assert [await c.chunk(), await c.chunk()] == [F.octet_payload(0), F.octet_payload(1)]
     assert await c.silent()
     c.close()
 
 
-@pytest.mark.parametrize("path,body", [("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "hi"})])
+@pytest.mark.parametrize(
+    "path,body", [("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "hi"})]
+)
 async def test_content_length_stream(sim, path, body):
-    c, status, headers = await stream(sim, path, {**body, "stream": True,
-                                                  "sim": {"content_length_stream": True, "tokens": 9, "interval_ms": 1}})
+    c, status, headers = await stream(
+        sim,
+        path,
+        {
+            **body,
+            "stream": True,
+            "sim": {"content_length_stream": True, "tokens": 9, "interval_ms": 1},
+        },
+    )
     assert status == 200 and hval(headers, b"transfer-encoding") is None
-    assert hnames(headers) == [b"Server", b"Access-Control-Allow-Origin", b"X-Accel-Buffering", b"Content-Type",
-                               b"Content-Length", b"Keep-Alive"]
+    assert hnames(headers) == [
+        b"Server",
+        b"Access-Control-Allow-Origin",
+        b"X-Accel-Buffering",
+        b"Content-Type",
+        b"Content-Length",
+        b"Keep-Alive",
+    ]
     data = await c.body(headers)
     assert await c.eof() == b""
     evs = events(data)
@@ -406,7 +477,9 @@ async def test_content_length_stream(sim, path, body):
 async def test_head_delay(sim):
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    c, status, _ = await stream(sim, "/v1/chat/completions", {**CHAT, "stream": True, "sim": {"head_delay_ms": 120}})
+    c, status, _ = await stream(
+        sim, "/v1/chat/completions", {**CHAT, "stream": True, "sim": {"head_delay_ms": 120}}
+    )
     assert status == 200 and loop.time() - t0 >= 0.11
     assert len(await c.chunks()) == 16 + 2
 
@@ -414,10 +487,16 @@ async def test_head_delay(sim):
 async def test_first_token_delay_sends_role_first(sim):
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    c, _, _ = await stream(sim, "/v1/chat/completions",
-                           {**CHAT, "stream": True, "sim": {"first_token_delay_ms": 150, "tokens": 2}})
+    c, _, _ = await stream(
+        sim,
+        "/v1/chat/completions",
+        {**CHAT, "stream": True, "sim": {"first_token_delay_ms": 150, "tokens": 2}},
+    )
     role = events(await c.chunk())
-    assert len(role) == 1 and ev_json(role[0])["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    assert len(role) == 1 and ev_json(role[0])["choices"][0]["delta"] == {
+        "role": "assistant",
+        "content": None,
+    }
     first = await c.chunk()
     assert loop.time() - t0 >= 0.14
     assert ev_json(events(first)[0])["choices"][0]["delta"] == {"content": "Hello"}
@@ -427,9 +506,13 @@ async def test_first_token_delay_sends_role_first(sim):
 async def test_pacing_no_drift(sim):
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    c, _, _ = await stream(sim, "/v1/chat/completions", {**CHAT, "stream": True, "sim": {"tokens": 10, "interval_ms": 20}})
+    c, _, _ = await stream(
+        sim,
+        "/v1/chat/completions",
+        {**CHAT, "stream": True, "sim": {"tokens": 10, "interval_ms": 20}},
+    )
     stamps = []
-    while (x := await c.chunk()) is not None:
+    while await c.chunk() is not None:
         stamps.append(loop.time())
     total = stamps[-1] - t0
     # uvloop's timers tick in whole milliseconds and may fire up to 1 ms early: 2 ms of slack
@@ -443,9 +526,15 @@ async def test_defaults_and_max_tokens(sim):
     chunks = await c.chunks()
     fin = ev_json(events(chunks[-2])[0])
     assert len(chunks) == 3 + 2 and fin["choices"][0]["finish_reason"] == "stop"
-    assert fin["usage"] == {"completion_tokens": 3, "prompt_tokens": 3, "total_tokens": 6,
-                            "prompt_tokens_details": {"cached_tokens": 0}}
-    c, _, _ = await stream(sim, "/completion", {"prompt": "x", "n_predict": 2, "stream": True, "sim": {"tokens": 9}})
+    assert fin["usage"] == {
+        "completion_tokens": 3,
+        "prompt_tokens": 3,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    c, _, _ = await stream(
+        sim, "/completion", {"prompt": "x", "n_predict": 2, "stream": True, "sim": {"tokens": 9}}
+    )
     chunks = await c.chunks()
     assert len(chunks) == 3 and ev_json(events(chunks[-1])[0])["stop_type"] == "limit"
     assert [r.completion_tokens for r in sim.requests] == [3, 2] and sim.tokens_sent_total == 5
@@ -478,7 +567,11 @@ async def test_nonstream_delay_stall_drop(sim):
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     c = await Client.connect(sim)
-    await c.send("POST", "/v1/chat/completions", {**CHAT, "sim": {"tokens": 3, "head_delay_ms": 60, "interval_ms": 20}})
+    await c.send(
+        "POST",
+        "/v1/chat/completions",
+        {**CHAT, "sim": {"tokens": 3, "head_delay_ms": 60, "interval_ms": 20}},
+    )
     status, h = await c.head()
     assert status == 200 and loop.time() - t0 >= 0.09
     body = json.loads(await c.body(h))
@@ -496,8 +589,15 @@ async def test_nonstream_delay_stall_drop(sim):
 
 
 async def test_content_length_stall_mid_line(sim):
-    c, _, headers = await stream(sim, "/v1/chat/completions", {**CHAT, "stream": True, "sim": {
-        "content_length_stream": True, "stall_after": 1, "stall_mid_line": True}})
+    c, _, headers = await stream(
+        sim,
+        "/v1/chat/completions",
+        {
+            **CHAT,
+            "stream": True,
+            "sim": {"content_length_stream": True, "stall_after": 1, "stall_mid_line": True},
+        },
+    )
     assert int(hval(headers, b"content-length")) > 1000
     first = await asyncio.wait_for(c.r.readuntil(b'"Hello"'), T)
     rest = await asyncio.wait_for(c.r.readuntil(b'data: {"choi'), T)
@@ -511,7 +611,12 @@ async def test_content_length_stall_mid_line(sim):
 
 async def test_stream_honours_connection_close(sim):
     c = await Client.connect(sim)
-    await c.send("POST", "/v1/chat/completions", {**CHAT, "stream": True, "max_tokens": 1}, headers=("Connection: close",))
+    await c.send(
+        "POST",
+        "/v1/chat/completions",
+        {**CHAT, "stream": True, "max_tokens": 1},
+        headers=("Connection: close",),
+    )
     _, headers = await c.head()
     assert hnames(headers)[-1] == b"Connection" and hval(headers, b"connection") == b"close"
     assert len(await c.chunks()) == 1 + 2
@@ -520,13 +625,17 @@ async def test_stream_honours_connection_close(sim):
 
 # ----------------------------------------------------------------------------- connection behaviour
 
+
 async def test_pipelined_requests_and_idle_close(sim):
     sim.keepalive_timeout = 0.3
     c = await Client.connect(sim)
-    c.w.write(req_bytes("GET", "/health") + req_bytes("POST", "/v1/chat/completions", {**CHAT, "max_tokens": 2}))
+    c.w.write(
+        req_bytes("GET", "/health")
+        + req_bytes("POST", "/v1/chat/completions", {**CHAT, "max_tokens": 2})
+    )
     s1, h1 = await c.head()
     assert s1 == 200 and await c.body(h1) == b'{"status":"ok"}'
-    s2, h2 = await c.head()
+    _s2, h2 = await c.head()
     body = json.loads(await c.body(h2))
     assert body["choices"][0]["message"]["content"] == "Hello from"
     assert body["choices"][0]["finish_reason"] == "length"
@@ -537,7 +646,7 @@ async def test_pipelined_requests_and_idle_close(sim):
 async def test_connection_close_request_header(sim):
     c = await Client.connect(sim)
     await c.send("GET", "/health", headers=("Connection: close",))
-    status, headers = await c.head()
+    _status, headers = await c.head()
     assert hval(headers, b"connection") == b"close" and hval(headers, b"keep-alive") is None
     await c.body(headers)
     assert await c.eof() == b""
@@ -550,9 +659,14 @@ async def test_loading_and_slots_and_metrics(sim):
         await c.send(method, path, body)
         status, headers = await c.head()
         assert status == 503
-        assert await c.body(headers) == b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'
+        assert (
+            await c.body(headers)
+            == b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'
+        )
     sim.loading = False
-    s, _, _ = await stream(sim, "/v1/chat/completions", {**CHAT, "stream": True, "sim": {"stall_after": 4}})
+    s, _, _ = await stream(
+        sim, "/v1/chat/completions", {**CHAT, "stream": True, "sim": {"stall_after": 4}}
+    )
     await s.chunk()
     c = await Client.connect(sim)
     await c.send("GET", "/slots")
@@ -569,7 +683,9 @@ async def test_loading_and_slots_and_metrics(sim):
     assert [x["is_processing"] for x in json.loads(await c.body(h))] == [False, False]
     await c.send("GET", "/metrics")
     _, h = await c.head()
-    assert f"\nllamacpp:tokens_predicted_total {sim.tokens_sent_total}\n" in (await c.body(h)).decode()
+    assert (
+        f"\nllamacpp:tokens_predicted_total {sim.tokens_sent_total}\n" in (await c.body(h)).decode()
+    )
     assert sim.tokens_sent_total >= 4
 
 
@@ -602,8 +718,12 @@ async def test_stop_closes_everything():
 
 def test_main_smoke():
     code = "from relay.sim.server import main; raise SystemExit(main(['--port', '0', '--tokens', '3']))"
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                         cwd=pathlib.Path(__file__).resolve().parents[1])
+    p = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=pathlib.Path(__file__).resolve().parents[1],
+    )
     try:
         line = json.loads(p.stdout.readline())
         assert line["event"] == "sim_listening" and line["port"] > 0
@@ -612,6 +732,7 @@ def test_main_smoke():
             r, w = await asyncio.open_connection("127.0.0.1", line["port"])
             w.write(req_bytes("POST", "/v1/chat/completions", {**CHAT, "stream": True}))
             return await asyncio.wait_for(r.read(), T)
+
         data = asyncio.run(go())
         chunks = parse_chunks(data.split(b"\r\n\r\n", 1)[1])
         assert len(chunks) == 3 + 2 and chunks[-1] == F.DONE_EVENT

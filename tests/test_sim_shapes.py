@@ -17,9 +17,10 @@ from relay.sim.server import SimDefaults
 from relay.sim.shapes import OBF_MAX
 from tests.test_sim import CHAT, events, hval, stream
 
-ENVELOPE = {"vllm": ["id", "object", "created", "model", "choices"],
-            "openai": ["id", "object", "created", "model", "service_tier", "system_fingerprint",
-                       "choices"]}
+ENVELOPE = {
+    "vllm": ["id", "object", "created", "model", "choices"],
+    "openai": ["id", "object", "created", "model", "service_tier", "system_fingerprint", "choices"],
+}
 
 
 async def chat_events(sim, knobs: dict, usage: bool) -> list[bytes]:
@@ -49,7 +50,7 @@ async def test_chat_chunks_in_another_servers_shape(sim, kind, usage):
         assert list(d) == ENVELOPE[kind] + tail
         assert d["object"] == "chat.completion.chunk"
         if kind == "openai":
-            assert re.fullmatch(r"[A-Za-z0-9]{1,%d}" % OBF_MAX, d["obfuscation"])
+            assert re.fullmatch(rf"[A-Za-z0-9]{{1,{OBF_MAX}}}", d["obfuscation"])
     last = -1 if usage else len(docs)
     for d in docs[:last]:
         (ch,) = d["choices"]
@@ -71,17 +72,26 @@ async def test_chat_chunks_in_another_servers_shape(sim, kind, usage):
 
 
 async def test_openai_shape_in_a_content_length_stream_is_exactly_its_length(sim):
-    evs, _ = await chat_events(sim, {"shape": "openai", "tokens": 40,
-                                     "content_length_stream": True}, True)
+    evs, _ = await chat_events(
+        sim, {"shape": "openai", "tokens": 40, "content_length_stream": True}, True
+    )
     assert evs[-1] == F.DONE_EVENT  # (c.body read exactly Content-Length bytes)
     assert json.loads(evs[-2][6:])["usage"]["completion_tokens"] == 40
 
 
 @pytest.mark.parametrize("per_chunk,per_write", [(3, 1), (1, 4), (2, 3)])
 async def test_coalesced_events_arrive_whole_and_counted(sim, per_chunk, per_write):
-    evs, payloads = await chat_events(sim, {"shape": "vllm", "tokens": 13, "interval_ms": 1,
-                                            "events_per_chunk": per_chunk,
-                                            "chunks_per_write": per_write}, False)
+    evs, payloads = await chat_events(
+        sim,
+        {
+            "shape": "vllm",
+            "tokens": 13,
+            "interval_ms": 1,
+            "events_per_chunk": per_chunk,
+            "chunks_per_write": per_write,
+        },
+        False,
+    )
     contents = [e for e in evs if b'"content":"' in e and b'"content":""' not in e]
     assert len(contents) == 13
     sizes = [len(events(p)) for p in payloads[:-2]]  # (finish and [DONE] are a chunk each)
@@ -94,15 +104,20 @@ def _writes(knobs: dict, n: int) -> list[bytes]:
     loop = asyncio.new_event_loop()
     try:
         writes: list[bytes] = []
-        conn = types.SimpleNamespace(loop=loop, paused=False, _keep=False,
-                                     transport=types.SimpleNamespace(write=writes.append),
-                                     sim=types.SimpleNamespace(tokens_sent_total=0),
-                                     finish_stream=lambda: None)
+        conn = types.SimpleNamespace(
+            loop=loop,
+            paused=False,
+            _keep=False,
+            transport=types.SimpleNamespace(write=writes.append),
+            sim=types.SimpleNamespace(tokens_sent_total=0),
+            finish_stream=lambda: None,
+        )
         req = types.SimpleNamespace(started_at=loop.time(), tokens_sent=0, completion_tokens=None)
         body = {**CHAT, "stream": True, "sim": {"tokens": n, **knobs}}
         plan = make_plan("chat", body, SimDefaults())
-        Gen(conn, req, plan, F.StreamFrames("chat", "m", 1, shape=plan.shape,
-                                            rng=random.Random(1))).start()
+        Gen(
+            conn, req, plan, F.StreamFrames("chat", "m", 1, shape=plan.shape, rng=random.Random(1))
+        ).start()
         assert req.tokens_sent == n and conn.sim.tokens_sent_total == n
         return writes
     finally:
@@ -124,15 +139,18 @@ def test_the_default_knobs_write_one_event_per_chunk_per_write():
 
 def test_bad_knob_values_fall_back_to_the_defaults():
     d = SimDefaults(shape="vllm", events_per_chunk=2)
-    p = make_plan("chat", {"sim": {"shape": "nope", "events_per_chunk": 0,
-                                   "chunks_per_write": True}}, d)
+    p = make_plan(
+        "chat", {"sim": {"shape": "nope", "events_per_chunk": 0, "chunks_per_write": True}}, d
+    )
     assert (p.shape, p.events_per_chunk, p.chunks_per_write) == ("vllm", 2, 1)
 
 
-@pytest.mark.parametrize("argv", [["--events-per-chunk", "0"], ["--chunks-per-write", "5000"],
-                                  ["--shape", "sglang"]])
+@pytest.mark.parametrize(
+    "argv", [["--events-per-chunk", "0"], ["--chunks-per-write", "5000"], ["--shape", "sglang"]]
+)
 def test_the_command_line_refuses_bad_framing_flags(argv, capsys):
     from relay.sim.server import main
+
     with pytest.raises(SystemExit) as e:
         main(["--port", "0", *argv])
     assert e.value.code == 2 and argv[0] in capsys.readouterr().err

@@ -15,23 +15,53 @@ BASE = float(int(time.time()) - 3600)  # recent: inside the default 30-day reten
 
 def make_row(i: int, **over) -> dict:
     row = dict.fromkeys(COLUMNS) | {
-        "ts": BASE + i, "request_id": f"req-{i}", "key_id": f"k{i % 3}",
-        "path": "/v1/chat/completions", "model": "qwen", "stream": i % 2,
-        "upstream_requested": "a", "upstream_served": "b", "fallback_attempts": i % 4,
-        "status": 200, "ok": 1, "error_code": None, "queue_ms": i / 4, "ttft_ms": 10.5 + i,
-        "total_ms": 100.25 + i, "prompt_tokens": i, "completion_tokens": 2 * i,
-        "tokens_source": "exact" if i % 2 else "approx", "bytes_out": 1000 + i,
-        "client_closed": 0, "error": None,
+        "ts": BASE + i,
+        "request_id": f"req-{i}",
+        "key_id": f"k{i % 3}",
+        "path": "/v1/chat/completions",
+        "model": "qwen",
+        "stream": i % 2,
+        "upstream_requested": "a",
+        "upstream_served": "b",
+        "fallback_attempts": i % 4,
+        "status": 200,
+        "ok": 1,
+        "error_code": None,
+        "queue_ms": i / 4,
+        "ttft_ms": 10.5 + i,
+        "total_ms": 100.25 + i,
+        "prompt_tokens": i,
+        "completion_tokens": 2 * i,
+        "tokens_source": "exact" if i % 2 else "approx",
+        "bytes_out": 1000 + i,
+        "client_closed": 0,
+        "error": None,
     }
     row.update(over)
     return row
 
 
-TYPES = {"ts": float, "request_id": str, "key_id": str, "path": str, "model": str, "stream": int,
-         "upstream_requested": str, "upstream_served": str, "fallback_attempts": int,
-         "status": int, "ok": int, "queue_ms": float, "ttft_ms": float, "total_ms": float,
-         "prompt_tokens": int, "completion_tokens": int, "tokens_source": str, "bytes_out": int,
-         "client_closed": int}
+TYPES = {
+    "ts": float,
+    "request_id": str,
+    "key_id": str,
+    "path": str,
+    "model": str,
+    "stream": int,
+    "upstream_requested": str,
+    "upstream_served": str,
+    "fallback_attempts": int,
+    "status": int,
+    "ok": int,
+    "queue_ms": float,
+    "ttft_ms": float,
+    "total_ms": float,
+    "prompt_tokens": int,
+    "completion_tokens": int,
+    "tokens_source": str,
+    "bytes_out": int,
+    "client_closed": int,
+}
 
 
 def all_rows(store: Store) -> list[dict]:
@@ -67,13 +97,13 @@ async def test_put_never_blocks_the_loop(db):
         store.put(make_row(i))
         slowest = max(slowest, time.perf_counter() - t0)
         if i % 500 == 499:
-            await asyncio.sleep(0)          # the loop keeps serving other tasks
+            await asyncio.sleep(0)  # the loop keeps serving other tasks
     elapsed = time.perf_counter() - started
     ticks_during = ticks
     beat.cancel()
-    assert ticks_during >= n // 500         # heartbeat ran between every chunk of puts
-    assert elapsed / n < 1e-3               # per put: far below 1 ms on average
-    assert slowest < 0.5                    # no put ever waited on the database
+    assert ticks_during >= n // 500  # heartbeat ran between every chunk of puts
+    assert elapsed / n < 1e-3  # per put: far below 1 ms on average
+    assert slowest < 0.5  # no put ever waited on the database
     store.flush(timeout=30)
     assert store.rows_written == n and store.pending == 0 and store.rows_dropped == 0
     assert all_rows(store) == [make_row(i) for i in range(n)]
@@ -101,17 +131,29 @@ def test_wal_mode_and_nulls_stay_null(db):
     store = Store(db)
     store.start()
     store.put({"ts": 5.0, "request_id": "r-null"})
-    store.put(make_row(1, ttft_ms=None, prompt_tokens=None, completion_tokens=None,
-                       tokens_source=None, ok=False, stream=True))
+    store.put(
+        make_row(
+            1,
+            ttft_ms=None,
+            prompt_tokens=None,
+            completion_tokens=None,
+            tokens_source=None,
+            ok=False,
+            stream=True,
+        )
+    )
     store.flush()
     assert store.query("PRAGMA journal_mode") == [{"journal_mode": "wal"}]
     first, second = all_rows(store)
-    assert first == {c: None for c in COLUMNS} | {"ts": 5.0, "request_id": "r-null"}
-    kinds = store.query("SELECT " + ", ".join(f"typeof({c}) AS {c}" for c in COLUMNS)
-                        + " FROM request WHERE request_id = 'req-1'")[0]
+    assert first == dict.fromkeys(COLUMNS) | {"ts": 5.0, "request_id": "r-null"}
+    kinds = store.query(
+        "SELECT "
+        + ", ".join(f"typeof({c}) AS {c}" for c in COLUMNS)
+        + " FROM request WHERE request_id = 'req-1'"
+    )[0]
     for col in ("ttft_ms", "prompt_tokens", "completion_tokens", "tokens_source", "error_code"):
         assert second[col] is None and kinds[col] == "null"
-    assert (second["ok"], second["stream"]) == (0, 1)       # bools stored as INTEGER 0/1
+    assert (second["ok"], second["stream"]) == (0, 1)  # bools stored as INTEGER 0/1
     assert kinds["ok"] == kinds["stream"] == "integer" and kinds["ts"] == "real"
     store.close()
 
@@ -127,24 +169,32 @@ def test_a_table_from_before_the_error_column_gets_it(db):
     conn.close()
     store = Store(db, retention_days=0)
     store.start()
-    store.put(make_row(1, ok=0, status=502, error_code="upstream_unavailable",
-                       error="TLS handshake failed: certificate verify failed: x"))
+    store.put(
+        make_row(
+            1,
+            ok=0,
+            status=502,
+            error_code="upstream_unavailable",
+            error="TLS handshake failed: certificate verify failed: x",
+        )
+    )
     store.flush()
     got = store.query("SELECT request_id, error FROM request ORDER BY ts")
-    assert got == [{"request_id": "old", "error": None},
-                   {"request_id": "req-1",
-                    "error": "TLS handshake failed: certificate verify failed: x"}]
+    assert got == [
+        {"request_id": "old", "error": None},
+        {"request_id": "req-1", "error": "TLS handshake failed: certificate verify failed: x"},
+    ]
     store.close()
 
 
 def test_close_flushes_pending_and_rows_survive_a_new_store(db):
-    store = Store(db, flush_interval_s=60.0)       # the writer would sleep for a minute
+    store = Store(db, flush_interval_s=60.0)  # the writer would sleep for a minute
     store.start()
     for i in range(300):
         store.put(make_row(i))
     assert store.pending == 300 and store.rows_written == 0
     store.close()
-    store.close()                                   # idempotent
+    store.close()  # idempotent
     assert store.rows_written == 300 and store.pending == 0
 
     again = Store(db)
@@ -187,8 +237,8 @@ def test_drop_beyond_overflow_is_counted_exactly(db, capsys):
     assert store.rows_written == 110 and store.rows_dropped == 90
     assert sqlite3.connect(db).execute("SELECT COUNT(*) FROM request").fetchone() == (110,)
     warnings = [ln for ln in capsys.readouterr().err.splitlines() if "dropping" in ln]
-    assert len(warnings) == 1                       # at most one warning per 10 s
-    warning = json.loads(warnings[0])               # a JSON log line like every other
+    assert len(warnings) == 1  # at most one warning per 10 s
+    warning = json.loads(warnings[0])  # a JSON log line like every other
     assert warning["event"] == "store_warning" and warning["kind"] == "drop"
 
 
@@ -259,7 +309,7 @@ def test_writer_error_is_retried_without_losing_or_doubling_rows(db, fast_retry,
     real_insert = Store._insert
 
     def flaky_insert(self, conn, rows):
-        real_insert(self, conn, rows)               # written, then the commit fails: rolled back
+        real_insert(self, conn, rows)  # written, then the commit fails: rolled back
         if len(failures) < 2:
             failures.append(len(rows))
             raise sqlite3.OperationalError("database is locked")

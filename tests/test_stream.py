@@ -36,8 +36,15 @@ def replay(raw_response: bytes, pieces: int = 1, close: bool = True):
     return script
 
 
-@pytest.mark.parametrize("name", ["chat_stream.http", "chat_stream_usage.http",
-                                  "completions_stream.http", "native_completion_stream.http"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "chat_stream.http",
+        "chat_stream_usage.http",
+        "completions_stream.http",
+        "native_completion_stream.http",
+    ],
+)
 @pytest.mark.parametrize("pieces", [1, 7])
 async def test_captured_llama_stream_is_relayed_byte_for_byte(make_relay, name, pieces):
     raw = response_of((FIXTURES / name).read_bytes())
@@ -51,24 +58,27 @@ async def test_captured_llama_stream_is_relayed_byte_for_byte(make_relay, name, 
     # upstream headers cross verbatim, in order, minus hop-by-hop (Keep-Alive)
     crossed = [line for line in up_head.split(b"\r\n")[1:] if not line.startswith(b"Keep-Alive")]
     got = resp.raw_head.split(b"\r\n")
-    assert got[1:1 + len(crossed)] == crossed
+    assert got[1 : 1 + len(crossed)] == crossed
     assert resp.header("keep-alive") is None
     await up.stop()
 
 
 async def test_thousand_event_stream_identical_through_relay_and_direct(make_relay):
     rng = random.Random(7)
-    events = [b'data: {"choices":[{"index":0,"delta":{"content":"t%d"}}]}\n\n' % i
-              for i in range(1000)]
+    events = [
+        b'data: {"choices":[{"index":0,"delta":{"content":"t%d"}}]}\n\n' % i for i in range(1000)
+    ]
     payload = b"".join(events) + b"data: [DONE]\n\n"
     # chunk boundaries fall anywhere, including inside events and markers
     chunks, pos = [], 0
     while pos < len(payload):
         n = rng.randint(1, 300)
-        chunks.append(frame(payload[pos:pos + n]))
+        chunks.append(frame(payload[pos : pos + n]))
         pos += n
-    raw = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-           b"Transfer-Encoding: chunked\r\n\r\n" + b"".join(chunks) + b"0\r\n\r\n")
+    raw = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n" + b"".join(chunks) + b"0\r\n\r\n"
+    )
     up = await Scripted(replay(raw, pieces=50)).start()
     app = await make_relay(url=up.url)
     direct = await httpc.fetch(up.port, "POST", "/v1/chat/completions", httpc.chat())
@@ -91,18 +101,29 @@ async def test_simulator_stream_through_relay_matches_direct(make_relay, sim):
     assert mask.sub(b"", relayed.body) == mask.sub(b"", direct.body)
     assert relayed.raw_body.count(b"\r\n") == direct.raw_body.count(b"\r\n")  # same chunks
     assert relayed.data_events()[-1] == "[DONE]"
-    assert sum(1 for e in relayed.data_events()
-               if isinstance(e, dict) and e["choices"] and e["choices"][0]["delta"].get("content")) == 40
+    assert (
+        sum(
+            1
+            for e in relayed.data_events()
+            if isinstance(e, dict) and e["choices"] and e["choices"][0]["delta"].get("content")
+        )
+        == 40
+    )
 
 
 async def test_openai_client_streams_through_relay(make_relay, sim):
     openai = pytest.importorskip("openai")
     app = await make_relay()
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{app.port}/v1", api_key="sk-test",
-                                max_retries=0, timeout=10)
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{app.port}/v1", api_key="sk-test", max_retries=0, timeout=10
+    )
     stream = await client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Hi there"}], max_tokens=12,
-        stream=True, stream_options={"include_usage": True})
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi there"}],
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text, finish, usage = [], None, None
     async for chunk in stream:
         if chunk.choices:
@@ -111,26 +132,34 @@ async def test_openai_client_streams_through_relay(make_relay, sim):
         if chunk.usage:
             usage = chunk.usage
     await client.close()
-    assert "".join(text) == httpc.sim_text(12) == "Hello from a tiny llama. Hello from a tiny llama."
+    assert (
+        "".join(text) == httpc.sim_text(12) == "Hello from a tiny llama. Hello from a tiny llama."
+    )
     assert finish == "length"
     assert usage.completion_tokens == 12
     # the relay checks no key here: the caller's reaches the upstream, which may check it
-    assert [v for k, v in sim.requests[-1].headers if k.lower() == b"authorization"] == \
-        [b"Bearer sk-test"]
+    assert [v for k, v in sim.requests[-1].headers if k.lower() == b"authorization"] == [
+        b"Bearer sk-test"
+    ]
 
 
 async def test_request_id_generated_forwarded_and_echoed(make_relay, sim):
     app = await make_relay()
-    given = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(2),
-                              headers={"X-Request-Id": "abc-123", "Authorization": "Bearer sk-x"})
+    given = await httpc.fetch(
+        app.port,
+        "POST",
+        "/v1/chat/completions",
+        httpc.chat(2),
+        headers={"X-Request-Id": "abc-123", "Authorization": "Bearer sk-x"},
+    )
     assert given.header("x-request-id") == "abc-123"
-    sent = dict((k.lower(), v) for k, v in sim.requests[-1].headers)
+    sent = {k.lower(): v for k, v in sim.requests[-1].headers}
     assert sent[b"x-request-id"] == b"abc-123"
     assert sent[b"authorization"] == b"Bearer sk-x"  # no relay keys: the upstream checks it
     made = await httpc.fetch(app.port, "GET", "/health")
     rid = made.header("x-request-id")
     assert rid and re.fullmatch(r"[0-9a-f]{24}", rid)
-    assert dict((k.lower(), v) for k, v in sim.requests[-1].headers)[b"x-request-id"] == rid.encode()
+    assert {k.lower(): v for k, v in sim.requests[-1].headers}[b"x-request-id"] == rid.encode()
     again = (await httpc.fetch(app.port, "GET", "/health")).header("x-request-id")
     assert re.fullmatch(r"[0-9a-f]{24}", again) and again != rid
 
@@ -139,11 +168,23 @@ async def test_upstream_auth_header_injected_from_environment(make_relay, sim, m
     from relay.config import UpstreamConfig
 
     monkeypatch.setenv("RELAY_TEST_UPSTREAM_KEY", "Bearer up-secret")
-    app = await make_relay(upstreams=[UpstreamConfig(
-        name="llm", url=sim.url, auth_header="Authorization",
-        auth_value_env="RELAY_TEST_UPSTREAM_KEY")])
-    await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(2),
-                      headers={"Authorization": "Bearer client-secret"})
+    app = await make_relay(
+        upstreams=[
+            UpstreamConfig(
+                name="llm",
+                url=sim.url,
+                auth_header="Authorization",
+                auth_value_env="RELAY_TEST_UPSTREAM_KEY",
+            )
+        ]
+    )
+    await httpc.fetch(
+        app.port,
+        "POST",
+        "/v1/chat/completions",
+        httpc.chat(2),
+        headers={"Authorization": "Bearer client-secret"},
+    )
     auth = [v for k, v in sim.requests[-1].headers if k.lower() == b"authorization"]
     assert auth == [b"Bearer up-secret"]
     assert "up-secret" not in repr(app.log.lines) and "client-secret" not in repr(app.log.lines)
@@ -160,8 +201,9 @@ async def test_http10_client_gets_dechunked_close_delimited_stream(make_relay, s
 
 async def test_content_length_stream_passes_length_through(make_relay, sim):
     app = await make_relay()
-    resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions",
-                             httpc.chat(4, content_length_stream=True))
+    resp = await httpc.fetch(
+        app.port, "POST", "/v1/chat/completions", httpc.chat(4, content_length_stream=True)
+    )
     assert resp.complete and resp.header("content-length") == str(len(resp.body))
     assert resp.header("transfer-encoding") is None
     assert resp.data_events()[-1] == "[DONE]"
@@ -170,10 +212,12 @@ async def test_content_length_stream_passes_length_through(make_relay, sim):
 async def test_keep_alive_on_both_sides(make_relay, sim):
     app = await make_relay()
     reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
-    first = await httpc.exchange(reader, writer, "POST", "/v1/chat/completions",
-                                 httpc.chat(3, stream=False))
-    second = await httpc.exchange(reader, writer, "POST", "/v1/chat/completions",
-                                  httpc.chat(3, stream=False))
+    first = await httpc.exchange(
+        reader, writer, "POST", "/v1/chat/completions", httpc.chat(3, stream=False)
+    )
+    second = await httpc.exchange(
+        reader, writer, "POST", "/v1/chat/completions", httpc.chat(3, stream=False)
+    )
     third = await httpc.exchange(reader, writer, "GET", "/health")
     writer.close()
     assert [first.status, second.status, third.status] == [200, 200, 200]
@@ -199,8 +243,10 @@ async def test_pipelined_requests_are_answered_in_order(make_relay, sim):
 
 async def test_dead_pooled_connection_is_retried_once_on_a_fresh_one(make_relay):
     body = b'{"ok":true}'
-    answer = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-              % (len(body), body))
+    answer = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+        % (len(body), body)
+    )
 
     async def script(up, index, reader, writer):
         # answers once, keeps the connection open, then closes it unanswered on the next
@@ -218,7 +264,9 @@ async def test_dead_pooled_connection_is_retried_once_on_a_fresh_one(make_relay)
     b = await httpc.exchange(reader, writer, "POST", "/v1/chat/completions", httpc.chat(1, False))
     writer.close()
     assert (a.status, a.body, b.status, b.body) == (200, body, 200, body)
-    assert up.connections == 2 and len(up.heads) == 3  # the dead one got the request, then a fresh one
+    assert (
+        up.connections == 2 and len(up.heads) == 3
+    )  # the dead one got the request, then a fresh one
     await up.stop()
 
 
@@ -226,11 +274,15 @@ async def test_two_hundred_concurrent_streams_all_correct(make_relay, sim):
     app = await make_relay()
 
     async def one(i):
-        resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions",
-                                 httpc.chat(20, interval_ms=5), timeout=30)
+        resp = await httpc.fetch(
+            app.port, "POST", "/v1/chat/completions", httpc.chat(20, interval_ms=5), timeout=30
+        )
         events = resp.data_events()
-        tokens = "".join(e["choices"][0]["delta"].get("content") or ""
-                         for e in events if isinstance(e, dict) and e["choices"])
+        tokens = "".join(
+            e["choices"][0]["delta"].get("content") or ""
+            for e in events
+            if isinstance(e, dict) and e["choices"]
+        )
         return resp.complete, resp.status, tokens, events[-1]
 
     results = await asyncio.gather(*(one(i) for i in range(200)))

@@ -34,9 +34,12 @@ async def browser(tmp_path):
 
 
 def upstreams(sim) -> list[UpstreamConfig]:
-    return [UpstreamConfig(name="llm", url=sim.url, models=["tiny"], parallel=4),
-            UpstreamConfig(name="gone", url=f"http://127.0.0.1:{closed_port()}",
-                           models=["other"], parallel=2)]
+    return [
+        UpstreamConfig(name="llm", url=sim.url, models=["tiny"], parallel=4),
+        UpstreamConfig(
+            name="gone", url=f"http://127.0.0.1:{closed_port()}", models=["other"], parallel=2
+        ),
+    ]
 
 
 def state_of(name: str) -> str:
@@ -44,39 +47,50 @@ def state_of(name: str) -> str:
 
 
 def row_cells(rid: str) -> str:
-    return (f"(() => {{ const r = document.querySelector('tr[data-request-id=\"{rid}\"]');"
-            " return r && [...r.cells].map(c => c.textContent); })()")
+    return (
+        f"(() => {{ const r = document.querySelector('tr[data-request-id=\"{rid}\"]');"
+        " return r && [...r.cells].map(c => c.textContent); })()"
+    )
 
 
 async def test_page_live_in_chromium(make_relay, sim, browser, tmp_path):
-    app = await make_relay(upstreams=upstreams(sim),
-                           keys=[key("alpha", requests_per_day=100, tokens_per_day=5000)])
+    app = await make_relay(
+        upstreams=upstreams(sim), keys=[key("alpha", requests_per_day=100, tokens_per_day=5000)]
+    )
     # the "gone" upstream refuses connections: after one request it is down
-    resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(2, model="other"),
-                             headers=bearer())
+    resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(2, model="other"), headers=bearer())
     assert resp.status == 502
     # six minutes of trend points, as the once-a-second sampler leaves them (relay/ui_state.py)
     now = time.time()
     app.ui_trend.next_at = now + 3600  # the sampler adds no point of its own during the test
     for i in range(12):
         app.ui_trend.series.setdefault("llm", deque(maxlen=72)).append(
-            (now - 330 + 30 * i, 10.0 + 5 * (i % 4), 100.0 + 20 * i))
+            (now - 330 + 30 * i, 10.0 + 5 * (i % 4), 100.0 + 20 * i)
+        )
     page = await browser.page()
     await page.navigate(f"http://127.0.0.1:{app.port}/ui")
     assert await page.wait_for(f"{state_of('llm')} === 'ready' && {state_of('gone')}")
     assert await page.eval("document.getElementById('keyform').hidden") is True
     # the charts: one polyline point per sample, the last value in the label
-    points = await page.eval("document.querySelector('[data-upstream=\"llm\"] .tps polyline')"
-                             ".getAttribute('points').split(' ').length")
+    points = await page.eval(
+        "document.querySelector('[data-upstream=\"llm\"] .tps polyline')"
+        ".getAttribute('points').split(' ').length"
+    )
     assert points == 12
-    assert await page.eval("document.querySelector('[data-upstream=\"llm\"] .ttft .label')"
-                           ".textContent") == "TTFT (mean of the last minute), last 6 min320 ms · max 320"
+    assert (
+        await page.eval(
+            "document.querySelector('[data-upstream=\"llm\"] .ttft .label').textContent"
+        )
+        == "TTFT (mean of the last minute), last 6 min320 ms · max 320"
+    )
     assert await page.eval(state_of("gone")) == "down"
-    assert await page.eval("document.querySelector('[data-upstream=\"llm\"]').textContent"
-                           ".includes('0 / 4')")  # slots in use / parallel
+    assert await page.eval(
+        "document.querySelector('[data-upstream=\"llm\"]').textContent.includes('0 / 4')"
+    )  # slots in use / parallel
     # a request made now shows up in the table within 2 s
-    resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(3),
-                             headers={**bearer(), "X-Request-Id": "ui-live-1"})
+    resp = await httpc.fetch(
+        app.port, "POST", CHAT, httpc.chat(3), headers={**bearer(), "X-Request-Id": "ui-live-1"}
+    )
     assert resp.status == 200 and resp.complete
     cells = await page.wait_for(row_cells("ui-live-1"), timeout=2.0)
     assert cells[1:5] == ["alpha", "tiny", "llm", "200"]
@@ -84,7 +98,8 @@ async def test_page_live_in_chromium(make_relay, sim, browser, tmp_path):
     # budget use against limits: two requests, the served one's tokens (2 prompt + 3)
     budget = await page.wait_for(
         "[...document.querySelectorAll('#budgets tr[data-key=alpha]')]"
-        ".map(r => [...r.cells].map(c => c.textContent))")
+        ".map(r => [...r.cells].map(c => c.textContent))"
+    )
     assert budget == [["alpha", "daily", "1 / 100", "5 / 5000"]]
     await page.screenshot(str(tmp_path / "ui.png"))
     assert page.errors() == []
@@ -92,8 +107,7 @@ async def test_page_live_in_chromium(make_relay, sim, browser, tmp_path):
 
 
 async def test_admin_key_prompt_in_chromium(make_relay, sim, browser, tmp_path):
-    app = await make_relay(upstreams=upstreams(sim), keys=[key()],
-                           admin_key_sha256=sha(ADMIN))
+    app = await make_relay(upstreams=upstreams(sim), keys=[key()], admin_key_sha256=sha(ADMIN))
     page = await browser.page()
     await page.navigate(f"http://127.0.0.1:{app.port}/ui")
     await page.wait_for("!document.getElementById('keyform').hidden")
@@ -101,8 +115,10 @@ async def test_admin_key_prompt_in_chromium(make_relay, sim, browser, tmp_path):
     assert page.errors() == []  # asking for the key costs no refused request
 
     async def submit(secret: str) -> None:
-        await page.eval(f"document.getElementById('adminkey').value = {json.dumps(secret)};"
-                        " document.getElementById('keybutton').click(); true")
+        await page.eval(
+            f"document.getElementById('adminkey').value = {json.dumps(secret)};"
+            " document.getElementById('keybutton').click(); true"
+        )
 
     await submit(SECRET)  # an API key is not the admin key
     await page.wait_for("document.getElementById('keymsg').textContent === 'admin key refused'")

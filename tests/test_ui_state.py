@@ -20,16 +20,48 @@ CHAT = "/v1/chat/completions"
 def test_recent_is_a_bounded_ring_newest_first():
     r = Recent(size=3)
     for i in range(5):
-        r.add(Record(ts=float(i), request_id=f"r{i}", path=CHAT, key_id="k", model="m",
-                     upstream_served="u", status=200, ok=True, outcome="done", ttft_ms=100.0,
-                     e2e_ms=1100.0, completion_tokens=11))
+        r.add(
+            Record(
+                ts=float(i),
+                request_id=f"r{i}",
+                path=CHAT,
+                key_id="k",
+                model="m",
+                upstream_served="u",
+                status=200,
+                ok=True,
+                outcome="done",
+                ttft_ms=100.0,
+                e2e_ms=1100.0,
+                completion_tokens=11,
+            )
+        )
     rows = r.rows()
     assert [x["request_id"] for x in rows] == ["r4", "r3", "r2"]
-    assert rows[0] == {"ts": 4.0, "request_id": "r4", "key": "k", "model": "m", "upstream": "u",
-                       "status": 200, "ttft_ms": 100.0, "tokens_per_s": 10.0, "tokens": 11,
-                       "outcome": "done", "ok": True}
-    r.add(Record(ts=9.0, request_id="bad", path=CHAT, upstream_requested="u", status=502,
-                 outcome="error", error_code="upstream_unavailable"))
+    assert rows[0] == {
+        "ts": 4.0,
+        "request_id": "r4",
+        "key": "k",
+        "model": "m",
+        "upstream": "u",
+        "status": 200,
+        "ttft_ms": 100.0,
+        "tokens_per_s": 10.0,
+        "tokens": 11,
+        "outcome": "done",
+        "ok": True,
+    }
+    r.add(
+        Record(
+            ts=9.0,
+            request_id="bad",
+            path=CHAT,
+            upstream_requested="u",
+            status=502,
+            outcome="error",
+            error_code="upstream_unavailable",
+        )
+    )
     assert r.rows()[0]["outcome"] == "upstream_unavailable"
     assert r.rows()[0]["upstream"] == "u" and r.rows()[0]["tokens_per_s"] is None
 
@@ -47,7 +79,7 @@ def test_trend_one_point_per_step():
     reg.add(m)
     m.observe_ttft(0.2, 100.0)
     t = Trend(step_s=5.0, points=3)
-    for s in range(0, 21):  # called every second for 20 s
+    for s in range(21):  # called every second for 20 s
         t.sample(1000.0 + s, 100.0 + s, reg)
     assert [p[0] for p in t.of("u")] == [1010.0, 1015.0, 1020.0]  # 5 points taken, 3 kept
     assert t.of("u")[-1][1:] == [0.0, 200.0]  # the TTFT mean of the last 60 s, in ms
@@ -56,15 +88,33 @@ def test_trend_one_point_per_step():
 
 def test_budgets_against_limits():
     keys = [key("a", requests_per_day=10, tokens_per_month=1000), key("b", secret="x")]
-    usage = {"a": {"daily": {"requests": 3, "tokens": 40}, "monthly": {"requests": 5,
-                                                                      "tokens": 90}}}
+    usage = {
+        "a": {"daily": {"requests": 3, "tokens": 40}, "monthly": {"requests": 5, "tokens": 90}}
+    }
     assert budgets(keys, lambda k: usage.get(k, {})) == [
-        {"key": "a", "windows": [
-            {"window": "daily", "requests": 3, "requests_limit": 10, "tokens": 40,
-             "tokens_limit": 0, "reserved_tokens": 0},
-            {"window": "monthly", "requests": 5, "requests_limit": 0, "tokens": 90,
-             "tokens_limit": 1000, "reserved_tokens": 0}]},
-        {"key": "b", "windows": []}]
+        {
+            "key": "a",
+            "windows": [
+                {
+                    "window": "daily",
+                    "requests": 3,
+                    "requests_limit": 10,
+                    "tokens": 40,
+                    "tokens_limit": 0,
+                    "reserved_tokens": 0,
+                },
+                {
+                    "window": "monthly",
+                    "requests": 5,
+                    "requests_limit": 0,
+                    "tokens": 90,
+                    "tokens_limit": 1000,
+                    "reserved_tokens": 0,
+                },
+            ],
+        },
+        {"key": "b", "windows": []},
+    ]
 
 
 def test_page_files_are_packaged():

@@ -15,33 +15,42 @@ from relay.proxy.body_memory import BodyBytes
 H = [(b"Host", b"a")]
 
 
-@pytest.mark.parametrize("headers,http11,code", [
-    (H, True, None),
-    (H + [(b"Content-Length", b"5")], True, None),
-    (H + [(b"Transfer-Encoding", b"chunked")], True, None),
-    (H + [(b"transfer-encoding", b"Chunked ")], True, None),
-    (H + [(b"Content-Length", b"5"), (b"Transfer-Encoding", b"chunked")], True, "bad_request"),
-    (H + [(b"Transfer-Encoding", b"chunked")], False, "bad_request"),
-    (H + [(b"Transfer-Encoding", b"gzip, chunked")], True, "not_implemented"),
-    (H + [(b"Transfer-Encoding", b"chunked"), (b"Transfer-Encoding", b"chunked")], True,
-     "not_implemented"),
-    (H + [(b"Transfer-Encoding", b"identity")], True, "not_implemented"),
-    (H + [(b"Content-Length", b"5"), (b"Content-Length", b"6")], True, "bad_request"),
-    (H + [(b"Content-Length", b"5, 5")], True, None),
-    (H + [(b"Content-Length", b"+5")], True, "bad_request"),
-])
+@pytest.mark.parametrize(
+    "headers,http11,code",
+    [
+        (H, True, None),
+        (H + [(b"Content-Length", b"5")], True, None),
+        (H + [(b"Transfer-Encoding", b"chunked")], True, None),
+        (H + [(b"transfer-encoding", b"Chunked ")], True, None),
+        (H + [(b"Content-Length", b"5"), (b"Transfer-Encoding", b"chunked")], True, "bad_request"),
+        (H + [(b"Transfer-Encoding", b"chunked")], False, "bad_request"),
+        (H + [(b"Transfer-Encoding", b"gzip, chunked")], True, "not_implemented"),
+        (
+            H + [(b"Transfer-Encoding", b"chunked"), (b"Transfer-Encoding", b"chunked")],
+            True,
+            "not_implemented",
+        ),
+        (H + [(b"Transfer-Encoding", b"identity")], True, "not_implemented"),
+        (H + [(b"Content-Length", b"5"), (b"Content-Length", b"6")], True, "bad_request"),
+        (H + [(b"Content-Length", b"5, 5")], True, None),
+        (H + [(b"Content-Length", b"+5")], True, "bad_request"),
+    ],
+)
 def test_framing_error(headers, http11, code):
     err = reqhead.framing_error(headers, http11)
     assert (err.code if err else None) == code
 
 
-@pytest.mark.parametrize("head,folded", [
-    (b"POST / HTTP/1.1\r\nHost: a\r\n\r\n", False),
-    (b"\r\n\r\nPOST / HTTP/1.1\r\nHost: a\r\n\r\n", False),
-    (b"POST / HTTP/1.1\r\nTransfer-Encoding:\r\n chunked\r\n\r\n", True),
-    (b"POST / HTTP/1.1\nX: a\n\tb\n\n", True),
-    (b"POST / HTTP/1.1\r\nHost: a\r\n\r\n\r\n body line", False),  # after the head: body
-])
+@pytest.mark.parametrize(
+    "head,folded",
+    [
+        (b"POST / HTTP/1.1\r\nHost: a\r\n\r\n", False),
+        (b"\r\n\r\nPOST / HTTP/1.1\r\nHost: a\r\n\r\n", False),
+        (b"POST / HTTP/1.1\r\nTransfer-Encoding:\r\n chunked\r\n\r\n", True),
+        (b"POST / HTTP/1.1\nX: a\n\tb\n\n", True),
+        (b"POST / HTTP/1.1\r\nHost: a\r\n\r\n\r\n body line", False),  # after the head: body
+    ],
+)
 def test_obs_fold(head, folded):
     assert reqhead.has_obs_fold(head) is folded
 
@@ -68,41 +77,62 @@ def peek(**fields) -> A.Peek:
     return msgspec.json.decode(json.dumps(fields).encode(), type=A.Peek)
 
 
-@pytest.mark.parametrize("fields,limit", [
-    ({}, None), ({"max_tokens": -1}, None), ({"max_tokens": 5, "n_predict": -1}, None),
-    ({"max_tokens": 1, "n_predict": 3000}, 3000), ({"max_completion_tokens": 7}, 7),
-    ({"max_output_tokens": 9, "max_tokens": 2}, 2), ({"n_predict": 0}, 0),
-])
+@pytest.mark.parametrize(
+    "fields,limit",
+    [
+        ({}, None),
+        ({"max_tokens": -1}, None),
+        ({"max_tokens": 5, "n_predict": -1}, None),
+        ({"max_tokens": 1, "n_predict": 3000}, 3000),
+        ({"max_completion_tokens": 7}, 7),
+        ({"max_output_tokens": 9, "max_tokens": 2}, 2),
+        ({"n_predict": 0}, 0),
+    ],
+)
 def test_completion_limit_is_the_largest_field_or_unbounded(fields, limit):
     assert A.completion_limit(peek(**fields), CHAT) == limit
     assert A.estimate_tokens(b"x" * 40, peek(**fields), 77, CHAT) == (
-        10, 77 if limit is None else limit)
+        10,
+        77 if limit is None else limit,
+    )
 
 
-@pytest.mark.parametrize("path,fields,limit", [
-    # a field another API names is ignored by llama-server on this path: unbounded
-    (CHAT, {"max_output_tokens": 5}, None),
-    ("/v1/completions", {"max_output_tokens": 5}, None),
-    ("/completion", {"max_completion_tokens": 5}, None),
-    ("/completion", {"max_tokens": 5}, 5),
-    ("/infill", {"n_predict": 6}, 6),
-    ("/v1/responses", {"max_tokens": 5}, None),
-    ("/responses", {"max_output_tokens": 5}, 5),
-    ("/v1/messages", {"max_tokens": 7, "n_predict": 3}, 7),
-    ("/v1/messages", {"max_output_tokens": 7}, None),
-    ("/v1/embeddings", {"max_tokens": 7}, 0),
-    ("/v1/rerank", {}, 0),
-    ("/some/new/route", {"max_tokens": 7}, None),
-])
+@pytest.mark.parametrize(
+    "path,fields,limit",
+    [
+        # a field another API names is ignored by llama-server on this path: unbounded
+        (CHAT, {"max_output_tokens": 5}, None),
+        ("/v1/completions", {"max_output_tokens": 5}, None),
+        ("/completion", {"max_completion_tokens": 5}, None),
+        ("/completion", {"max_tokens": 5}, 5),
+        ("/infill", {"n_predict": 6}, 6),
+        ("/v1/responses", {"max_tokens": 5}, None),
+        ("/responses", {"max_output_tokens": 5}, 5),
+        ("/v1/messages", {"max_tokens": 7, "n_predict": 3}, 7),
+        ("/v1/messages", {"max_output_tokens": 7}, None),
+        ("/v1/embeddings", {"max_tokens": 7}, 0),
+        ("/v1/rerank", {}, 0),
+        ("/some/new/route", {"max_tokens": 7}, None),
+    ],
+)
 def test_completion_limit_reads_only_the_fields_the_path_honours(path, fields, limit):
     assert A.completion_limit(peek(**fields), path) == limit
 
 
-@pytest.mark.parametrize("prompt,count", [
-    ("one", 1), ([1, 2, 3], 1), ([12, "mixed", 34], 1), (["a", "b", "c"], 3),
-    ([[1, 2], [3, 4]], 2), (["a", [1, 2]], 2), ([{"prompt_string": "a"}, "b"], 2),
-    ([], 1), (None, 1),
-])
+@pytest.mark.parametrize(
+    "prompt,count",
+    [
+        ("one", 1),
+        ([1, 2, 3], 1),
+        ([12, "mixed", 34], 1),
+        (["a", "b", "c"], 3),
+        ([[1, 2], [3, 4]], 2),
+        (["a", [1, 2]], 2),
+        ([{"prompt_string": "a"}, "b"], 2),
+        ([], 1),
+        (None, 1),
+    ],
+)
 def test_prompt_count(prompt, count):
     assert A.prompt_count(peek(prompt=prompt)) == count
 
@@ -116,29 +146,36 @@ def test_reservation_multiplies_limit_prompts_and_choices():
     assert A.estimate_tokens(b"", peek(max_tokens=10, n=4), 77, CHAT) == (0, 40)
 
 
-@pytest.mark.parametrize("path,body,want", [
-    # the fields of the path the request carries: every one of them is capped
-    (CHAT, b'{"model":"m","max_tokens":-1,"n_predict":7}',
-     b'{"model":"m","max_tokens":-1,"n_predict":7,"n_predict":64,"max_tokens":64}'),
-    # a field of another API is left alone, the path's own field added
-    (CHAT, b'{"max_output_tokens":5}', b'{"max_output_tokens":5,"max_tokens":64}'),
-    ("/v1/responses", b'{"max_tokens":5}', b'{"max_tokens":5,"max_output_tokens":64}'),
-    ("/v1/messages", b'{"messages":[]}', b'{"messages":[],"max_tokens":64}'),
-    ("/completion", b'{"prompt":"}"}', b'{"prompt":"}","n_predict":64}'),
-    # whitespace, an empty object, nested objects, strings holding braces
-    (CHAT, b'{}', b'{"max_tokens":64}'),
-    (CHAT, b' { \n } \r\n', b' {"max_tokens":64} \r\n'),
-    (CHAT, b'{"a":{"b":{}}}  \n', b'{"a":{"b":{}},"max_tokens":64}  \n'),
-    (CHAT, b'{"a":"{}}{"}', b'{"a":"{}}{","max_tokens":64}'),
-    (CHAT, b'{"a":[{"}":"{"}] }', b'{"a":[{"}":"{"}],"max_tokens":64}'),
-])
+@pytest.mark.parametrize(
+    "path,body,want",
+    [
+        # the fields of the path the request carries: every one of them is capped
+        (
+            CHAT,
+            b'{"model":"m","max_tokens":-1,"n_predict":7}',
+            b'{"model":"m","max_tokens":-1,"n_predict":7,"n_predict":64,"max_tokens":64}',
+        ),
+        # a field of another API is left alone, the path's own field added
+        (CHAT, b'{"max_output_tokens":5}', b'{"max_output_tokens":5,"max_tokens":64}'),
+        ("/v1/responses", b'{"max_tokens":5}', b'{"max_tokens":5,"max_output_tokens":64}'),
+        ("/v1/messages", b'{"messages":[]}', b'{"messages":[],"max_tokens":64}'),
+        ("/completion", b'{"prompt":"}"}', b'{"prompt":"}","n_predict":64}'),
+        # whitespace, an empty object, nested objects, strings holding braces
+        (CHAT, b"{}", b'{"max_tokens":64}'),
+        (CHAT, b" { \n } \r\n", b' {"max_tokens":64} \r\n'),
+        (CHAT, b'{"a":{"b":{}}}  \n', b'{"a":{"b":{}},"max_tokens":64}  \n'),
+        (CHAT, b'{"a":"{}}{"}', b'{"a":"{}}{","max_tokens":64}'),
+        (CHAT, b'{"a":[{"}":"{"}] }', b'{"a":[{"}":"{"}],"max_tokens":64}'),
+    ],
+)
 def test_with_limit_splices_the_fields_the_api_reads(path, body, want):
     out = A.with_limit(body, A.peek_body(b"POST", [], body, True), 64, path)
     assert out == want
     # the last duplicate wins in the decoder: what the relay reads is what it reserved on
     assert A.completion_limit(A.peek_body(b"POST", [], out, True), path) == 64
-    assert {k: v for k, v in json.loads(body).items() if k not in A.LIMIT_FIELDS} == \
-        {k: v for k, v in json.loads(out).items() if k not in A.LIMIT_FIELDS}
+    assert {k: v for k, v in json.loads(body).items() if k not in A.LIMIT_FIELDS} == {
+        k: v for k, v in json.loads(out).items() if k not in A.LIMIT_FIELDS
+    }
 
 
 def test_splice_refuses_what_is_not_an_object():
@@ -151,6 +188,7 @@ def test_with_limit_does_not_decode_the_body():
     body = b'{"prompt":"' + b"x" * (8 << 20) + b'"}'
     p = A.peek_body(b"POST", [], body, True)
     import time
+
     t = time.perf_counter()
     out = A.with_limit(body, p, 16, "/completion")
     assert time.perf_counter() - t < 0.2
@@ -158,12 +196,32 @@ def test_with_limit_does_not_decode_the_body():
 
 
 def test_generates_every_post_but_the_cheap_routes():
-    for path in (CHAT, "/v1/messages", "/responses", "/v1/responses", "/v1/rerank", "/reranking",
-                 "/v1/audio/transcriptions", "/predict", "/some/route/added/later"):
+    for path in (
+        CHAT,
+        "/v1/messages",
+        "/responses",
+        "/v1/responses",
+        "/v1/rerank",
+        "/reranking",
+        "/v1/audio/transcriptions",
+        "/predict",
+        "/some/route/added/later",
+    ):
         assert A.generates(b"POST", path), path
-    for path in ("/tokenize", "/detokenize", "/apply-template", "/v1/messages/count_tokens",
-                 "/v1/responses/input_tokens", "/props", "/health", "/slots", "/slots/0",
-                 "/lora-adapters", "/models/load", "/models/unload"):
+    for path in (
+        "/tokenize",
+        "/detokenize",
+        "/apply-template",
+        "/v1/messages/count_tokens",
+        "/v1/responses/input_tokens",
+        "/props",
+        "/health",
+        "/slots",
+        "/slots/0",
+        "/lora-adapters",
+        "/models/load",
+        "/models/unload",
+    ):
         assert not A.generates(b"POST", path), path
     assert not A.generates(b"GET", CHAT)
     assert A.json_route("/v1/messages") and not A.json_route("/v1/audio/transcriptions")
@@ -171,8 +229,11 @@ def test_generates_every_post_but_the_cheap_routes():
 
 def test_head_check():
     import hashlib
-    auth = Auth([KeyConfig(id="k", sha256=hashlib.sha256(b"s").hexdigest())],
-                hashlib.sha256(b"adm").hexdigest())
+
+    auth = Auth(
+        [KeyConfig(id="k", sha256=hashlib.sha256(b"s").hexdigest())],
+        hashlib.sha256(b"adm").hexdigest(),
+    )
     ok = [(b"Authorization", b"Bearer s")]
     lo, far = "127.0.0.1", "192.0.2.2"
     assert A.head_check(auth, b"POST", "/v1/chat/completions", ok, far) == ("k", None)

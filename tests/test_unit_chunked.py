@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import random
+from pathlib import Path
 
 import pytest
 
@@ -97,7 +98,7 @@ def make_body(chunks: list[bytes], ext: bool = False, trailers: bytes = b"") -> 
 def fixture_bodies() -> dict[str, bytes]:
     bodies = {}
     for path in sorted(glob.glob(f"{FIXTURES}/*.http")):
-        raw = open(path, "rb").read()
+        raw = Path(path).read_bytes()
         resp = raw.partition(SEP)[2]
         head, _, body = resp.partition(b"\r\n\r\n")
         if b"transfer-encoding: chunked" in head.lower():
@@ -188,8 +189,16 @@ def test_every_three_way_split():
             assert dones == [i == n, j == n, True], (i, j)
 
 
-@pytest.mark.parametrize("body", [SMALL, make_body([b"x"]), make_body([b"a" * 20, b"b"]),
-                                  make_body([]), make_body([b"yz"], trailers=b"T: v\r\n")])
+@pytest.mark.parametrize(
+    "body",
+    [
+        SMALL,
+        make_body([b"x"]),
+        make_body([b"a" * 20, b"b"]),
+        make_body([]),
+        make_body([b"yz"], trailers=b"T: v\r\n"),
+    ],
+)
 def test_byte_by_byte(body):
     t = ChunkTracker()
     fwd, payloads, dones = feed_all(t, [body[k : k + 1] for k in range(len(body))])
@@ -201,8 +210,10 @@ def test_byte_by_byte(body):
 @pytest.mark.parametrize("seed", range(40))
 def test_random_splits_of_large_body(seed):
     rnd = random.Random(seed)
-    chunks = [rnd.randbytes(rnd.choice([1, 2, 15, 16, 17, 255, 256, 1000, 4096, 9000]))
-              for _ in range(rnd.randint(1, 60))]
+    chunks = [
+        rnd.randbytes(rnd.choice([1, 2, 15, 16, 17, 255, 256, 1000, 4096, 9000]))
+        for _ in range(rnd.randint(1, 60))
+    ]
     trailers = b"X-Checksum: abc\r\n" if seed % 3 == 0 else b""
     body = make_body(chunks, ext=seed % 2 == 1, trailers=trailers)
     reads, pos = [], 0
@@ -221,7 +232,7 @@ def test_random_splits_of_large_body(seed):
 def test_fixture_bodies_every_split(name):
     body = fixture_bodies()[name]
     try:
-        content, rest = strict_dechunk(body)
+        content, _rest = strict_dechunk(body)
         complete = True
     except Incomplete as inc:  # a capture cut short by the client (disconnect_*)
         content, complete = inc.content, False
@@ -236,7 +247,7 @@ def test_fixture_bodies_every_split(name):
 
 
 def test_extension_and_trailers_not_in_payloads():
-    body = b"4;name=val;q=\"x;y\"\r\nwxyz\r\n0;end\r\nExpires: never\r\nX-A: b\r\n\r\n"
+    body = b'4;name=val;q="x;y"\r\nwxyz\r\n0;end\r\nExpires: never\r\nX-A: b\r\n\r\n'
     t = ChunkTracker()
     out, ps = t.feed(body)
     assert out == body and ps == [b"wxyz"] and t.done
@@ -285,23 +296,27 @@ def test_extra_bytes_after_end_later_reads():
     assert t.extra == b"GARBAGE" and t.done
 
 
-@pytest.mark.parametrize("bad", [
-    b"zz\r\nhello\r\n",
-    b"-5\r\nhello\r\n",
-    b"\r\nhello\r\n",
-    b"g\r\n",
-    b";ext\r\n",
-    b"5\r\nhelloXY0\r\n\r\n",
-    b"3\r\nabc\n\n",
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"zz\r\nhello\r\n",
+        b"-5\r\nhello\r\n",
+        b"\r\nhello\r\n",
+        b"g\r\n",
+        b";ext\r\n",
+        b"5\r\nhelloXY0\r\n\r\n",
+        b"3\r\nabc\n\n",
+    ],
+)
 def test_bad_framing_raises(bad):
     t = ChunkTracker()
     with pytest.raises(ChunkError):
         t.feed(bad)
 
 
-@pytest.mark.parametrize("bad", [b"0x5\r\nhello\r\n", b"+5\r\nhello\r\n", b"0_5\r\nhello\r\n",
-                                 b"-0\r\n\r\n"])
+@pytest.mark.parametrize(
+    "bad", [b"0x5\r\nhello\r\n", b"+5\r\nhello\r\n", b"0_5\r\nhello\r\n", b"-0\r\n\r\n"]
+)
 def test_non_hexdig_size_raises(bad):
     t = ChunkTracker()
     with pytest.raises(ChunkError):
@@ -334,9 +349,16 @@ def test_spans_offsets():
     assert t.spans(b"1fc\r\n" + b"x" * 0x1FC + b"\r\n") == [5, 5 + 0x1FC]
     assert t.spans(b"5\r\nhel\r\n\r\n") == [3, 8]  # CRLF inside the data is data
     assert t.spans(b"5\r\nhello\r\n2\r\nab\r\n") == [3, 8, 13, 15]  # several whole chunks
-    for not_whole in (b"5\r\nhello\r\n0\r\n\r\n", b"5\r\nhell", b"5\r\nhelloXY",
-                      b"0\r\n\r\n", b"5;x=1\r\nhello\r\n", b"zz\r\nhello\r\n",
-                      b"5\r\nhello\r\n5\r\nhel", b"0x5\r\nhello\r\n"):
+    for not_whole in (
+        b"5\r\nhello\r\n0\r\n\r\n",
+        b"5\r\nhell",
+        b"5\r\nhelloXY",
+        b"0\r\n\r\n",
+        b"5;x=1\r\nhello\r\n",
+        b"zz\r\nhello\r\n",
+        b"5\r\nhello\r\n5\r\nhel",
+        b"0x5\r\nhello\r\n",
+    ):
         assert t.spans(not_whole) is None, not_whole
     assert t.spans(b"") == []
     t.feed(b"5\r\nhe")  # inside a chunk: nothing is whole
@@ -350,18 +372,20 @@ def test_spans_offsets():
 def test_spans_agree_with_feed(seed):
     rnd = random.Random(seed)
     for _ in range(200):
-        chunks = [rnd.randbytes(rnd.choice([1, 2, 15, 16, 255, 256, 4095, 70000]))
-                  for _ in range(rnd.randint(1, 4))]
+        chunks = [
+            rnd.randbytes(rnd.choice([1, 2, 15, 16, 255, 256, 4095, 70000]))
+            for _ in range(rnd.randint(1, 4))
+        ]
         data = b"".join(frame(c) for c in chunks)
         t, u = ChunkTracker(), ChunkTracker()
         spans = t.spans(data)
-        assert [data[spans[i]:spans[i + 1]] for i in range(0, len(spans), 2)] == chunks
+        assert [data[spans[i] : spans[i + 1]] for i in range(0, len(spans), 2)] == chunks
         assert u.feed(data) == (data, chunks)
         assert (t.state, t.held) == (u.state, u.held) == (chunked.SIZE, b"")
 
 
 # ---- close_with ----------------------------------------------------------------------------
-PAYLOADS = [b"", b"ab", b"data: {\"x\":1}\n\ndata: [DONE]\n\n" * 3]
+PAYLOADS = [b"", b"ab", b'data: {"x":1}\n\ndata: [DONE]\n\n' * 3]
 CLOSE_BODY = make_body([b"0123456789", b"ab", b"data: z\n\n"], ext=True, trailers=b"T: 1\r\n")
 
 
@@ -415,7 +439,7 @@ def test_close_with_stall_frame_ends_half_sent_line():
     ev = b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'
     t = ChunkTracker()
     body = frame(ev) + frame(ev)
-    fwd, payloads = t.feed(body[: len(frame(ev)) + 20])  # inside the second chunk's data line
+    fwd, _payloads = t.feed(body[: len(frame(ev)) + 20])  # inside the second chunk's data line
     sf = stall_frame("/v1/chat/completions", "m", "idle", 1.5, "llm", 1)
     content = valid_complete(fwd + t.close_with(sf))
     # SSE view: every event is whole; [DONE] is the last event and appears once

@@ -33,40 +33,68 @@ def test_upstream_and_key_defaults():
     cfg = parse_config({"upstream": [UP], "key": [{"id": "k1", "sha256": SHA}]})
     [up] = cfg.upstream
     assert (up.name, up.url, up.models, up.parallel, up.queue, up.fallback) == (
-        "llm", "http://127.0.0.1:8081", [], 1, 64, [])
+        "llm",
+        "http://127.0.0.1:8081",
+        [],
+        1,
+        64,
+        [],
+    )
     assert (up.auth_header, up.auth_value_env) == (None, None)
     [k] = cfg.key
-    assert (k.id, k.sha256, k.requests_per_day, k.tokens_per_day, k.requests_per_month,
-            k.tokens_per_month) == ("k1", SHA, 0, 0, 0, 0)
+    assert (
+        k.id,
+        k.sha256,
+        k.requests_per_day,
+        k.tokens_per_day,
+        k.requests_per_month,
+        k.tokens_per_month,
+    ) == ("k1", SHA, 0, 0, 0, 0)
 
 
 def test_full_valid_config():
-    cfg = parse_config({
-        "server": {"host": "0.0.0.0", "port": 9000, "max_body_bytes": 2048},
-        "dispatcher": {"direct_read_timeout_s": 30, "stream_total_timeout_s": 0,
-                       "stream_idle_timeout_s": 86400},
-        "upstream": [
-            {"name": "a", "url": "http://a:1", "models": ["m"], "parallel": 4, "queue": 0,
-             "fallback": ["b"], "auth_header": "Authorization", "auth_value_env": "A_KEY"},
-            {"name": "b", "url": "http://b"},
-        ],
-        "key": [{"id": "k", "sha256": SHA.upper(), "tokens_per_day": 1000}],
-        "store": {"path": ":memory:"},
-        "admin_key_sha256": SHA,
-    })
+    cfg = parse_config(
+        {
+            "server": {"host": "0.0.0.0", "port": 9000, "max_body_bytes": 2048},
+            "dispatcher": {
+                "direct_read_timeout_s": 30,
+                "stream_total_timeout_s": 0,
+                "stream_idle_timeout_s": 86400,
+            },
+            "upstream": [
+                {
+                    "name": "a",
+                    "url": "http://a:1",
+                    "models": ["m"],
+                    "parallel": 4,
+                    "queue": 0,
+                    "fallback": ["b"],
+                    "auth_header": "Authorization",
+                    "auth_value_env": "A_KEY",
+                },
+                {"name": "b", "url": "http://b"},
+            ],
+            "key": [{"id": "k", "sha256": SHA.upper(), "tokens_per_day": 1000}],
+            "store": {"path": ":memory:"},
+            "admin_key_sha256": SHA,
+        }
+    )
     assert cfg.dispatcher.direct_read_timeout_s == 30.0
     assert cfg.dispatcher.stream_total_timeout_s == 0.0
     assert cfg.upstream[0].fallback == ["b"] and cfg.upstream[0].parallel == 4
     assert cfg.key[0].tokens_per_day == 1000 and cfg.store.path == ":memory:"
 
 
-@pytest.mark.parametrize("data,where", [
-    ({"server": {"bogus": 1}}, "server"),
-    ({"dispatcher": {"bogus": 1}}, "dispatcher"),
-    ({"store": {"bogus": 1}}, "store"),
-    ({"upstream": [dict(UP, bogus=1)]}, "upstream[0]"),
-    ({"key": [{"id": "k", "sha256": SHA, "bogus": 1}]}, "key[0]"),
-])
+@pytest.mark.parametrize(
+    "data,where",
+    [
+        ({"server": {"bogus": 1}}, "server"),
+        ({"dispatcher": {"bogus": 1}}, "dispatcher"),
+        ({"store": {"bogus": 1}}, "store"),
+        ({"upstream": [dict(UP, bogus=1)]}, "upstream[0]"),
+        ({"key": [{"id": "k", "sha256": SHA, "bogus": 1}]}, "key[0]"),
+    ],
+)
 def test_unknown_keys_rejected(data, where):
     with pytest.raises(ConfigError) as exc:
         parse_config(data)
@@ -84,39 +112,48 @@ def test_unknown_key_message_names_dotted_path():
     assert "server.bogus" in str(exc.value)
 
 
-@pytest.mark.parametrize("section,key,value,msg", [
-    ("dispatcher", "direct_read_timeout_s", 29, "Expected `float` >= 30.0"),
-    ("dispatcher", "direct_read_timeout_s", 29.999, "Expected `float` >= 30.0"),
-    ("dispatcher", "direct_read_timeout_s", 601, "Expected `float` <= 600.0"),
-    ("dispatcher", "stream_idle_timeout_s", -1, "Expected `float` >= 0.0"),
-    ("dispatcher", "stream_idle_timeout_s", 86401, "Expected `float` <= 86400.0"),
-    ("dispatcher", "stream_total_timeout_s", -0.5, "Expected `float` >= 0.0"),
-    ("dispatcher", "stream_total_timeout_s", 86400.5, "Expected `float` <= 86400.0"),
-    ("server", "port", 65536, "Expected `int` <= 65535"),
-    ("server", "port", -1, "Expected `int` >= 0"),
-    ("server", "port", "8080", "Expected `int`, got `str`"),
-])
+@pytest.mark.parametrize(
+    "section,key,value,msg",
+    [
+        ("dispatcher", "direct_read_timeout_s", 29, "Expected `float` >= 30.0"),
+        ("dispatcher", "direct_read_timeout_s", 29.999, "Expected `float` >= 30.0"),
+        ("dispatcher", "direct_read_timeout_s", 601, "Expected `float` <= 600.0"),
+        ("dispatcher", "stream_idle_timeout_s", -1, "Expected `float` >= 0.0"),
+        ("dispatcher", "stream_idle_timeout_s", 86401, "Expected `float` <= 86400.0"),
+        ("dispatcher", "stream_total_timeout_s", -0.5, "Expected `float` >= 0.0"),
+        ("dispatcher", "stream_total_timeout_s", 86400.5, "Expected `float` <= 86400.0"),
+        ("server", "port", 65536, "Expected `int` <= 65535"),
+        ("server", "port", -1, "Expected `int` >= 0"),
+        ("server", "port", "8080", "Expected `int`, got `str`"),
+    ],
+)
 def test_out_of_range_names_key_and_bound(section, key, value, msg):
     with pytest.raises(ConfigError) as exc:
         parse_config({section: {key: value}})
     assert str(exc.value) == f"{section}.{key}: {msg}"
 
 
-@pytest.mark.parametrize("section,key,value", [
-    ("dispatcher", "direct_read_timeout_s", 30), ("dispatcher", "direct_read_timeout_s", 600),
-    ("dispatcher", "stream_idle_timeout_s", 0), ("dispatcher", "stream_idle_timeout_s", 86400),
-    ("dispatcher", "stream_total_timeout_s", 0), ("dispatcher", "stream_total_timeout_s", 86400),
-])
+@pytest.mark.parametrize(
+    "section,key,value",
+    [
+        ("dispatcher", "direct_read_timeout_s", 30),
+        ("dispatcher", "direct_read_timeout_s", 600),
+        ("dispatcher", "stream_idle_timeout_s", 0),
+        ("dispatcher", "stream_idle_timeout_s", 86400),
+        ("dispatcher", "stream_total_timeout_s", 0),
+        ("dispatcher", "stream_total_timeout_s", 86400),
+    ],
+)
 def test_bounds_inclusive(section, key, value):
     assert getattr(getattr(parse_config({section: {key: value}}), section), key) == value
 
 
-@pytest.mark.parametrize("field", ["requests_per_day", "tokens_per_day", "requests_per_month",
-                                   "tokens_per_month"])
+@pytest.mark.parametrize(
+    "field", ["requests_per_day", "tokens_per_day", "requests_per_month", "tokens_per_month"]
+)
 def test_negative_budget_rejected(field):
     with pytest.raises(ConfigError) as exc:
-        parse_config({"key": [{"id": "k", "sha256": SHA}, {"id": "j", "sha256": SHA,
-                                                           field: -1}]})
+        parse_config({"key": [{"id": "k", "sha256": SHA}, {"id": "j", "sha256": SHA, field: -1}]})
     assert str(exc.value) == f"key[1].{field}: Expected `int` >= 0"
 
 
@@ -132,27 +169,48 @@ def test_missing_required_upstream_field():
         parse_config({"upstream": [{"name": "a"}]})
 
 
-@pytest.mark.parametrize("url", ["h:80", "http://", "http:///x", "ftp://h", "https://",
-                                 "http://h?x=1", "https://h/v1?x=1", "http://h/v1#f",
-                                 "http://u:p@h/v1", "https://key@h", "http://h/a/../v1",
-                                 "http://h/a//v1", "http://h/a%2f", "http://h/a b",
-                                 "http://h:notaport", "http://h:70000", "", "127.0.0.1:8081"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "h:80",
+        "http://",
+        "http:///x",
+        "ftp://h",
+        "https://",
+        "http://h?x=1",
+        "https://h/v1?x=1",
+        "http://h/v1#f",
+        "http://u:p@h/v1",
+        "https://key@h",
+        "http://h/a/../v1",
+        "http://h/a//v1",
+        "http://h/a%2f",
+        "http://h/a b",
+        "http://h:notaport",
+        "http://h:70000",
+        "",
+        "127.0.0.1:8081",
+    ],
+)
 def test_bad_upstream_url(url):
     with pytest.raises(ConfigError) as exc:
         parse_config({"upstream": [{"name": "a", "url": url}]})
     assert str(exc.value).startswith(f"upstream url {url!r}: ")
 
 
-@pytest.mark.parametrize("url,want", [
-    ("http://127.0.0.1:8081", ("127.0.0.1", 8081)),
-    ("http://llm", ("llm", 80)),
-    ("http://llm/", ("llm", 80)),
-    ("http://[::1]:9000", ("::1", 9000)),
-    ("http://LLM.example:1", ("llm.example", 1)),
-    ("https://api.example.com", ("api.example.com", 443)),
-    ("https://api.example.com:8443/api/v1", ("api.example.com", 8443)),
-    ("http://h:8080/v1/", ("h", 8080)),
-])
+@pytest.mark.parametrize(
+    "url,want",
+    [
+        ("http://127.0.0.1:8081", ("127.0.0.1", 8081)),
+        ("http://llm", ("llm", 80)),
+        ("http://llm/", ("llm", 80)),
+        ("http://[::1]:9000", ("::1", 9000)),
+        ("http://LLM.example:1", ("llm.example", 1)),
+        ("https://api.example.com", ("api.example.com", 443)),
+        ("https://api.example.com:8443/api/v1", ("api.example.com", 8443)),
+        ("http://h:8080/v1/", ("h", 8080)),
+    ],
+)
 def test_parse_url(url, want):
     assert parse_url(url) == want
 
@@ -181,8 +239,7 @@ def test_unknown_fallback(fallback):
     assert str(exc.value) == f"upstream.llm.fallback: unknown upstream {fallback!r}"
 
 
-@pytest.mark.parametrize("extra", [{"auth_header": "Authorization"},
-                                   {"auth_value_env": "LLM_KEY"}])
+@pytest.mark.parametrize("extra", [{"auth_header": "Authorization"}, {"auth_value_env": "LLM_KEY"}])
 def test_auth_header_and_env_go_together(extra):
     with pytest.raises(ConfigError) as exc:
         parse_config({"upstream": [dict(UP, **extra)]})
@@ -231,7 +288,7 @@ def test_load_config_roundtrip(tmp_path):
 def test_load_config_then_parse_rejects_unknown(tmp_path):
     p = tmp_path / "relay.toml"
     p.write_text("[server]\nbogus = 1\n")
-    with pytest.raises(ConfigError, match="^server.bogus: unknown key$"):
+    with pytest.raises(ConfigError, match=r"^server.bogus: unknown key$"):
         parse_config(load_config(str(p)))
 
 
@@ -243,7 +300,7 @@ def test_load_config_missing_file(tmp_path):
 
 
 def test_load_config_directory(tmp_path):
-    with pytest.raises(ConfigError, match="^cannot read config "):
+    with pytest.raises(ConfigError, match=r"^cannot read config "):
         load_config(str(tmp_path))
 
 
@@ -268,19 +325,23 @@ def test_drop_in_keys(tmp_path):
     assert cfg.dispatcher.heartbeat_s == 15.0
     assert cfg.server.cors_origins == [] and cfg.upstream[0].model_map == {}
     path = tmp_path / "relay.toml"
-    path.write_text('[server]\ncors_origins = ["*", "https://chat.example"]\n'
-                    "[dispatcher]\nheartbeat_s = 0\n"
-                    '[[upstream]]\nname = "llm"\nurl = "http://[::1]:8081"\n'
-                    'aliases = ["gpt-4o-mini"]\n'
-                    'model_map = { "gpt-4o-mini" = "Qwen/Qwen2.5-7B-Instruct", "*" = "qwen" }\n')
+    path.write_text(
+        '[server]\ncors_origins = ["*", "https://chat.example"]\n'
+        "[dispatcher]\nheartbeat_s = 0\n"
+        '[[upstream]]\nname = "llm"\nurl = "http://[::1]:8081"\n'
+        'aliases = ["gpt-4o-mini"]\n'
+        'model_map = { "gpt-4o-mini" = "Qwen/Qwen2.5-7B-Instruct", "*" = "qwen" }\n'
+    )
     cfg = parse_config(load_config(str(path)))
     assert cfg.server.cors_origins == ["*", "https://chat.example"]
     assert cfg.dispatcher.heartbeat_s == 0
     assert cfg.upstream[0].model_map == {"gpt-4o-mini": "Qwen/Qwen2.5-7B-Instruct", "*": "qwen"}
     assert parse_url(cfg.upstream[0].url) == ("::1", 8081)
-    for bad in ({"dispatcher": {"heartbeat_s": -1}},
-                {"upstream": [{**UP, "model_map": {"a": ""}}]},
-                {"server": {"cors_origins": [""]}}):
+    for bad in (
+        {"dispatcher": {"heartbeat_s": -1}},
+        {"upstream": [{**UP, "model_map": {"a": ""}}]},
+        {"server": {"cors_origins": [""]}},
+    ):
         with pytest.raises(ConfigError):
             parse_config(bad)
 
@@ -292,11 +353,22 @@ def test_tls_and_header_keys_defaults():
 
 
 def test_https_upstream_with_prefix_and_headers():
-    [up] = parse_config({"upstream": [{
-        "name": "remote", "url": "https://api.example.com/v1", "verify": True,
-        "ca_file": "/etc/ssl/private-ca.pem", "keepalive_s": 120,
-        "headers": {"OpenAI-Organization": "org-x", "OpenAI-Project": "proj_1"},
-        "auth_header": "Authorization", "auth_value_env": "REMOTE_KEY"}]}).upstream
+    [up] = parse_config(
+        {
+            "upstream": [
+                {
+                    "name": "remote",
+                    "url": "https://api.example.com/v1",
+                    "verify": True,
+                    "ca_file": "/etc/ssl/private-ca.pem",
+                    "keepalive_s": 120,
+                    "headers": {"OpenAI-Organization": "org-x", "OpenAI-Project": "proj_1"},
+                    "auth_header": "Authorization",
+                    "auth_value_env": "REMOTE_KEY",
+                }
+            ]
+        }
+    ).upstream
     assert up.headers == {"OpenAI-Organization": "org-x", "OpenAI-Project": "proj_1"}
     assert up.keepalive_s == 120.0
 
@@ -310,13 +382,25 @@ def test_tls_keys_refused_on_plain_http(extra):
 
 def test_ca_file_with_verify_off_refused():
     with pytest.raises(ConfigError, match="verifies nothing"):
-        parse_config({"upstream": [{"name": "r", "url": "https://h", "verify": False,
-                                    "ca_file": "/x.pem"}]})
+        parse_config(
+            {"upstream": [{"name": "r", "url": "https://h", "verify": False, "ca_file": "/x.pem"}]}
+        )
 
 
-@pytest.mark.parametrize("name", ["Authorization", "x-api-key", "API-Key", "Proxy-Authorization",
-                                  "Cookie", "x-goog-api-key", "X-Auth-Token", "X-Secret",
-                                  "X-Upstream-Auth"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "Authorization",
+        "x-api-key",
+        "API-Key",
+        "Proxy-Authorization",
+        "Cookie",
+        "x-goog-api-key",
+        "X-Auth-Token",
+        "X-Secret",
+        "X-Upstream-Auth",
+    ],
+)
 def test_credential_like_static_header_refused(name):
     up = {"name": "r", "url": "https://h", "headers": {name: "sk-123"}}
     if name == "X-Upstream-Auth":
@@ -328,20 +412,27 @@ def test_credential_like_static_header_refused(name):
     assert "environment" in msg and "sk-123" not in msg  # the value is never echoed
 
 
-@pytest.mark.parametrize("headers,why", [
-    ({"Host": "x"}, "is set by the relay"), ({"Content-Length": "1"}, "is set by the relay"),
-    ({"Connection": "close"}, "is set by the relay"), ({"Bad Name": "x"}, "not a header name"),
-    ({"Accept-Encoding": "gzip"}, "is set by the relay"),
-    ({"X-Ok": "a\r\nX-Injected: 1"}, "control characters"),
-])
+@pytest.mark.parametrize(
+    "headers,why",
+    [
+        ({"Host": "x"}, "is set by the relay"),
+        ({"Content-Length": "1"}, "is set by the relay"),
+        ({"Connection": "close"}, "is set by the relay"),
+        ({"Bad Name": "x"}, "not a header name"),
+        ({"Accept-Encoding": "gzip"}, "is set by the relay"),
+        ({"X-Ok": "a\r\nX-Injected: 1"}, "control characters"),
+    ],
+)
 def test_bad_static_header_refused(headers, why):
     with pytest.raises(ConfigError, match=why):
         parse_config({"upstream": [{"name": "r", "url": "https://h", "headers": headers}]})
 
 
 def test_buffered_body_bound_below_the_body_limit_refused():
-    data = {"server": {"max_body_bytes": 1 << 20, "max_buffered_body_bytes": 1 << 19},
-            "upstream": [{"name": "a", "url": "http://127.0.0.1:9"}]}
+    data = {
+        "server": {"max_body_bytes": 1 << 20, "max_buffered_body_bytes": 1 << 19},
+        "upstream": [{"name": "a", "url": "http://127.0.0.1:9"}],
+    }
     with pytest.raises(ConfigError) as err:
         parse_config(data)
     assert "server.max_buffered_body_bytes" in str(err.value)

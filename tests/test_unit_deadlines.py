@@ -169,8 +169,9 @@ def test_every_one_of_many_idle_streams_trips_on_time():
     for i in range(2000):
         # (times in 1/128 s: sums are exact, so "due" is not decided by a rounding error)
         loop.now = i / 128  # streams start about 8 ms apart
-        reads = sorted(loop.now + rnd.randrange(0, 128 * 100) / 128
-                       for _ in range(rnd.randrange(0, 40)))
+        reads = sorted(
+            loop.now + rnd.randrange(0, 128 * 100) / 128 for _ in range(rnd.randrange(0, 40))
+        )
         guards.append(Guard(loop, d, policy, reads))
     assert len(loop.armed()) == 1
     loop.run_until(5000.0)

@@ -28,32 +28,49 @@ DESIGN_TABLE = [
 def test_every_design_code(code, status, type_):
     err = RelayError(code, "msg")
     assert (err.code, err.status, err.type) == (code, status, type_)
-    assert err.body() == (b'{"error":{"message":"msg","type":"' + type_.encode()
-                          + b'","code":"' + code.encode() + b'","param":null,"details":{}}}')
+    assert err.body() == (
+        b'{"error":{"message":"msg","type":"'
+        + type_.encode()
+        + b'","code":"'
+        + code.encode()
+        + b'","param":null,"details":{}}}'
+    )
     assert err.headers == [] and err.details == {} and str(err) == "msg"
     assert isinstance(err, Exception)
 
 
 def test_budget_exceeded_body_exact():
-    err = RelayError("budget_exceeded", "daily token budget used up",
-                     {"limit": "daily_tokens", "used": 100000, "limit_value": 100000,
-                      "resets_at": "2026-01-02T00:00:00Z"},
-                     headers=[(b"Retry-After", b"3600")])
+    err = RelayError(
+        "budget_exceeded",
+        "daily token budget used up",
+        {
+            "limit": "daily_tokens",
+            "used": 100000,
+            "limit_value": 100000,
+            "resets_at": "2026-01-02T00:00:00Z",
+        },
+        headers=[(b"Retry-After", b"3600")],
+    )
     assert err.status == 429
     assert err.headers == [(b"Retry-After", b"3600")]
     assert err.body() == (
         b'{"error":{"message":"daily token budget used up","type":"rate_limit_error",'
         b'"code":"budget_exceeded","param":null,"details":{"limit":"daily_tokens",'
-        b'"used":100000,"limit_value":100000,"resets_at":"2026-01-02T00:00:00Z"}}}')
+        b'"used":100000,"limit_value":100000,"resets_at":"2026-01-02T00:00:00Z"}}}'
+    )
 
 
 def test_upstream_unavailable_body_exact():
-    err = RelayError("upstream_unavailable", "no upstream reachable",
-                     {"upstream": "llm", "error": "connection refused"})
+    err = RelayError(
+        "upstream_unavailable",
+        "no upstream reachable",
+        {"upstream": "llm", "error": "connection refused"},
+    )
     assert err.body() == (
         b'{"error":{"message":"no upstream reachable","type":"upstream_error",'
         b'"code":"upstream_unavailable","param":null,"details":{"upstream":"llm",'
-        b'"error":"connection refused"}}}')
+        b'"error":"connection refused"}}}'
+    )
 
 
 def test_body_key_order_and_escaping():
@@ -71,13 +88,23 @@ def test_unknown_code_rejected():
         RelayError("no_such_code", "x")
 
 
-@pytest.mark.parametrize("status,phrase", [
-    (200, b"OK"), (400, b"Bad Request"), (401, b"Unauthorized"), (404, b"Not Found"),
-    (408, b"Request Timeout"),
-    (429, b"Too Many Requests"), (431, b"Request Header Fields Too Large"),
-    (502, b"Bad Gateway"), (503, b"Service Unavailable"), (504, b"Gateway Timeout"),
-    (599, b""), (999, b""),
-])
+@pytest.mark.parametrize(
+    "status,phrase",
+    [
+        (200, b"OK"),
+        (400, b"Bad Request"),
+        (401, b"Unauthorized"),
+        (404, b"Not Found"),
+        (408, b"Request Timeout"),
+        (429, b"Too Many Requests"),
+        (431, b"Request Header Fields Too Large"),
+        (502, b"Bad Gateway"),
+        (503, b"Service Unavailable"),
+        (504, b"Gateway Timeout"),
+        (599, b""),
+        (999, b""),
+    ],
+)
 def test_reason_phrase(status, phrase):
     assert reason_phrase(status) == phrase
 

@@ -29,24 +29,75 @@ from relay.stream.itl import Gaps
 from relay.stream.sse import SseScanner, is_meta
 from relay.stream.usage import stream_usage
 
-TOKEN = (b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"Hi"}}],'
-         b'"created":1764000000,"id":"chatcmpl-x","model":"m","system_fingerprint":"b1",'
-         b'"object":"chat.completion.chunk"}\n\n')
+TOKEN = (
+    b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"Hi"}}],'
+    b'"created":1764000000,"id":"chatcmpl-x","model":"m","system_fingerprint":"b1",'
+    b'"object":"chat.completion.chunk"}\n\n'
+)
 LEGACY = b'data: {"choices":[{"text":" the","index":0,"logprobs":null,"finish_reason":null}]}\n\n'
 NAMED = b'event: token\ndata: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'  # two lines, one event
 # (kind, shape, include_usage) of every framing the simulator speaks
-FRAMINGS = [("chat", "llama", False), ("chat", "llama", True), ("chat", "vllm", False),
-            ("chat", "vllm", True), ("chat", "openai", False), ("chat", "openai", True),
-            ("text", "llama", True)]
+FRAMINGS = [
+    ("chat", "llama", False),
+    ("chat", "llama", True),
+    ("chat", "vllm", False),
+    ("chat", "vllm", True),
+    ("chat", "openai", False),
+    ("chat", "openai", True),
+    ("text", "llama", True),
+]
 _TEXT = re.compile(rb'("content":"|"text":")((?:[^"\\]|\\.)*)"')
 _PAD = re.compile(rb'("obfuscation":")([A-Za-z0-9]*)"')
-_TEXTS = [b"x", b" world", b"{", b"}", b"\\u00e9", b'\\"', b"\\\\", b'say \\"hi\\"', b"a\\\\",
-          b"usag", b"usages", b"", b'"', b'a"b', b"a\nb", b"a\rb", b"\n\ndata: [DONE]",
-          b"usage", b"timings", b'x","usage":{"a":1},"y":"', b'x","timings":{},"y":"',
-          b"\n", b"\\", b"a" * 300]
-_PIECES = [b'"content":"', b'"content":""', b'"text":"', b'"reasoning_content":"', b'"usage"',
-           b'"usage":null', b'"usage":{"a":1}', b'"timings"', b'{', b'}', b'\r', b'\n', b'\r\n',
-           b'\n\n', b'data: ', b'[DONE]', b'"', b'x', b':', b'event: e\n', b'\\"', b' ']
+_TEXTS = [
+    b"x",
+    b" world",
+    b"{",
+    b"}",
+    b"\\u00e9",
+    b'\\"',
+    b"\\\\",
+    b'say \\"hi\\"',
+    b"a\\\\",
+    b"usag",
+    b"usages",
+    b"",
+    b'"',
+    b'a"b',
+    b"a\nb",
+    b"a\rb",
+    b"\n\ndata: [DONE]",
+    b"usage",
+    b"timings",
+    b'x","usage":{"a":1},"y":"',
+    b'x","timings":{},"y":"',
+    b"\n",
+    b"\\",
+    b"a" * 300,
+]
+_PIECES = [
+    b'"content":"',
+    b'"content":""',
+    b'"text":"',
+    b'"reasoning_content":"',
+    b'"usage"',
+    b'"usage":null',
+    b'"usage":{"a":1}',
+    b'"timings"',
+    b"{",
+    b"}",
+    b"\r",
+    b"\n",
+    b"\r\n",
+    b"\n\n",
+    b"data: ",
+    b"[DONE]",
+    b'"',
+    b"x",
+    b":",
+    b"event: e\n",
+    b'\\"',
+    b" ",
+]
 
 
 def chunk(payload: bytes, size: int | None = None, size_text: bytes | None = None) -> bytes:
@@ -56,8 +107,7 @@ def chunk(payload: bytes, size: int | None = None, size_text: bytes | None = Non
 
 def stream_frames(framing_: tuple, seed: int) -> F.StreamFrames:
     kind, shape, usage = framing_
-    return F.StreamFrames(kind, "m", 3, include_usage=usage, shape=shape,
-                          rng=random.Random(seed))
+    return F.StreamFrames(kind, "m", 3, include_usage=usage, shape=shape, rng=random.Random(seed))
 
 
 def retext(event: bytes, text: bytes) -> bytes:
@@ -74,9 +124,15 @@ def general(data: bytes):
     out, payloads = tracker.feed(data)
     for p in payloads:
         scanner.feed(p)
-    same_state = (tracker.state == SIZE and not tracker.held and not tracker.extra
-                  and not scanner.pending and not scanner.meta and not scanner.done_seen
-                  and not scanner.oversized)
+    same_state = (
+        tracker.state == SIZE
+        and not tracker.held
+        and not tracker.extra
+        and not scanner.pending
+        and not scanner.meta
+        and not scanner.done_seen
+        and not scanner.oversized
+    )
     return out, scanner.content_events - 1, same_state
 
 
@@ -94,27 +150,60 @@ def shape_of(event: bytes):
 
 # ---------------------------------------------------------------------------- fixed reads
 
+
 @pytest.mark.parametrize("base", [TOKEN, LEGACY, NAMED])
-@pytest.mark.parametrize("text", [b"x", b" world", b"{", b"}", b"\\u00e9", b"usag", b"usages",
-                                  b'say \\"hi\\"', b"a\\\\", b"a" * 3000])
+@pytest.mark.parametrize(
+    "text",
+    [
+        b"x",
+        b" world",
+        b"{",
+        b"}",
+        b"\\u00e9",
+        b"usag",
+        b"usages",
+        b'say \\"hi\\"',
+        b"a\\\\",
+        b"a" * 3000,
+    ],
+)
 def test_reads_of_the_stream_shape_take_the_fast_path(base, text):
     shape = shape_of(retext(base, b"Hello"))
     ev = retext(base, text)
-    for data in (chunk(ev), chunk(ev + ev), chunk(ev) + chunk(ev + ev + ev),
-                 chunk(ev, size_text=b"%X" % len(ev))):  # (upper-case hex: chunk by chunk)
+    for data in (
+        chunk(ev),
+        chunk(ev + ev),
+        chunk(ev) + chunk(ev + ev + ev),
+        chunk(ev, size_text=b"%X" % len(ev)),
+    ):  # (upper-case hex: chunk by chunk)
         k = data.count(b"\n\n")
         assert events_in(data, shape) == k, data
         assert agrees(data, k)
 
 
-@pytest.mark.parametrize("text", [
-    b"", b'"', b'a"b', b"a\nb", b"a\rb", b"\n\ndata: [DONE]", b"usage", b"timings",
-    b'x","usage":{"a":1},"y":"', b'x","timings":{},"y":"', b"\n",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        b"",
+        b'"',
+        b'a"b',
+        b"a\nb",
+        b"a\rb",
+        b"\n\ndata: [DONE]",
+        b"usage",
+        b"timings",
+        b'x","usage":{"a":1},"y":"',
+        b'x","timings":{},"y":"',
+        b"\n",
+    ],
+)
 def test_a_text_that_would_change_the_events_is_left_to_the_general_path(text):
     shape = shape_of(TOKEN)
-    for data in (chunk(retext(TOKEN, text)), chunk(TOKEN) + chunk(retext(TOKEN, text)),
-                 chunk(TOKEN + retext(TOKEN, text))):
+    for data in (
+        chunk(retext(TOKEN, text)),
+        chunk(TOKEN) + chunk(retext(TOKEN, text)),
+        chunk(TOKEN + retext(TOKEN, text)),
+    ):
         assert events_in(data, shape) == 0, data
 
 
@@ -122,23 +211,37 @@ def test_other_reads_do_not_pass_for_the_stream_shape():
     shape = shape_of(TOKEN)
     good = chunk(TOKEN)
     assert events_in(b"0" + good, shape) == 1 and agrees(b"0" + good, 1)  # (a leading zero)
-    for data in (good[:-1], good[1:], chunk(TOKEN, size=len(TOKEN) + 1),
-                 chunk(TOKEN, size=len(TOKEN) - 1), chunk(TOKEN, size_text=b"0x%x" % len(TOKEN)),
-                 chunk(TOKEN, size_text=b"%x;ext=1" % len(TOKEN)),
-                 chunk(TOKEN.replace(b'"object"', b'"usage":{"a":1},"object"')),
-                 chunk(TOKEN.replace(b'"object"', b'"timings":{},"object"')),
-                 chunk(TOKEN.replace(b'"object"', b'"objecT"')),  # suffix
-                 chunk(TOKEN.replace(b"finish_reason", b"finish_reasoN")),  # prefix
-                 chunk(TOKEN.replace(b"\n\n", b"\r\n\n")), chunk(TOKEN[:-1]),
-                 chunk(TOKEN + b"data: [DONE]\n\n"), chunk(b"data: [DONE]\n\n"),
-                 good + b"0\r\n\r\n", b"0\r\n\r\n", b""):
+    for data in (
+        good[:-1],
+        good[1:],
+        chunk(TOKEN, size=len(TOKEN) + 1),
+        chunk(TOKEN, size=len(TOKEN) - 1),
+        chunk(TOKEN, size_text=b"0x%x" % len(TOKEN)),
+        chunk(TOKEN, size_text=b"%x;ext=1" % len(TOKEN)),
+        chunk(TOKEN.replace(b'"object"', b'"usage":{"a":1},"object"')),
+        chunk(TOKEN.replace(b'"object"', b'"timings":{},"object"')),
+        chunk(TOKEN.replace(b'"object"', b'"objecT"')),  # suffix
+        chunk(TOKEN.replace(b"finish_reason", b"finish_reasoN")),  # prefix
+        chunk(TOKEN.replace(b"\n\n", b"\r\n\n")),
+        chunk(TOKEN[:-1]),
+        chunk(TOKEN + b"data: [DONE]\n\n"),
+        chunk(b"data: [DONE]\n\n"),
+        good + b"0\r\n\r\n",
+        b"0\r\n\r\n",
+        b"",
+    ):
         assert events_in(data, shape) == 0, data
 
 
 def test_nothing_is_learned_from_an_event_the_scanner_would_keep_or_not_count():
-    for ev in (TOKEN.replace(b'"Hi"', b'""'), TOKEN.replace(b'"object"', b'"usage":{},"object"'),
-               TOKEN.replace(b'"object"', b'"timings":{},"object"'), b"data: [DONE]\n\n",
-               TOKEN.replace(b"\n\n", b"\r\n\r\n"), b': ping\n\n' + TOKEN):
+    for ev in (
+        TOKEN.replace(b'"Hi"', b'""'),
+        TOKEN.replace(b'"object"', b'"usage":{},"object"'),
+        TOKEN.replace(b'"object"', b'"timings":{},"object"'),
+        b"data: [DONE]\n\n",
+        TOKEN.replace(b"\n\n", b"\r\n\r\n"),
+        b": ping\n\n" + TOKEN,
+    ):
         assert learn(chunk(ev)) is None, ev
     assert learn(chunk(TOKEN)[:-1]) is None
     assert learn(chunk(TOKEN + TOKEN)).sfx == learn(chunk(TOKEN)).sfx  # (from the first event)
@@ -174,8 +277,11 @@ def test_usage_null_is_not_kept_but_a_usage_is():
     assert is_meta(b'data: {"usage":null,"x":{"usage":{}}}')
     sc = SseScanner()
     last = b'data: {"choices":[],"usage":{"prompt_tokens":2,"completion_tokens":5}}\n\n'
-    sc.feed(retext(TOKEN, b"a").replace(b'"object"', b'"usage":null,"object"') + last
-            + b'data: {"choices":[{"delta":{}}],"usage":null}\n\ndata: [DONE]\n\n')
+    sc.feed(
+        retext(TOKEN, b"a").replace(b'"object"', b'"usage":null,"object"')
+        + last
+        + b'data: {"choices":[{"delta":{}}],"usage":null}\n\ndata: [DONE]\n\n'
+    )
     assert sc.meta == last[:-2] and stream_usage(sc.meta).completion_tokens == 5
 
 
@@ -188,6 +294,7 @@ def test_size_line_is_the_one_a_whole_chunk_of_that_length_has():
 
 # ---------------------------------------------------------------------------- random reads
 
+
 def _mutate(data: bytes, rng: random.Random) -> bytes:
     """Now and then damage a read: a piece spliced in, cut short, a wrong size."""
     r = rng.random()
@@ -195,7 +302,7 @@ def _mutate(data: bytes, rng: random.Random) -> bytes:
         at = rng.randint(0, len(data))
         return data[:at] + rng.choice(_PIECES) + data[at:]
     if r < 0.2:
-        return data[:rng.randint(0, len(data))]
+        return data[: rng.randint(0, len(data))]
     if r < 0.25:
         nl = data.find(b"\r\n")
         size = int(data[:nl], 16) + rng.choice([-1, 1])
@@ -215,8 +322,14 @@ def _random_read(f: F.StreamFrames, rng: random.Random, i: int) -> tuple[bytes, 
             if rng.random() < 0.3:
                 ev = retext(ev, rng.choice(_TEXTS))
             if rng.random() < 0.1 and b"obfuscation" in ev:
-                ev = _PAD.sub(lambda m: m.group(1) + rng.choice(
-                    [b"", b"usage", b"timings", b'a"b', b"a\nb", b"\\", b"xyz"]) + b'"', ev)
+                ev = _PAD.sub(
+                    lambda m: (
+                        m.group(1)
+                        + rng.choice([b"", b"usage", b"timings", b'a"b', b"a\nb", b"\\", b"xyz"])
+                        + b'"'
+                    ),
+                    ev,
+                )
             evs.append(ev)
         chunks.append(chunk(b"".join(evs)))
     return b"".join(chunks), i
@@ -275,11 +388,13 @@ def test_scanning_a_span_in_place_agrees_with_scanning_a_copy():
         sc = SseScanner()
         sc.first_event = False
         sc.feed_span(data, start, end)
-        assert (sc.content_events, sc.pending, sc.meta, sc.done_seen) == \
-            _scan_whole(data[start:end]), data
+        assert (sc.content_events, sc.pending, sc.meta, sc.done_seen) == _scan_whole(
+            data[start:end]
+        ), data
 
 
 # ---------------------------------------------------------------------------- whole streams
+
 
 class _Clock:
     def __init__(self) -> None:
@@ -293,8 +408,9 @@ def _exchange(clock: _Clock, out: list) -> X.Exchange:
     """An exchange standing where start_body leaves a chunked SSE stream with its hold
     released: the body path only (upstream_data and what it calls)."""
     ex = X.Exchange.__new__(X.Exchange)
-    transport = types.SimpleNamespace(write=out.append, is_closing=lambda: False,
-                                      get_protocol=lambda: None)
+    transport = types.SimpleNamespace(
+        write=out.append, is_closing=lambda: False, get_protocol=lambda: None
+    )
     ex.loop, ex.client = clock, types.SimpleNamespace(transport=transport)
     ex.conn = types.SimpleNamespace(handler=None, transport=None)
     ex.flow = types.SimpleNamespace(paused=False, cancel=lambda: None)
@@ -316,7 +432,7 @@ def _stream(f: F.StreamFrames, n: int, rng: random.Random, batch: int | None) ->
     out, i = [], 0
     while i < len(evs):
         per = batch or rng.choice([1, 1, 1, 2, 3])
-        out.append(chunk(b"".join(evs[i:i + per])))
+        out.append(chunk(b"".join(evs[i : i + per])))
         i += per
     tm = F.timings(3, n, 10.0)
     return b"".join(out) + f.tail_chunks(f.final_events(n, n, "length", tm))
@@ -337,8 +453,15 @@ def _run(body: bytes, reads: list[int], gaps: list[float], fast: bool, monkeypat
         ex.upstream_data(body[pos:cut])
         pos = cut
     monkeypatch.undo()
-    return (b"".join(out), ex.scanner.content_events, stream_usage(ex.scanner.meta),
-            ex.gaps.encode(), ex.gaps.max, ex.bytes_out, ex.outcome), sum(taken)
+    return (
+        b"".join(out),
+        ex.scanner.content_events,
+        stream_usage(ex.scanner.meta),
+        ex.gaps.encode(),
+        ex.gaps.max,
+        ex.bytes_out,
+        ex.outcome,
+    ), sum(taken)
 
 
 @pytest.mark.parametrize("framing_", FRAMINGS)
@@ -351,8 +474,11 @@ def test_whole_streams_give_the_same_bytes_tokens_usage_and_gaps_either_way(fram
         body = _stream(f, tokens, rng, 3 if n % 2 else None)
         # reads: cut at chunk ends mostly (one or several chunks), sometimes anywhere
         ends = [m.end() for m in re.finditer(rb"\n\n\r\n|0\r\n\r\n$", body)]
-        cuts = sorted({e for e in ends if rng.random() < 0.6} | {len(body)}
-                      | {rng.randint(1, len(body)) for _ in range(rng.randint(0, 3))})
+        cuts = sorted(
+            {e for e in ends if rng.random() < 0.6}
+            | {len(body)}
+            | {rng.randint(1, len(body)) for _ in range(rng.randint(0, 3))}
+        )
         gaps = [rng.choice([0.0, 0.0004, 0.02, 0.02, 0.3]) for _ in cuts]
         fast, taken = _run(body, cuts, gaps, True, monkeypatch)
         ref, none = _run(body, cuts, gaps, False, monkeypatch)

@@ -34,9 +34,17 @@ CLIENT = [
 
 
 def test_hop_by_hop_set():
-    assert HOP_BY_HOP == {b"connection", b"keep-alive", b"proxy-connection",
-                          b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
-                          b"transfer-encoding", b"upgrade"}
+    assert {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    } == HOP_BY_HOP
 
 
 def test_upstream_request_headers_no_auth():
@@ -57,8 +65,13 @@ def test_upstream_request_headers_no_auth():
 def test_upstream_request_headers_injected_auth_replaces_same_name():
     client = [(b"host", b"h"), (b"X-Upstream-Token", b"from-client"), (b"Accept", b"*/*")]
     out = upstream_request_headers(client, b"up", 0, b"r", (b"x-upstream-token", b"real"))
-    assert out == [(b"Host", b"up"), (b"Accept", b"*/*"), (b"x-upstream-token", b"real"),
-                   (b"X-Request-Id", b"r"), (b"Content-Length", b"0")]
+    assert out == [
+        (b"Host", b"up"),
+        (b"Accept", b"*/*"),
+        (b"x-upstream-token", b"real"),
+        (b"X-Request-Id", b"r"),
+        (b"Content-Length", b"0"),
+    ]
 
 
 def test_upstream_request_headers_injected_authorization():
@@ -66,22 +79,29 @@ def test_upstream_request_headers_injected_authorization():
     names = [k.lower() for k, _ in out]
     assert names.count(b"authorization") == 1
     assert (b"Authorization", b"Bearer up") in out
-    assert out[-3:] == [(b"Authorization", b"Bearer up"), (b"X-Request-Id", b"r"),
-                        (b"Content-Length", b"7")]
+    assert out[-3:] == [
+        (b"Authorization", b"Bearer up"),
+        (b"X-Request-Id", b"r"),
+        (b"Content-Length", b"7"),
+    ]
     assert b"x-api-key" not in names
 
 
 def test_upstream_request_headers_connection_listed_names_case_insensitive():
-    client = [(b"Connection", b" Content-Type ,close"), (b"content-type", b"x"),
-              (b"Accept", b"a")]
+    client = [(b"Connection", b" Content-Type ,close"), (b"content-type", b"x"), (b"Accept", b"a")]
     out = upstream_request_headers(client, b"h", 1, b"r", None)
-    assert out == [(b"Host", b"h"), (b"Accept", b"a"), (b"X-Request-Id", b"r"),
-                   (b"Content-Length", b"1")]
+    assert out == [
+        (b"Host", b"h"),
+        (b"Accept", b"a"),
+        (b"X-Request-Id", b"r"),
+        (b"Content-Length", b"1"),
+    ]
 
 
 def test_upstream_request_headers_valid_for_h11():
-    out = upstream_request_headers(CLIENT, b"127.0.0.1:8081", 2, b"rid", (b"Authorization",
-                                                                           b"Bearer u"))
+    out = upstream_request_headers(
+        CLIENT, b"127.0.0.1:8081", 2, b"rid", (b"Authorization", b"Bearer u")
+    )
     conn = h11.Connection(h11.CLIENT)
     wire = conn.send(h11.Request(method=b"POST", target=b"/v1/chat/completions", headers=out))
     wire += conn.send(h11.Data(data=b"{}")) + conn.send(h11.EndOfMessage())
@@ -101,28 +121,39 @@ UPSTREAM_SSE = [
 
 def test_client_response_sse_chunked_keepalive():
     head = client_response(200, b"OK", UPSTREAM_SSE, b"rid-9", chunked=True, keep_alive=True)
-    assert head == (b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nAccess-Control-Allow-Origin: \r\n"
-                    b"X-Accel-Buffering: no\r\nContent-Type: text/event-stream\r\n"
-                    b"Transfer-Encoding: chunked\r\nX-Request-Id: rid-9\r\n\r\n")
+    assert head == (
+        b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nAccess-Control-Allow-Origin: \r\n"
+        b"X-Accel-Buffering: no\r\nContent-Type: text/event-stream\r\n"
+        b"Transfer-Encoding: chunked\r\nX-Request-Id: rid-9\r\n\r\n"
+    )
 
 
 def test_client_response_dechunked_close():
     head = client_response(200, b"OK", UPSTREAM_SSE, b"r", chunked=False, keep_alive=False)
-    assert head == (b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nAccess-Control-Allow-Origin: \r\n"
-                    b"X-Accel-Buffering: no\r\nContent-Type: text/event-stream\r\n"
-                    b"X-Request-Id: r\r\nConnection: close\r\n\r\n")
+    assert head == (
+        b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nAccess-Control-Allow-Origin: \r\n"
+        b"X-Accel-Buffering: no\r\nContent-Type: text/event-stream\r\n"
+        b"X-Request-Id: r\r\nConnection: close\r\n\r\n"
+    )
 
 
 def test_client_response_keeps_content_length_case_and_order():
-    upstream = [(b"content-type", b"application/json; charset=utf-8"),
-                (b"X-Request-Id", b"upstream-id"), (b"CONTENT-LENGTH", b"646"),
-                (b"Connection", b"close, X-Secret-Hop"), (b"X-Secret-Hop", b"v"),
-                (b"x-Mixed-Case", b"a"), (b"Set-Cookie", b"a=1"), (b"Set-Cookie", b"b=2")]
-    head = client_response(404, b"Not Found", upstream, b"mine", chunked=False,
-                           keep_alive=True)
-    assert head == (b"HTTP/1.1 404 Not Found\r\ncontent-type: application/json; charset=utf-8\r\n"
-                    b"CONTENT-LENGTH: 646\r\nx-Mixed-Case: a\r\nSet-Cookie: a=1\r\n"
-                    b"Set-Cookie: b=2\r\nX-Request-Id: mine\r\n\r\n")
+    upstream = [
+        (b"content-type", b"application/json; charset=utf-8"),
+        (b"X-Request-Id", b"upstream-id"),
+        (b"CONTENT-LENGTH", b"646"),
+        (b"Connection", b"close, X-Secret-Hop"),
+        (b"X-Secret-Hop", b"v"),
+        (b"x-Mixed-Case", b"a"),
+        (b"Set-Cookie", b"a=1"),
+        (b"Set-Cookie", b"b=2"),
+    ]
+    head = client_response(404, b"Not Found", upstream, b"mine", chunked=False, keep_alive=True)
+    assert head == (
+        b"HTTP/1.1 404 Not Found\r\ncontent-type: application/json; charset=utf-8\r\n"
+        b"CONTENT-LENGTH: 646\r\nx-Mixed-Case: a\r\nSet-Cookie: a=1\r\n"
+        b"Set-Cookie: b=2\r\nX-Request-Id: mine\r\n\r\n"
+    )
 
 
 def test_client_response_empty_reason_and_parses_with_h11():
@@ -140,19 +171,24 @@ def test_client_response_empty_reason_and_parses_with_h11():
 
 def test_relay_response_exact():
     body = b'{"error":{}}'
-    out = relay_response(429, b"Too Many Requests", body, b"rid", True,
-                         [(b"Retry-After", b"30")])
-    assert out == (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
-                   b"Content-Length: 12\r\nRetry-After: 30\r\nX-Request-Id: rid\r\n\r\n" + body)
+    out = relay_response(429, b"Too Many Requests", body, b"rid", True, [(b"Retry-After", b"30")])
+    assert out == (
+        b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 12\r\nRetry-After: 30\r\nX-Request-Id: rid\r\n\r\n" + body
+    )
 
 
 def test_relay_response_no_request_id_close_and_content_type():
-    out = relay_response(200, b"OK", b"# metrics\n", None, False,
-                         content_type=b"text/plain; version=0.0.4")
-    assert out == (b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"
-                   b"Content-Length: 10\r\nConnection: close\r\n\r\n# metrics\n")
+    out = relay_response(
+        200, b"OK", b"# metrics\n", None, False, content_type=b"text/plain; version=0.0.4"
+    )
+    assert out == (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"
+        b"Content-Length: 10\r\nConnection: close\r\n\r\n# metrics\n"
+    )
     assert relay_response(204, b"No Content", b"", None, True) == (
-        b"HTTP/1.1 204 No Content\r\nContent-Type: application/json\r\nContent-Length: 0\r\n\r\n")
+        b"HTTP/1.1 204 No Content\r\nContent-Type: application/json\r\nContent-Length: 0\r\n\r\n"
+    )
 
 
 def test_get_and_has_token():
@@ -168,14 +204,25 @@ def test_get_and_has_token():
 
 # ---- issue 12: a remote upstream's own key and static headers -------------------------------
 def test_upstream_with_own_key_gets_none_of_the_clients_credentials():
-    client = [(b"Host", b"relay"), (b"Authorization", b"Bearer sk-client"),
-              (b"api-key", b"azure-client"), (b"X-API-Key", b"k"), (b"Cookie", b"s=1"),
-              (b"Proxy-Authorization", b"Basic x"), (b"Accept", b"*/*")]
-    out = upstream_request_headers(client, b"api.example.com", 2, b"r",
-                                   (b"Authorization", b"Bearer sk-relay"))
-    assert out == [(b"Host", b"api.example.com"), (b"Accept", b"*/*"),
-                   (b"Authorization", b"Bearer sk-relay"), (b"X-Request-Id", b"r"),
-                   (b"Content-Length", b"2")]
+    client = [
+        (b"Host", b"relay"),
+        (b"Authorization", b"Bearer sk-client"),
+        (b"api-key", b"azure-client"),
+        (b"X-API-Key", b"k"),
+        (b"Cookie", b"s=1"),
+        (b"Proxy-Authorization", b"Basic x"),
+        (b"Accept", b"*/*"),
+    ]
+    out = upstream_request_headers(
+        client, b"api.example.com", 2, b"r", (b"Authorization", b"Bearer sk-relay")
+    )
+    assert out == [
+        (b"Host", b"api.example.com"),
+        (b"Accept", b"*/*"),
+        (b"Authorization", b"Bearer sk-relay"),
+        (b"X-Request-Id", b"r"),
+        (b"Content-Length", b"2"),
+    ]
     # with another header name for the upstream's key, the client's Authorization is still
     # not forwarded to it
     out = upstream_request_headers(client, b"h", 0, b"r", (b"api-key", b"azure-relay"))
@@ -186,11 +233,17 @@ def test_upstream_with_own_key_gets_none_of_the_clients_credentials():
 
 def test_static_headers_replace_the_clients_of_that_name():
     client = [(b"Host", b"relay"), (b"openai-organization", b"org-client"), (b"Accept", b"a")]
-    out = upstream_request_headers(client, b"h", 0, b"r", (b"Authorization", b"Bearer k"),
-                                   [(b"OpenAI-Organization", b"org-x")])
-    assert out == [(b"Host", b"h"), (b"Accept", b"a"), (b"OpenAI-Organization", b"org-x"),
-                   (b"Authorization", b"Bearer k"), (b"X-Request-Id", b"r"),
-                   (b"Content-Length", b"0")]
+    out = upstream_request_headers(
+        client, b"h", 0, b"r", (b"Authorization", b"Bearer k"), [(b"OpenAI-Organization", b"org-x")]
+    )
+    assert out == [
+        (b"Host", b"h"),
+        (b"Accept", b"a"),
+        (b"OpenAI-Organization", b"org-x"),
+        (b"Authorization", b"Bearer k"),
+        (b"X-Request-Id", b"r"),
+        (b"Content-Length", b"0"),
+    ]
 
 
 def _names(head: bytes) -> list[bytes]:
@@ -198,11 +251,17 @@ def _names(head: bytes) -> list[bytes]:
 
 
 def test_client_response_never_holds_a_length_beside_the_relays_chunking():
-    upstream = [(b"Content-Type", b"text/event-stream"), (b"Content-Length", b"5"),
-                (b"content-length", b"7"), (b"Transfer-Encoding", b"gzip")]
+    upstream = [
+        (b"Content-Type", b"text/event-stream"),
+        (b"Content-Length", b"5"),
+        (b"content-length", b"7"),
+        (b"Transfer-Encoding", b"gzip"),
+    ]
     head = client_response(200, b"OK", upstream, b"r", chunked=True, keep_alive=True)
-    assert head == (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                    b"Transfer-Encoding: chunked\r\nX-Request-Id: r\r\n\r\n")
+    assert head == (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        b"Transfer-Encoding: chunked\r\nX-Request-Id: r\r\n\r\n"
+    )
     head = client_response(200, b"OK", upstream, b"r", chunked=False, keep_alive=False)
     assert b"transfer-encoding" not in _names(head)
 
@@ -210,7 +269,9 @@ def test_client_response_never_holds_a_length_beside_the_relays_chunking():
 def test_client_response_204_carries_no_content_length():
     up = [(b"Content-Length", b"5"), (b"X-Kept", b"1")]
     assert client_response(204, b"No Content", up, b"r", chunked=False, keep_alive=True) == (
-        b"HTTP/1.1 204 No Content\r\nX-Kept: 1\r\nX-Request-Id: r\r\n\r\n")
+        b"HTTP/1.1 204 No Content\r\nX-Kept: 1\r\nX-Request-Id: r\r\n\r\n"
+    )
     # a 304's Content-Length describes the representation: it stays
-    assert b"content-length" in _names(client_response(304, b"Not Modified", up, b"r",
-                                                       chunked=False, keep_alive=True))
+    assert b"content-length" in _names(
+        client_response(304, b"Not Modified", up, b"r", chunked=False, keep_alive=True)
+    )

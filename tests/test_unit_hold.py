@@ -21,8 +21,9 @@ class FakeLoop:
 
     def run_until(self, when: float) -> None:
         while True:
-            due = sorted((t for t in self.timers if not t.cancelled and t.when <= when),
-                         key=lambda t: t.when)
+            due = sorted(
+                (t for t in self.timers if not t.cancelled and t.when <= when), key=lambda t: t.when
+            )
             if not due:
                 self.now = when
                 return
@@ -80,12 +81,15 @@ def test_comment_prefix():
 def test_synthetic_head():
     assert H.synthetic_head(b"r", True, True, [(b"Access-Control-Allow-Origin", b"*")]) == (
         b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-        b"Access-Control-Allow-Origin: *\r\nTransfer-Encoding: chunked\r\nX-Request-Id: r\r\n\r\n")
-    assert H.synthetic_head(b"r", False, False).endswith(b"X-Request-Id: r\r\nConnection: close\r\n\r\n")
+        b"Access-Control-Allow-Origin: *\r\nTransfer-Encoding: chunked\r\nX-Request-Id: r\r\n\r\n"
+    )
+    assert H.synthetic_head(b"r", False, False).endswith(
+        b"X-Request-Id: r\r\nConnection: close\r\n\r\n"
+    )
 
 
 def test_waiting_keeps_and_releases_in_one_write():
-    hold, loop, out = make(interval=0)
+    hold, _loop, out = make(interval=0)
     hold.head = b"HEAD"
     assert not hold.keep(b"a") and not hold.keep(b"b")
     assert out == [] and not hold.sent
@@ -94,7 +98,7 @@ def test_waiting_keeps_and_releases_in_one_write():
 
 
 def test_waiting_over_limit():
-    hold, loop, out = make(interval=0)
+    hold, _loop, _out = make(interval=0)
     assert hold.keep(b"x" * (H.LIMIT + 1))
 
 
@@ -133,7 +137,7 @@ def test_committed_holds_events_and_passes_leading_comments():
     hold, loop, out = make(interval=1.0)
     loop.run_until(1.0)
     del out[:]
-    assert not hold.feed(b": a\n\ndata: {\"choices\":[]}\n\n: b\n\nda", False)
+    assert not hold.feed(b': a\n\ndata: {"choices":[]}\n\n: b\n\nda', False)
     assert out == [frame(b": a\n\n")]
     assert not hold.feed(b"ta: x\n\n", False)
     assert out == [frame(b": a\n\n")]  # an event is held: what follows waits behind it
@@ -160,8 +164,13 @@ def test_fail_is_one_error_event_done_and_the_last_chunk():
     hold.feed(b"data: {}\n\n", False)
     del out[:]
     assert hold.fail("Loading model", "unavailable_error", "upstream_503")
-    assert out == [frame(b'data: {"error":{"message":"Loading model","type":"unavailable_error",'
-                         b'"code":"upstream_503"}}\n\ndata: [DONE]\n\n'), b"0\r\n\r\n"]
+    assert out == [
+        frame(
+            b'data: {"error":{"message":"Loading model","type":"unavailable_error",'
+            b'"code":"upstream_503"}}\n\ndata: [DONE]\n\n'
+        ),
+        b"0\r\n\r\n",
+    ]
     assert hold.open
 
 
@@ -197,7 +206,7 @@ def test_retry_drops_what_the_failed_candidate_left():
 
 
 def test_error_of_the_first_held_event():
-    hold, loop, out = make(interval=1.0)
+    hold, loop, _out = make(interval=1.0)
     loop.run_until(1.0)
     hold.feed(b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n', False)
     assert hold.error() == {"code": 500, "message": "boom", "type": "server_error"}
@@ -213,7 +222,7 @@ def test_client_gone_stops_the_heartbeat():
 
 
 def test_no_interval_no_timer():
-    hold, loop, out = make(interval=0)
+    _hold, loop, _out = make(interval=0)
     assert loop.timers == []
 
 
@@ -226,7 +235,7 @@ def test_an_event_a_byte_at_a_time_is_held_in_linear_time():
     event = b"data: " + b"x" * 60000 + b"\n\n"
     t0 = time.process_time()
     for i in range(len(event)):
-        assert not hold.feed(event[i:i + 1], False)
+        assert not hold.feed(event[i : i + 1], False)
     assert time.process_time() - t0 < 1.0
     assert out == [] and hold.parts == [event] and hold.pending == b""
     hold.feed(b": c\n\nda", False)

@@ -77,11 +77,19 @@ def test_decision_none_is_admitted_and_a_named_window_is_the_local_refusal():
     assert decision(None, res, now) is None
     exc = decision("daily_requests 10", res, now)
     assert isinstance(exc, BudgetExceeded)
-    assert (exc.limit, exc.used, exc.limit_value, exc.resets_at) == \
-        ("daily_requests", 10, 10, window_bounds("daily", now)[1])
+    assert (exc.limit, exc.used, exc.limit_value, exc.resets_at) == (
+        "daily_requests",
+        10,
+        10,
+        window_bounds("daily", now)[1],
+    )
     exc = decision("monthly_tokens 498", res, now)
-    assert (exc.limit, exc.used, exc.limit_value, exc.resets_at) == \
-        ("monthly_tokens", 498, 500, window_bounds("monthly", now)[1])
+    assert (exc.limit, exc.used, exc.limit_value, exc.resets_at) == (
+        "monthly_tokens",
+        498,
+        500,
+        window_bounds("monthly", now)[1],
+    )
     with pytest.raises(ValueError):
         decision("weekly_requests 1", res, now)
 
@@ -89,13 +97,24 @@ def test_decision_none_is_admitted_and_a_named_window_is_the_local_refusal():
 def test_reserve_params_carry_every_window_of_the_request():
     now = 1_700_000_000.0
     res = _reservation(now, requests_per_day=10, tokens_per_month=500)
-    rec = Record(ts=now, request_id="r1", path="/v1/chat/completions", key_id="k",
-                 model="m", stream=True, upstream_requested="llm")
+    rec = Record(
+        ts=now,
+        request_id="r1",
+        path="/v1/chat/completions",
+        key_id="k",
+        model="m",
+        stream=True,
+        upstream_requested="llm",
+    )
     p = reserve_params("lease-1", "relay-a", 30.0, res, rec, 3, 4)
     assert p[:5] == ("lease-1", "relay-a", "k", 7, 30.0)
     assert p[5:13] == (now, "r1", "/v1/chat/completions", "m", 1, "llm", 3, 4)
-    assert p[13:] == (["daily", "monthly"], [window_bounds("daily", now)[0],
-                      window_bounds("monthly", now)[0]], [10, 0], [0, 500])
+    assert p[13:] == (
+        ["daily", "monthly"],
+        [window_bounds("daily", now)[0], window_bounds("monthly", now)[0]],
+        [10, 0],
+        [0, 500],
+    )
 
 
 # ---- [store] rules --------------------------------------------------------------------------
@@ -107,37 +126,53 @@ def _store(**store):
 
 
 def test_url_is_the_alternative_to_path():
-    s = _store(url="postgresql://relay@db.internal:5432/relay", password_env="RELAY_PG_PW",
-               reservation_ttl_s=5)
-    assert (s.url, s.password_env, s.reservation_ttl_s) == \
-        ("postgresql://relay@db.internal:5432/relay", "RELAY_PG_PW", 5)
-    with pytest.raises(ConfigError, match="either path .* or url"):
+    s = _store(
+        url="postgresql://relay@db.internal:5432/relay",
+        password_env="RELAY_PG_PW",
+        reservation_ttl_s=5,
+    )
+    assert (s.url, s.password_env, s.reservation_ttl_s) == (
+        "postgresql://relay@db.internal:5432/relay",
+        "RELAY_PG_PW",
+        5,
+    )
+    with pytest.raises(ConfigError, match=r"either path .* or url"):
         _store(url="postgresql://relay@h/db", path="relay.db")
     for name, value in (("password_env", "X"), ("spill_path", "s"), ("reservation_ttl_s", 2)):
         with pytest.raises(ConfigError, match=f"store.{name}: applies to store.url"):
             _store(**{name: value})
 
 
-@pytest.mark.parametrize("url", ["postgresql://relay:hunter2@h/db", "postgres://u:@h/db",
-                                 "postgresql://u@h/db?sslmode=require&password=hunter2"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://relay:hunter2@h/db",
+        "postgres://u:@h/db",
+        "postgresql://u@h/db?sslmode=require&password=hunter2",
+    ],
+)
 def test_a_password_in_the_url_is_refused_without_echoing_it(url):
     with pytest.raises(ConfigError) as info:
         _store(url=url)
     assert "password" in str(info.value) and "hunter2" not in str(info.value)
 
 
-@pytest.mark.parametrize("url,why", [("mysql://u@h/db", "postgresql://"),
-                                     ("postgresql://u@h:notaport/db", "not a valid URL")])
+@pytest.mark.parametrize(
+    "url,why",
+    [("mysql://u@h/db", "postgresql://"), ("postgresql://u@h:notaport/db", "not a valid URL")],
+)
 def test_a_url_that_is_not_postgresql_is_refused(url, why):
     with pytest.raises(ConfigError, match=why):
         _store(url=url)
 
 
 def test_password_env_must_name_a_variable_and_be_set():
-    with pytest.raises(ConfigError, match="store.password_env"):
+    with pytest.raises(ConfigError, match=r"store.password_env"):
         _store(url="postgresql://u@h/db", password_env="not a name")
-    assert pg_connect_kwargs("postgresql://u@h/db", "PW", {"PW": "s3"}) == \
-        {"conninfo": "postgresql://u@h/db", "password": "s3"}
+    assert pg_connect_kwargs("postgresql://u@h/db", "PW", {"PW": "s3"}) == {
+        "conninfo": "postgresql://u@h/db",
+        "password": "s3",
+    }
     assert pg_connect_kwargs("postgresql://u@h/db", None, {}) == {"conninfo": "postgresql://u@h/db"}
     with pytest.raises(KeyError):
         pg_connect_kwargs("postgresql://u@h/db", "PW", {})
@@ -154,14 +189,17 @@ def test_a_relay_whose_password_variable_is_unset_does_not_start(monkeypatch):
         pytest.skip("psycopg (relay[postgres]) is not installed")
 
     monkeypatch.delenv("RELAY_UNSET_PW", raising=False)
-    cfg = parse_config({"upstream": UP, "store": {"url": "postgresql://u@h/db",
-                                                  "password_env": "RELAY_UNSET_PW"}})
+    cfg = parse_config(
+        {"upstream": UP, "store": {"url": "postgresql://u@h/db", "password_env": "RELAY_UNSET_PW"}}
+    )
     with pytest.raises(ConfigError, match="RELAY_UNSET_PW is not set"):
         make_store(cfg, None)
 
 
 def test_is_pg_url_and_check_pg_url():
-    assert is_pg_url("postgresql://h/db") and is_pg_url("POSTGRES://h") and not is_pg_url("relay.db")
+    assert (
+        is_pg_url("postgresql://h/db") and is_pg_url("POSTGRES://h") and not is_pg_url("relay.db")
+    )
     assert not is_pg_url("/var/lib/postgresql://x") and not is_pg_url(None)
     check_pg_url("postgresql:///relay?host=/run/postgresql")  # a unix socket, libpq's way
     with pytest.raises(PgUrlError):
@@ -169,8 +207,10 @@ def test_is_pg_url_and_check_pg_url():
 
 
 def test_portable_sql_spells_sqlite_placeholders_for_postgresql():
-    assert portable("SELECT n FROM request WHERE key_id IS ? AND ts >= ?") == \
-        "SELECT n FROM request WHERE key_id IS NOT DISTINCT FROM %s AND ts >= %s"
+    assert (
+        portable("SELECT n FROM request WHERE key_id IS ? AND ts >= ?")
+        == "SELECT n FROM request WHERE key_id IS NOT DISTINCT FROM %s AND ts >= %s"
+    )
 
 
 def test_pending_and_spilled_rows_are_metrics_of_a_shared_store_only():

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from relay.config import ConfigError, KeyConfig, StoreConfig
-from relay.policy.budget import Budgets
+from relay.policy.budget import BudgetExceeded, Budgets
 from relay.proxy.slots import SlotPool
 
 SHA = "a" * 64
@@ -18,12 +18,20 @@ def test_budget_reload_keeps_used_and_reserved_and_reports_new_windows():
     done = b.reserve("k", 5, NOW)
     b.settle(done, 1, 7, NOW)
     flying = b.reserve("k", 3, NOW)
-    fresh = b.reload([KeyConfig(id="k", sha256=SHA, requests_per_day=2, tokens_per_month=100),
-                      KeyConfig(id="new", sha256=SHA, requests_per_day=1)])
+    fresh = b.reload(
+        [
+            KeyConfig(id="k", sha256=SHA, requests_per_day=2, tokens_per_month=100),
+            KeyConfig(id="new", sha256=SHA, requests_per_day=1),
+        ]
+    )
     assert fresh == [("k", "monthly"), ("new", "daily")]
-    assert b.usage("k", NOW)["daily"] == {"requests": 1, "tokens": 7,
-                                          "reserved_requests": 1, "reserved_tokens": 3}
-    with pytest.raises(Exception):  # 1 used + 1 reserved: the new limit of 2 is reached
+    assert b.usage("k", NOW)["daily"] == {
+        "requests": 1,
+        "tokens": 7,
+        "reserved_requests": 1,
+        "reserved_tokens": 3,
+    }
+    with pytest.raises(BudgetExceeded):  # 1 used + 1 reserved: the new limit of 2 is reached
         b.reserve("k", 1, NOW)
     b.settle(flying, 1, 2, NOW)  # settles in the window it reserved in
     assert b.usage("k", NOW)["daily"]["requests"] == 2
@@ -59,10 +67,11 @@ async def test_reload_refuses_a_new_listen_address_or_store(make_relay):
     import msgspec
 
     app = await make_relay()
-    for change in ({"server": msgspec.structs.replace(app.config.server, port=1)},
-                   {"store": StoreConfig(path="/tmp/other.db")},
-                   {"store": msgspec.structs.replace(app.config.store,
-                                                     url="postgresql://u@h/db")}):
+    for change in (
+        {"server": msgspec.structs.replace(app.config.server, port=1)},
+        {"store": StoreConfig(path="/tmp/other.db")},
+        {"store": msgspec.structs.replace(app.config.store, url="postgresql://u@h/db")},
+    ):
         new = msgspec.structs.replace(app.config, **change)
         with pytest.raises(ConfigError, match="needs a restart"):
             app.reload(new)
@@ -77,13 +86,15 @@ async def test_reload_timeouts_apply_to_new_streams_not_to_those_in_flight(make_
 
     app = await make_relay(stream_idle_timeout_s=5.0)
     reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
-    writer.write(httpc.build_request("POST", "/v1/chat/completions",
-                                     httpc.chat(4, interval_ms=300)))
+    writer.write(
+        httpc.build_request("POST", "/v1/chat/completions", httpc.chat(4, interval_ms=300))
+    )
     head = await asyncio.wait_for(httpc.read_head(reader), 5)
     d = msgspec.structs.replace(app.config.dispatcher, stream_idle_timeout_s=0.1)
     app.reload(msgspec.structs.replace(app.config, dispatcher=d))
-    late = await httpc.fetch(app.port, "POST", "/v1/chat/completions",
-                             httpc.chat(4, interval_ms=300))
+    late = await httpc.fetch(
+        app.port, "POST", "/v1/chat/completions", httpc.chat(4, interval_ms=300)
+    )
     await asyncio.wait_for(httpc.read_body(reader, head), 5)
     writer.close()
     assert head.complete and head.data_events()[-1] == "[DONE]"  # on the policy it started with
@@ -116,22 +127,33 @@ def test_a_window_a_reload_creates_is_charged_by_requests_in_flight_then():
     """Its used figures are rebuilt from the rows committed at the reload; requests admitted
     before it (a key with no limits, or a limit of another window) are charged when they
     settle, once; those admitted after it only through their own reservation."""
-    b = Budgets([KeyConfig(id="free", sha256=SHA), KeyConfig(id="k", sha256=SHA,
-                                                              requests_per_day=10)])
+    b = Budgets(
+        [KeyConfig(id="free", sha256=SHA), KeyConfig(id="k", sha256=SHA, requests_per_day=10)]
+    )
     unlimited = b.reserve("free", 0, NOW)
     daily_only = b.reserve("k", 5, NOW)
-    assert b.fresh_windows([KeyConfig(id="free", sha256=SHA, tokens_per_day=1000),
-                            KeyConfig(id="k", sha256=SHA, requests_per_day=10,
-                                      tokens_per_month=1000)]) == \
-        [("free", "daily"), ("k", "monthly")]
-    fresh = b.reload([KeyConfig(id="free", sha256=SHA, tokens_per_day=1000),
-                      KeyConfig(id="k", sha256=SHA, requests_per_day=10, tokens_per_month=1000)])
+    assert b.fresh_windows(
+        [
+            KeyConfig(id="free", sha256=SHA, tokens_per_day=1000),
+            KeyConfig(id="k", sha256=SHA, requests_per_day=10, tokens_per_month=1000),
+        ]
+    ) == [("free", "daily"), ("k", "monthly")]
+    fresh = b.reload(
+        [
+            KeyConfig(id="free", sha256=SHA, tokens_per_day=1000),
+            KeyConfig(id="k", sha256=SHA, requests_per_day=10, tokens_per_month=1000),
+        ]
+    )
     assert fresh == [("free", "daily"), ("k", "monthly")]
     b.restore("free", "daily", 2, 50, NOW)  # what the rows held at the reload
     b.settle(unlimited, 1, 402, NOW)
     b.settle(unlimited, 1, 402, NOW)  # once
-    assert b.usage("free", NOW)["daily"] == {"requests": 3, "tokens": 452,
-                                             "reserved_requests": 0, "reserved_tokens": 0}
+    assert b.usage("free", NOW)["daily"] == {
+        "requests": 3,
+        "tokens": 452,
+        "reserved_requests": 0,
+        "reserved_tokens": 0,
+    }
     b.settle(daily_only, 1, 40, NOW)
     assert b.usage("k", NOW)["daily"]["tokens"] == 40
     assert b.usage("k", NOW)["monthly"]["tokens"] == 40
@@ -151,8 +173,11 @@ async def test_a_reload_adding_a_token_limit_charges_a_stream_in_flight(make_rel
 
     app = await make_relay(keys=[key()])
     body = httpc.chat(400, interval_ms=2)
-    stream = asyncio.create_task(httpc.fetch(app.port, "POST", "/v1/chat/completions", body,
-                                             {**bearer(), "X-Request-Id": "flying"}))
+    stream = asyncio.create_task(
+        httpc.fetch(
+            app.port, "POST", "/v1/chat/completions", body, {**bearer(), "X-Request-Id": "flying"}
+        )
+    )
     await wait_for(lambda: sim.requests and sim.requests[0].tokens_sent >= 1)
     app.reload(msgspec.structs.replace(app.config, key=[key(tokens_per_day=300)]))
     resp = await asyncio.wait_for(stream, 20)
@@ -164,8 +189,7 @@ async def test_a_reload_adding_a_token_limit_charges_a_stream_in_flight(make_rel
     [row] = app.store.query("SELECT prompt_tokens, completion_tokens FROM request")
     assert row["completion_tokens"] == 400
     assert used["tokens"] == row["prompt_tokens"] + 400
-    refused = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(2),
-                                bearer())
+    refused = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(2), bearer())
     assert (refused.status, refused.json()["error"]["code"]) == (429, "budget_exceeded")
 
 

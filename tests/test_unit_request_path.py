@@ -29,11 +29,38 @@ from relay.store.sqlite import COLUMNS, Store
 
 SETTINGS = settings(max_examples=400, deadline=None, derandomize=True)
 
-NAMES = [b"Connection", b"connection", b"CONNECTION", b"Content-Length", b"content-type",
-         b"Transfer-Encoding", b"User-Agent", b"user-agent", b"X-Request-Id", b"Origin",
-         b"Authorization", b"x-api-key", b"Keep-Alive", b"X-Hop", b"Accept", b"Expect"]
-VALUES = [b"close", b"keep-alive, X-Hop", b" Close ", b"x-hop", b"", b"1", b"chunked",
-          b"application/json", b"ua/1 \x01\x7f\xe9", b"sk-1", b"100-continue", b"a, , b"]
+NAMES = [
+    b"Connection",
+    b"connection",
+    b"CONNECTION",
+    b"Content-Length",
+    b"content-type",
+    b"Transfer-Encoding",
+    b"User-Agent",
+    b"user-agent",
+    b"X-Request-Id",
+    b"Origin",
+    b"Authorization",
+    b"x-api-key",
+    b"Keep-Alive",
+    b"X-Hop",
+    b"Accept",
+    b"Expect",
+]
+VALUES = [
+    b"close",
+    b"keep-alive, X-Hop",
+    b" Close ",
+    b"x-hop",
+    b"",
+    b"1",
+    b"chunked",
+    b"application/json",
+    b"ua/1 \x01\x7f\xe9",
+    b"sk-1",
+    b"100-continue",
+    b"a, , b",
+]
 pairs = st.lists(st.tuples(st.sampled_from(NAMES), st.sampled_from(VALUES)), max_size=10)
 
 
@@ -42,8 +69,11 @@ def as_header_list(items) -> hdr.HeaderList:
 
 
 @SETTINGS
-@given(pairs, st.sampled_from([n.lower() for n in NAMES] + [b"absent"]),
-       st.sampled_from([b"close", b"keep-alive", b"x-hop", b"b"]))
+@given(
+    pairs,
+    st.sampled_from([n.lower() for n in NAMES] + [b"absent"]),
+    st.sampled_from([b"close", b"keep-alive", b"x-hop", b"b"]),
+)
 def test_header_list_lookups_agree_with_a_plain_scan(items, name, token):
     kept = as_header_list(items)
     assert kept == items
@@ -52,19 +82,23 @@ def test_header_list_lookups_agree_with_a_plain_scan(items, name, token):
     assert hdr.connection_tokens(kept) == hdr.connection_tokens(list(items))
     assert user_agent(kept) == user_agent(list(items))
     for chunked in (False, True):
-        assert (client_response(200, b"OK", kept, b"rid", chunked, True)
-                == client_response(200, b"OK", list(items), b"rid", chunked, True))
+        assert client_response(200, b"OK", kept, b"rid", chunked, True) == client_response(
+            200, b"OK", list(items), b"rid", chunked, True
+        )
     for creds in (False, True):
-        assert (upstream_request_headers(kept, b"h:1", 3, b"rid", None, [(b"X-S", b"1")],
-                                             pass_credentials=creds)
-                == upstream_request_headers(list(items), b"h:1", 3, b"rid", None,
-                                                [(b"X-S", b"1")], pass_credentials=creds))
+        assert upstream_request_headers(
+            kept, b"h:1", 3, b"rid", None, [(b"X-S", b"1")], pass_credentials=creds
+        ) == upstream_request_headers(
+            list(items), b"h:1", 3, b"rid", None, [(b"X-S", b"1")], pass_credentials=creds
+        )
 
 
 def test_request_headers_come_from_h11_with_its_lower_case_names():
     conn = h11.Connection(h11.SERVER)
-    conn.receive_data(b"POST /v1/x HTTP/1.1\r\nHost: a\r\nUser-AGENT: ua\r\nX-Dup: 1\r\n"
-                      b"x-dup: 2\r\nContent-Length: 0\r\n\r\n")
+    conn.receive_data(
+        b"POST /v1/x HTTP/1.1\r\nHost: a\r\nUser-AGENT: ua\r\nX-Dup: 1\r\n"
+        b"x-dup: 2\r\nContent-Length: 0\r\n\r\n"
+    )
     ev = conn.next_event()
     kept = hdr.request_headers(ev.headers)
     assert kept == ev.headers.raw_items()
@@ -106,8 +140,13 @@ def test_round3_on_ties_and_measured_times():
 
 def test_route_path_is_normalize_bounded_and_stays_bounded(monkeypatch):
     monkeypatch.setattr(paths, "_SEEN", {})
-    targets = [b"/v1/chat/completions", b"/v1//chat/%63ompletions?x=1", b"/a/../b/",
-               b"http://h/v1/models", b"/" + b"x" * 5000]
+    targets = [
+        b"/v1/chat/completions",
+        b"/v1//chat/%63ompletions?x=1",
+        b"/a/../b/",
+        b"http://h/v1/models",
+        b"/" + b"x" * 5000,
+    ]
     for t in targets * 2:
         assert paths.route_path(t) == paths.bounded(paths.normalize(t), paths.MAX_PATH_CHARS)
     assert b"/" + b"x" * 5000 not in paths._SEEN  # long targets are not kept
@@ -117,16 +156,34 @@ def test_route_path_is_normalize_bounded_and_stays_bounded(monkeypatch):
 
 
 def _record(**over) -> Record:
-    rec = Record(ts=1.5, request_id="r1", path="/v1/chat/completions", method="POST",
-                 model="m", stream=True, status=200, ok=True, ttft_ms=1.25, total_ms=9.5,
-                 client_closed=False, user_agent="ua", outcome="done")
+    rec = Record(
+        ts=1.5,
+        request_id="r1",
+        path="/v1/chat/completions",
+        method="POST",
+        model="m",
+        stream=True,
+        status=200,
+        ok=True,
+        ttft_ms=1.25,
+        total_ms=9.5,
+        client_closed=False,
+        user_agent="ua",
+        outcome="done",
+    )
     for k, v in over.items():
         setattr(rec, k, v)
     return rec
 
 
-@pytest.mark.parametrize("over", [{}, {"key_id": "k", "error": "e", "ok": False},
-                                  {"stream": False, "itl_hist": "x", "bytes_out": 0}])
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},
+        {"key_id": "k", "error": "e", "ok": False},
+        {"stream": False, "itl_hist": "x", "bytes_out": 0},
+    ],
+)
 def test_log_fields_are_the_non_none_fields_in_order(over):
     rec = _record(**over)
     want = {k: v for k, v in zip(LOG_FIELDS, _log_values(rec)) if v is not None}
@@ -138,8 +195,12 @@ def test_a_record_put_straight_stores_the_same_row_as_its_dict(tmp_path):
     store = Store(str(tmp_path / "a.db"))
     store.start()
     try:
-        recs = [_record(), _record(key_id="k", ok=False, status=502, error_code="x",
-                                   client_closed=True, stream=False)]
+        recs = [
+            _record(),
+            _record(
+                key_id="k", ok=False, status=502, error_code="x", client_closed=True, stream=False
+            ),
+        ]
         for rec in recs:
             store.put(rec.row() | {"admission_id": None})
             store.put_record(rec, None)
@@ -177,31 +238,45 @@ def test_framing_check_fast_path_says_what_the_loop_says(version, items):
         except BadHead as exc:
             return str(exc)
         return None
+
     assert outcome(as_header_list(items)) == outcome(list(items))
 
 
 def test_a_parsed_response_head_keeps_its_lower_case_names():
-    head, rest = HeadReader().feed(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                                   b"Transfer-Encoding: chunked\r\nX-A:  v \r\n\r\nbody")
+    head, rest = HeadReader().feed(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        b"Transfer-Encoding: chunked\r\nX-A:  v \r\n\r\nbody"
+    )
     assert rest == b"body"
-    assert head.headers == [(b"Content-Type", b"text/event-stream"),
-                            (b"Transfer-Encoding", b"chunked"), (b"X-A", b"v")]
+    assert head.headers == [
+        (b"Content-Type", b"text/event-stream"),
+        (b"Transfer-Encoding", b"chunked"),
+        (b"X-A", b"v"),
+    ]
     assert head.headers.lows == [b"content-type", b"transfer-encoding", b"x-a"]
     assert hdr.get(head.headers, b"x-a") == b"v"
 
 
 @SETTINGS
-@given(st.lists(st.tuples(st.sampled_from([b"Content-Length", b"content-length",
-                                           b"Transfer-Encoding", b"X-A"]),
-                          st.sampled_from([b"1", b" 1 ", b"1, 1", b"1,2", b"x", b"chunked",
-                                           b"gzip, chunked", b""])), max_size=4),
-       st.booleans())
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([b"Content-Length", b"content-length", b"Transfer-Encoding", b"X-A"]),
+            st.sampled_from(
+                [b"1", b" 1 ", b"1, 1", b"1,2", b"x", b"chunked", b"gzip, chunked", b""]
+            ),
+        ),
+        max_size=4,
+    ),
+    st.booleans(),
+)
 def test_request_framing_fast_path_says_what_the_loop_says(items, http11):
     from relay.http.request_framing import framing_error
 
     def outcome(headers):
         err = framing_error(headers, http11)
         return None if err is None else (err.code, err.message)
+
     assert outcome(as_header_list(items)) == outcome(list(items))
 
 

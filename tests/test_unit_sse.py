@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+from pathlib import Path
 
 import pytest
 
@@ -22,7 +23,7 @@ def dechunk(body: bytes) -> bytes:
 
 
 def sse_body(name: str) -> bytes:
-    raw = open(f"{FIXTURES}/{name}", "rb").read()
+    raw = Path(f"{FIXTURES}/{name}").read_bytes()
     head, _, body = raw.partition(SEP)[2].partition(b"\r\n\r\n")
     assert b"text/event-stream" in head
     assert b"transfer-encoding: chunked" in head.lower()
@@ -49,14 +50,22 @@ EXPECTED = {
 def test_all_sse_fixtures_covered():
     names = set()
     for path in glob.glob(f"{FIXTURES}/*.http"):
-        if b"text/event-stream" in open(path, "rb").read():
+        if b"text/event-stream" in Path(path).read_bytes():
             names.add(path.rsplit("/", 1)[1])
     assert names == set(EXPECTED)
 
 
 def state(s: SseScanner, calls: list) -> tuple:
-    return (s.content_events, s.done_seen, s.error_first, s.meta, s.oversized, tuple(calls),
-            s.pending, s.first_event)
+    return (
+        s.content_events,
+        s.done_seen,
+        s.error_first,
+        s.meta,
+        s.oversized,
+        tuple(calls),
+        s.pending,
+        s.first_event,
+    )
 
 
 def scan(reads: list[bytes]) -> tuple:
@@ -130,7 +139,7 @@ def test_fixture_byte_by_byte_and_by_chunk(name):
     body = sse_body(name)
     want = expected_result(name, body)
     assert scan([body[k : k + 1] for k in range(len(body))]) == want
-    raw = open(f"{FIXTURES}/{name}", "rb").read()
+    raw = Path(f"{FIXTURES}/{name}").read_bytes()
     chunked_body = raw.partition(SEP)[2].partition(b"\r\n\r\n")[2]
     t = ChunkTracker()
     _, payloads = t.feed(chunked_body)
@@ -161,24 +170,35 @@ def ev(obj: str) -> bytes:
 CHAT = '{"choices":[{"index":0,"delta":{"content":"%s"}}]}'
 
 
-@pytest.mark.parametrize("event,counts", [
-    ('{"choices":[{"delta":{"content":"x"}}]}', True),
-    ('{"choices":[{"delta":{"content":""}}]}', False),
-    ('{"choices":[{"delta":{"role":"assistant","content":null}}]}', False),
-    ('{"choices":[{"delta":{}}],"finish_reason":"stop"}', False),
-    ('{"choices":[{"text":" Fine","index":0}]}', True),
-    ('{"choices":[{"text":"","index":0}]}', False),
-    ('{"index":0,"content":" Hello","stop":false}', True),
-    ('{"index":0,"content":"","stop":true}', False),
-    ('{"choices":[{"delta":{"reasoning_content":"think"}}]}', True),
-    ('{"choices":[{"delta":{"reasoning_content":"","content":null}}]}', False),
-    ('{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\\"a\\":1}"}}]}}]}',
-     True),
-    ('{"choices":[{"delta":{"tool_calls":[{"function":{"name":"f","arguments":""}}]}}]}', False),
-    ('{"choices":[{"delta":{"content":"\\"q\\""}}]}', True),
-    ('{"choices":[{"index":0,"delta":{"content":""}},{"index":1,"delta":{"content":"y"}}]}', True),
-    ('{"choices":[],"usage":{"completion_tokens":3}}', False),
-])
+@pytest.mark.parametrize(
+    "event,counts",
+    [
+        ('{"choices":[{"delta":{"content":"x"}}]}', True),
+        ('{"choices":[{"delta":{"content":""}}]}', False),
+        ('{"choices":[{"delta":{"role":"assistant","content":null}}]}', False),
+        ('{"choices":[{"delta":{}}],"finish_reason":"stop"}', False),
+        ('{"choices":[{"text":" Fine","index":0}]}', True),
+        ('{"choices":[{"text":"","index":0}]}', False),
+        ('{"index":0,"content":" Hello","stop":false}', True),
+        ('{"index":0,"content":"","stop":true}', False),
+        ('{"choices":[{"delta":{"reasoning_content":"think"}}]}', True),
+        ('{"choices":[{"delta":{"reasoning_content":"","content":null}}]}', False),
+        (
+            '{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\\"a\\":1}"}}]}}]}',
+            True,
+        ),
+        (
+            '{"choices":[{"delta":{"tool_calls":[{"function":{"name":"f","arguments":""}}]}}]}',
+            False,
+        ),
+        ('{"choices":[{"delta":{"content":"\\"q\\""}}]}', True),
+        (
+            '{"choices":[{"index":0,"delta":{"content":""}},{"index":1,"delta":{"content":"y"}}]}',
+            True,
+        ),
+        ('{"choices":[],"usage":{"completion_tokens":3}}', False),
+    ],
+)
 def test_carries_content(event, counts):
     assert carries_content(b"data: " + event.encode()) is counts
     s = SseScanner()
@@ -268,8 +288,10 @@ def test_blank_lines_and_comments():
     assert s.content_events == 1
 
 
-TWO_LINE = (b'id: 7\ndata: {"choices":[{"delta":{"content":"a"}}]}\n'
-            b'data: {"usage":{"completion_tokens":1}}\n\n')
+TWO_LINE = (
+    b'id: 7\ndata: {"choices":[{"delta":{"content":"a"}}]}\n'
+    b'data: {"usage":{"completion_tokens":1}}\n\n'
+)
 
 
 def test_multiline_event_lf_is_one_event():
@@ -299,7 +321,7 @@ def test_event_json():
 
 # ---- the hot path: ChunkTracker.single + SseScanner.feed_span ------------------------------
 def chunked_body(name: str) -> bytes:
-    raw = open(f"{FIXTURES}/{name}", "rb").read()
+    raw = Path(f"{FIXTURES}/{name}").read_bytes()
     return raw.partition(SEP)[2].partition(b"\r\n\r\n")[2]
 
 
@@ -334,7 +356,7 @@ def test_relay_path_every_split_of_each_chunk(name):
     want = expected_result(name, sse_body(name))
     for k, chunk in enumerate(reads):
         for i in range(1, len(chunk)):
-            split = reads[:k] + [chunk[:i], chunk[i:]] + reads[k + 1:]
+            split = reads[:k] + [chunk[:i], chunk[i:]] + reads[k + 1 :]
             got, fwd, _ = relay_scan(split)
             assert (got, fwd) == (want, body), (k, i)
 
@@ -352,32 +374,40 @@ def _span_vs_feed(prior: bytes, span: bytes) -> tuple[tuple, tuple]:
     return state(a, ca), state(b, cb)
 
 
-@pytest.mark.parametrize("span", [
-    ev(CHAT % "tok"),
-    ev('{"choices":[{"text":" Fine","index":0}]}'),
-    ev(CHAT % ""),
-    ev('{"choices":[{"text":"","index":0}]}'),
-    ev('{"choices":[{"delta":{"reasoning_content":"hm"}}]}'),
-    ev(CHAT % "a") + ev(CHAT % "b"),
-    ev(CHAT % "a") + b"data: [DONE]\n\n",
-    b"data: [DONE]\n\n",
-    ev('{"choices":[{"delta":{}}],"timings":{"predicted_n":3}}'),
-    ev(CHAT % "a")[:-1],
-    ev(CHAT % "a").replace(b"\n", b"\r\n"),
-    b"id: 3\n" + ev(CHAT % "a"),
-    b": ping\n\n" + ev(CHAT % "a"),
-])
-@pytest.mark.parametrize("prior", [b"", ev(CHAT % "first"), b"data: {\"choices\":[{\"delta\""])
+@pytest.mark.parametrize(
+    "span",
+    [
+        ev(CHAT % "tok"),
+        ev('{"choices":[{"text":" Fine","index":0}]}'),
+        ev(CHAT % ""),
+        ev('{"choices":[{"text":"","index":0}]}'),
+        ev('{"choices":[{"delta":{"reasoning_content":"hm"}}]}'),
+        ev(CHAT % "a") + ev(CHAT % "b"),
+        ev(CHAT % "a") + b"data: [DONE]\n\n",
+        b"data: [DONE]\n\n",
+        ev('{"choices":[{"delta":{}}],"timings":{"predicted_n":3}}'),
+        ev(CHAT % "a")[:-1],
+        ev(CHAT % "a").replace(b"\n", b"\r\n"),
+        b"id: 3\n" + ev(CHAT % "a"),
+        b": ping\n\n" + ev(CHAT % "a"),
+    ],
+)
+@pytest.mark.parametrize("prior", [b"", ev(CHAT % "first"), b'data: {"choices":[{"delta"'])
 def test_feed_span_same_as_feed(prior, span):
     fast, slow = _span_vs_feed(prior, span)
     assert fast == slow
 
 
-@pytest.mark.parametrize("span", [
-    ev('{"choices":[{"delta":{"content":"x"}}],"usage":{"prompt_tokens":3,"completion_tokens":2}}'),
-    ev('{"index":0,"content":" a","stop":false,"timings":{"prompt_n":1,"predicted_n":2}}'),
-    ev('{"choices":[],"usage":{"completion_tokens":2}}') + ev(CHAT % "x"),
-])
+@pytest.mark.parametrize(
+    "span",
+    [
+        ev(
+            '{"choices":[{"delta":{"content":"x"}}],"usage":{"prompt_tokens":3,"completion_tokens":2}}'
+        ),
+        ev('{"index":0,"content":" a","stop":false,"timings":{"prompt_n":1,"predicted_n":2}}'),
+        ev('{"choices":[],"usage":{"completion_tokens":2}}') + ev(CHAT % "x"),
+    ],
+)
 def test_feed_span_keeps_meta_like_feed(span):
     fast, slow = _span_vs_feed(ev(CHAT % "first"), span)
     assert slow[3] != b""  # the general path keeps the event
@@ -387,6 +417,7 @@ def test_feed_span_keeps_meta_like_feed(span):
 class _Rejoining(SseScanner):
     """The scanner as it was before issue 10: the unfinished event re-joined on every read
     (quadratic when one event spans many reads). The reference the linear one is held to."""
+
     __slots__ = ()
 
     def feed(self, data: bytes) -> None:
@@ -411,37 +442,72 @@ class _Rejoining(SseScanner):
             self.pending = rest
 
 
-_BITS = [b"data: ", b'{"choices":[{"delta":{"content":"a"}}]}', b'{"usage":{"x":1}}', b"[DONE]",
-         b'{"error":{}}', b"\n", b"\r", b"\r\n", b"\n\n", b"\r\r", b": c", b"event: t", b"x" * 50,
-         b'"content":"', b'"text":""', b'"timings"', b"\n\r"]
+_BITS = [
+    b"data: ",
+    b'{"choices":[{"delta":{"content":"a"}}]}',
+    b'{"usage":{"x":1}}',
+    b"[DONE]",
+    b'{"error":{}}',
+    b"\n",
+    b"\r",
+    b"\r\n",
+    b"\n\n",
+    b"\r\r",
+    b": c",
+    b"event: t",
+    b"x" * 50,
+    b'"content":"',
+    b'"text":""',
+    b'"timings"',
+    b"\n\r",
+]
 
 
 def test_linear_scanner_agrees_with_the_rejoining_one_on_random_splits():
     import random
+
     rng = random.Random(1010)
     for _ in range(4000):
         body = b"".join(rng.choice(_BITS) for _ in range(rng.randint(1, 40)))
         cuts = sorted(rng.randint(0, len(body)) for _ in range(rng.randint(0, 12)))
         pieces = [body[a:b] for a, b in zip([0] + cuts, cuts + [len(body)])]
         got, want = [], []
-        new, old = SseScanner(lambda: got.append(1)), _Rejoining(lambda: want.append(1))
+        new, old = (
+            SseScanner(lambda got=got: got.append(1)),
+            _Rejoining(lambda want=want: want.append(1)),
+        )
         for p in pieces + [b"x\n\n"]:  # a last event flushes a CR held by either
             new.feed(p)
             old.feed(p)
-        assert (new.content_events, new.done_seen, new.error_first, new.meta, new.first_event,
-                bytes(new.pending), got) == (old.content_events, old.done_seen, old.error_first,
-                                            old.meta, old.first_event, old.pending, want), pieces
+        assert (
+            new.content_events,
+            new.done_seen,
+            new.error_first,
+            new.meta,
+            new.first_event,
+            bytes(new.pending),
+            got,
+        ) == (
+            old.content_events,
+            old.done_seen,
+            old.error_first,
+            old.meta,
+            old.first_event,
+            old.pending,
+            want,
+        ), pieces
 
 
 def test_one_event_over_many_reads_costs_linear_time():
     import time
+
     big = b'data: {"choices":[{"delta":{"content":"' + b"x" * (4 << 20) + b'"}}]}\n\n'
     for line_ends in (b"", b"\n"):  # one long line, or many lines (each read has a line end)
         data = big if not line_ends else big.replace(b"x" * 512, b"x" * 511 + b"\n")
         s = SseScanner()
         t = time.process_time()
         for i in range(0, len(data), 1024):
-            s.feed(data[i:i + 1024])
+            s.feed(data[i : i + 1024])
         assert time.process_time() - t < 0.5
         assert s.oversized and not s.pending
 
@@ -450,5 +516,5 @@ def test_an_event_under_the_bound_in_many_reads_is_scanned_whole():
     ev = b'data: {"choices":[{"delta":{"content":"' + b"y" * 300000 + b'"}}],"usage":{}}\n\n'
     s = SseScanner()
     for i in range(0, len(ev), 1000):
-        s.feed(ev[i:i + 1000])
+        s.feed(ev[i : i + 1000])
     assert s.content_events == 1 and not s.oversized and s.pending == b"" and s.meta == b""

@@ -13,44 +13,50 @@ INF = float("inf")
 
 
 # ---- StallPolicy.due: truth table (head_at, last_read, now) -> reason ------------------------
-@pytest.mark.parametrize("idle,total,read,head,last,now,want", [
-    # idle only
-    (10, 0, 300, 0, 100, 109.999, None),
-    (10, 0, 300, 0, 100, 110, "idle"),  # exactly at the deadline
-    (10, 0, 300, 0, 100, 500, "idle"),
-    (10, 0, 300, 0, 0, 9.999, None),
-    (10, 0, 5, 0, 100, 106, None),  # read_s ignored when a bound is on
-    (10, 0, 300, 0, 999, 1000, None),  # a huge total time never trips "total" when off
-    # total only
-    (0, 60, 300, 0, 59.9, 59.999, None),
-    (0, 60, 300, 0, 0, 60, "total"),  # exactly at the deadline
-    (0, 60, 300, 10, 10, 69.999, None),  # long idle gap never trips "idle" when off
-    (0, 60, 300, 10, 10, 70, "total"),
-    # both
-    (10, 60, 300, 0, 50, 60, "total"),  # both due: total wins
-    (10, 60, 300, 0, 45, 55, "idle"),
-    (10, 60, 300, 0, 55, 59.999, None),
-    (10, 60, 300, 0, 55, 65, "total"),
-    (10, 60, 300, 0, 0, 10, "idle"),
-    # both zero -> read with read_s
-    (0, 0, 30, 0, 100, 129.999, None),
-    (0, 0, 30, 0, 100, 130, "read"),
-    (0, 0, 30, 0, 100, 10_000, "read"),
-    (0, 0, 30, 0, 1000, 1001, None),  # no total bound at all
-])
+@pytest.mark.parametrize(
+    "idle,total,read,head,last,now,want",
+    [
+        # idle only
+        (10, 0, 300, 0, 100, 109.999, None),
+        (10, 0, 300, 0, 100, 110, "idle"),  # exactly at the deadline
+        (10, 0, 300, 0, 100, 500, "idle"),
+        (10, 0, 300, 0, 0, 9.999, None),
+        (10, 0, 5, 0, 100, 106, None),  # read_s ignored when a bound is on
+        (10, 0, 300, 0, 999, 1000, None),  # a huge total time never trips "total" when off
+        # total only
+        (0, 60, 300, 0, 59.9, 59.999, None),
+        (0, 60, 300, 0, 0, 60, "total"),  # exactly at the deadline
+        (0, 60, 300, 10, 10, 69.999, None),  # long idle gap never trips "idle" when off
+        (0, 60, 300, 10, 10, 70, "total"),
+        # both
+        (10, 60, 300, 0, 50, 60, "total"),  # both due: total wins
+        (10, 60, 300, 0, 45, 55, "idle"),
+        (10, 60, 300, 0, 55, 59.999, None),
+        (10, 60, 300, 0, 55, 65, "total"),
+        (10, 60, 300, 0, 0, 10, "idle"),
+        # both zero -> read with read_s
+        (0, 0, 30, 0, 100, 129.999, None),
+        (0, 0, 30, 0, 100, 130, "read"),
+        (0, 0, 30, 0, 100, 10_000, "read"),
+        (0, 0, 30, 0, 1000, 1001, None),  # no total bound at all
+    ],
+)
 def test_due(idle, total, read, head, last, now, want):
     assert StallPolicy(idle_s=idle, total_s=total, read_s=read).due(now, head, last) == want
 
 
-@pytest.mark.parametrize("idle,total,read,head,last,want", [
-    (10, 0, 300, 0, 100, 110),
-    (0, 60, 300, 0, 100, 60),
-    (10, 60, 300, 0, 45, 55),
-    (10, 60, 300, 0, 55, 60),
-    (10, 60, 300, 0, 50, 60),
-    (0, 0, 30, 0, 100, 130),
-    (0, 0, 30, 7, 7, 37),
-])
+@pytest.mark.parametrize(
+    "idle,total,read,head,last,want",
+    [
+        (10, 0, 300, 0, 100, 110),
+        (0, 60, 300, 0, 100, 60),
+        (10, 60, 300, 0, 45, 55),
+        (10, 60, 300, 0, 55, 60),
+        (10, 60, 300, 0, 50, 60),
+        (0, 0, 30, 0, 100, 130),
+        (0, 0, 30, 7, 7, 37),
+    ],
+)
 def test_next_check(idle, total, read, head, last, want):
     p = StallPolicy(idle_s=idle, total_s=total, read_s=read)
     assert p.next_check(head, last) == want
@@ -72,13 +78,16 @@ def test_next_check_is_the_earliest_due_moment_random():
         assert p.due(at - 0.5, head, last) is None
 
 
-@pytest.mark.parametrize("reason,now,head,last,want", [
-    ("total", 100.0, 10.0, 95.0, 90.0),
-    ("idle", 100.0, 10.0, 95.0, 5.0),
-    ("read", 130.0, 0.0, 100.0, 30.0),
-    ("idle", 100.12345, 0.0, 0.0, 100.123),
-    ("total", 0.3, 0.1, 0.2, 0.2),
-])
+@pytest.mark.parametrize(
+    "reason,now,head,last,want",
+    [
+        ("total", 100.0, 10.0, 95.0, 90.0),
+        ("idle", 100.0, 10.0, 95.0, 5.0),
+        ("read", 130.0, 0.0, 100.0, 30.0),
+        ("idle", 100.12345, 0.0, 0.0, 100.123),
+        ("total", 0.3, 0.1, 0.2, 0.2),
+    ],
+)
 def test_elapsed(reason, now, head, last, want):
     assert StallPolicy(1, 1, 1).elapsed(reason, now, head, last) == want
 
@@ -113,7 +122,7 @@ def test_legacy_shape_exact(path):
 def _event(frame: bytes) -> dict:
     assert frame.startswith(b"\n\ndata: ")
     assert frame.endswith(b"\n\n" + DONE_EVENT)
-    body = frame[len(b"\n\ndata: "): -len(b"\n\n" + DONE_EVENT)]
+    body = frame[len(b"\n\ndata: ") : -len(b"\n\n" + DONE_EVENT)]
     assert b"\n" not in body  # one compact line
     return json.loads(body)
 
@@ -133,8 +142,11 @@ def test_frame_structure(path, reason):
     notice = f"\n\n[relay] stall guard: {reason} after 1.5s"
     if path == "/v1/chat/completions":
         assert obj["object"] == "chat.completion.chunk"
-        assert choice == {"index": 0, "delta": {"role": "assistant", "content": notice},
-                          "finish_reason": "length"}
+        assert choice == {
+            "index": 0,
+            "delta": {"role": "assistant", "content": notice},
+            "finish_reason": "length",
+        }
         assert list(choice) == ["index", "delta", "finish_reason"]
     else:
         assert obj["object"] == "text_completion"

@@ -37,23 +37,38 @@ def test_ca_file_replaces_the_system_store(tmp_path):
 
 def _verify_error(message: str) -> ssl.SSLCertVerificationError:
     exc = ssl.SSLCertVerificationError(
-        1, f"[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: {message} (_ssl.c:1006)")
+        1, f"[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: {message} (_ssl.c:1006)"
+    )
     exc.verify_message = message
     exc.verify_code = 20
     return exc
 
 
-@pytest.mark.parametrize("exc,words", [
-    (_verify_error("unable to get local issuer certificate"),
-     "certificate verify failed: unable to get local issuer certificate"),
-    (_verify_error("Hostname mismatch, certificate is not valid for 'wrong.example'."),
-     "certificate verify failed: hostname mismatch, certificate is not valid for "
-     "'wrong.example'"),
-    (_verify_error("certificate has expired"), "certificate verify failed: certificate has expired"),
-    (ssl.SSLError(1, "[SSL: WRONG_VERSION_NUMBER] wrong version number (_ssl.c:1006)"),
-     "wrong version number"),
-    (ssl.SSLEOFError(8, "EOF occurred in violation of protocol (_ssl.c:2406)"),
-     "EOF occurred in violation of protocol"),
-])
+@pytest.mark.parametrize(
+    "exc,words",
+    [
+        (
+            _verify_error("unable to get local issuer certificate"),
+            "certificate verify failed: unable to get local issuer certificate",
+        ),
+        (
+            _verify_error("Hostname mismatch, certificate is not valid for 'wrong.example'."),
+            "certificate verify failed: hostname mismatch, certificate is not valid for "
+            "'wrong.example'",
+        ),
+        (
+            _verify_error("certificate has expired"),
+            "certificate verify failed: certificate has expired",
+        ),
+        (
+            ssl.SSLError(1, "[SSL: WRONG_VERSION_NUMBER] wrong version number (_ssl.c:1006)"),
+            "wrong version number",
+        ),
+        (
+            ssl.SSLEOFError(8, "EOF occurred in violation of protocol (_ssl.c:2406)"),
+            "EOF occurred in violation of protocol",
+        ),
+    ],
+)
 def test_describe(exc, words):
     assert describe(exc) == words

@@ -25,6 +25,7 @@ def answer(raw: bytes, linger: float = 0.5):
         writer.write(raw)
         await writer.drain()
         await asyncio.sleep(linger)
+
     return script
 
 
@@ -45,23 +46,23 @@ def chunked(payload: bytes) -> bytes:
 
 BAD_HEADS = {
     "te_and_cl": b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: 5\r\n"
-                 b"Transfer-Encoding: chunked\r\n\r\n" + chunked(SSE_BODY),
+    b"Transfer-Encoding: chunked\r\n\r\n" + chunked(SSE_BODY),
     "cl_and_te": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n"
-                 + chunked(b"hello world"),
+    + chunked(b"hello world"),
     "gzip_and_cl": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nContent-Length: 5\r\n\r\n"
-                   b"\x1f\x8b\x08\x00\x00",
+    b"\x1f\x8b\x08\x00\x00",
     "gzip_alone": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                  b"Transfer-Encoding: gzip\r\n\r\n\x1f\x8b\x08\x00\x00",
+    b"Transfer-Encoding: gzip\r\n\r\n\x1f\x8b\x08\x00\x00",
     "gzip_then_chunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
-                         + chunked(b"\x1f\x8b\x08\x00\x00"),
+    + chunked(b"\x1f\x8b\x08\x00\x00"),
     "two_te_lines": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
-                    b"Transfer-Encoding: chunked\r\n\r\n" + chunked(b"hello"),
+    b"Transfer-Encoding: chunked\r\n\r\n" + chunked(b"hello"),
     "chunked_on_http10": b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-                         + chunked(b"hello"),
+    + chunked(b"hello"),
     "huge_cl": b"HTTP/1.1 200 OK\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\nhello",
     "19_digit_cl": b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000000000000\r\n\r\nhello",
     "differing_cls": b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 7\r\n\r\n"
-                     b"hello, world",
+    b"hello, world",
     "cl_list": b"HTTP/1.1 200 OK\r\nContent-Length: 5, 7\r\n\r\nhello, world",
     "signed_cl": b"HTTP/1.1 200 OK\r\nContent-Length: +5\r\n\r\nhello",
     "bare_lf_ends_head": b"HTTP/1.1 200 OK\r\nContent-Length: 5\n\r\nhello",
@@ -75,8 +76,9 @@ BAD_HEADS = {
 @pytest.mark.parametrize("name", sorted(BAD_HEADS))
 async def test_ambiguous_or_unknown_framing_is_a_bad_response(make_relay, name, http):
     up, app = await relay_for(make_relay, BAD_HEADS[name])
-    resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(3),
-                             http=http, timeout=5)
+    resp = await httpc.fetch(
+        app.port, "POST", "/v1/chat/completions", httpc.chat(3), http=http, timeout=5
+    )
     assert resp.status == 502, resp.raw_head
     assert error_code(resp) == "upstream_bad_response"
     assert resp.complete and resp.header("transfer-encoding") is None
@@ -86,12 +88,20 @@ async def test_ambiguous_or_unknown_framing_is_a_bad_response(make_relay, name, 
 
 async def test_bad_framing_falls_back_to_the_next_upstream(make_relay):
     from relay.config import UpstreamConfig
+
     bad = await Scripted(answer(BAD_HEADS["te_and_cl"])).start()
-    good = await Scripted(answer(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                                 b"Transfer-Encoding: chunked\r\n\r\n" + chunked(SSE_BODY))).start()
-    app = await make_relay(upstreams=[
-        UpstreamConfig(name="bad", url=bad.url, models=["m"], fallback=["good"]),
-        UpstreamConfig(name="good", url=good.url, models=["other"])])
+    good = await Scripted(
+        answer(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" + chunked(SSE_BODY)
+        )
+    ).start()
+    app = await make_relay(
+        upstreams=[
+            UpstreamConfig(name="bad", url=bad.url, models=["m"], fallback=["good"]),
+            UpstreamConfig(name="good", url=good.url, models=["other"]),
+        ]
+    )
     resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(3, model="m"))
     assert resp.status == 200 and resp.body == SSE_BODY and resp.complete
     assert resp.header("content-length") is None
@@ -101,8 +111,9 @@ async def test_bad_framing_falls_back_to_the_next_upstream(make_relay):
 
 @pytest.mark.parametrize("http", ["1.1", "1.0"])
 async def test_204_never_reaches_the_client_with_a_content_length(make_relay, http):
-    up, app = await relay_for(make_relay, b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n"
-                                          b"X-Kept: yes\r\n\r\n")
+    up, app = await relay_for(
+        make_relay, b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\nX-Kept: yes\r\n\r\n"
+    )
     resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(3), http=http)
     assert resp.status == 204 and resp.body == b""
     assert resp.header("content-length") is None and resp.header("transfer-encoding") is None
@@ -111,8 +122,7 @@ async def test_204_never_reaches_the_client_with_a_content_length(make_relay, ht
 
 
 async def test_304_keeps_its_content_length_and_sends_no_body(make_relay):
-    up, app = await relay_for(make_relay, b"HTTP/1.1 304 Not Modified\r\nContent-Length: 5\r\n"
-                                          b"\r\n")
+    up, app = await relay_for(make_relay, b"HTTP/1.1 304 Not Modified\r\nContent-Length: 5\r\n\r\n")
     reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
     writer.write(httpc.build_request("GET", "/v1/models/x"))
     raw_head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
@@ -135,14 +145,18 @@ def ok(body: bytes) -> bytes:
     return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
 
 
-@pytest.mark.parametrize("first", [
-    ok(b"first"),  # a clean response, then junk a little later on the idle connection
-    b"HTTP/1.1 204 No Content\r\n\r\n",
-    ok(b""),  # Content-Length: 0
-])
+@pytest.mark.parametrize(
+    "first",
+    [
+        ok(b"first"),  # a clean response, then junk a little later on the idle connection
+        b"HTTP/1.1 204 No Content\r\n\r\n",
+        ok(b""),  # Content-Length: 0
+    ],
+)
 @pytest.mark.parametrize("together", [False, True])
 async def test_a_pooled_connection_that_received_unsolicited_bytes_is_not_reused(
-        make_relay, first, together):
+    make_relay, first, together
+):
     """Whatever an upstream sends after a whole response (in the same read or while the
     connection idles in the pool) makes the connection unusable: the next request opens a
     new one and gets its own answer, never the junk."""
@@ -187,8 +201,9 @@ async def test_endless_interim_heads_end_in_a_prompt_502_and_do_not_starve_other
     up = await Scripted(script).start()
     app = await make_relay(url=up.url, direct_read_timeout_s=8.0)
     t0 = time.monotonic()
-    task = asyncio.create_task(httpc.fetch(app.port, "POST", "/v1/chat/completions",
-                                           httpc.chat(3), timeout=10))
+    task = asyncio.create_task(
+        httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(3), timeout=10)
+    )
     await asyncio.sleep(0.05)
     t1 = time.monotonic()
     metrics = await httpc.fetch(app.port, "GET", "/api/slots/metrics", timeout=10)
@@ -202,8 +217,8 @@ async def test_endless_interim_heads_end_in_a_prompt_502_and_do_not_starve_other
 
 async def test_a_head_over_max_head_in_one_read_is_refused(make_relay):
     from relay.http.response_head import MAX_HEAD
-    raw = (b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"p" * MAX_HEAD + b"\r\n"
-           b"Content-Length: 2\r\n\r\nok")
+
+    raw = b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"p" * MAX_HEAD + b"\r\nContent-Length: 2\r\n\r\nok"
     up, app = await relay_for(make_relay, raw)
     resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(3))
     assert resp.status == 502 and error_code(resp) == "upstream_bad_response"
@@ -263,10 +278,12 @@ async def test_one_large_event_in_small_reads_is_scanned_in_linear_time(make_rel
     async def script(up, index, reader, writer):
         if await up.read_request(reader) is None:
             return
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n" % (len(first), first))
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n" % (len(first), first)
+        )
         for i in range(0, len(huge), 1024):
-            piece = huge[i:i + 1024]
+            piece = huge[i : i + 1024]
             writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
             await writer.drain()
             await asyncio.sleep(0)

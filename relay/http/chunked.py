@@ -45,7 +45,7 @@ LAST_CHUNK = b"0\r\n\r\n"
 
 
 class ChunkTracker:
-    __slots__ = ("state", "remaining", "held", "extra")
+    __slots__ = ("extra", "held", "remaining", "state")
 
     def __init__(self) -> None:
         self.state = SIZE

@@ -7,13 +7,21 @@ them, so a lookup is a C scan of those names, not a `lower()` per name per looku
 
 from __future__ import annotations
 
-HOP_BY_HOP = frozenset({
-    b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
-    b"proxy-authorization", b"te", b"trailer", b"transfer-encoding", b"upgrade",
-})
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
 
 Headers = list[tuple[bytes, bytes]]
-
 
 
 class HeaderList(list):
@@ -55,8 +63,12 @@ def values_of(headers: Headers, lows: list[bytes], name: bytes) -> list[bytes]:
 
 def connection_tokens(headers: Headers) -> set[bytes]:
     """The header names a `Connection` header lists (hop-by-hop for this one message)."""
-    return {t.strip().lower() for value in values_of(headers, lower_names(headers), b"connection")
-            for t in value.split(b",") if t.strip()}
+    return {
+        t.strip().lower()
+        for value in values_of(headers, lower_names(headers), b"connection")
+        for t in value.split(b",")
+        if t.strip()
+    }
 
 
 def get(headers: Headers, name: bytes) -> bytes | None:
@@ -67,7 +79,8 @@ def get(headers: Headers, name: bytes) -> bytes | None:
 
 def has_token(headers: Headers, name: bytes, token: bytes) -> bool:
     """Whether a comma-separated header (e.g. Connection) lists `token`."""
-    return any(t.strip().lower() == token
-               for v in values_of(headers, lower_names(headers), name) for t in v.split(b","))
-
-
+    return any(
+        t.strip().lower() == token
+        for v in values_of(headers, lower_names(headers), name)
+        for t in v.split(b",")
+    )

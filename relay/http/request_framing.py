@@ -55,14 +55,16 @@ def framing_error(headers, http11: bool) -> RelayError | None:
                 cl.append(value)
     if te:
         if cl:
-            return RelayError("bad_request",
-                              "Transfer-Encoding and Content-Length together: ambiguous framing")
+            return RelayError(
+                "bad_request", "Transfer-Encoding and Content-Length together: ambiguous framing"
+            )
         if not http11:
             return RelayError("bad_request", "Transfer-Encoding on an HTTP/1.0 request")
         codings = [c.strip().lower() for v in te for c in v.split(b",")]
         if codings != [b"chunked"]:
-            return RelayError("not_implemented",
-                              "only a single Transfer-Encoding: chunked is supported")
+            return RelayError(
+                "not_implemented", "only a single Transfer-Encoding: chunked is supported"
+            )
     values = {v.strip() for raw in cl for v in raw.split(b",")}
     if len(values) > 1:
         return RelayError("bad_request", "conflicting Content-Length values")

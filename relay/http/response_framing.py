@@ -64,7 +64,7 @@ def committed_carriage(kind: str, client_http11: bool) -> str:
 
 def client_chunked(kind: str, mode: str) -> bool:
     """Whether the client sees Transfer-Encoding: chunked."""
-    return (kind == CHUNKED and mode == PASS) or mode == CHUNK or mode == REFRAME
+    return (kind == CHUNKED and mode == PASS) or mode in (CHUNK, REFRAME)
 
 
 def payload_of(kind: str, mode: str, sent: bytes) -> bytes:
@@ -81,13 +81,14 @@ def self_delimited(kind: str, mode: str) -> bool:
     return kind in (EMPTY, LENGTH) or client_chunked(kind, mode)
 
 
-def closing_bytes(kind: str, mode: str, tracker: ChunkTracker | None,
-                  payload: bytes) -> tuple[bytes, bool]:
+def closing_bytes(
+    kind: str, mode: str, tracker: ChunkTracker | None, payload: bytes
+) -> tuple[bytes, bool]:
     """The bytes that end a body early carrying `payload` (a stall frame), and whether the
     client can still tell where the body ends (keep-alive possible) afterwards."""
     if kind == CHUNKED and mode == PASS:
         return tracker.close_with(payload), True
-    if mode == CHUNK or mode == REFRAME:
+    if mode in (CHUNK, REFRAME):
         return frame(payload) + LAST_CHUNK, True
     if kind == LENGTH:
         return b"", False  # a declared length cannot grow: the body is cut
@@ -107,8 +108,15 @@ class Plan(NamedTuple):
     holdable: bool  # a 2xx event stream: held until its first content event
 
 
-def plan(method: bytes, status: int, http_version: bytes, headers: Headers, client_http11: bool,
-         client_keep_alive: bool, committed: bool) -> Plan:
+def plan(
+    method: bytes,
+    status: int,
+    http_version: bytes,
+    headers: Headers,
+    client_http11: bool,
+    client_keep_alive: bool,
+    committed: bool,
+) -> Plan:
     """`committed`: the client's head already went out (heartbeats): this body continues it."""
     kind, remaining = upstream_body(method, status, headers)  # (FramingError: the caller's)
     ctype = (get(headers, b"content-type") or b"").lower()
@@ -119,6 +127,13 @@ def plan(method: bytes, status: int, http_version: bytes, headers: Headers, clie
     else:
         mode = carriage(kind, client_http11)
         client_keep_alive = client_keep_alive and self_delimited(kind, mode)
-    return Plan(kind, remaining, mode, sse, not sse and b"json" in ctype,
-                http_version == b"1.1" and not has_token(headers, b"connection", b"close"),
-                client_keep_alive, sse and 200 <= status < 300)
+    return Plan(
+        kind,
+        remaining,
+        mode,
+        sse,
+        not sse and b"json" in ctype,
+        http_version == b"1.1" and not has_token(headers, b"connection", b"close"),
+        client_keep_alive,
+        sse and 200 <= status < 300,
+    )

@@ -35,10 +35,15 @@ class BadHead(ValueError):
 
 
 class ResponseHead:
-    __slots__ = ("http_version", "status_code", "reason", "headers")
+    __slots__ = ("headers", "http_version", "reason", "status_code")
 
-    def __init__(self, http_version: bytes, status_code: int, reason: bytes,
-                 headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(
+        self,
+        http_version: bytes,
+        status_code: int,
+        reason: bytes,
+        headers: list[tuple[bytes, bytes]],
+    ) -> None:
         self.http_version = http_version
         self.status_code = status_code
         self.reason = reason
@@ -54,7 +59,7 @@ class HeadReader:
     the bytes received however they are split. Interim 1xx heads are dropped as they end.
     """
 
-    __slots__ = ("pending", "used", "interim")
+    __slots__ = ("interim", "pending", "used")
 
     def __init__(self) -> None:
         self.pending: bytearray | None = None  # an unfinished head
@@ -102,7 +107,8 @@ def _blank_line(buf, scan: int) -> int:
     too), so a bare LF there is refused at once, never waited past."""
     end = buf.find(b"\n\r\n", scan)
     if buf.find(b"\n\n", scan, len(buf) if end < 0 else end) >= 0 or (
-            end >= 0 and (end == 0 or buf[end - 1] != 13)):
+        end >= 0 and (end == 0 or buf[end - 1] != 13)
+    ):
         raise BadHead("bare LF in the response head")
     return end + 3 if end >= 0 else -1
 
@@ -177,7 +183,8 @@ def _check_framing(version: bytes, headers: list[tuple[bytes, bytes]]) -> None:
             coding = value
     if coding is not None:
         if length is not None:
-            raise BadHead('upstream sent "Content-Length" and "Transfer-Encoding" headers '
-                          "at the same time")
+            raise BadHead(
+                'upstream sent "Content-Length" and "Transfer-Encoding" headers at the same time'
+            )
         if version == b"1.0":
             raise BadHead("upstream sent Transfer-Encoding in an HTTP/1.0 response")

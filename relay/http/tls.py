@@ -37,7 +37,7 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, ssl.SSLCertVerificationError):
         why = exc.verify_message or "unknown reason"
         if why.lower().startswith("hostname mismatch"):
-            why = "hostname mismatch" + why[len("hostname mismatch"):]
+            why = "hostname mismatch" + why[len("hostname mismatch") :]
         return f"certificate verify failed: {why.rstrip('.')}"
     text = str(exc.args[1] if len(exc.args) > 1 and isinstance(exc.args[1], str) else exc)
     text = _SUFFIX.sub("", _PREFIX.sub("", text.strip()))

@@ -17,12 +17,17 @@ _NOT_DOWNSTREAM_NO_LENGTH = _NOT_DOWNSTREAM | {b"content-length"}
 def with_cors(headers: Headers, own: Headers) -> Headers:
     """The upstream's headers with its own CORS answer (`Access-Control-*`) replaced by the
     relay's (`own`, from `policy.cors`)."""
-    return [(k, v) for k, v in headers
-            if not k.lower().startswith(b"access-control-")] + list(own)
+    return [(k, v) for k, v in headers if not k.lower().startswith(b"access-control-")] + list(own)
 
 
-def client_response(status: int, reason: bytes, upstream: Headers, request_id: bytes,
-                    chunked: bool, keep_alive: bool) -> bytes:
+def client_response(
+    status: int,
+    reason: bytes,
+    upstream: Headers,
+    request_id: bytes,
+    chunked: bool,
+    keep_alive: bool,
+) -> bytes:
     """The response head sent to the client: upstream headers minus hop-by-hop ones.
 
     Content-Length crosses unchanged when the upstream gave one (the body is passed through
@@ -31,10 +36,12 @@ def client_response(status: int, reason: bytes, upstream: Headers, request_id: b
     """
     no_length = chunked or status == 204 or status < 200
     drop = (_NOT_DOWNSTREAM_NO_LENGTH if no_length else _NOT_DOWNSTREAM) | connection_tokens(
-        upstream)
+        upstream
+    )
     lines = [b"HTTP/1.1 %d %s" % (status, reason)]
-    lines += [k + b": " + v for (k, v), low in zip(upstream, lower_names(upstream))
-              if low not in drop]
+    lines += [
+        k + b": " + v for (k, v), low in zip(upstream, lower_names(upstream)) if low not in drop
+    ]
     if chunked:
         lines.append(b"Transfer-Encoding: chunked")
     lines.append(b"X-Request-Id: " + request_id)
@@ -43,12 +50,21 @@ def client_response(status: int, reason: bytes, upstream: Headers, request_id: b
     return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
-def relay_response(status: int, reason: bytes, body: bytes, request_id: bytes | None,
-                   keep_alive: bool, extra: Headers = (),
-                   content_type: bytes = b"application/json") -> bytes:
+def relay_response(
+    status: int,
+    reason: bytes,
+    body: bytes,
+    request_id: bytes | None,
+    keep_alive: bool,
+    extra: Headers = (),
+    content_type: bytes = b"application/json",
+) -> bytes:
     """A whole response the relay answers itself (errors, metrics, model list)."""
-    lines = [b"HTTP/1.1 %d %s" % (status, reason), b"Content-Type: " + content_type,
-             b"Content-Length: %d" % len(body)]
+    lines = [
+        b"HTTP/1.1 %d %s" % (status, reason),
+        b"Content-Type: " + content_type,
+        b"Content-Length: %d" % len(body),
+    ]
     lines.extend(k + b": " + v for k, v in extra)
     if request_id is not None:
         lines.append(b"X-Request-Id: " + request_id)

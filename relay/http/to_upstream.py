@@ -22,16 +22,34 @@ import re
 from relay.http.fields import HOP_BY_HOP, Headers, connection_tokens, lower_names
 
 # Header names that carry a caller's credential.
-CLIENT_CREDENTIALS = frozenset({
-    b"authorization", b"proxy-authorization", b"x-api-key", b"api-key", b"cookie",
-})
+CLIENT_CREDENTIALS = frozenset(
+    {
+        b"authorization",
+        b"proxy-authorization",
+        b"x-api-key",
+        b"api-key",
+        b"cookie",
+    }
+)
 # Words in a header name that say it carries a secret (x-goog-api-key, x-auth-token, ...).
 _SECRET_WORDS = ("auth", "key", "token", "secret", "passw", "cookie", "credential", "session")
 # Set by the relay itself, or hop-by-hop: a static value would break the exchange.
-_RELAY_OWNED = frozenset({
-    "host", "content-length", "transfer-encoding", "connection", "keep-alive", "te",
-    "trailer", "upgrade", "expect", "proxy-connection", "x-request-id", "accept-encoding",
-})
+_RELAY_OWNED = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "te",
+        "trailer",
+        "upgrade",
+        "expect",
+        "proxy-connection",
+        "x-request-id",
+        "accept-encoding",
+    }
+)
 # The caller's credentials: consumed by the relay when it checks keys (or sends its own).
 CREDENTIALS = frozenset({b"authorization", b"x-api-key"})
 # Never forwarded upstream: the relay sets these itself.
@@ -59,7 +77,8 @@ def check_static_headers(headers: dict[str, str], auth_header: str | None = None
         if looks_like_credential(name) or (auth_header and low == auth_header.lower()):
             raise ValueError(
                 f"{name!r} looks like a credential: secrets only through auth_header + "
-                "auth_value_env (read from the environment), never in the file")
+                "auth_value_env (read from the environment), never in the file"
+            )
 
 
 def fixed_headers(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
@@ -68,9 +87,15 @@ def fixed_headers(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
     return [IDENTITY] + [(k.encode(), v.encode()) for k, v in headers.items()]
 
 
-def upstream_request_headers(client: Headers, host: bytes, body_len: int,
-                             request_id: bytes, auth: tuple[bytes, bytes] | None,
-                             static: Headers = (), pass_credentials: bool = False) -> Headers:
+def upstream_request_headers(
+    client: Headers,
+    host: bytes,
+    body_len: int,
+    request_id: bytes,
+    auth: tuple[bytes, bytes] | None,
+    static: Headers = (),
+    pass_credentials: bool = False,
+) -> Headers:
     """The request headers sent upstream (the body goes with Content-Length).
 
     The caller's Authorization / x-api-key cross only with `pass_credentials` (the relay
@@ -95,8 +120,9 @@ def upstream_request_headers(client: Headers, host: bytes, body_len: int,
     return out
 
 
-def request_bytes(method: bytes, target: bytes, headers: list[tuple[bytes, bytes]],
-                  body: bytes) -> bytes:
+def request_bytes(
+    method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+) -> bytes:
     lines = [b"%s %s HTTP/1.1" % (method, target)]
     lines += [k + b": " + v for k, v in headers]
     lines.append(b"")

@@ -24,7 +24,7 @@ class TargetError(ValueError):
 
 
 class Target:
-    __slots__ = ("scheme", "host", "port", "prefix", "host_header", "v1_prefix")
+    __slots__ = ("host", "host_header", "port", "prefix", "scheme", "v1_prefix")
 
     def __init__(self, scheme: str, host: str, port: int, prefix: str) -> None:
         self.scheme = scheme

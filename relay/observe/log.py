@@ -6,7 +6,7 @@ import asyncio
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 
@@ -18,8 +18,9 @@ class Log:
     per batch, not per request) when an event loop runs; immediately otherwise (another
     thread, such as the store's writer, writes its line at once: a lock keeps lines whole)."""
 
-    def __init__(self, sink: Callable[[bytes], object] | None = None,
-                 flush_s: float = 0.05) -> None:
+    def __init__(
+        self, sink: Callable[[bytes], object] | None = None, flush_s: float = 0.05
+    ) -> None:
         self._sink = sink
         self.flush_s = flush_s
         self.lines: list[dict] | None = None  # set to a list to keep records (tests)

@@ -70,8 +70,9 @@ class UpstreamMetrics:
         self.e2e_hist = Histogram(E2E_BUCKETS)
         self.queue_hist = Histogram(QUEUE_BUCKETS)
 
-    def observe_timings(self, ttft_s: float | None, tpot_s: float | None,
-                        e2e_s: float | None) -> None:
+    def observe_timings(
+        self, ttft_s: float | None, tpot_s: float | None, e2e_s: float | None
+    ) -> None:
         """One settled request's latencies, into the histograms (None: not measured)."""
         if ttft_s is not None:
             self.ttft_hist.observe(ttft_s)
@@ -209,12 +210,19 @@ class _Family:
         if text is None:
             return
         label_text = ",".join(f'{k}="{_escape_label(str(v))}"' for k, v in labels.items())
-        self.lines.append(f"{self.name}{suffix}{{{label_text}}} {text}" if labels else
-                          f"{self.name}{suffix} {text}")
+        self.lines.append(
+            f"{self.name}{suffix}{{{label_text}}} {text}"
+            if labels
+            else f"{self.name}{suffix} {text}"
+        )
 
     def render(self) -> str:
-        return "".join([f"# HELP {self.name} {self.help}\n# TYPE {self.name} {self.kind}\n",
-                        *(line + "\n" for line in self.lines)])
+        return "".join(
+            [
+                f"# HELP {self.name} {self.help}\n# TYPE {self.name} {self.kind}\n",
+                *(line + "\n" for line in self.lines),
+            ]
+        )
 
 
 class Registry:
@@ -229,8 +237,9 @@ class Registry:
         self.requests_rejected: dict[str, int] = {}  # refused before any upstream, by status
         self.keys: dict[str, list[int]] = {}  # key id -> [requests, prompt, completion tokens]
 
-    def key_used(self, key_id: str, prompt_tokens: int | None,
-                 completion_tokens: int | None) -> None:
+    def key_used(
+        self, key_id: str, prompt_tokens: int | None, completion_tokens: int | None
+    ) -> None:
         c = self.keys.get(key_id)
         if c is None:
             c = self.keys[key_id] = [0, 0, 0]
@@ -275,19 +284,31 @@ class Registry:
         tokens = F("relay_tokens_total", "counter", "Tokens streamed.")
         stalls = F("relay_stall_trips_total", "counter", "Stall guard trips by reason.")
         qwait = F("relay_queue_wait_seconds", "histogram", "Time requests waited for a slot.")
-        ttft_h = F("relay_time_to_first_token_seconds", "histogram",
-                   "Time to the first content event, per request.")
-        tpot_h = F("relay_time_per_output_token_seconds", "histogram",
-                   "(e2e - ttft) / (output tokens - 1), per request (vLLM's TPOT).")
-        e2e_h = F("relay_e2e_request_latency_seconds", "histogram",
-                  "Request in to last byte out, per served request.")
+        ttft_h = F(
+            "relay_time_to_first_token_seconds",
+            "histogram",
+            "Time to the first content event, per request.",
+        )
+        tpot_h = F(
+            "relay_time_per_output_token_seconds",
+            "histogram",
+            "(e2e - ttft) / (output tokens - 1), per request (vLLM's TPOT).",
+        )
+        e2e_h = F(
+            "relay_e2e_request_latency_seconds",
+            "histogram",
+            "Request in to last byte out, per served request.",
+        )
         key_req = F("relay_key_requests_total", "counter", "Requests per API key.")
         key_tok = F("relay_key_tokens_total", "counter", "Tokens per API key, by kind.")
         speed = F("relay_decoding_speed_tps", "gauge", "FLM decoding speed, last seen.")
         kv = F("relay_kv_occupancy_percent", "gauge", "FLM KV token occupancy, last seen.")
         dropped = F("relay_rows_dropped_total", "counter", "Request rows dropped, queue full.")
-        rejected = F("relay_requests_rejected_total", "counter",
-                     "Requests refused before any upstream, by status.")
+        rejected = F(
+            "relay_requests_rejected_total",
+            "counter",
+            "Requests refused before any upstream, by status.",
+        )
         for m in self:
             u = m.name
             snap = m.snapshot(now)
@@ -320,14 +341,41 @@ class Registry:
             key_req.add(n, key=key)
             key_tok.add(prompt, key=key, kind="prompt")
             key_tok.add(completion, key=key, kind="completion")
-        families = (up, state, parallel, in_flight, queued, tps, ttft, ttft_avg, requests,
-                    failed, tokens, stalls, qwait, ttft_h, tpot_h, e2e_h, speed, kv, dropped,
-                    rejected, key_req, key_tok)
+        families = (
+            up,
+            state,
+            parallel,
+            in_flight,
+            queued,
+            tps,
+            ttft,
+            ttft_avg,
+            requests,
+            failed,
+            tokens,
+            stalls,
+            qwait,
+            ttft_h,
+            tpot_h,
+            e2e_h,
+            speed,
+            kv,
+            dropped,
+            rejected,
+            key_req,
+            key_tok,
+        )
         if self.rows_spilled is not None:
-            pending = F("relay_rows_pending", "gauge",
-                        "Request rows accepted, not yet committed or spilled.")
-            spilled = F("relay_rows_spilled", "gauge",
-                        "Request rows in the spill file, waiting for PostgreSQL.")
+            pending = F(
+                "relay_rows_pending",
+                "gauge",
+                "Request rows accepted, not yet committed or spilled.",
+            )
+            spilled = F(
+                "relay_rows_spilled",
+                "gauge",
+                "Request rows in the spill file, waiting for PostgreSQL.",
+            )
             pending.add(self.rows_pending)
             spilled.add(self.rows_spilled)
             families += (pending, spilled)

@@ -64,8 +64,9 @@ class Record:
         values = _log_values(self)  # (the None ones left out, in C: ~40 fields)
         return dict(compress(zip(LOG_FIELDS, values), map(is_not, values, repeat(None))))
 
-    def set_tokens(self, exact: Usage | None, approx_completion: int | None,
-                   approx_prompt: int | None) -> None:
+    def set_tokens(
+        self, exact: Usage | None, approx_completion: int | None, approx_prompt: int | None
+    ) -> None:
         """Exact figures when the upstream sent them, else the relay's estimate. A stream's
         final usage may cover one completion of several (prompts x choices): the completion
         charged is never below the content events counted."""
@@ -91,8 +92,11 @@ class Record:
 
 
 LOG_FIELDS = tuple(f.name for f in fields(Record) if f.name not in ("ts", "itl_hist"))
-ROW_FIELDS = tuple(f.name for f in fields(Record)
-                   if f.name not in ("method", "outcome", "client_addr", "user_agent"))
+ROW_FIELDS = tuple(
+    f.name
+    for f in fields(Record)
+    if f.name not in ("method", "outcome", "client_addr", "user_agent")
+)
 _row_values = attrgetter(*ROW_FIELDS)
 _log_values = attrgetter(*LOG_FIELDS)
 MAX_AGENT_CHARS = 200

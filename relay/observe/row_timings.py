@@ -53,13 +53,15 @@ def tpot_ms(e2e_ms: float | None, ttft_ms: float | None, tokens: int | None) -> 
     return round3((e2e_ms - ttft_ms) / (tokens - 1))
 
 
-def fill(rec: Record, t0: float, first_byte_at: float | None, gaps: Gaps | None,
-         exact: Usage | None) -> None:
+def fill(
+    rec: Record, t0: float, first_byte_at: float | None, gaps: Gaps | None, exact: Usage | None
+) -> None:
     """Set the row's timing fields; `rec.total_ms`, `ttft_ms` and tokens are already set."""
     if rec.status is not None:
         rec.e2e_ms = rec.total_ms
-        rec.first_byte_ms = (round3((first_byte_at - t0) * 1000)
-                             if first_byte_at is not None else rec.total_ms)
+        rec.first_byte_ms = (
+            round3((first_byte_at - t0) * 1000) if first_byte_at is not None else rec.total_ms
+        )
     counted = rec.tokens_source in ("exact", "approx")  # not a reservation charged instead
     rec.tpot_ms = tpot_ms(rec.e2e_ms, rec.ttft_ms, rec.completion_tokens if counted else None)
     if gaps is not None and gaps.count:

@@ -14,17 +14,23 @@ import msgspec
 from relay.errors import RelayError
 from relay.policy import admin_access as access
 
-PAGES = {"/ui": ("index.html", b"text/html; charset=utf-8"),
-         "/ui/": ("index.html", b"text/html; charset=utf-8"),
-         "/ui/app.js": ("app.js", b"text/javascript; charset=utf-8"),
-         "/ui/app.css": ("app.css", b"text/css; charset=utf-8")}
+PAGES = {
+    "/ui": ("index.html", b"text/html; charset=utf-8"),
+    "/ui/": ("index.html", b"text/html; charset=utf-8"),
+    "/ui/app.js": ("app.js", b"text/javascript; charset=utf-8"),
+    "/ui/app.css": ("app.css", b"text/css; charset=utf-8"),
+}
 STATE_PATH = "/api/ui/state"
 AUTH_PATH = "/ui/auth"  # {"admin_key": bool}: whether the page must ask for the admin key
 NO_STORE = [(b"Cache-Control", b"no-store")]
 # the page loads only its own files and talks only to its own origin
 PAGE_HEADERS = NO_STORE + [
-    (b"Content-Security-Policy", b"default-src 'self'; img-src 'self' data:; "
-     b"frame-ancestors 'none'"), (b"X-Content-Type-Options", b"nosniff")]
+    (
+        b"Content-Security-Policy",
+        b"default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+    ),
+    (b"X-Content-Type-Options", b"nosniff"),
+]
 _cache: dict[str, bytes] = {}
 
 

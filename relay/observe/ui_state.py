@@ -29,19 +29,44 @@ class Recent:
 
     def add(self, rec) -> None:
         """One settled request (a `Record`): a tuple, turned into a dict only when read."""
-        self.ring.append((rec.ts, rec.request_id, rec.key_id, rec.model, rec.upstream_served
-                          or rec.upstream_requested, rec.status, rec.ttft_ms, rec.e2e_ms,
-                          rec.completion_tokens, rec.outcome, rec.error_code, rec.ok))
+        self.ring.append(
+            (
+                rec.ts,
+                rec.request_id,
+                rec.key_id,
+                rec.model,
+                rec.upstream_served or rec.upstream_requested,
+                rec.status,
+                rec.ttft_ms,
+                rec.e2e_ms,
+                rec.completion_tokens,
+                rec.outcome,
+                rec.error_code,
+                rec.ok,
+            )
+        )
 
     def rows(self) -> list[dict]:
         """Newest first."""
         out = []
-        for ts, rid, key, model, up, status, ttft, e2e, tokens, outcome, code, ok in \
-                reversed(self.ring):
-            out.append({"ts": ts, "request_id": rid, "key": key, "model": model,
-                        "upstream": up, "status": status, "ttft_ms": ttft,
-                        "tokens_per_s": tokens_per_s(tokens, ttft, e2e), "tokens": tokens,
-                        "outcome": outcome if ok or not code else code, "ok": bool(ok)})
+        for ts, rid, key, model, up, status, ttft, e2e, tokens, outcome, code, ok in reversed(
+            self.ring
+        ):
+            out.append(
+                {
+                    "ts": ts,
+                    "request_id": rid,
+                    "key": key,
+                    "model": model,
+                    "upstream": up,
+                    "status": status,
+                    "ttft_ms": ttft,
+                    "tokens_per_s": tokens_per_s(tokens, ttft, e2e),
+                    "tokens": tokens,
+                    "outcome": outcome if ok or not code else code,
+                    "ok": bool(ok),
+                }
+            )
         return out
 
 
@@ -62,8 +87,13 @@ class Trend:
             if s is None:
                 s = self.series[m.name] = deque(maxlen=self.points)
             _, ttft_avg = m.ttft(now)
-            s.append((round(wall, 3), round(m.tokens_per_sec(now), 3),
-                      None if ttft_avg is None else round(ttft_avg * 1000, 3)))
+            s.append(
+                (
+                    round(wall, 3),
+                    round(m.tokens_per_sec(now), 3),
+                    None if ttft_avg is None else round(ttft_avg * 1000, 3),
+                )
+            )
 
     def of(self, name: str) -> list[list]:
         return [list(p) for p in self.series.get(name, ())]
@@ -73,18 +103,26 @@ def budgets(config_keys, usage_of) -> list[dict]:
     """Per key and window: used against limits (0 = no limit); keys without limits too."""
     out = []
     for k in config_keys:
-        limits = {"daily": (k.requests_per_day, k.tokens_per_day),
-                  "monthly": (k.requests_per_month, k.tokens_per_month)}
+        limits = {
+            "daily": (k.requests_per_day, k.tokens_per_day),
+            "monthly": (k.requests_per_month, k.tokens_per_month),
+        }
         used = usage_of(k.id)
         windows = []
         for kind, (req_limit, tok_limit) in limits.items():
             if not (req_limit or tok_limit):
                 continue
             u = used.get(kind, {})
-            windows.append({"window": kind, "requests": u.get("requests", 0),
-                            "requests_limit": req_limit, "tokens": u.get("tokens", 0),
-                            "tokens_limit": tok_limit,
-                            "reserved_tokens": u.get("reserved_tokens", 0)})
+            windows.append(
+                {
+                    "window": kind,
+                    "requests": u.get("requests", 0),
+                    "requests_limit": req_limit,
+                    "tokens": u.get("tokens", 0),
+                    "tokens_limit": tok_limit,
+                    "reserved_tokens": u.get("reserved_tokens", 0),
+                }
+            )
         out.append({"key": k.id, "windows": windows})
     return out
 
@@ -94,11 +132,32 @@ def state(app, wall: float, now: float) -> dict:
     for up in app.upstreams.values():
         up.refresh_metrics()
         snap = up.metrics.snapshot(now)
-        ups.append({**{k: snap[k] for k in (
-            "name", "state", "parallel", "in_flight", "queued", "tokens_per_sec",
-            "ttft_avg_seconds", "requests_total", "requests_failed", "tokens_total",
-            "stall_trips")}, "trend": app.ui_trend.of(up.name)})
-    return {"now": wall, "step_s": app.ui_trend.step_s, "upstreams": ups,
-            "recent": app.ui_recent.rows(),
-            "budgets": budgets(app.config.key, lambda k: app.budgets.usage(k, wall)),
-            "rows_dropped": app.store.rows_dropped}
+        ups.append(
+            {
+                **{
+                    k: snap[k]
+                    for k in (
+                        "name",
+                        "state",
+                        "parallel",
+                        "in_flight",
+                        "queued",
+                        "tokens_per_sec",
+                        "ttft_avg_seconds",
+                        "requests_total",
+                        "requests_failed",
+                        "tokens_total",
+                        "stall_trips",
+                    )
+                },
+                "trend": app.ui_trend.of(up.name),
+            }
+        )
+    return {
+        "now": wall,
+        "step_s": app.ui_trend.step_s,
+        "upstreams": ups,
+        "recent": app.ui_recent.rows(),
+        "budgets": budgets(app.config.key, lambda k: app.budgets.usage(k, wall)),
+        "rows_dropped": app.store.rows_dropped,
+    }

@@ -60,5 +60,6 @@ def admin_refusal(auth: Auth, headers, peer_host: str | None) -> tuple[str, str]
         return "invalid_api_key", "admin key required"
     if not auth.enabled or is_loopback(peer_host):
         return None
-    return "forbidden", ("admin endpoints are open to loopback peers only when no "
-                         "admin_key_sha256 is configured")
+    return "forbidden", (
+        "admin endpoints are open to loopback peers only when no admin_key_sha256 is configured"
+    )

@@ -37,13 +37,22 @@ _NATIVE = ("n_predict", "max_tokens")
 _RESPONSES = ("max_output_tokens",)
 _MESSAGES = ("max_tokens",)
 PATH_LIMITS: dict[str, tuple[str, ...]] = {
-    "/v1/chat/completions": _OPENAI, "/chat/completions": _OPENAI,
-    "/v1/completions": _OPENAI, "/completions": _OPENAI,
-    "/completion": _NATIVE, "/infill": _NATIVE,
-    "/v1/responses": _RESPONSES, "/responses": _RESPONSES,
+    "/v1/chat/completions": _OPENAI,
+    "/chat/completions": _OPENAI,
+    "/v1/completions": _OPENAI,
+    "/completions": _OPENAI,
+    "/completion": _NATIVE,
+    "/infill": _NATIVE,
+    "/v1/responses": _RESPONSES,
+    "/responses": _RESPONSES,
     "/v1/messages": _MESSAGES,
-    "/v1/embeddings": (), "/embeddings": (), "/embedding": (),
-    "/v1/rerank": (), "/v1/reranking": (), "/rerank": (), "/reranking": (),
+    "/v1/embeddings": (),
+    "/embeddings": (),
+    "/embedding": (),
+    "/v1/rerank": (),
+    "/v1/reranking": (),
+    "/rerank": (),
+    "/reranking": (),
 }
 LIMIT_FIELDS = ("n_predict", "max_tokens", "max_completion_tokens", "max_output_tokens")
 # POST routes of llama-server that never generate (no slot; no "unknown means reserved"):
@@ -52,9 +61,23 @@ LIMIT_FIELDS = ("n_predict", "max_tokens", "max_completion_tokens", "max_output_
 # against the pinned build's route table). Every other POST - known or not (/v1/messages,
 # /responses, /v1/rerank, /v1/audio/transcriptions, GCP's /predict, a newer build's
 # routes) - is taken to generate: a slot and a reservation.
-CHEAP_PATHS = frozenset({"/tokenize", "/detokenize", "/apply-template", "/props", "/health",
-                         "/v1/health", "/lora-adapters", "/slots", "/metrics", "/cors-proxy",
-                         "/tools", "/v1/chat/completions/control", "/v1/streams/lookup"})
+CHEAP_PATHS = frozenset(
+    {
+        "/tokenize",
+        "/detokenize",
+        "/apply-template",
+        "/props",
+        "/health",
+        "/v1/health",
+        "/lora-adapters",
+        "/slots",
+        "/metrics",
+        "/cors-proxy",
+        "/tools",
+        "/v1/chat/completions/control",
+        "/v1/streams/lookup",
+    }
+)
 _CHEAP_PREFIXES = ("/slots/", "/models/", "/cors-proxy/")
 _CHEAP_SUFFIXES = ("/count_tokens", "/input_tokens")
 
@@ -65,8 +88,12 @@ def generates(method: bytes, path: str) -> bool:
     not know (a newer llama-server's) cannot dodge slots or budgets."""
     if method != b"POST":
         return False
-    return not (path in CHEAP_PATHS or path == "/models" or path.startswith(_CHEAP_PREFIXES)
-                or path.endswith(_CHEAP_SUFFIXES))
+    return not (
+        path in CHEAP_PATHS
+        or path == "/models"
+        or path.startswith(_CHEAP_PREFIXES)
+        or path.endswith(_CHEAP_SUFFIXES)
+    )
 
 
 def json_route(path: str) -> bool:
@@ -94,8 +121,9 @@ class Peek(msgspec.Struct):
 _peek = msgspec.json.Decoder(Peek)
 
 
-def head_check(auth, method: bytes, path: str, headers,
-               peer_host: str | None) -> tuple[str | None, RelayError | None]:
+def head_check(
+    auth, method: bytes, path: str, headers, peer_host: str | None
+) -> tuple[str | None, RelayError | None]:
     """(key id, refusal) decided on the head alone: 401/403 for a caller the request will be
     refused for anyway, so its body is never read. Admin endpoints follow `relay.access`."""
     if access.is_relay_admin(path) or access.is_upstream_admin(method, path):
@@ -110,8 +138,9 @@ def head_check(auth, method: bytes, path: str, headers,
 
 
 def _invalid(reason: str) -> RelayError:
-    return RelayError("invalid_json", bounded(f"request body is not valid JSON: {reason}",
-                                              MAX_ECHO))
+    return RelayError(
+        "invalid_json", bounded(f"request body is not valid JSON: {reason}", MAX_ECHO)
+    )
 
 
 def peek_body(method: bytes, headers, body: bytes, llm: bool) -> Peek:
@@ -135,8 +164,9 @@ def peek_body(method: bytes, headers, body: bytes, llm: bool) -> Peek:
         text = str(exc)
         if " - at `" not in text:  # the top level itself is not an object
             raise _invalid(f"a JSON object is expected ({text})") from None
-        raise RelayError("bad_request", bounded(f"invalid request field: {text}",
-                                                MAX_ECHO)) from None
+        raise RelayError(
+            "bad_request", bounded(f"invalid request field: {text}", MAX_ECHO)
+        ) from None
     except msgspec.DecodeError as exc:
         raise _invalid(str(exc)) from None
     except RecursionError:
@@ -174,8 +204,7 @@ def prompt_count(peek: Peek) -> int:
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return 1
     kinds = {bytes(i).lstrip()[:1] for i in items}
-    if not kinds & {b"[", b"{", b'"'} or (
-            not kinds & {b"[", b"{"} and kinds - {b'"'}):
+    if not kinds & {b"[", b"{", b'"'} or (not kinds & {b"[", b"{"} and kinds - {b'"'}):
         return 1  # token ids, or ids mixed with strings: one prompt (llama-server's rule)
     return max(1, len(items))
 
@@ -191,8 +220,7 @@ def choices(peek: Peek) -> int:
     return n if n > 1 else 1
 
 
-def estimate_tokens(body: bytes, peek: Peek, default_max: int,
-                    path: str) -> tuple[int, int]:
+def estimate_tokens(body: bytes, peek: Peek, default_max: int, path: str) -> tuple[int, int]:
     """(prompt, completion) estimate for the budget pre-flight: chars/4, and the limit
     (or `default_max` when unbounded) times the prompts times the choices."""
     return estimates(body, peek, default_max, path)[:2]
@@ -208,8 +236,12 @@ def estimates(body: bytes, peek: Peek, default_max: int, path: str) -> tuple[int
 
 # The limit field each API names when a request gives none (llama-server's native endpoints
 # read n_predict, the Responses API max_output_tokens, chat/completions and messages max_tokens).
-_OWN_LIMIT = {"/completion": "n_predict", "/infill": "n_predict",
-              "/v1/responses": "max_output_tokens", "/responses": "max_output_tokens"}
+_OWN_LIMIT = {
+    "/completion": "n_predict",
+    "/infill": "n_predict",
+    "/v1/responses": "max_output_tokens",
+    "/responses": "max_output_tokens",
+}
 
 
 def with_limit(body: bytes, peek: Peek, limit: int, path: str) -> bytes:
@@ -225,8 +257,9 @@ def with_limit(body: bytes, peek: Peek, limit: int, path: str) -> bytes:
     """
     fields = PATH_LIMITS.get(path, _OPENAI)
     present = [f for f in fields if getattr(peek, f) is not None]
-    return splice_fields(body, [(f, limit) for f in present or
-                                [_OWN_LIMIT.get(path, "max_tokens")]])
+    return splice_fields(
+        body, [(f, limit) for f in present or [_OWN_LIMIT.get(path, "max_tokens")]]
+    )
 
 
 _WS = b" \t\r\n"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from relay.config import KeyConfig
 
@@ -18,14 +18,17 @@ _DAY, _MONTH = "daily", "monthly"
 
 def window_bounds(kind: str, now: float) -> tuple[float, float]:
     """[start, end) of the UTC day or month holding `now`."""
-    t = datetime.fromtimestamp(now, timezone.utc)
+    t = datetime.fromtimestamp(now, UTC)
     if kind == _DAY:
         start = t.replace(hour=0, minute=0, second=0, microsecond=0)
-        end = datetime.fromtimestamp(start.timestamp() + 86400, timezone.utc)
+        end = datetime.fromtimestamp(start.timestamp() + 86400, UTC)
     else:
         start = t.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-        end = start.replace(year=start.year + 1, month=1) if start.month == 12 else \
-            start.replace(month=start.month + 1)
+        end = (
+            start.replace(year=start.year + 1, month=1)
+            if start.month == 12
+            else start.replace(month=start.month + 1)
+        )
     return start.timestamp(), end.timestamp()
 
 
@@ -49,8 +52,9 @@ class _Window:
 
 
 class BudgetExceeded(Exception):
-    def __init__(self, limit: str, used: int, limit_value: int, resets_at: float,
-                 now: float) -> None:
+    def __init__(
+        self, limit: str, used: int, limit_value: int, resets_at: float, now: float
+    ) -> None:
         super().__init__(f"{limit} budget exceeded")
         self.limit = limit
         self.used = used
@@ -59,9 +63,13 @@ class BudgetExceeded(Exception):
         self.retry_after = max(1, math.ceil(resets_at - now))
 
     def details(self) -> dict:
-        iso = datetime.fromtimestamp(self.resets_at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        return {"limit": self.limit, "used": self.used, "limit_value": self.limit_value,
-                "resets_at": iso}
+        iso = datetime.fromtimestamp(self.resets_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return {
+            "limit": self.limit,
+            "used": self.used,
+            "limit_value": self.limit_value,
+            "resets_at": iso,
+        }
 
 
 @dataclass
@@ -82,16 +90,22 @@ class _KeyBudget:
 
 
 def _limits(k: KeyConfig) -> list[tuple[str, int, int]]:
-    return [(kind, r, t) for kind, r, t in ((_DAY, k.requests_per_day, k.tokens_per_day),
-                                            (_MONTH, k.requests_per_month, k.tokens_per_month))
-            if r or t]
+    return [
+        (kind, r, t)
+        for kind, r, t in (
+            (_DAY, k.requests_per_day, k.tokens_per_day),
+            (_MONTH, k.requests_per_month, k.tokens_per_month),
+        )
+        if r or t
+    ]
 
 
 class Budgets:
     def __init__(self, keys: list[KeyConfig]) -> None:
         self.generation = 0  # how many reloads: windows a later one creates are told apart
         self.keys: dict[str, _KeyBudget] = {
-            k.id: _KeyBudget([_Window(kind, r, t) for kind, r, t in _limits(k)]) for k in keys}
+            k.id: _KeyBudget([_Window(kind, r, t) for kind, r, t in _limits(k)]) for k in keys
+        }
 
     def reload(self, keys: list[KeyConfig]) -> list[tuple[str, str]]:
         """New keys and limits; a window kept across the reload keeps its used and reserved
@@ -117,8 +131,12 @@ class Budgets:
 
     def fresh_windows(self, keys: list[KeyConfig]) -> list[tuple[str, str]]:
         """The (key, kind) windows `reload(keys)` would create (nothing changes)."""
-        return [(k.id, kind) for k in keys for kind, _, _ in _limits(k)
-                if kind not in self.windows_of(k.id)]
+        return [
+            (k.id, kind)
+            for k in keys
+            for kind, _, _ in _limits(k)
+            if kind not in self.windows_of(k.id)
+        ]
 
     def restore(self, key_id: str, kind: str, requests: int, tokens: int, now: float) -> None:
         """Set a window's used figures (rebuilt from the request rows after a restart)."""
@@ -143,16 +161,24 @@ class Budgets:
         for w in kb.windows:
             w.roll(now)
             if w.req_limit and w.used_req + w.res_req + 1 > w.req_limit:
-                raise BudgetExceeded(f"{w.kind}_requests", w.used_req + w.res_req,
-                                     w.req_limit, w.end, now)
+                raise BudgetExceeded(
+                    f"{w.kind}_requests", w.used_req + w.res_req, w.req_limit, w.end, now
+                )
             if w.tok_limit and w.used_tok + w.res_tok + tokens > w.tok_limit:
-                raise BudgetExceeded(f"{w.kind}_tokens", w.used_tok + w.res_tok,
-                                     w.tok_limit, w.end, now)
+                raise BudgetExceeded(
+                    f"{w.kind}_tokens", w.used_tok + w.res_tok, w.tok_limit, w.end, now
+                )
         for w in kb.windows:
             w.res_req += 1
             w.res_tok += tokens
-        return Reservation(key_id, tokens, starts=tuple(w.start for w in kb.windows),
-                           windows=tuple(kb.windows), gen=self.generation, admitted_at=now)
+        return Reservation(
+            key_id,
+            tokens,
+            starts=tuple(w.start for w in kb.windows),
+            windows=tuple(kb.windows),
+            gen=self.generation,
+            admitted_at=now,
+        )
 
     def settle(self, res: Reservation, requests: int, tokens: int, now: float) -> None:
         """Replace the reservation with what was used (once; later calls do nothing)."""
@@ -188,6 +214,10 @@ class Budgets:
         out = {}
         for w in self.keys.get(key_id, _KeyBudget()).windows:
             w.roll(now)
-            out[w.kind] = {"requests": w.used_req, "tokens": w.used_tok,
-                           "reserved_requests": w.res_req, "reserved_tokens": w.res_tok}
+            out[w.kind] = {
+                "requests": w.used_req,
+                "tokens": w.used_tok,
+                "reserved_requests": w.res_req,
+                "reserved_tokens": w.res_tok,
+            }
         return out

@@ -32,16 +32,24 @@ class Cors:
         if origin is None:
             return []
         if self.any:
-            return [(b"Access-Control-Allow-Origin", b"*"),
-                    (b"Access-Control-Expose-Headers", b"X-Request-Id")]
+            return [
+                (b"Access-Control-Allow-Origin", b"*"),
+                (b"Access-Control-Expose-Headers", b"X-Request-Id"),
+            ]
         if origin.rstrip(b"/") not in self.origins:
             return [(b"Vary", b"Origin")]
-        return [(b"Access-Control-Allow-Origin", origin),
-                (b"Access-Control-Expose-Headers", b"X-Request-Id"), (b"Vary", b"Origin")]
+        return [
+            (b"Access-Control-Allow-Origin", origin),
+            (b"Access-Control-Expose-Headers", b"X-Request-Id"),
+            (b"Vary", b"Origin"),
+        ]
 
     def is_preflight(self, method: bytes, request: Headers) -> bool:
-        return (self.enabled and method == b"OPTIONS"
-                and get(request, b"access-control-request-method") is not None)
+        return (
+            self.enabled
+            and method == b"OPTIONS"
+            and get(request, b"access-control-request-method") is not None
+        )
 
     def preflight(self, request: Headers, request_id: bytes, keep_alive: bool) -> bytes:
         """The whole answer to a preflight: 204 with the allowed methods and headers when the
@@ -52,9 +60,11 @@ class Cors:
         if any(k == b"Access-Control-Allow-Origin" for k, _ in own):
             asked = get(request, b"access-control-request-headers")  # SDKs add their own
             allow = ALLOW_HEADERS + (b", " + asked if asked and asked.strip() else b"")
-            lines += [b"Access-Control-Allow-Methods: " + ALLOW_METHODS,
-                      b"Access-Control-Allow-Headers: " + allow,
-                      b"Access-Control-Max-Age: " + MAX_AGE]
+            lines += [
+                b"Access-Control-Allow-Methods: " + ALLOW_METHODS,
+                b"Access-Control-Allow-Headers: " + allow,
+                b"Access-Control-Max-Age: " + MAX_AGE,
+            ]
         lines.append(b"X-Request-Id: " + request_id)
         if not keep_alive:
             lines.append(b"Connection: close")

@@ -32,8 +32,12 @@ class Router:
         self.catch_all = next((u.name for u in upstreams if not u.models), None)
         # every public name, aliases included, once (with the upstream it routes to)
         self.models = [(m, u.name) for u in upstreams for m in u.models if self.exact[m] == u.name]
-        self.models += [(a, u.name) for u in upstreams for a in u.aliases
-                        if a not in self.exact and self.alias[a] == u.name]
+        self.models += [
+            (a, u.name)
+            for u in upstreams
+            for a in u.aliases
+            if a not in self.exact and self.alias[a] == u.name
+        ]
 
     def primary(self, model: str | None) -> str:
         if not model:
@@ -67,4 +71,5 @@ class _ModelList(msgspec.Struct):
 def model_list(models: list[tuple[str, str]]) -> bytes:
     """OpenAI's `GET /v1/models` shape for the configured models."""
     return msgspec.json.encode(
-        _ModelList("list", [_Model(m, "model", 0, owner) for m, owner in models]))
+        _ModelList("list", [_Model(m, "model", 0, owner) for m, owner in models])
+    )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 
 class BodyBytes:
-    __slots__ = ("limit", "held")
+    __slots__ = ("held", "limit")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit

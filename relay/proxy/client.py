@@ -36,10 +36,19 @@ _NEED, _STOP, _MORE = 0, 1, 2  # what _process leaves: wants bytes / stopped / o
 
 
 class Request:
-    __slots__ = ("method", "target", "headers", "body", "http11", "keep_alive", "key_id", "path")
+    __slots__ = ("body", "headers", "http11", "keep_alive", "key_id", "method", "path", "target")
 
-    def __init__(self, method, target, headers, body, http11, keep_alive,
-                 key_id: str | None = None, path: str | None = None) -> None:
+    def __init__(
+        self,
+        method,
+        target,
+        headers,
+        body,
+        http11,
+        keep_alive,
+        key_id: str | None = None,
+        path: str | None = None,
+    ) -> None:
         self.method: bytes = method
         self.target: bytes = target
         self.headers: list[tuple[bytes, bytes]] = headers
@@ -48,16 +57,44 @@ class Request:
         self.keep_alive: bool = keep_alive
         self.key_id = key_id  # the caller's key, identified on the head (None: auth off)
         # the path the upstream routes on (paths.normalize), bounded for echoes and rows
-        self.path = path if path is not None else paths.bounded(paths.normalize(target),
-                                                                paths.MAX_PATH_CHARS)
+        self.path = (
+            path
+            if path is not None
+            else paths.bounded(paths.normalize(target), paths.MAX_PATH_CHARS)
+        )
 
 
 class ClientConn(asyncio.Protocol):
     # One per open client connection, alive as long as it: no instance dict (issue 15).
-    __slots__ = ("app", "awaiting_head", "body", "body_size", "busy", "chunks", "drain_waiter",
-                 "exchange", "gone", "h11", "head", "head_bytes", "held", "http11", "inbox",
-                 "key_id", "lingering", "loop", "path", "peer_host", "raw", "task", "timer",
-                 "timer_kind", "transport", "turn", "wants_keep_alive")
+    __slots__ = (
+        "app",
+        "awaiting_head",
+        "body",
+        "body_size",
+        "busy",
+        "chunks",
+        "drain_waiter",
+        "exchange",
+        "gone",
+        "h11",
+        "head",
+        "head_bytes",
+        "held",
+        "http11",
+        "inbox",
+        "key_id",
+        "lingering",
+        "loop",
+        "path",
+        "peer_host",
+        "raw",
+        "task",
+        "timer",
+        "timer_kind",
+        "transport",
+        "turn",
+        "wants_keep_alive",
+    )
 
     def __init__(self, app) -> None:
         self.app = app
@@ -92,8 +129,9 @@ class ClientConn(asyncio.Protocol):
         self.wants_keep_alive = True
 
     def _new_h11(self) -> h11.Connection:
-        return h11.Connection(h11.SERVER,
-                              max_incomplete_event_size=self.app.config.server.max_header_bytes)
+        return h11.Connection(
+            h11.SERVER, max_incomplete_event_size=self.app.config.server.max_header_bytes
+        )
 
     # ---- asyncio callbacks -----------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -174,7 +212,7 @@ class ClientConn(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=1, low=0)
         try:
             await asyncio.wait_for(self.drain_waiter, timeout)
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             self.gone = True
             self.transport.abort()
             return "timeout"
@@ -248,20 +286,24 @@ class ClientConn(asyncio.Protocol):
             elif exc.error_status_hint == 501:
                 err = RelayError("not_implemented", paths.bounded(str(exc)))
             else:
-                err = RelayError("bad_request",
-                                 paths.bounded(f"malformed HTTP request: {exc}"))
+                err = RelayError("bad_request", paths.bounded(f"malformed HTTP request: {exc}"))
             self._reject(err)
             return _STOP, budget
 
     def _too_large(self) -> RelayError:
         limit = self.app.config.server.max_body_bytes
-        return RelayError("request_too_large", f"request body is over {limit} bytes",
-                          {"limit_bytes": limit})
+        return RelayError(
+            "request_too_large", f"request body is over {limit} bytes", {"limit_bytes": limit}
+        )
 
     def _busy_error(self) -> RelayError:
         limit = self.app.dispatcher.bodies.limit
-        return RelayError("server_busy", "the relay holds too many request bodies; retry later",
-                          {"limit_bytes": limit}, [(b"Retry-After", b"1")])
+        return RelayError(
+            "server_busy",
+            "the relay holds too many request bodies; retry later",
+            {"limit_bytes": limit},
+            [(b"Retry-After", b"1")],
+        )
 
     def _on_head(self, ev: h11.Request) -> None:
         cfg = self.app.config.server
@@ -273,8 +315,9 @@ class ClientConn(asyncio.Protocol):
         self.body_size = self.chunks = 0
         raw = self.raw = fields.request_headers(ev.headers)
         # h11 bounds only a head still incomplete; one that came whole in a read is measured here
-        size = (len(ev.method) + len(ev.target) + 4 * len(raw)
-                + sum(map(len, chain.from_iterable(raw))))
+        size = (
+            len(ev.method) + len(ev.target) + 4 * len(raw) + sum(map(len, chain.from_iterable(raw)))
+        )
         if size > cfg.max_header_bytes:
             self._reject(RelayError("headers_too_large", "request head is too large"))
             return
@@ -294,8 +337,9 @@ class ClientConn(asyncio.Protocol):
             return
         has_body = declared > 0 or fields.get(raw, b"transfer-encoding") is not None
         self.path = paths.route_path(ev.target)
-        self.key_id, err = admission.head_check(self.app.auth, ev.method, self.path, raw,
-                                                 self.peer_host)
+        self.key_id, err = admission.head_check(
+            self.app.auth, ev.method, self.path, raw, self.peer_host
+        )
         if err is not None and has_body:  # a bodiless request is answered the usual way
             self._reject(err)
             return
@@ -305,7 +349,8 @@ class ClientConn(asyncio.Protocol):
             return
         if self.h11.they_are_waiting_for_100_continue:
             self.transport.write(
-                self.h11.send(h11.InformationalResponse(status_code=100, headers=[])))
+                self.h11.send(h11.InformationalResponse(status_code=100, headers=[]))
+            )
 
     def _on_data(self, ev: h11.Data) -> bool:
         """Buffer one piece of body; False when the request was refused instead."""
@@ -314,10 +359,13 @@ class ClientConn(asyncio.Protocol):
         if ev.chunk_start:
             self.chunks += 1
             if self.chunks > cfg.max_body_chunks:
-                self._reject(RelayError(
-                    "request_too_large",
-                    f"request body is sent in more than {cfg.max_body_chunks} chunks",
-                    {"limit_chunks": cfg.max_body_chunks}))
+                self._reject(
+                    RelayError(
+                        "request_too_large",
+                        f"request body is sent in more than {cfg.max_body_chunks} chunks",
+                        {"limit_chunks": cfg.max_body_chunks},
+                    )
+                )
                 return False
         self.body_size += n
         if self.body_size > cfg.max_body_bytes:
@@ -341,8 +389,16 @@ class ClientConn(asyncio.Protocol):
         ev = self.head
         body = bytes(self.body)
         self.body = bytearray()
-        req = Request(ev.method, ev.target, self.raw, body,
-                      self.http11, self.wants_keep_alive, self.key_id, self.path)
+        req = Request(
+            ev.method,
+            ev.target,
+            self.raw,
+            body,
+            self.http11,
+            self.wants_keep_alive,
+            self.key_id,
+            self.path,
+        )
         self.head = None
         self.raw = []
         self.busy = True
@@ -375,12 +431,22 @@ class ClientConn(asyncio.Protocol):
         self.timer = self.loop.call_later(LINGER_S, self.transport.close)
 
     # ---- responding --------------------------------------------------------------------
-    def respond(self, status: int, body: bytes, request_id: bytes | None, keep_alive: bool,
-                extra=(), content_type: bytes = b"application/json") -> None:
+    def respond(
+        self,
+        status: int,
+        body: bytes,
+        request_id: bytes | None,
+        keep_alive: bool,
+        extra=(),
+        content_type: bytes = b"application/json",
+    ) -> None:
         if self.gone:
             return
-        self.transport.write(relay_response(status, reason_phrase(status), body,
-                                                request_id, keep_alive, extra, content_type))
+        self.transport.write(
+            relay_response(
+                status, reason_phrase(status), body, request_id, keep_alive, extra, content_type
+            )
+        )
 
     def finish(self, keep_alive: bool) -> None:
         """The response is written: read the next request, or close."""

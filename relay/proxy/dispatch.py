@@ -50,8 +50,9 @@ _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 def exceeded(exc: BudgetExceeded) -> RelayError:
-    return RelayError("budget_exceeded", str(exc), exc.details(),
-                      [(b"Retry-After", b"%d" % exc.retry_after)])
+    return RelayError(
+        "budget_exceeded", str(exc), exc.details(), [(b"Retry-After", b"%d" % exc.retry_after)]
+    )
 
 
 class _Retry(Exception):
@@ -86,9 +87,14 @@ class Dispatcher:
         t0 = time.perf_counter()
         rid = self.request_id(req.headers)
         path = req.path  # the name the upstream routes on, bounded: echoed, stored and logged
-        rec = Record(ts=time.time(), request_id=rid.decode(), path=path,
-                     method=bounded(req.method.decode("latin-1"), 32),
-                     client_addr=client.peer_host, user_agent=user_agent(req.headers))
+        rec = Record(
+            ts=time.time(),
+            request_id=rid.decode(),
+            path=path,
+            method=bounded(req.method.decode("latin-1"), 32),
+            client_addr=client.peer_host,
+            user_agent=user_agent(req.headers),
+        )
         keep_alive = req.keep_alive
         cors = app.cors.headers(req.headers)
         state = {"slot": None, "reservation": None, "ex": None, "hold": None, "cors": cors}
@@ -103,16 +109,18 @@ class Dispatcher:
             if keep_alive is None:  # the body streams to the client: wait for its end here,
                 del req  # with no frame but this one (the request was sent: not kept either)
                 await state["ex"].done
-                keep_alive = await self._ended(client, rec, state, state["up"], state["ex"],
-                                               False)
+                keep_alive = await self._ended(client, rec, state, state["up"], state["ex"], False)
         except RelayError as err:
             keep_alive = self._answer_error(client, rid, rec, err, keep_alive, state)
         except asyncio.CancelledError:
             keep_alive = False
             self._cancelled(client, rid, rec, state)
         except Exception as exc:  # a bug: the client still gets an answer, the row is written
-            app.log.event("internal_error", request_id=rec.request_id,
-                          error=f"{type(exc).__name__}: {exc}"[:300])
+            app.log.event(
+                "internal_error",
+                request_id=rec.request_id,
+                error=f"{type(exc).__name__}: {exc}"[:300],
+            )
             ex = state["ex"]
             if ex is not None:
                 ex.conn.abort()
@@ -120,8 +128,14 @@ class Dispatcher:
             keep_alive = False
             hold = state["hold"]
             if hold is None or not hold.open:
-                self._answer_error(client, rid, rec, RelayError(
-                    "internal_error", "internal relay error"), False, state)
+                self._answer_error(
+                    client,
+                    rid,
+                    rec,
+                    RelayError("internal_error", "internal relay error"),
+                    False,
+                    state,
+                )
         finally:
             if state["hold"] is not None:
                 state["hold"].close()
@@ -151,8 +165,9 @@ class Dispatcher:
             else:
                 client.respond(err.status, err.body(), rid, False, state["cors"])
 
-    def _answer_error(self, client, rid, rec, err: RelayError, keep_alive: bool,
-                      state: dict) -> bool:
+    def _answer_error(
+        self, client, rid, rec, err: RelayError, keep_alive: bool, state: dict
+    ) -> bool:
         rec.status = err.status
         rec.error_code = rec.error_code or err.code
         why = err.details.get("error")
@@ -169,8 +184,9 @@ class Dispatcher:
         return keep_alive
 
     # ---- admission and relay -------------------------------------------------------------
-    async def _serve(self, client, req, rid: bytes, rec: Record, state: dict, t0: float,
-                     path: str) -> bool | None:
+    async def _serve(
+        self, client, req, rid: bytes, rec: Record, state: dict, t0: float, path: str
+    ) -> bool | None:
         app = self.app
         if app.auth.enabled and not state.get("admin"):
             rec.key_id = req.key_id or app.auth.identify(req.headers)
@@ -186,14 +202,18 @@ class Dispatcher:
         try:
             candidates = app.router.candidates(peek.model)
         except NoRoute:
-            raise RelayError("model_not_found", f"no upstream serves model {rec.model!r}",
-                             {"model": rec.model}) from None
+            raise RelayError(
+                "model_not_found", f"no upstream serves model {rec.model!r}", {"model": rec.model}
+            ) from None
         rec.upstream_requested = candidates[0]
         cap = app.config.budget.default_max_tokens
         prompt_est, completion_est, completions = A.estimates(req.body, peek, cap, path)
-        if (A.json_route(path) and rec.key_id is not None
-                and A.completion_limit(peek, path) is None
-                and app.budgets.limits_tokens(rec.key_id)):
+        if (
+            A.json_route(path)
+            and rec.key_id is not None
+            and A.completion_limit(peek, path) is None
+            and app.budgets.limits_tokens(rec.key_id)
+        ):
             # the upstream must honour what is reserved
             req.body = A.with_limit(req.body, peek, cap, path)
         state["generates"] = slot_path
@@ -203,15 +223,20 @@ class Dispatcher:
         if rec.key_id is not None:
             try:
                 state["reservation"] = app.budgets.reserve(
-                    rec.key_id, prompt_est + completion_est, time.time())
+                    rec.key_id, prompt_est + completion_est, time.time()
+                )
             except BudgetExceeded as exc:
                 raise exceeded(exc) from None
         res = state["reservation"]
         if res is not None and not res.settled:  # on disk before any slot or upstream
             await self._admit(rec, state, res)
-        hold = state["hold"] = Hold(app.loop, client, rid,
-                                    app.config.dispatcher.heartbeat_s if rec.stream else 0.0,
-                                    state["cors"])
+        hold = state["hold"] = Hold(
+            app.loop,
+            client,
+            rid,
+            app.config.dispatcher.heartbeat_s if rec.stream else 0.0,
+            state["cors"],
+        )
         hold.start()
         last: _Retry | None = None
         for i, name in enumerate(candidates):
@@ -228,29 +253,44 @@ class Dispatcher:
                 state["tried"] = name
                 if more:  # the attempt failed on this upstream: its metrics say so
                     up.metrics.request_done(False, retry.err.code)
-                    app.log.event("fallback", request_id=rec.request_id, upstream=name,
-                                  next=candidates[i + 1], reason=retry.err.code,
-                                  error=retry.err.details.get("error"))
+                    app.log.event(
+                        "fallback",
+                        request_id=rec.request_id,
+                        upstream=name,
+                        next=candidates[i + 1],
+                        reason=retry.err.code,
+                        error=retry.err.details.get("error"),
+                    )
         raise last.err
 
-    async def _attempt(self, client, req, rid, rec: Record, state, up, slot_path: bool,
-                       more: bool, t0: float) -> bool | None:
+    async def _attempt(
+        self, client, req, rid, rec: Record, state, up, slot_path: bool, more: bool, t0: float
+    ) -> bool | None:
         """keep-alive once the exchange ended; None while its body streams to the client."""
         app = self.app
         d = app.config.dispatcher
         state["up"] = up  # (a config reload may remove it from app.upstreams meanwhile)
         if up.health.probe == DOWN and d.health_interval_s > 0:  # probed often while down
-            raise _Retry(RelayError("upstream_unavailable",
-                                    f"upstream {up.name} is down: {up.health.last_error}",
-                                    {"upstream": up.name, "error": up.health.last_error}))
+            raise _Retry(
+                RelayError(
+                    "upstream_unavailable",
+                    f"upstream {up.name} is down: {up.health.last_error}",
+                    {"upstream": up.name, "error": up.health.last_error},
+                )
+            )
         ex = await self._start(client, req, rid, rec, state, up, slot_path, more, t0)
         state["ex"] = ex
         if not ex.body_started:  # 429/5xx with another candidate left
             status = ex.head_resp.status_code
             ex.conn.abort()
             client.exchange = None
-            raise _Retry(RelayError("upstream_unavailable", f"upstream {up.name} answered {status}",
-                                    {"upstream": up.name, "status": status}))
+            raise _Retry(
+                RelayError(
+                    "upstream_unavailable",
+                    f"upstream {up.name} answered {status}",
+                    {"upstream": up.name, "status": status},
+                )
+            )
         if ex.outcome is None and not state["hold"].open:
             await ex.opened()  # the first content event is out, or the exchange ended
         if ex.outcome is None:  # streaming, nothing is swapped any more: `handle` waits for
@@ -266,16 +306,22 @@ class Dispatcher:
         hold = state["hold"]
         if not hold.open:  # ended while nothing but comments reached the client
             if ex.outcome in (E.DROPPED, E.BAD_FRAMING, E.STALL, E.ERROR_EVENT, E.SHUTDOWN):
-                err = RelayError("upstream_unavailable",
-                                 "upstream failed before the first content event",
-                                 {"upstream": up.name, "error": ex.outcome})
+                err = RelayError(
+                    "upstream_unavailable",
+                    "upstream failed before the first content event",
+                    {"upstream": up.name, "error": ex.outcome},
+                )
                 if more and ex.outcome != E.SHUTDOWN:
                     raise _Retry(err)
                 rec.outcome = ex.outcome
                 if ex.outcome == E.ERROR_EVENT:  # the upstream's own words, in-band
                     rec.upstream_served, rec.error_code = up.name, E.ERROR_EVENT
-                    err = upstream_error(ex.status, hold.error(), "upstream_error",
-                                         f"upstream {up.name} answered with an error")
+                    err = upstream_error(
+                        ex.status,
+                        hold.error(),
+                        "upstream_error",
+                        f"upstream {up.name} answered with an error",
+                    )
                 raise err
             if hold.committed and ex.outcome == E.DONE:  # a response that cannot continue
                 rec.upstream_served, rec.outcome = up.name, "error"  # the event stream
@@ -283,9 +329,12 @@ class Dispatcher:
                 rec.error_code = "upstream_bad_response" if sse else f"upstream_{ex.status}"
                 body = ex.body_copy
                 raise upstream_error(
-                    ex.status, error_of(b"".join(body.parts)) if body is not None else None,
-                    rec.error_code, f"upstream {up.name} answered {ex.status}"
-                    + (" without an event stream" if sse else ""))
+                    ex.status,
+                    error_of(b"".join(body.parts)) if body is not None else None,
+                    rec.error_code,
+                    f"upstream {up.name} answered {ex.status}"
+                    + (" without an event stream" if sse else ""),
+                )
         rec.upstream_served = up.name
         rec.status = ex.status
         keep_alive = ex.client_keep_alive
@@ -297,8 +346,9 @@ class Dispatcher:
         up.pool.release(ex.conn, ex.reusable)
         return keep_alive and not client.gone
 
-    async def _start(self, client, req, rid, rec: Record, state, up, slot_path: bool,
-                     more: bool, t0: float) -> Exchange:
+    async def _start(
+        self, client, req, rid, rec: Record, state, up, slot_path: bool, more: bool, t0: float
+    ) -> Exchange:
         """Wait for a slot, then open the exchange (up to its response head)."""
         d = self.app.config.dispatcher
         if slot_path:
@@ -309,15 +359,21 @@ class Dispatcher:
                 raise shutting_down() from None
             except Busy as exc:
                 retry_after = max(1, int(d.pool_timeout_s + 0.999))
-                raise _Retry(RelayError("upstream_busy", f"upstream {up.name} is busy: {exc}",
-                                        {"upstream": up.name},
-                                        [(b"Retry-After", b"%d" % retry_after)])) from None
+                raise _Retry(
+                    RelayError(
+                        "upstream_busy",
+                        f"upstream {up.name} is busy: {exc}",
+                        {"upstream": up.name},
+                        [(b"Retry-After", b"%d" % retry_after)],
+                    )
+                ) from None
             finally:
                 waited = time.perf_counter() - q0
                 rec.queue_ms = round3(waited * 1000)
                 up.metrics.observe_queue_wait(waited)
         on_content = lambda e, up=up: up.metrics.observe_ttft(  # noqa: E731
-            e.first_content_at - t0, time.monotonic())
+            e.first_content_at - t0, time.monotonic()
+        )
         return await self._open(client, req, up, rid, rec, more, on_content, state)
 
     async def _admit(self, rec: Record, state: dict, res) -> None:
@@ -330,20 +386,24 @@ class Dispatcher:
         reserved = res.tokens
         prompt = min(state.get("prompt_est", 0), reserved)
         try:
-            await store.admit(admission_id, rec, prompt, reserved - prompt, ADMIT_WAIT_S,
-                              res=res)
+            await store.admit(admission_id, rec, prompt, reserved - prompt, ADMIT_WAIT_S, res=res)
         except BudgetExceeded as exc:  # no lease taken: the row is a plain 429's
             state["admission"] = None
             raise exceeded(exc) from None
         except RuntimeError as exc:  # the database fails: serve, the budget still holds
-            self.app.log.event("admission_not_durable", request_id=rec.request_id,
-                               error=str(exc)[:300])
-        except (TimeoutError, asyncio.TimeoutError):  # locked (a backup?): the same
-            self.app.log.event("admission_not_durable", request_id=rec.request_id,
-                               error=f"not committed within {ADMIT_WAIT_S}s")
+            self.app.log.event(
+                "admission_not_durable", request_id=rec.request_id, error=str(exc)[:300]
+            )
+        except TimeoutError:  # locked (a backup?): the same
+            self.app.log.event(
+                "admission_not_durable",
+                request_id=rec.request_id,
+                error=f"not committed within {ADMIT_WAIT_S}s",
+            )
 
-    async def _open(self, client, req, up, rid: bytes, rec: Record, more: bool,
-                    on_content, state: dict) -> Exchange:
+    async def _open(
+        self, client, req, up, rid: bytes, rec: Record, more: bool, on_content, state: dict
+    ) -> Exchange:
         """Connect (pooled or new), send the request, wait for the response head.
 
         The exchange starts relaying the body as soon as the head is in, without waiting for
@@ -356,8 +416,9 @@ class Dispatcher:
         try:
             target = up.target.join(req.target)  # under the URL's path prefix, if any
         except TargetError as exc:
-            raise RelayError("bad_request", f"upstream {up.name}: {exc}",
-                             {"upstream": up.name}) from None
+            raise RelayError(
+                "bad_request", f"upstream {up.name}: {exc}", {"upstream": up.name}
+            ) from None
         body = req.body
         name = served_name(up.cfg.model_map, state.get("model"))
         if name is not None:  # this upstream knows the model by another name
@@ -367,8 +428,14 @@ class Dispatcher:
         auth = self.app.auth
         mine = auth.enabled or (state.get("admin") and auth.admin is not None)
         head = upstream_request_headers(
-            req.headers, up.host_header, len(body), rid, up.auth, up.static,
-            pass_credentials=not mine and up.auth is None)
+            req.headers,
+            up.host_header,
+            len(body),
+            rid,
+            up.auth,
+            up.static,
+            pass_credentials=not mine and up.auth is None,
+        )
         fresh = False
         while True:
             if self.app.draining:  # no upstream stream starts once the drain began
@@ -377,12 +444,27 @@ class Dispatcher:
                 conn, reused = await up.pool.acquire(d.connect_timeout_s, fresh=fresh)
             except ConnectError as exc:
                 up.health.connect_failed(str(exc))
-                raise _Retry(RelayError("upstream_unavailable",
-                                        f"upstream {up.name} is unavailable: {exc}",
-                                        {"upstream": up.name, "error": str(exc)})) from None
-            ex = Exchange(self.app.loop, conn, client, req.method, rid, self.app.policy,
-                            d.write_timeout_s, rec.path, rec.model or "", up.name,
-                            state["hold"], self.app.deadlines)
+                raise _Retry(
+                    RelayError(
+                        "upstream_unavailable",
+                        f"upstream {up.name} is unavailable: {exc}",
+                        {"upstream": up.name, "error": str(exc)},
+                    )
+                ) from None
+            ex = Exchange(
+                self.app.loop,
+                conn,
+                client,
+                req.method,
+                rid,
+                self.app.policy,
+                d.write_timeout_s,
+                rec.path,
+                rec.model or "",
+                up.name,
+                state["hold"],
+                self.app.deadlines,
+            )
             ex.on_content = on_content
             state["ex"] = ex
             conn.used = True
@@ -401,24 +483,35 @@ class Dispatcher:
                     fresh = True
                     ex.head_fut = None  # (it holds the exception, whose frames hold `ex`)
                     continue
-                raise _Retry(RelayError("upstream_unavailable", str(exc),
-                                        {"upstream": up.name, "error": "closed"})) from None
+                raise _Retry(
+                    RelayError(
+                        "upstream_unavailable", str(exc), {"upstream": up.name, "error": "closed"}
+                    )
+                ) from None
             except E.UpstreamBadHead as exc:
                 conn.abort()
-                raise _Retry(RelayError("upstream_bad_response",
-                                        "upstream sent a malformed response",
-                                        {"upstream": up.name, "error": str(exc)[:200]})) from None
+                raise _Retry(
+                    RelayError(
+                        "upstream_bad_response",
+                        "upstream sent a malformed response",
+                        {"upstream": up.name, "error": str(exc)[:200]},
+                    )
+                ) from None
             except E.ClientGone:
                 raise asyncio.CancelledError from None
             except E.RelayShutdown:
                 rec.outcome = rec.error_code = E.SHUTDOWN  # as a stream cut by shutdown is
                 raise shutting_down() from None
-            except (TimeoutError, asyncio.TimeoutError):
+            except TimeoutError:
                 conn.abort()
-                raise _Retry(RelayError(
-                    "upstream_timeout",
-                    f"upstream {up.name} sent no response head within "
-                    f"{d.direct_read_timeout_s}s", {"upstream": up.name})) from None
+                raise _Retry(
+                    RelayError(
+                        "upstream_timeout",
+                        f"upstream {up.name} sent no response head within "
+                        f"{d.direct_read_timeout_s}s",
+                        {"upstream": up.name},
+                    )
+                ) from None
             except BaseException:
                 client.exchange = None
                 raise
@@ -447,13 +540,24 @@ class Dispatcher:
             app.registry.rows_pending = app.store.pending
             app.registry.rows_spilled = getattr(app.store, "spilled", None)
             if path == "/metrics":
-                client.respond(200, app.registry.prometheus(now), rid, req.keep_alive, cors,
-                               content_type=b"text/plain; version=0.0.4; charset=utf-8")
+                client.respond(
+                    200,
+                    app.registry.prometheus(now),
+                    rid,
+                    req.keep_alive,
+                    cors,
+                    content_type=b"text/plain; version=0.0.4; charset=utf-8",
+                )
             elif path == "/api/slots/metrics":
                 client.respond(200, app.registry.json(now), rid, req.keep_alive, cors)
             elif path == ui.STATE_PATH:
-                client.respond(200, msgspec.json.encode(ui_state.state(app, time.time(), now)),
-                               rid, req.keep_alive, cors + ui.NO_STORE)
+                client.respond(
+                    200,
+                    msgspec.json.encode(ui_state.state(app, time.time(), now)),
+                    rid,
+                    req.keep_alive,
+                    cors + ui.NO_STORE,
+                )
             else:
                 raise RelayError("not_found", f"no such endpoint {path}")
             return True

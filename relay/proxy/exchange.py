@@ -48,19 +48,70 @@ class Exchange:
     # Slots: over 40 fields is past what a shared-key instance dict holds, and the body
     # path reads several per event.
     __slots__ = (
-        "_closed_early", "_leftover", "_write", "body_copy", "body_started", "bytes_out",
-        "client", "client_keep_alive", "conn", "counted", "data_received", "deadlines", "done",
-        "fast", "first_content_at", "flow", "gaps", "got_bytes", "head_at", "head_reader",
-        "head_fut", "head_resp", "hold", "kind",
-        "last_read", "loop", "method", "mode", "model", "on_content", "open_fut", "outcome", "path",
-        "policy", "remaining", "request_id", "scanner", "shape", "sse",
-        "stall_elapsed", "stall_reason", "status", "timer", "tracker", "upstream_keep_alive",
-        "upstream_name", "write_timeout_s",
+        "_closed_early",
+        "_leftover",
+        "_write",
+        "body_copy",
+        "body_started",
+        "bytes_out",
+        "client",
+        "client_keep_alive",
+        "conn",
+        "counted",
+        "data_received",
+        "deadlines",
+        "done",
+        "fast",
+        "first_content_at",
+        "flow",
+        "gaps",
+        "got_bytes",
+        "head_at",
+        "head_fut",
+        "head_reader",
+        "head_resp",
+        "hold",
+        "kind",
+        "last_read",
+        "loop",
+        "method",
+        "mode",
+        "model",
+        "on_content",
+        "open_fut",
+        "outcome",
+        "path",
+        "policy",
+        "remaining",
+        "request_id",
+        "scanner",
+        "shape",
+        "sse",
+        "stall_elapsed",
+        "stall_reason",
+        "status",
+        "timer",
+        "tracker",
+        "upstream_keep_alive",
+        "upstream_name",
+        "write_timeout_s",
     )
 
-    def __init__(self, loop, conn, client, method: bytes, request_id: bytes,
-                 policy: StallPolicy, write_timeout_s: float, path: str, model: str,
-                 upstream_name: str, hold: Hold, deadlines: Deadlines) -> None:
+    def __init__(
+        self,
+        loop,
+        conn,
+        client,
+        method: bytes,
+        request_id: bytes,
+        policy: StallPolicy,
+        write_timeout_s: float,
+        path: str,
+        model: str,
+        upstream_name: str,
+        hold: Hold,
+        deadlines: Deadlines,
+    ) -> None:
         self.loop = loop
         self.deadlines = deadlines  # the relay's stall deadlines (one loop timer for all)
         self.conn = conn
@@ -168,8 +219,9 @@ class Exchange:
                 if self.mode == framing.PASS:
                     self._emit(data)
                 else:
-                    self._emit(b"".join(data[spans[i]:spans[i + 1]]
-                                        for i in range(0, len(spans), 2)))
+                    self._emit(
+                        b"".join(data[spans[i] : spans[i + 1]] for i in range(0, len(spans), 2))
+                    )
                 self._check_fast()
                 return
             try:
@@ -281,19 +333,30 @@ class Exchange:
         hold = self.hold
         self.status = resp.status_code
         try:
-            p = framing.plan(self.method, self.status, resp.http_version, resp.headers,
-                             self.client.http11, self.client.wants_keep_alive, hold.committed)
+            p = framing.plan(
+                self.method,
+                self.status,
+                resp.http_version,
+                resp.headers,
+                self.client.http11,
+                self.client.wants_keep_alive,
+                hold.committed,
+            )
         except framing.FramingError:  # (head.py refuses these heads first) nothing is sent
             self.conn.abort()
             self._upstream_failed(BAD_FRAMING)
             return
         self.kind, self.remaining, self.mode, self.sse = p.kind, p.remaining, p.mode, p.sse
-        self.upstream_keep_alive, self.client_keep_alive = p.upstream_keep_alive, p.client_keep_alive
+        self.upstream_keep_alive, self.client_keep_alive = (
+            p.upstream_keep_alive,
+            p.client_keep_alive,
+        )
         if hold.committed:  # only comments reached the client: this body continues it
             hold.swallow = not p.holdable  # answered in-band by the dispatcher instead
         else:
-            hold.head = hold.client_head(resp, framing.client_chunked(self.kind, self.mode),
-                                         self.client_keep_alive)
+            hold.head = hold.client_head(
+                resp, framing.client_chunked(self.kind, self.mode), self.client_keep_alive
+            )
             if p.holdable:
                 hold.on_commit = self._commit_early
         if self.kind == framing.CHUNKED:
@@ -373,8 +436,9 @@ class Exchange:
 
     def _held(self, out: bytes) -> None:
         sc = self.scanner
-        took = self.hold.take(out, self.first_content_at is not None,
-                              sc is not None and sc.error_first)
+        took = self.hold.take(
+            out, self.first_content_at is not None, sc is not None and sc.error_first
+        )
         if took == OPENED:
             self._opened()
         elif took == ERROR:  # an {"error": ...} first event: the next upstream, or in-band
@@ -391,9 +455,15 @@ class Exchange:
             # both sides stand between chunks: the upstream's own pass as they are again
             self.mode, self._write = framing.PASS, self.client.transport.write
         sc, tr = self.scanner, self.tracker
-        self.fast = (self.hold is None and self.outcome is None
-                     and isinstance(sc, SseScanner) and sc.content_events > 0
-                     and not sc.pending and tr.state == SIZE and not tr.held)
+        self.fast = (
+            self.hold is None
+            and self.outcome is None
+            and isinstance(sc, SseScanner)
+            and sc.content_events > 0
+            and not sc.pending
+            and tr.state == SIZE
+            and not tr.held
+        )
 
     def _upstream_failed(self, outcome: str) -> None:
         """The upstream broke the body: the client sees the truncation (no clean end). While
@@ -403,8 +473,9 @@ class Exchange:
 
     # ---- stall guard -----------------------------------------------------------------
     def _arm(self) -> None:
-        self.timer = self.deadlines.add(self.policy.next_check(self.head_at, self.last_read),
-                                        self._check_stall)
+        self.timer = self.deadlines.add(
+            self.policy.next_check(self.head_at, self.last_read), self._check_stall
+        )
 
     def _check_stall(self) -> None:
         self.timer = None
@@ -433,9 +504,18 @@ class Exchange:
         if not self.sse:  # non-SSE bodies are cut: nothing injected
             self.client_keep_alive = False
         else:
-            payload = b"" if self.scanner.done_seen else stall_frame(
-                self.path, self.model, reason, self.stall_elapsed, self.upstream_name,
-                int(time.time()))
+            payload = (
+                b""
+                if self.scanner.done_seen
+                else stall_frame(
+                    self.path,
+                    self.model,
+                    reason,
+                    self.stall_elapsed,
+                    self.upstream_name,
+                    int(time.time()),
+                )
+            )
             tail, delimited = framing.closing_bytes(self.kind, self.mode, self.tracker, payload)
             self.client_keep_alive &= delimited
             if tail:
@@ -531,5 +611,6 @@ class Exchange:
 
     @property
     def reusable(self) -> bool:
-        return (self.outcome == DONE and self.upstream_keep_alive
-                and self.kind != framing.UNTIL_CLOSE)
+        return (
+            self.outcome == DONE and self.upstream_keep_alive and self.kind != framing.UNTIL_CLOSE
+        )

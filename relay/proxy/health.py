@@ -49,17 +49,24 @@ class Health:
             self.probe, self.last_error = READY, ""
 
 
-async def probe_once(host: str, port: int, host_header: bytes, timeout: float,
-                     tls=None, path: bytes = b"/health") -> tuple[int | None, str]:
+async def probe_once(
+    host: str, port: int, host_header: bytes, timeout: float, tls=None, path: bytes = b"/health"
+) -> tuple[int | None, str]:
     """GET /health (under the URL's path prefix; over TLS for an https upstream): (status
     code, ""), or (None, why) on connect failure / TLS failure / timeout / garbage."""
     writer = None
     conn = {} if tls is None else {"ssl": tls, "server_hostname": host}
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, **conn),
-                                                timeout)
-        writer.write(b"GET " + path + b" HTTP/1.1\r\nHost: " + host_header +
-                     b"\r\nUser-Agent: relay-health\r\nConnection: close\r\n\r\n")
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port, **conn), timeout
+        )
+        writer.write(
+            b"GET "
+            + path
+            + b" HTTP/1.1\r\nHost: "
+            + host_header
+            + b"\r\nUser-Agent: relay-health\r\nConnection: close\r\n\r\n"
+        )
         line = await asyncio.wait_for(reader.readline(), timeout)
         parts = line.split(b" ", 2)
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/"):
@@ -67,7 +74,7 @@ async def probe_once(host: str, port: int, host_header: bytes, timeout: float,
         return int(parts[1]), ""
     except ssl.SSLError as exc:
         return None, f"TLS handshake failed: {describe(exc)}"
-    except (OSError, asyncio.TimeoutError, TimeoutError, ValueError):
+    except (OSError, TimeoutError, ValueError):
         return None, "no answer to GET /health"
     finally:
         if writer is not None:

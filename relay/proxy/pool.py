@@ -39,10 +39,11 @@ def unread_bytes(transport) -> int:
     except OSError:
         return 1  # a socket that cannot say is not trusted with a request
 
-class UpstreamConn(asyncio.Protocol):
-    __slots__ = ("pool", "transport", "handler", "alive", "idle_timer", "used")
 
-    def __init__(self, pool: "Pool") -> None:
+class UpstreamConn(asyncio.Protocol):
+    __slots__ = ("alive", "handler", "idle_timer", "pool", "transport", "used")
+
+    def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.handler = None  # the exchange using this connection
@@ -91,8 +92,15 @@ class ConnectError(Exception):
 class Pool:
     """Idle keep-alive connections to one upstream address."""
 
-    def __init__(self, host: str, port: int, keepalive_s: float, prewarm: bool = False,
-                 connect_timeout_s: float = 5.0, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        keepalive_s: float,
+        prewarm: bool = False,
+        connect_timeout_s: float = 5.0,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.host = host
         self.port = port
         # TLS (an https upstream): SNI and the name checked are the URL's host. The handshake
@@ -131,8 +139,9 @@ class Pool:
         expired = []
         timer = loop.call_later(timeout, lambda: expired.append(task.cancel()))
         try:
-            _, conn = await loop.create_connection(lambda: UpstreamConn(self), self.host,
-                                                   self.port, **self.tls)
+            _, conn = await loop.create_connection(
+                lambda: UpstreamConn(self), self.host, self.port, **self.tls
+            )
         except asyncio.CancelledError:
             if not expired or task.uncancel() > 0:
                 raise  # cancelled from outside: not ours to swallow

@@ -18,8 +18,17 @@ from relay.stream.sse import SseScanner
 from relay.stream.usage import Usage, stream_usage
 
 # Refusals decided before any upstream is chosen or contacted (counted relay-wide).
-ADMISSION_CODES = frozenset({"invalid_api_key", "invalid_json", "bad_request",
-                             "model_not_found", "budget_exceeded", "not_found", "forbidden"})
+ADMISSION_CODES = frozenset(
+    {
+        "invalid_api_key",
+        "invalid_json",
+        "bad_request",
+        "model_not_found",
+        "budget_exceeded",
+        "not_found",
+        "forbidden",
+    }
+)
 
 
 def release_slot(state: dict) -> None:
@@ -42,18 +51,30 @@ def settle(app, client, rec: Record, state: dict, t0: float) -> None:
         state["exact"] = _tokens(app, rec, ex, state)
         if ex.outcome == E.STALL:
             rec.error_code = f"stream_stall_{ex.stall_reason}"
-            app.log.event("stream_stall_guard_tripped", reason=ex.stall_reason,
-                          elapsed_s=ex.stall_elapsed, upstream=ex.upstream_name,
-                          request_id=rec.request_id)
+            app.log.event(
+                "stream_stall_guard_tripped",
+                reason=ex.stall_reason,
+                elapsed_s=ex.stall_elapsed,
+                upstream=ex.upstream_name,
+                request_id=rec.request_id,
+            )
         elif rec.outcome not in (E.DONE, None):
             rec.error_code = rec.error_code or rec.outcome
-        elif (isinstance(ex.scanner, SseScanner) and ex.scanner.error_first
-              and not ex.scanner.content_events):
+        elif (
+            isinstance(ex.scanner, SseScanner)
+            and ex.scanner.error_first
+            and not ex.scanner.content_events
+        ):
             rec.outcome = rec.error_code = E.ERROR_EVENT  # a 200 that carried only an error
-    rec.ok = (rec.outcome == E.DONE and rec.status is not None and rec.status < 400)
+    rec.ok = rec.outcome == E.DONE and rec.status is not None and rec.status < 400
     hold = state.get("hold")
-    timing.fill(rec, t0, hold.first_out if hold is not None else None,
-                served_ex.gaps if served_ex is not None else None, state.get("exact"))
+    timing.fill(
+        rec,
+        t0,
+        hold.first_out if hold is not None else None,
+        served_ex.gaps if served_ex is not None else None,
+        state.get("exact"),
+    )
     if rec.error_code is None and rec.status is not None and rec.status >= 400:
         rec.error_code = f"upstream_{rec.status}"
     res = state.get("reservation")
@@ -67,9 +88,11 @@ def settle(app, client, rec: Record, state: dict, t0: float) -> None:
         m = served.metrics
         m.request_done(rec.ok, rec.error_code)
         ttft, tpot, e2e = rec.ttft_ms, rec.tpot_ms, rec.e2e_ms
-        m.observe_timings(None if ttft is None else ttft / 1000,
-                          None if tpot is None else tpot / 1000,
-                          None if e2e is None else e2e / 1000)
+        m.observe_timings(
+            None if ttft is None else ttft / 1000,
+            None if tpot is None else tpot / 1000,
+            None if e2e is None else e2e / 1000,
+        )
         if ex is not None and ex.outcome == E.STALL:
             m.stall(ex.stall_reason)
     if rec.key_id is not None:
@@ -91,8 +114,12 @@ def _tokens(app, rec: Record, ex: Exchange, state: dict):
     elif scanner is not None:
         exact = stream_usage(scanner.meta) if scanner.meta else None
         approx = scanner.content_events
-    if (exact is not None and exact.completion_tokens is None
-            and exact.prompt_tokens is not None and state.get("completion_est") == 0):
+    if (
+        exact is not None
+        and exact.completion_tokens is None
+        and exact.prompt_tokens is not None
+        and state.get("completion_est") == 0
+    ):
         exact = Usage(exact.prompt_tokens, 0)  # embeddings / rerank: no completion tokens
     rec.set_tokens(exact, approx, state.get("prompt_est"))
     if rec.tokens_source is None and state.get("generates") and 200 <= ex.status < 300:
@@ -114,12 +141,20 @@ def rejected(dispatcher, client, err: RelayError) -> None:
     app = dispatcher.app
     head = client.head
     path = bounded(normalize(head.target), MAX_PATH_CHARS) if head is not None else ""
-    rid = dispatcher.request_id(head.headers.raw_items()) if head is not None else dispatcher.new_id()
-    rec = Record(ts=time.time(), request_id=rid.decode(), path=path,
-                 method=bounded(head.method.decode("latin-1"), 32) if head is not None else "",
-                 status=err.status, error_code=err.code, outcome="rejected",
-                 client_addr=client.peer_host,
-                 user_agent=user_agent(head.headers) if head is not None else None)
+    rid = (
+        dispatcher.request_id(head.headers.raw_items()) if head is not None else dispatcher.new_id()
+    )
+    rec = Record(
+        ts=time.time(),
+        request_id=rid.decode(),
+        path=path,
+        method=bounded(head.method.decode("latin-1"), 32) if head is not None else "",
+        status=err.status,
+        error_code=err.code,
+        outcome="rejected",
+        client_addr=client.peer_host,
+        user_agent=user_agent(head.headers) if head is not None else None,
+    )
     if head is not None:  # the answer carries the CORS headers too (client.py writes it)
         err.headers = err.headers + app.cors.headers(head.headers.raw_items())
     app.registry.rejected(err.code)

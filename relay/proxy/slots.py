@@ -26,7 +26,7 @@ class SlotsClosed(Exception):
 class Slot:
     __slots__ = ("pool", "released")
 
-    def __init__(self, pool: "SlotPool") -> None:
+    def __init__(self, pool: SlotPool) -> None:
         self.pool = pool
         self.released = False
 
@@ -78,7 +78,7 @@ class SlotPool:
         self.waiters.append(fut)
         try:
             await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 # granted just as the wait ran out
                 return Slot(self)

@@ -30,8 +30,10 @@ def upstream_auth(cfg: UpstreamConfig) -> tuple[bytes, bytes] | None:
         return None
     value = os.environ.get(cfg.auth_value_env or "")
     if value is None:
-        raise ConfigError(f"upstream.{cfg.name}.auth_value_env: environment variable "
-                          f"{cfg.auth_value_env} is not set")
+        raise ConfigError(
+            f"upstream.{cfg.name}.auth_value_env: environment variable "
+            f"{cfg.auth_value_env} is not set"
+        )
     return cfg.auth_header.encode(), value.encode()
 
 
@@ -42,8 +44,10 @@ def upstream_tls(cfg: UpstreamConfig, target: Target):
     try:
         return client_context(cfg.verify, cfg.ca_file)
     except (OSError, ValueError) as exc:  # (ssl.SSLError is an OSError)
-        raise ConfigError(f"upstream.{cfg.name}.ca_file: cannot load {cfg.ca_file!r}: "
-                          f"{getattr(exc, 'strerror', None) or exc}") from None
+        raise ConfigError(
+            f"upstream.{cfg.name}.ca_file: cannot load {cfg.ca_file!r}: "
+            f"{getattr(exc, 'strerror', None) or exc}"
+        ) from None
 
 
 def upstream_keepalive(cfg: UpstreamConfig, target: Target, keepalive_s: float) -> float:
@@ -57,16 +61,27 @@ def upstream_keepalive(cfg: UpstreamConfig, target: Target, keepalive_s: float) 
 
 
 class Upstream:
-    def __init__(self, cfg: UpstreamConfig, keepalive_s: float, prewarm: bool = False,
-                 connect_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        cfg: UpstreamConfig,
+        keepalive_s: float,
+        prewarm: bool = False,
+        connect_timeout_s: float = 5.0,
+    ) -> None:
         self.cfg = cfg
         self.name = cfg.name
         self.target = parse_target_url(cfg.url)
         self.host, self.port = self.target.host, self.target.port
         self.host_header = self.target.host_header
         self.tls = upstream_tls(cfg, self.target)
-        self.pool = Pool(self.host, self.port, upstream_keepalive(cfg, self.target, keepalive_s),
-                         prewarm, connect_timeout_s, self.tls)
+        self.pool = Pool(
+            self.host,
+            self.port,
+            upstream_keepalive(cfg, self.target, keepalive_s),
+            prewarm,
+            connect_timeout_s,
+            self.tls,
+        )
         self.slots = SlotPool(cfg.parallel, cfg.queue)
         self.health = Health()
         self.metrics = UpstreamMetrics(cfg.name, cfg.parallel)

@@ -29,9 +29,21 @@ import re
 from relay.stream import itl as G
 
 BY = {"model": "model", "upstream": "upstream_served", "key": "key_id"}
-READ_COLUMNS = ("ts", "key_id", "model", "upstream_served", "ok", "stream", "ttft_ms",
-                "tpot_ms", "e2e_ms", "itl_hist", "completion_tokens", "prompt_tokens",
-                "tokens_source")
+READ_COLUMNS = (
+    "ts",
+    "key_id",
+    "model",
+    "upstream_served",
+    "ok",
+    "stream",
+    "ttft_ms",
+    "tpot_ms",
+    "e2e_ms",
+    "itl_hist",
+    "completion_tokens",
+    "prompt_tokens",
+    "tokens_source",
+)
 SLO_NAMES = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2e_ms"}
 FIGURES = ("ttft", "tpot", "itl", "e2el")
 STATS = ("mean", "p50", "p90", "p99")
@@ -63,9 +75,13 @@ def percentile(values: list[float], p: float) -> float | None:
 
 
 def _stats(values: list[float]) -> dict:
-    return {"mean": sum(values) / len(values) if values else None,
-            "p50": percentile(values, 50), "p90": percentile(values, 90),
-            "p99": percentile(values, 99), "n": len(values)}
+    return {
+        "mean": sum(values) / len(values) if values else None,
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+        "n": len(values),
+    }
 
 
 def _itl_stats(rows: list[dict]) -> dict:
@@ -78,8 +94,10 @@ def _itl_stats(rows: list[dict]) -> dict:
     mean = None
     if n:
         mean = sum(c * sum(G.bucket_bounds(k)) / 2 for k, c in buckets.items()) / n * 1000
-    q = {f"p{p}": (None if not n else G.quantile_of(buckets, zeros, p / 100) * 1000)
-         for p in (50, 90, 99)}
+    q = {
+        f"p{p}": (None if not n else G.quantile_of(buckets, zeros, p / 100) * 1000)
+        for p in (50, 90, 99)
+    }
     return {"mean": mean, **q, "n": n}
 
 
@@ -95,16 +113,23 @@ def meets(row: dict, slo: dict[str, float]) -> bool:
     return True
 
 
-def summarize(rows: list[dict], duration_s: float, slo: dict[str, float] | None,
-              group: str | None) -> dict:
+def summarize(
+    rows: list[dict], duration_s: float, slo: dict[str, float] | None, group: str | None
+) -> dict:
     done = [r for r in rows if r.get("ok")]
-    out_tokens = sum(r.get("completion_tokens") or 0 for r in done
-                     if r.get("tokens_source") != "reserved")  # a reservation is no count
-    out = {"group": group, "requests": len(rows), "completed": len(done),
-           "failed": len(rows) - len(done), "duration_s": duration_s,
-           "request_throughput": len(done) / duration_s if duration_s > 0 else None,
-           "output_throughput": out_tokens / duration_s if duration_s > 0 else None,
-           "output_tokens": out_tokens}
+    out_tokens = sum(
+        r.get("completion_tokens") or 0 for r in done if r.get("tokens_source") != "reserved"
+    )  # a reservation is no count
+    out = {
+        "group": group,
+        "requests": len(rows),
+        "completed": len(done),
+        "failed": len(rows) - len(done),
+        "duration_s": duration_s,
+        "request_throughput": len(done) / duration_s if duration_s > 0 else None,
+        "output_throughput": out_tokens / duration_s if duration_s > 0 else None,
+        "output_tokens": out_tokens,
+    }
     for name, col in (("ttft", "ttft_ms"), ("tpot", "tpot_ms"), ("e2el", "e2e_ms")):
         out[name] = _stats([r[col] for r in done if r.get(col) is not None])
     out["itl"] = _itl_stats(done)
@@ -116,23 +141,37 @@ def summarize(rows: list[dict], duration_s: float, slo: dict[str, float] | None,
     return out
 
 
-def bench(rows: list[dict], by: str, duration_s: float,
-          slo: dict[str, float] | None = None) -> tuple[list[dict], dict]:
+def bench(
+    rows: list[dict], by: str, duration_s: float, slo: dict[str, float] | None = None
+) -> tuple[list[dict], dict]:
     """(one summary per group, ordered by name; the summary of all rows)."""
     col = BY[by]
     groups: dict = {}
     for r in rows:
         groups.setdefault(r.get(col), []).append(r)
     keyed = sorted(groups, key=lambda k: (k is None, k or ""))
-    return ([summarize(groups[k], duration_s, slo, k) for k in keyed],
-            summarize(rows, duration_s, slo, "TOTAL"))
+    return (
+        [summarize(groups[k], duration_s, slo, k) for k in keyed],
+        summarize(rows, duration_s, slo, "TOTAL"),
+    )
 
 
 # ---- rendering -------------------------------------------------------------------------
 def flat(s: dict) -> dict:
     """One group as a flat record (CSV columns, table cells)."""
-    out = {k: s[k] for k in ("group", "requests", "completed", "failed", "duration_s",
-                             "request_throughput", "output_throughput", "output_tokens")}
+    out = {
+        k: s[k]
+        for k in (
+            "group",
+            "requests",
+            "completed",
+            "failed",
+            "duration_s",
+            "request_throughput",
+            "output_throughput",
+            "output_tokens",
+        )
+    }
     for f in FIGURES:
         for st in STATS:
             out[f"{f}_{st}_ms"] = s[f][st]
@@ -160,13 +199,20 @@ def render_table(groups: list[dict], total: dict, by: str) -> str:
     lines = []
     for s in groups + [total]:
         name = s["group"] if s["group"] is not None else "-"
-        head = (f"{by} {name}" if s is not total else "TOTAL")
-        lines.append(f"== {head}: {s['completed']} completed, {s['failed']} failed, "
-                     f"over {s['duration_s']:.1f} s")
-        lines.append(f"   request throughput {_num(s['request_throughput'], 3)} req/s, "
-                     f"output {_num(s['output_throughput'], 2)} tok/s"
-                     + (f", goodput {_num(s['goodput'], 3)} req/s ({s['good']} met the SLOs)"
-                        if "goodput" in s else ""))
+        head = f"{by} {name}" if s is not total else "TOTAL"
+        lines.append(
+            f"== {head}: {s['completed']} completed, {s['failed']} failed, "
+            f"over {s['duration_s']:.1f} s"
+        )
+        lines.append(
+            f"   request throughput {_num(s['request_throughput'], 3)} req/s, "
+            f"output {_num(s['output_throughput'], 2)} tok/s"
+            + (
+                f", goodput {_num(s['goodput'], 3)} req/s ({s['good']} met the SLOs)"
+                if "goodput" in s
+                else ""
+            )
+        )
         lines.append("   ms        mean      p50      p90      p99")
         for f in FIGURES:
             st = s[f]

@@ -37,8 +37,10 @@ def missing(db: str) -> str | None:
             return "reading PostgreSQL needs the driver: pip install 'relay[postgres]'"
         return None
     if is_memory(db) or not os.path.isfile(db):
-        return (f"no database file at {db!r} (pass --db PATH, the [store].path of the relay, "
-                "or --db postgresql://... its [store].url)")
+        return (
+            f"no database file at {db!r} (pass --db PATH, the [store].path of the relay, "
+            "or --db postgresql://... its [store].url)"
+        )
     return None
 
 
@@ -60,7 +62,12 @@ def fetch(db: str, sql: str, params: tuple = ()) -> list[dict]:
 
 def columns(db: str, table: str = "request") -> set[str]:
     if is_pg_url(db):
-        return {r["column_name"] for r in fetch(
-            db, "SELECT column_name FROM information_schema.columns WHERE table_name = ?",
-            (table,))}
+        return {
+            r["column_name"]
+            for r in fetch(
+                db,
+                "SELECT column_name FROM information_schema.columns WHERE table_name = ?",
+                (table,),
+            )
+        }
     return {r["name"] for r in fetch(db, f"PRAGMA table_info({table})")}

@@ -14,14 +14,25 @@ import re
 import sys
 import time
 from collections import Counter
-from datetime import datetime, timezone
-from typing import Iterable
+from collections.abc import Iterable
+from datetime import UTC, datetime
 
 from relay.report import bench as benchview
 from relay.report import rows as rows_read
 
-READ_COLUMNS = ("model", "upstream_served", "status", "ok", "error_code", "stream", "queue_ms",
-                "ttft_ms", "total_ms", "completion_tokens", "tokens_source")
+READ_COLUMNS = (
+    "model",
+    "upstream_served",
+    "status",
+    "ok",
+    "error_code",
+    "stream",
+    "queue_ms",
+    "ttft_ms",
+    "total_ms",
+    "completion_tokens",
+    "tokens_source",
+)
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -96,8 +107,22 @@ def aggregate(rows: Iterable[dict]) -> list[dict]:
 
 
 # ---- rendering -------------------------------------------------------------------------
-_HEADERS = ("model", "upstream", "reqs", "ok", "fail", "ttft p50", "ttft p95", "ttft p99",
-            "tok/s p50", "queue p95", "compl tok", "exact", "approx", "failures")
+_HEADERS = (
+    "model",
+    "upstream",
+    "reqs",
+    "ok",
+    "fail",
+    "ttft p50",
+    "ttft p95",
+    "ttft p99",
+    "tok/s p50",
+    "queue p95",
+    "compl tok",
+    "exact",
+    "approx",
+    "failures",
+)
 _LEFT = {0, 1, 13}  # text columns; the rest are numbers, right-aligned
 
 
@@ -116,8 +141,14 @@ def _measure(v) -> str:
 
 def _cells(g: dict) -> list[str]:
     failures = " ".join(f"{code}:{n}" for code, n in g["failures"].items())
-    return [_text(g["model"]), _text(g["upstream"]), *(str(g[k]) for k in _COUNTS),
-            *(_measure(g[k]) for k in _MEASURES), *(str(g[k]) for k in _TOKENS), failures or "-"]
+    return [
+        _text(g["model"]),
+        _text(g["upstream"]),
+        *(str(g[k]) for k in _COUNTS),
+        *(_measure(g[k]) for k in _MEASURES),
+        *(str(g[k]) for k in _TOKENS),
+        failures or "-",
+    ]
 
 
 def render_table(groups: list[dict], total: dict | None = None) -> str:
@@ -128,7 +159,9 @@ def render_table(groups: list[dict], total: dict | None = None) -> str:
     widths = [max(len(line[i]) for line in lines) for i in range(len(_HEADERS))]
 
     def fmt(cells: list[str]) -> str:
-        out = [c.ljust(w) if i in _LEFT else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        out = [
+            c.ljust(w) if i in _LEFT else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ]
         return "  ".join(out).rstrip()
 
     rule = "  ".join("-" * w for w in widths[:-1] + [len(_HEADERS[-1])])
@@ -148,24 +181,35 @@ def read_rows(path: str, since_ts: float | None) -> list[dict]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="relay report",
-                                description="summarize stored request rows per model/upstream")
-    p.add_argument("--db", default="relay.db", help="SQLite file ([store].path, default relay.db) or "
-                   "postgresql://... ([store].url; password from PGPASSWORD)")
+    p = argparse.ArgumentParser(
+        prog="relay report", description="summarize stored request rows per model/upstream"
+    )
+    p.add_argument(
+        "--db",
+        default="relay.db",
+        help="SQLite file ([store].path, default relay.db) or "
+        "postgresql://... ([store].url; password from PGPASSWORD)",
+    )
     p.add_argument("--since", default="1h", help="30m, 1h, 24h, 7d or all (default 1h)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     b = p.add_argument_group(
-        "benchmark view", "TTFT, TPOT, ITL, E2EL (mean, p50, p90, p99), request and output "
+        "benchmark view",
+        "TTFT, TPOT, ITL, E2EL (mean, p50, p90, p99), request and output "
         "token throughput and goodput over the window, as vLLM's `vllm bench serve` defines "
-        "them (README: Benchmark view). Any of these flags selects it.")
+        "them (README: Benchmark view). Any of these flags selects it.",
+    )
     b.add_argument("--bench", action="store_true", help="the benchmark view (grouped by model)")
     b.add_argument("--by", choices=sorted(benchview.BY), help="group by model, upstream or key")
-    b.add_argument("--from", dest="from_ts", metavar="TIME",
-                   help="window start: unix seconds or ISO 8601 (UTC unless it says); "
-                   "instead of --since")
+    b.add_argument(
+        "--from",
+        dest="from_ts",
+        metavar="TIME",
+        help="window start: unix seconds or ISO 8601 (UTC unless it says); instead of --since",
+    )
     b.add_argument("--to", dest="to_ts", metavar="TIME", help="window end (default now)")
-    b.add_argument("--slo", help="goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2el=10s "
-                   "(a bare number is ms)")
+    b.add_argument(
+        "--slo", help="goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2el=10s (a bare number is ms)"
+    )
     b.add_argument("--csv", action="store_true", help="print CSV (one line per group, then TOTAL)")
     return p
 
@@ -180,7 +224,7 @@ def parse_time(text: str) -> float:
         t = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
         raise ValueError(f"bad time {text!r}: use unix seconds or ISO 8601") from None
-    return (t if t.tzinfo else t.replace(tzinfo=timezone.utc)).timestamp()
+    return (t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp()
 
 
 def window(args, now: float) -> tuple[float | None, float]:
@@ -207,7 +251,8 @@ def bench_main(args, parser) -> int:
         have = rows_read.columns(args.db)
         cols = ", ".join(c if c in have else f"NULL AS {c}" for c in benchview.READ_COLUMNS)
         sql = f"SELECT {cols} FROM request WHERE ts <= ?" + (
-            "" if start is None else " AND ts >= ?")
+            "" if start is None else " AND ts >= ?"
+        )
         rows = rows_read.fetch(args.db, sql, params)
     except rows_read.errors() as exc:
         print(f"relay report: cannot read {rows_read.shown(args.db)!r}: {exc}", file=sys.stderr)
@@ -217,19 +262,24 @@ def bench_main(args, parser) -> int:
     by = args.by or "model"
     groups, total = benchview.bench(rows, by, end - start, slo)
     if args.json:
-        print(json.dumps({"from": start, "to": end, "by": by, "groups": groups,
-                          "total": total}, indent=2))
+        print(
+            json.dumps(
+                {"from": start, "to": end, "by": by, "groups": groups, "total": total}, indent=2
+            )
+        )
     elif args.csv:
         print(benchview.render_csv(groups, total), end="")
     else:
-        print(f"relay report: {rows_read.shown(args.db)}, {len(rows)} requests from "
-              f"{_iso(start)} to {_iso(end)}; times in ms")
+        print(
+            f"relay report: {rows_read.shown(args.db)}, {len(rows)} requests from "
+            f"{_iso(start)} to {_iso(end)}; times in ms"
+        )
         print(benchview.render_table(groups, total, by), end="")
     return 0
 
 
 def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         since_s = parse_since(args.since)
     except ValueError as exc:
-        parser.error(str(exc))   # exits 2
+        parser.error(str(exc))  # exits 2
     why = rows_read.missing(args.db)
     if why is not None:
         print(f"relay report: {why}", file=sys.stderr)

@@ -22,7 +22,7 @@ SSE_HEAD = F.head(200, F.SSE_CT, sse=True)
 class Gen:
     """One streamed generation response, driven by a call_at chain."""
 
-    __slots__ = ("c", "req", "p", "f", "i", "handle", "t0", "stop_at", "role", "state", "cl_tail")
+    __slots__ = ("c", "cl_tail", "f", "handle", "i", "p", "req", "role", "state", "stop_at", "t0")
 
     def __init__(self, conn: _Conn, req: SimRequest, plan: Plan, frames: F.StreamFrames) -> None:
         self.c, self.req, self.p, self.f = conn, req, plan, frames
@@ -54,9 +54,11 @@ class Gen:
     def _tail_payloads(self, tm: dict) -> list[bytes]:
         p, f = self.p, self.f
         n = p.n or 0
-        parts = [f.stop_token_event(n, p.predicted_n, p.stop_word, p.eos, tm),
-                 f.final_events(n, p.predicted_n, p.finish, tm, p.stop_word, p.settings, p.prompt),
-                 f.done_event]
+        parts = [
+            f.stop_token_event(n, p.predicted_n, p.stop_word, p.eos, tm),
+            f.final_events(n, p.predicted_n, p.finish, tm, p.stop_word, p.settings, p.prompt),
+            f.done_event,
+        ]
         return [x for x in parts if x]
 
     def _tail(self, tm: dict) -> bytes:
@@ -72,7 +74,9 @@ class Gen:
         keep = self.c._keep
         if p.content_length:
             n = p.n or 0
-            self.cl_tail = self._tail(F.timings(p.prompt_n, p.predicted_n, (p.ftd + max(n - 1, 0) * p.interval) * 1e3))
+            self.cl_tail = self._tail(
+                F.timings(p.prompt_n, p.predicted_n, (p.ftd + max(n - 1, 0) * p.interval) * 1e3)
+            )
             length = f.body_len(n) + len(role or b"") + len(self.cl_tail)
             head = F.head(200, F.SSE_CT, length=length, sse=True, close=not keep)
         elif f.kind == "octet" or not keep:
@@ -101,7 +105,7 @@ class Gen:
         if self.p.content_length:
             return b"".join(evs)
         per = self.p.events_per_chunk
-        return b"".join(F.chunk(b"".join(evs[k:k + per])) for k in range(0, len(evs), per))
+        return b"".join(F.chunk(b"".join(evs[k : k + per])) for k in range(0, len(evs), per))
 
     def _tick(self) -> None:
         self.handle = None

@@ -16,9 +16,10 @@ from relay.sim.shapes import SHAPES
 @dataclass
 class Plan:
     """What to send for one generation request (derived from the body and the "sim" knobs)."""
+
     kind: str
     stream: bool
-    n: int | None            # content events; None = chatty (endless)
+    n: int | None  # content events; None = chatty (endless)
     predicted_n: int
     finish: str
     prompt_n: int
@@ -30,11 +31,13 @@ class Plan:
     mid_chunk: bool = False
     drop_after: int | None = None
     content_length: bool = False
-    eos: bool = False        # an EOS token event before the final one (text: knob; native: default)
-    stop_word: str | None = None  # the stop string that ended generation (its token is not sent as text)
+    eos: bool = False  # an EOS token event before the final one (text: knob; native: default)
+    stop_word: str | None = (
+        None  # the stop string that ended generation (its token is not sent as text)
+    )
     settings: dict | None = None  # native: generation_settings of the final event
-    prompt: str = ""         # native: "prompt" of the final event
-    shape: str = "llama"     # chat chunks: "llama", "vllm" or "openai" (relay/sim_shapes.py)
+    prompt: str = ""  # native: "prompt" of the final event
+    shape: str = "llama"  # chat chunks: "llama", "vllm" or "openai" (relay/sim_shapes.py)
     events_per_chunk: int = 1  # content events per chunk (coalesced, as some servers do)
     chunks_per_write: int = 1  # chunks per write (so several reach the peer in one read)
 
@@ -44,7 +47,9 @@ def as_int(v) -> int | None:
 
 
 def as_num(v, default: float) -> float:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 else default
+    return (
+        float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 else default
+    )
 
 
 def _prompt_chars(kind: str, body: dict) -> int:
@@ -78,8 +83,11 @@ def make_plan(kind: str, body: dict, d) -> Plan:
     # max_output_tokens but the Responses API); the first one present wins, and a negative
     # one means no limit
     limit = None
-    fields = ("n_predict", "max_tokens") if kind == "native" else (
-        "n_predict", "max_tokens", "max_completion_tokens")
+    fields = (
+        ("n_predict", "max_tokens")
+        if kind == "native"
+        else ("n_predict", "max_tokens", "max_completion_tokens")
+    )
     for k in fields:
         v = as_int(body.get(k))
         if v is not None:
@@ -104,14 +112,19 @@ def make_plan(kind: str, body: dict, d) -> Plan:
     # Real llama-server sends the EOS token as an empty event on /v1/completions and /completion
     # (not on chat); the tiny model's text never ends on its own, so the "tokens" knob stands for
     # "the model stopped after N tokens" and an EOS event is opt-in for text, default for native.
-    eos = (kind in ("text", "native") and finish == "stop" and sm is None
-           and bool(sim.get("eos_event", kind == "native")))
+    eos = (
+        kind in ("text", "native")
+        and finish == "stop"
+        and sm is None
+        and bool(sim.get("eos_event", kind == "native"))
+    )
     if eos:
         predicted += 1
     settings, prompt = None, ""
     if kind == "native":
-        settings = generation_settings(stop_words(body.get("stop")), -1 if limit is None else limit,
-                                       body.get("stream") is True)
+        settings = generation_settings(
+            stop_words(body.get("stop")), -1 if limit is None else limit, body.get("stream") is True
+        )
         p = body.get("prompt")
         if isinstance(p, list):
             p = "".join(x for x in p if isinstance(x, str))
@@ -121,14 +134,26 @@ def make_plan(kind: str, body: dict, d) -> Plan:
     if chatty:
         n, interval = None, interval or 0.01
     shape = sim.get("shape", d.shape)
-    return Plan(kind=kind, stream=body.get("stream") is True or chatty or kind == "octet" or cl,
-                 n=n, predicted_n=predicted, finish=finish,
-                 prompt_n=max(1, _prompt_chars(kind, body) // 4), interval=interval,
-                 ftd=as_num(sim.get("first_token_delay_ms"), d.first_token_delay_ms) / 1000.0,
-                 head_delay=as_num(sim.get("head_delay_ms"), d.head_delay_ms) / 1000.0,
-                 stall_after=as_int(sim.get("stall_after")), mid_line=bool(sim.get("stall_mid_line")),
-                 mid_chunk=bool(sim.get("stall_mid_chunk")), drop_after=as_int(sim.get("drop_after")),
-                 content_length=cl, eos=eos, stop_word=word, settings=settings, prompt=prompt,
-                 shape=shape if shape in SHAPES else d.shape,
-                 events_per_chunk=_count(sim.get("events_per_chunk"), d.events_per_chunk),
-                 chunks_per_write=_count(sim.get("chunks_per_write"), d.chunks_per_write))
+    return Plan(
+        kind=kind,
+        stream=body.get("stream") is True or chatty or kind == "octet" or cl,
+        n=n,
+        predicted_n=predicted,
+        finish=finish,
+        prompt_n=max(1, _prompt_chars(kind, body) // 4),
+        interval=interval,
+        ftd=as_num(sim.get("first_token_delay_ms"), d.first_token_delay_ms) / 1000.0,
+        head_delay=as_num(sim.get("head_delay_ms"), d.head_delay_ms) / 1000.0,
+        stall_after=as_int(sim.get("stall_after")),
+        mid_line=bool(sim.get("stall_mid_line")),
+        mid_chunk=bool(sim.get("stall_mid_chunk")),
+        drop_after=as_int(sim.get("drop_after")),
+        content_length=cl,
+        eos=eos,
+        stop_word=word,
+        settings=settings,
+        prompt=prompt,
+        shape=shape if shape in SHAPES else d.shape,
+        events_per_chunk=_count(sim.get("events_per_chunk"), d.events_per_chunk),
+        chunks_per_write=_count(sim.get("chunks_per_write"), d.chunks_per_write),
+    )

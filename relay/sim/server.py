@@ -26,14 +26,22 @@ from relay.sim.shapes import SHAPES
 
 GEN_ROUTES = ("chat", "text", "native")
 _ROUTES = {
-    ("GET", "/health"): "health", ("GET", "/v1/health"): "health",
-    ("GET", "/v1/models"): "models", ("GET", "/models"): "models",
-    ("GET", "/props"): "props", ("GET", "/slots"): "slots", ("GET", "/metrics"): "metrics",
-    ("POST", "/v1/chat/completions"): "chat", ("POST", "/chat/completions"): "chat",
-    ("POST", "/v1/completions"): "text", ("POST", "/completions"): "text",
+    ("GET", "/health"): "health",
+    ("GET", "/v1/health"): "health",
+    ("GET", "/v1/models"): "models",
+    ("GET", "/models"): "models",
+    ("GET", "/props"): "props",
+    ("GET", "/slots"): "slots",
+    ("GET", "/metrics"): "metrics",
+    ("POST", "/v1/chat/completions"): "chat",
+    ("POST", "/chat/completions"): "chat",
+    ("POST", "/v1/completions"): "text",
+    ("POST", "/completions"): "text",
     ("POST", "/completion"): "native",
-    ("POST", "/tokenize"): "tokenize", ("POST", "/detokenize"): "detokenize",
-    ("POST", "/v1/embeddings"): "embeddings", ("POST", "/embeddings"): "embeddings",
+    ("POST", "/tokenize"): "tokenize",
+    ("POST", "/detokenize"): "detokenize",
+    ("POST", "/v1/embeddings"): "embeddings",
+    ("POST", "/embeddings"): "embeddings",
 }
 _LOADING = F.error_body(503, "Loading model", "unavailable_error")
 _STALLED = types.SimpleNamespace(cancel=lambda: None)  # a response that never comes
@@ -220,31 +228,52 @@ class _Conn(asyncio.Protocol):
         finally:
             self._in_process = False
 
-    def _simple(self, status: int, body: bytes, ctype: bytes = F.JSON_CT, close: bool = False,
-                extra: tuple = ()) -> bytes:
+    def _simple(
+        self,
+        status: int,
+        body: bytes,
+        ctype: bytes = F.JSON_CT,
+        close: bool = False,
+        extra: tuple = (),
+    ) -> bytes:
         if self.req is not None:
             self.req.status = status
         return F.head(status, ctype, length=len(body), close=close, extra=extra) + body
 
-    def _respond(self, status: int, body, ctype: bytes = F.JSON_CT, delay: float = 0.0, extra: tuple = (),
-                 setup=None) -> None:
+    def _respond(
+        self,
+        status: int,
+        body,
+        ctype: bytes = F.JSON_CT,
+        delay: float = 0.0,
+        extra: tuple = (),
+        setup=None,
+    ) -> None:
         """Content-Length response (body may be a callable built at send time), after ``delay`` s."""
         if delay > 0:
-            self.active = self.loop.call_at(self.req.started_at + delay, self._respond, status, body, ctype,
-                                            0.0, extra, setup)
+            self.active = self.loop.call_at(
+                self.req.started_at + delay, self._respond, status, body, ctype, 0.0, extra, setup
+            )
             return
         if setup is not None:
             setup()
         keep = status < 400 and self._keep
-        self.transport.write(self._simple(status, body() if callable(body) else body, ctype, not keep, extra))
+        self.transport.write(
+            self._simple(status, body() if callable(body) else body, ctype, not keep, extra)
+        )
         self._complete(keep)
 
     def _dispatch(self) -> None:
         ev, sim = self._cur, self.sim
         self.nreq += 1
         body = b"".join(self._body)
-        req = SimRequest(method=ev.method.decode(), path=ev.target.decode("latin-1"),
-                         headers=list(ev.headers), body=body, started_at=self.loop.time())
+        req = SimRequest(
+            method=ev.method.decode(),
+            path=ev.target.decode("latin-1"),
+            headers=list(ev.headers),
+            body=body,
+            started_at=self.loop.time(),
+        )
         sim.requests.append(req)
         self.req = req
         conn_hdr = b",".join(v for k, v in ev.headers if k == b"connection").lower()
@@ -260,21 +289,32 @@ class _Conn(asyncio.Protocol):
             try:
                 data = msgspec.json.decode(body)
             except msgspec.DecodeError as e:
-                return self._respond(400, F.error_body(400, f"[json.exception.parse_error.101] parse error: {e}"))
+                return self._respond(
+                    400, F.error_body(400, f"[json.exception.parse_error.101] parse error: {e}")
+                )
             if not isinstance(data, dict):
                 return self._respond(400, F.error_body(400, "request body must be a JSON object"))
             req.json = data
         knobs = data.get("sim") if isinstance(data.get("sim"), dict) else {}
         d = sim.defaults
         if P.as_int(knobs.get("status")) is not None and knobs["status"] >= 400:
-            return self._respond(knobs["status"], F.error_body(knobs["status"]),
-                                 delay=P.as_num(knobs.get("head_delay_ms"), d.head_delay_ms) / 1000.0)
+            return self._respond(
+                knobs["status"],
+                F.error_body(knobs["status"]),
+                delay=P.as_num(knobs.get("head_delay_ms"), d.head_delay_ms) / 1000.0,
+            )
         if route in GEN_ROUTES:
             return self._generate(route, data, knobs)
         if route == "metrics":
-            return self._respond(200, F.metrics_body(sim.metrics_values()), ctype=F.METRICS_CT,
-                                 extra=(b"Process-Start-Time-Unix: %d" % int(sim.start_time),))
-        out = F.misc_body(route, data, d.model, int(sim.start_time), sim.parallel, sim.active_generations)
+            return self._respond(
+                200,
+                F.metrics_body(sim.metrics_values()),
+                ctype=F.METRICS_CT,
+                extra=(b"Process-Start-Time-Unix: %d" % int(sim.start_time),),
+            )
+        out = F.misc_body(
+            route, data, d.model, int(sim.start_time), sim.parallel, sim.active_generations
+        )
         self._respond(200, out)
 
     def _generate(self, route: str, data: dict, knobs: dict) -> None:
@@ -290,14 +330,23 @@ class _Conn(asyncio.Protocol):
             def send():
                 self.transport.write(out)
                 self.finish_stream()
+
             self.active = self.loop.call_at(req.started_at + p.head_delay, send)
             return
         if p.stream:
             req.status = 200
-            include_usage = isinstance(data.get("stream_options"), dict) and \
-                data["stream_options"].get("include_usage") is True
-            g = Gen(self, req, p, F.StreamFrames(p.kind, sim.defaults.model, p.prompt_n,
-                                                 include_usage, shape=p.shape))
+            include_usage = (
+                isinstance(data.get("stream_options"), dict)
+                and data["stream_options"].get("include_usage") is True
+            )
+            g = Gen(
+                self,
+                req,
+                p,
+                F.StreamFrames(
+                    p.kind, sim.defaults.model, p.prompt_n, include_usage, shape=p.shape
+                ),
+            )
             self.active = g
             g.start()
             return
@@ -308,8 +357,9 @@ class _Conn(asyncio.Protocol):
             self.active = _STALLED
             return
         if p.drop_after is not None:
-            self.active = self.loop.call_at(req.started_at + p.head_delay + p.ftd + p.drop_after * p.interval,
-                                            self.abort)
+            self.active = self.loop.call_at(
+                req.started_at + p.head_delay + p.ftd + p.drop_after * p.interval, self.abort
+            )
             return
 
         def count() -> None:
@@ -318,17 +368,28 @@ class _Conn(asyncio.Protocol):
             req.completion_tokens = p.predicted_n
 
         def body() -> bytes:
-            return F.nonstream_body(p.kind, sim.defaults.model, p.prompt_n, n, p.predicted_n, p.finish,
-                                    F.timings(p.prompt_n, p.predicted_n, gen_s * 1000.0),
-                                    p.stop_word, p.settings, p.prompt)
+            return F.nonstream_body(
+                p.kind,
+                sim.defaults.model,
+                p.prompt_n,
+                n,
+                p.predicted_n,
+                p.finish,
+                F.timings(p.prompt_n, p.predicted_n, gen_s * 1000.0),
+                p.stop_word,
+                p.settings,
+                p.prompt,
+            )
+
         self._respond(200, body, delay=p.head_delay + gen_s, setup=count)
 
 
 class Simulator:
     """In-process fake llama-server. ``await start()``; ``port`` is the bound port afterwards."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, defaults: SimDefaults | None = None,
-                 ssl=None) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, defaults: SimDefaults | None = None, ssl=None
+    ) -> None:
         self.host, self.port = host, port
         self.ssl = ssl  # an ssl.SSLContext: served over TLS (connections_opened = handshakes)
         self.defaults = defaults or SimDefaults()
@@ -356,14 +417,24 @@ class Simulator:
 
     def metrics_values(self) -> dict[str, float]:
         busy = self.active_generations
-        return {"prompt_tokens_total": self.prompt_tokens_total, "tokens_predicted_total": self.tokens_sent_total,
-                "n_decode_total": self.tokens_sent_total, "requests_processing": min(busy, self.parallel),
-                "requests_deferred": max(0, busy - self.parallel)}
+        return {
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "tokens_predicted_total": self.tokens_sent_total,
+            "n_decode_total": self.tokens_sent_total,
+            "requests_processing": min(busy, self.parallel),
+            "requests_deferred": max(0, busy - self.parallel),
+        }
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._server = await self._loop.create_server(lambda: _Conn(self), self.host, self.port,
-                                                      reuse_address=True, backlog=4096, ssl=self.ssl)
+        self._server = await self._loop.create_server(
+            lambda: _Conn(self),
+            self.host,
+            self.port,
+            reuse_address=True,
+            backlog=4096,
+            ssl=self.ssl,
+        )
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
@@ -374,7 +445,7 @@ class Simulator:
         if self._server is not None:
             try:
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
-            except (asyncio.TimeoutError, Exception):
+            except (TimeoutError, Exception):
                 pass
             self._server = None
 
@@ -390,15 +461,30 @@ async def _serve(args: argparse.Namespace) -> None:
     ctx = None
     if args.tls_cert:
         import ssl
+
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ctx.load_cert_chain(args.tls_cert, args.tls_key)
-    sim = Simulator(args.host, args.port, SimDefaults(
-        model=args.model, tokens=args.tokens, interval_ms=args.interval_ms,
-        first_token_delay_ms=args.first_token_delay_ms, head_delay_ms=args.head_delay_ms,
-        keep_streams=args.keep_alive_streams, shape=args.shape,
-        events_per_chunk=args.events_per_chunk, chunks_per_write=args.chunks_per_write), ssl=ctx)
+    sim = Simulator(
+        args.host,
+        args.port,
+        SimDefaults(
+            model=args.model,
+            tokens=args.tokens,
+            interval_ms=args.interval_ms,
+            first_token_delay_ms=args.first_token_delay_ms,
+            head_delay_ms=args.head_delay_ms,
+            keep_streams=args.keep_alive_streams,
+            shape=args.shape,
+            events_per_chunk=args.events_per_chunk,
+            chunks_per_write=args.chunks_per_write,
+        ),
+        ssl=ctx,
+    )
     await sim.start()
-    print(F.jdump({"event": "sim_listening", "host": args.host, "port": sim.port}).decode(), flush=True)
+    print(
+        F.jdump({"event": "sim_listening", "host": args.host, "port": sim.port}).decode(),
+        flush=True,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for s in (signal.SIGINT, signal.SIGTERM):
@@ -443,46 +529,83 @@ def _count(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="relay sim", description="llama-server simulator: OpenAI chat/completions, "
+        prog="relay sim",
+        description="llama-server simulator: OpenAI chat/completions, "
         "/completion, /health, /props, /slots, /metrics, /tokenize, embeddings, with "
         "deterministic text and exact usage/timings.",
-        epilog=SIM_KNOBS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=SIM_KNOBS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--host", default="127.0.0.1", help="listen address (default %(default)s)")
-    ap.add_argument("--port", type=int, default=8081,
-                    help="listen port, 0 for any free one (default %(default)s)")
-    ap.add_argument("--tokens", type=int, default=16,
-                    help="tokens generated when the request sets no limit (count, default "
-                    "%(default)s)")
-    ap.add_argument("--interval-ms", type=float, default=0.0,
-                    help="gap between two streamed tokens (milliseconds, default %(default)s)")
-    ap.add_argument("--first-token-delay-ms", type=float, default=0.0,
-                    help="from the response head to the first token (milliseconds, default "
-                    "%(default)s)")
-    ap.add_argument("--head-delay-ms", type=float, default=0.0,
-                    help="from the request to the response head (milliseconds, default "
-                    "%(default)s)")
-    ap.add_argument("--model", default="models/tiny.gguf",
-                    help="model name it reports (default %(default)s)")
-    ap.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS (default: plain "
-                    "HTTP)")
+    ap.add_argument(
+        "--port",
+        type=int,
+        default=8081,
+        help="listen port, 0 for any free one (default %(default)s)",
+    )
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        default=16,
+        help="tokens generated when the request sets no limit (count, default %(default)s)",
+    )
+    ap.add_argument(
+        "--interval-ms",
+        type=float,
+        default=0.0,
+        help="gap between two streamed tokens (milliseconds, default %(default)s)",
+    )
+    ap.add_argument(
+        "--first-token-delay-ms",
+        type=float,
+        default=0.0,
+        help="from the response head to the first token (milliseconds, default %(default)s)",
+    )
+    ap.add_argument(
+        "--head-delay-ms",
+        type=float,
+        default=0.0,
+        help="from the request to the response head (milliseconds, default %(default)s)",
+    )
+    ap.add_argument(
+        "--model", default="models/tiny.gguf", help="model name it reports (default %(default)s)"
+    )
+    ap.add_argument(
+        "--tls-cert", help="PEM certificate chain: serve over TLS (default: plain HTTP)"
+    )
     ap.add_argument("--tls-key", help="PEM private key of --tls-cert (default: none)")
-    ap.add_argument("--keep-alive-streams", action="store_true",
-                    help="keep the connection after a stream (a hosted API), not close it "
-                    "(default: close, as llama-server does)")
-    ap.add_argument("--shape", choices=SHAPES, default="llama",
-                    help="chat chunk shape: llama-server's, vLLM's (logprobs, usage null with "
-                    "include_usage), or OpenAI's (also service_tier, obfuscation padding) "
-                    "(default %(default)s)")
-    ap.add_argument("--events-per-chunk", type=_count, default=1,
-                    help="content events coalesced in one chunk (count, default %(default)s)")
-    ap.add_argument("--chunks-per-write", type=_count, default=1,
-                    help="chunks sent in one write, i.e. one read for the peer (count, "
-                    "default %(default)s)")
+    ap.add_argument(
+        "--keep-alive-streams",
+        action="store_true",
+        help="keep the connection after a stream (a hosted API), not close it "
+        "(default: close, as llama-server does)",
+    )
+    ap.add_argument(
+        "--shape",
+        choices=SHAPES,
+        default="llama",
+        help="chat chunk shape: llama-server's, vLLM's (logprobs, usage null with "
+        "include_usage), or OpenAI's (also service_tier, obfuscation padding) "
+        "(default %(default)s)",
+    )
+    ap.add_argument(
+        "--events-per-chunk",
+        type=_count,
+        default=1,
+        help="content events coalesced in one chunk (count, default %(default)s)",
+    )
+    ap.add_argument(
+        "--chunks-per-write",
+        type=_count,
+        default=1,
+        help="chunks sent in one write, i.e. one read for the peer (count, default %(default)s)",
+    )
     if argv and argv[0] == "sim":
         argv = argv[1:]
     args = ap.parse_args(argv)
     try:
         import uvloop
+
         factory = uvloop.new_event_loop
     except ImportError:
         factory = None

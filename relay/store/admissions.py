@@ -15,15 +15,24 @@ import sqlite3
 
 from relay.observe.record import CRASHED, RESERVED
 
-FIELDS = ("id", "ts", "request_id", "key_id", "path", "model", "stream",
-          "upstream_requested", "prompt_tokens", "completion_tokens")
+FIELDS = (
+    "id",
+    "ts",
+    "request_id",
+    "key_id",
+    "path",
+    "model",
+    "stream",
+    "upstream_requested",
+    "prompt_tokens",
+    "completion_tokens",
+)
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS admission (id INTEGER PRIMARY KEY, ts REAL, request_id TEXT,"
     " key_id TEXT, path TEXT, model TEXT, stream INTEGER, upstream_requested TEXT,"
     " prompt_tokens INTEGER, completion_tokens INTEGER)",
 )
-INSERT = (f"INSERT INTO admission ({', '.join(FIELDS)}) "
-          f"VALUES ({', '.join('?' for _ in FIELDS)})")
+INSERT = f"INSERT INTO admission ({', '.join(FIELDS)}) VALUES ({', '.join('?' for _ in FIELDS)})"
 DELETE = "DELETE FROM admission WHERE id = ?"
 # what a budget charges: requests an upstream served, and requests cut by a crash
 CHARGED = f"(upstream_served IS NOT NULL OR error_code = '{CRASHED}')"
@@ -40,8 +49,18 @@ _RECOVER = (
 
 def values(admission_id: int, rec, prompt_tokens: int, completion_tokens: int) -> tuple:
     """The admission record of a request (`rec`: relay.record.Record)."""
-    return (admission_id, rec.ts, rec.request_id, rec.key_id, rec.path, rec.model,
-            int(rec.stream), rec.upstream_requested, prompt_tokens, completion_tokens)
+    return (
+        admission_id,
+        rec.ts,
+        rec.request_id,
+        rec.key_id,
+        rec.path,
+        rec.model,
+        int(rec.stream),
+        rec.upstream_requested,
+        prompt_tokens,
+        completion_tokens,
+    )
 
 
 def insert(conn: sqlite3.Connection, records: list[tuple]) -> None:

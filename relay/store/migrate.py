@@ -10,11 +10,14 @@ from __future__ import annotations
 import sqlite3
 
 
-def add_missing_columns(conn: sqlite3.Connection, table: str,
-                        columns: tuple[tuple[str, str], ...]) -> list[str]:
+def add_missing_columns(
+    conn: sqlite3.Connection, table: str, columns: tuple[tuple[str, str], ...]
+) -> list[str]:
     """Add every (name, type) of `columns` the table lacks; the names added, in order."""
-    have = {row[1] if isinstance(row, tuple) else row["name"]
-            for row in conn.execute(f"PRAGMA table_info({table})").fetchall()}
+    have = {
+        row[1] if isinstance(row, tuple) else row["name"]
+        for row in conn.execute(f"PRAGMA table_info({table})").fetchall()
+    }
     missing = [(c, t) for c, t in columns if c not in have]
     if not missing:
         return []

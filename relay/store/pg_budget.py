@@ -27,15 +27,31 @@ class Unavailable(RuntimeError):
     """The shared budget cannot be asked now (PostgreSQL unreachable)."""
 
 
-def reserve_params(lease_id: str, relay_id: str, ttl: float, res, rec, prompt: int,
-                   completion: int) -> tuple:
+def reserve_params(
+    lease_id: str, relay_id: str, ttl: float, res, rec, prompt: int, completion: int
+) -> tuple:
     """relay_reserve's arguments: the lease, the request, the windows of `res` (a local
     relay.budget.Reservation: its windows carry kind, start and limits)."""
     ws = res.windows
-    return (lease_id, relay_id, res.key_id, res.tokens, ttl, rec.ts, rec.request_id, rec.path,
-            rec.model, int(rec.stream), rec.upstream_requested, prompt, completion,
-            [w.kind for w in ws], list(res.starts), [w.req_limit for w in ws],
-            [w.tok_limit for w in ws])
+    return (
+        lease_id,
+        relay_id,
+        res.key_id,
+        res.tokens,
+        ttl,
+        rec.ts,
+        rec.request_id,
+        rec.path,
+        rec.model,
+        int(rec.stream),
+        rec.upstream_requested,
+        prompt,
+        completion,
+        [w.kind for w in ws],
+        list(res.starts),
+        [w.req_limit for w in ws],
+        [w.tok_limit for w in ws],
+    )
 
 
 def decision(answer: str | None, res, now: float) -> BudgetExceeded | None:
@@ -55,20 +71,27 @@ def decision(answer: str | None, res, now: float) -> BudgetExceeded | None:
 class SharedBudget:
     pool_size = 4
 
-    def __init__(self, connect_kwargs: dict, relay_id: str, ttl: float,
-                 timeout_s: float = 2.0, retry_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        connect_kwargs: dict,
+        relay_id: str,
+        ttl: float,
+        timeout_s: float = 2.0,
+        retry_s: float = 0.5,
+    ) -> None:
         self.kw = connect_kwargs
         self.relay_id = relay_id
         self.ttl = ttl
         self.timeout_s = timeout_s
         self.retry_s = retry_s
-        self.unavailable = 0   # calls that found the server unreachable
+        self.unavailable = 0  # calls that found the server unreachable
         self._idle: list = []
         self._sem: asyncio.Semaphore | None = None
         self._down_until = 0.0
 
-    async def reserve(self, lease_id: str, res, rec, prompt: int, completion: int,
-                      now: float) -> BudgetExceeded | None:
+    async def reserve(
+        self, lease_id: str, res, rec, prompt: int, completion: int, now: float
+    ) -> BudgetExceeded | None:
         params = reserve_params(lease_id, self.relay_id, self.ttl, res, rec, prompt, completion)
         row = await self._one(pg_sql.RESERVE, params)
         return decision(row[0], res, now)
@@ -131,7 +154,8 @@ class SharedBudget:
         try:
             async with asyncio.timeout(self.timeout_s):
                 return await psycopg.AsyncConnection.connect(
-                    **self.kw, autocommit=True, connect_timeout=max(1, int(self.timeout_s)))
+                    **self.kw, autocommit=True, connect_timeout=max(1, int(self.timeout_s))
+                )
         except (OSError, TimeoutError, psycopg.Error) as exc:
             self._failed()
             raise Unavailable(f"PostgreSQL: {_why(exc)}") from None
@@ -144,8 +168,9 @@ class SharedBudget:
 def _retryable(exc: BaseException) -> bool:
     import psycopg
 
-    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError, OSError,
-                            TimeoutError))
+    return isinstance(
+        exc, (psycopg.OperationalError, psycopg.InterfaceError, OSError, TimeoutError)
+    )
 
 
 def _why(exc: BaseException) -> str:
@@ -155,5 +180,5 @@ def _why(exc: BaseException) -> str:
 async def _discard(conn) -> None:
     try:
         await conn.close()
-    except Exception:  # noqa: BLE001 - a connection already broken
+    except Exception:
         pass

@@ -29,18 +29,34 @@ _PG_TYPE = {"REAL": "DOUBLE PRECISION", "INTEGER": "BIGINT", "TEXT": "TEXT"}
 ROW_COLUMNS = COLUMNS + ("row_id",)
 CHARGED = durable.CHARGED
 NOW = "extract(epoch from clock_timestamp())"
-SCHEMA_LOCK = 0x72656c6179  # "relay": relays starting together create the schema once
+SCHEMA_LOCK = 0x72656C6179  # "relay": relays starting together create the schema once
 
-RES_FIELDS = ("id", "relay_id", "key_id", "expires", "tokens", "ts", "request_id", "path",
-              "model", "stream", "upstream_requested", "prompt_tokens", "completion_tokens")
+RES_FIELDS = (
+    "id",
+    "relay_id",
+    "key_id",
+    "expires",
+    "tokens",
+    "ts",
+    "request_id",
+    "path",
+    "model",
+    "stream",
+    "upstream_requested",
+    "prompt_tokens",
+    "completion_tokens",
+)
 
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS request ("
-    + ", ".join(f"{c} {_PG_TYPE[t]}" for c, t in zip(COLUMNS, _TYPES)) + ", row_id TEXT)",
+    + ", ".join(f"{c} {_PG_TYPE[t]}" for c, t in zip(COLUMNS, _TYPES))
+    + ", row_id TEXT)",
     # a table an older relay created gains the columns added since (relay/migrate.py's job
     # on SQLite)
-    *(f"ALTER TABLE request ADD COLUMN IF NOT EXISTS {c} {_PG_TYPE[t]}"
-      for c, t in zip(ROW_COLUMNS, _TYPES + ("TEXT",))),
+    *(
+        f"ALTER TABLE request ADD COLUMN IF NOT EXISTS {c} {_PG_TYPE[t]}"
+        for c, t in zip(ROW_COLUMNS, _TYPES + ("TEXT",))
+    ),
     "CREATE UNIQUE INDEX IF NOT EXISTS request_row_id ON request (row_id)",
     "CREATE INDEX IF NOT EXISTS request_ts ON request (ts)",
     "CREATE INDEX IF NOT EXISTS request_key_ts ON request (key_id, ts)",
@@ -55,9 +71,12 @@ SCHEMA = (
 # A row replaces the `relay_crashed` placeholder its expired lease left (a relay cut off from
 # the server longer than reservation_ttl_s); any other row already there is kept as it is.
 _CRASHED_ONLY = f"request.error_code = '{durable.CRASHED}'"
-INSERT = (f"INSERT INTO request ({', '.join(ROW_COLUMNS)}) "
-          f"VALUES ({', '.join('%s' for _ in ROW_COLUMNS)}) ON CONFLICT (row_id) DO UPDATE SET "
-          + ", ".join(f"{c} = EXCLUDED.{c}" for c in COLUMNS) + f" WHERE {_CRASHED_ONLY}")
+INSERT = (
+    f"INSERT INTO request ({', '.join(ROW_COLUMNS)}) "
+    f"VALUES ({', '.join('%s' for _ in ROW_COLUMNS)}) ON CONFLICT (row_id) DO UPDATE SET "
+    + ", ".join(f"{c} = EXCLUDED.{c}" for c in COLUMNS)
+    + f" WHERE {_CRASHED_ONLY}"
+)
 DELETE_LEASES = "DELETE FROM reservation WHERE id = ANY(%s)"
 
 _EXPIRE = (
@@ -67,13 +86,16 @@ _EXPIRE = (
     " bytes_out, client_closed, row_id)"
     " SELECT ts, request_id, key_id, path, model, stream, upstream_requested, 0, 0,"
     f" '{durable.CRASHED}', prompt_tokens, completion_tokens, '{durable.RESERVED}', 0, 0, id"
-    " FROM gone ORDER BY key_id ON CONFLICT (row_id) DO NOTHING")  # (key order: _commit_pg)
+    " FROM gone ORDER BY key_id ON CONFLICT (row_id) DO NOTHING"
+)  # (key order: _commit_pg)
 EXPIRE_ALL = _EXPIRE.format(where=f"expires < {NOW}")
 RENEW = f"UPDATE reservation SET expires = {NOW} + %s WHERE relay_id = %s"
 
 DAY = "floor({ts} / 86400) * 86400"  # the UTC day of a time (seconds since the epoch)
-_CHARGE = (f"CASE WHEN {CHARGED} THEN 1 ELSE 0 END",
-           "coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0)")
+_CHARGE = (
+    f"CASE WHEN {CHARGED} THEN 1 ELSE 0 END",
+    "coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0)",
+)
 
 USAGE_DAY = f"""
 CREATE OR REPLACE FUNCTION relay_usage_day() RETURNS trigger LANGUAGE plpgsql AS $fn$
@@ -170,7 +192,7 @@ BEGIN
             RETURN p_kinds[i] || '_tokens ' || used_tok;
         END IF;
     END LOOP;
-    INSERT INTO reservation ({', '.join(RES_FIELDS)}) VALUES (p_id, p_relay, p_key,
+    INSERT INTO reservation ({", ".join(RES_FIELDS)}) VALUES (p_id, p_relay, p_key,
         {NOW} + p_ttl, p_tokens, p_ts, p_request_id, p_path, p_model, p_stream, p_upstream,
         p_prompt, p_completion);
     RETURN NULL;
@@ -184,11 +206,15 @@ RESERVE = "SELECT relay_reserve(" + ", ".join("%s" for _ in range(17)) + ")"
 USAGE = "SELECT n, t AS tokens FROM relay_used(%s, %s)"  # (a key's: budgets have keys)
 # the same summed over the key's rows, as relay_reserve read it before usage_day: the reference
 # tests/test_pg_usage_day.py holds relay_used to, and what bench/pg_reserve_scale.py times
-USED_BY_ROWS = (f"SELECT coalesce(sum({_CHARGE[0]}), 0), coalesce(sum({_CHARGE[1]}), 0)"
-                " FROM request WHERE key_id = %s AND ts >= %s")
-COUNT = ("SELECT count(*) AS n, coalesce(sum(coalesce(prompt_tokens, 0)"
-         " + coalesce(completion_tokens, 0)), 0) AS tokens"
-         " FROM request WHERE key_id IS NOT DISTINCT FROM %s AND ts >= %s")
+USED_BY_ROWS = (
+    f"SELECT coalesce(sum({_CHARGE[0]}), 0), coalesce(sum({_CHARGE[1]}), 0)"
+    " FROM request WHERE key_id = %s AND ts >= %s"
+)
+COUNT = (
+    "SELECT count(*) AS n, coalesce(sum(coalesce(prompt_tokens, 0)"
+    " + coalesce(completion_tokens, 0)), 0) AS tokens"
+    " FROM request WHERE key_id IS NOT DISTINCT FROM %s AND ts >= %s"
+)
 PRUNE = "DELETE FROM request WHERE ts < %s"
 
 

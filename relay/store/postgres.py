@@ -50,24 +50,36 @@ class PgStore(Store):
     reconnect_s = 0.5
     statement_timeout_ms = 10_000
 
-    def __init__(self, url: str, kw: dict, spill_path: str = DEFAULT_SPILL,
-                 reservation_ttl_s: float = 30.0, retention_days: float = 30.0,
-                 log: Log | None = None, **opts) -> None:
+    def __init__(
+        self,
+        url: str,
+        kw: dict,
+        spill_path: str = DEFAULT_SPILL,
+        reservation_ttl_s: float = 30.0,
+        retention_days: float = 30.0,
+        log: Log | None = None,
+        **opts,
+    ) -> None:
         super().__init__(url, retention_days, log=log, **opts)
         # the writer thread blocks on its connection: bounded by the server (statement
         # timeout) and, for a server that vanished from the network, by TCP itself
-        self.kw = {**kw, "connect_timeout": self.connect_timeout_s,
-                   "options": f"-c statement_timeout={self.statement_timeout_ms}",
-                   "tcp_user_timeout": self.statement_timeout_ms, "keepalives_idle": 5,
-                   "keepalives_interval": 2, "keepalives_count": 3}
+        self.kw = {
+            **kw,
+            "connect_timeout": self.connect_timeout_s,
+            "options": f"-c statement_timeout={self.statement_timeout_ms}",
+            "tcp_user_timeout": self.statement_timeout_ms,
+            "keepalives_idle": 5,
+            "keepalives_interval": 2,
+            "keepalives_count": 3,
+        }
         self.relay_id = os.urandom(8).hex()  # this process: its leases and its row ids
         self._ids = itertools.count(1)
         self.spill = Spill(spill_path)
-        self.rows_spilled = 0    # rows that went to the spill file (total)
-        self.rows_replayed = 0   # rows replayed from it into the database (total)
+        self.rows_spilled = 0  # rows that went to the spill file (total)
+        self.rows_replayed = 0  # rows replayed from it into the database (total)
         self.ttl = reservation_ttl_s
         self.shared = SharedBudget(kw, self.relay_id, reservation_ttl_s)
-        self._conn: psycopg.Connection | None = None   # the writer thread's
+        self._conn: psycopg.Connection | None = None  # the writer thread's
         self._retry_at = 0.0
 
     @classmethod
@@ -75,10 +87,17 @@ class PgStore(Store):
         try:
             kw = pg_connect_kwargs(cfg.url, cfg.password_env)
         except KeyError as exc:
-            raise ConfigError(f"store.password_env: environment variable {exc.args[0]} is "
-                              "not set") from None
-        return cls(cfg.url, kw, cfg.spill_path or DEFAULT_SPILL, cfg.reservation_ttl_s,
-                   cfg.retention_days, log)
+            raise ConfigError(
+                f"store.password_env: environment variable {exc.args[0]} is not set"
+            ) from None
+        return cls(
+            cfg.url,
+            kw,
+            cfg.spill_path or DEFAULT_SPILL,
+            cfg.reservation_ttl_s,
+            cfg.retention_days,
+            log,
+        )
 
     # ---- event-loop side -------------------------------------------------------------
     def next_admission_id(self) -> str:
@@ -98,21 +117,30 @@ class PgStore(Store):
     def spilled(self) -> int:
         return self.spill.count
 
-    async def admit(self, admission_id: str, rec, prompt_tokens: int, completion_tokens: int,
-                    timeout: float | None = None, res=None) -> None:
+    async def admit(
+        self,
+        admission_id: str,
+        rec,
+        prompt_tokens: int,
+        completion_tokens: int,
+        timeout: float | None = None,
+        res=None,
+    ) -> None:
         """Take the request's lease in the shared budget: BudgetExceeded if a window is
         full across all relays; RuntimeError if the server cannot be asked (the caller
         serves on the local budget view)."""
         if res is None:
             return
         try:
-            exceeded = await self.shared.reserve(admission_id, res, rec, prompt_tokens,
-                                                 completion_tokens, time.time())
+            exceeded = await self.shared.reserve(
+                admission_id, res, rec, prompt_tokens, completion_tokens, time.time()
+            )
         except Unavailable as exc:
             raise RuntimeError(f"shared budget not asked, the local view holds: {exc}") from None
         except psycopg.Error as exc:  # refused by the server (a deadlock victim, ...): the same
-            raise RuntimeError(f"shared budget failed, the local view holds: {_first(exc)}") \
-                from None
+            raise RuntimeError(
+                f"shared budget failed, the local view holds: {_first(exc)}"
+            ) from None
         if exceeded is not None:
             raise exceeded
 
@@ -145,8 +173,9 @@ class PgStore(Store):
         """SQLite-style SQL (`?`), read on a short-lived connection."""
         return self._read(pg_sql.portable(sql), params)
 
-    def usage_since(self, key_id: str | None, since_ts: float,
-                    served_only: bool = False) -> tuple[int, int]:
+    def usage_since(
+        self, key_id: str | None, since_ts: float, served_only: bool = False
+    ) -> tuple[int, int]:
         row = self._read(pg_sql.USAGE if served_only else pg_sql.COUNT, (key_id, since_ts))[0]
         return int(row["n"]), int(row["tokens"])
 
@@ -174,8 +203,13 @@ class PgStore(Store):
         except psycopg.Error as exc:
             self._disconnect()
             raise PgUnreachable(f"store.url: {_first(exc)}") from None
-        self.log.event("store_postgres", relay_id=self.relay_id, url=self.path,
-                       spill_path=self.spill.path, spilled=self.spill.count)
+        self.log.event(
+            "store_postgres",
+            relay_id=self.relay_id,
+            url=self.path,
+            spill_path=self.spill.path,
+            spilled=self.spill.count,
+        )
         self._replay()
         self._prune(None)
         return SimpleNamespace(close=self._disconnect)
@@ -208,7 +242,7 @@ class PgStore(Store):
             return
         try:
             for i in range(0, len(rows), self.batch_max):
-                self._commit_pg(rows[i:i + self.batch_max])
+                self._commit_pg(rows[i : i + self.batch_max])
         except _LOST as exc:
             self._lost(exc)
             return
@@ -258,7 +292,7 @@ class PgStore(Store):
                 return
             delay = min(delay * 2, self.retry_max_s)
         self.rows_spilled += len(rows)
-        with self._settled_cv:   # durable (locally): flush() need not wait for them
+        with self._settled_cv:  # durable (locally): flush() need not wait for them
             self._settled += len(rows)
             self._settled_cv.notify_all()
 
@@ -275,11 +309,14 @@ class PgStore(Store):
 
     def _lost(self, exc: BaseException) -> None:
         self.write_errors += 1
-        self._warn("unreachable", f"PostgreSQL unreachable ({_first(exc)}); rows go to "
-                   f"the spill file {self.spill.path!r}")
+        self._warn(
+            "unreachable",
+            f"PostgreSQL unreachable ({_first(exc)}); rows go to "
+            f"the spill file {self.spill.path!r}",
+        )
         try:
             self._conn.close()
-        except Exception:  # noqa: BLE001 - already broken
+        except Exception:
             pass
         self._conn = None
         self._retry_at = time.monotonic() + self.reconnect_s
@@ -308,8 +345,9 @@ class PgStore(Store):
 def _pg_row(values: tuple, now: float) -> tuple:
     """A queued row (columns, then its row id) as PostgreSQL takes it: booleans as 0/1 (the
     columns are integers, as in SQLite)."""
-    return tuple(int(v) if v is True or v is False else v
-                 for v in clean(values[:-1], now)) + (values[-1],)
+    return tuple(int(v) if v is True or v is False else v for v in clean(values[:-1], now)) + (
+        values[-1],
+    )
 
 
 def _by_key(row: tuple) -> str:

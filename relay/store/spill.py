@@ -72,8 +72,8 @@ def _line(line: bytes) -> tuple | None:
 class Spill:
     def __init__(self, path: str) -> None:
         self.path = path
-        self.count = 0      # rows in the file now
-        self.damaged = 0    # complete lines skipped because their checksum failed
+        self.count = 0  # rows in the file now
+        self.damaged = 0  # complete lines skipped because their checksum failed
         self._fd: int | None = None
 
     def open(self) -> list[tuple]:
@@ -83,8 +83,10 @@ class Spill:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise SpillLocked(f"store.spill_path {self.path!r} is in use by another relay "
-                              "process (give each relay its own spill_path)") from None
+            raise SpillLocked(
+                f"store.spill_path {self.path!r} is in use by another relay "
+                "process (give each relay its own spill_path)"
+            ) from None
         self._fd = fd
         size = os.fstat(fd).st_size
         data = os.pread(fd, size, 0) if size else b""

@@ -26,30 +26,76 @@ from relay.observe.log import Log
 from relay.store import admissions as durable
 from relay.store.migrate import add_missing_columns
 
-COLUMNS = ("ts", "request_id", "key_id", "path", "model", "stream", "upstream_requested",
-           "upstream_served", "fallback_attempts", "status", "ok", "error_code", "queue_ms",
-           "ttft_ms", "total_ms", "prompt_tokens", "completion_tokens", "tokens_source",
-           "bytes_out", "client_closed", "error")
-_TYPES = ("REAL", "TEXT", "TEXT", "TEXT", "TEXT", "INTEGER", "TEXT",
-          "TEXT", "INTEGER", "INTEGER", "INTEGER", "TEXT", "REAL",
-          "REAL", "REAL", "INTEGER", "INTEGER", "TEXT",
-          "INTEGER", "INTEGER", "TEXT")
+COLUMNS = (
+    "ts",
+    "request_id",
+    "key_id",
+    "path",
+    "model",
+    "stream",
+    "upstream_requested",
+    "upstream_served",
+    "fallback_attempts",
+    "status",
+    "ok",
+    "error_code",
+    "queue_ms",
+    "ttft_ms",
+    "total_ms",
+    "prompt_tokens",
+    "completion_tokens",
+    "tokens_source",
+    "bytes_out",
+    "client_closed",
+    "error",
+)
+_TYPES = (
+    "REAL",
+    "TEXT",
+    "TEXT",
+    "TEXT",
+    "TEXT",
+    "INTEGER",
+    "TEXT",
+    "TEXT",
+    "INTEGER",
+    "INTEGER",
+    "INTEGER",
+    "TEXT",
+    "REAL",
+    "REAL",
+    "REAL",
+    "INTEGER",
+    "INTEGER",
+    "TEXT",
+    "INTEGER",
+    "INTEGER",
+    "TEXT",
+)
 # Columns added after the first schema: databases of an older relay gain them at start
 # (relay/migrate.py; `error` came with TLS upstreams, the timings with issue 13).
-ADDED = (("first_byte_ms", "REAL"), ("e2e_ms", "REAL"), ("tpot_ms", "REAL"),
-         ("itl_p50_ms", "REAL"), ("itl_p99_ms", "REAL"), ("itl_max_ms", "REAL"),
-         ("itl_hist", "TEXT"), ("prompt_ms", "REAL"), ("prompt_per_second", "REAL"),
-         ("predicted_per_second", "REAL"))
+ADDED = (
+    ("first_byte_ms", "REAL"),
+    ("e2e_ms", "REAL"),
+    ("tpot_ms", "REAL"),
+    ("itl_p50_ms", "REAL"),
+    ("itl_p99_ms", "REAL"),
+    ("itl_max_ms", "REAL"),
+    ("itl_hist", "TEXT"),
+    ("prompt_ms", "REAL"),
+    ("prompt_per_second", "REAL"),
+    ("predicted_per_second", "REAL"),
+)
 COLUMNS += tuple(c for c, _ in ADDED)
 _TYPES += tuple(t for _, t in ADDED)
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS request ("
-    + ", ".join(f"{c} {t}" for c, t in zip(COLUMNS, _TYPES)) + ")",
+    + ", ".join(f"{c} {t}" for c, t in zip(COLUMNS, _TYPES))
+    + ")",
     "CREATE INDEX IF NOT EXISTS request_ts ON request (ts)",
     "CREATE INDEX IF NOT EXISTS request_key_ts ON request (key_id, ts)",
 )
-INSERT = (f"INSERT INTO request ({', '.join(COLUMNS)}) "
-          f"VALUES ({', '.join('?' for _ in COLUMNS)})")
+INSERT = f"INSERT INTO request ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)})"
 _KEYS = COLUMNS + ("admission_id",)  # a queued row: its columns, then its admission (or None)
 _TS = COLUMNS.index("ts")
 _record_values = attrgetter(*COLUMNS)  # a Record's columns, in order
@@ -75,13 +121,16 @@ def take_lock(path: str) -> int:
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as exc:  # as SQLite would say of a path it cannot open
         raise sqlite3.OperationalError(
-            f"unable to open database file: lock {name!r}: {exc.strerror}") from None
+            f"unable to open database file: lock {name!r}: {exc.strerror}"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise StoreLocked(f"store.path {path!r} is in use by another relay process "
-                          f"(it holds {name!r}); refusing to start") from None
+        raise StoreLocked(
+            f"store.path {path!r} is in use by another relay process "
+            f"(it holds {name!r}); refusing to start"
+        ) from None
     except BaseException:
         os.close(fd)
         raise
@@ -113,7 +162,7 @@ def clean(values: tuple, now: float) -> tuple:
 
 
 class Store:
-    retry_base_s = 0.05   # first backoff after a failed batch; doubles up to retry_max_s
+    retry_base_s = 0.05  # first backoff after a failed batch; doubles up to retry_max_s
     retry_max_s = 2.0
     # How long SQLite waits for a lock held by another connection (a backup, an operator's
     # shell) before it reports "database is locked". Start-up (recovery, prune) waits long;
@@ -124,10 +173,18 @@ class Store:
     row_busy_s = 0.25
     admit_busy_s = 0.1
 
-    def __init__(self, path: str, retention_days: float = 30.0, batch_max: int = 500,
-                 queue_max: int = 10000, flush_interval_s: float = 0.2, *,
-                 overflow_max: int = OVERFLOW_MAX, prune_interval_s: float = 3600.0,
-                 log: Log | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        retention_days: float = 30.0,
+        batch_max: int = 500,
+        queue_max: int = 10000,
+        flush_interval_s: float = 0.2,
+        *,
+        overflow_max: int = OVERFLOW_MAX,
+        prune_interval_s: float = 3600.0,
+        log: Log | None = None,
+    ) -> None:
         self.path = path
         self.log = log or Log()  # warnings are JSON log lines like every other
         self.retention_days = retention_days
@@ -140,12 +197,12 @@ class Store:
         self.rows_dropped = 0
         self.rows_pruned = 0
         self.write_errors = 0
-        self._accepted = 0          # rows put() took (only the loop thread writes it)
-        self._settled = 0           # accepted rows committed or given up (writer thread only)
+        self._accepted = 0  # rows put() took (only the loop thread writes it)
+        self._settled = 0  # accepted rows committed or given up (writer thread only)
         self._queue: collections.deque = collections.deque()
         self._overflow: collections.deque = collections.deque()
-        self._controls: collections.deque = collections.deque()   # (sql, params, future)
-        self._admits: collections.deque = collections.deque()     # (values, loop, future)
+        self._controls: collections.deque = collections.deque()  # (sql, params, future)
+        self._admits: collections.deque = collections.deque()  # (values, loop, future)
         # admission ids: a random 31-bit prefix per process above a 32-bit counter (63 bits),
         # so two processes never reuse each other's ids even if they share a file
         self._admission_ids = (int.from_bytes(os.urandom(4), "big") >> 1) << 32
@@ -191,9 +248,15 @@ class Store:
         self._admission_ids += 1
         return self._admission_ids
 
-    async def admit(self, admission_id: int, rec, prompt_tokens: int,
-                    completion_tokens: int, timeout: float | None = None,
-                    res=None) -> None:
+    async def admit(
+        self,
+        admission_id: int,
+        rec,
+        prompt_tokens: int,
+        completion_tokens: int,
+        timeout: float | None = None,
+        res=None,
+    ) -> None:
         """Commit a request's admission record (relay/durable.py) before going on. (`res`,
         the local reservation, matters to a shared budget only: relay/store_pg.py.)
 
@@ -205,8 +268,9 @@ class Store:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         fut.add_done_callback(_retrieved)  # its outcome may come after the caller left
-        self._admits.append((durable.values(admission_id, rec, prompt_tokens,
-                                              completion_tokens), loop, fut))
+        self._admits.append(
+            (durable.values(admission_id, rec, prompt_tokens, completion_tokens), loop, fut)
+        )
         self._wake.set()
         if timeout is None:
             await fut
@@ -222,7 +286,7 @@ class Store:
         return self._accepted - self._settled
 
     def _drop(self, why: str) -> None:
-        with self._settled_cv:      # rows_dropped is also counted by the writer thread
+        with self._settled_cv:  # rows_dropped is also counted by the writer thread
             self.rows_dropped += 1
         self._warn("drop", f"dropping request rows ({why}); {self.rows_dropped} dropped so far")
 
@@ -232,8 +296,13 @@ class Store:
         if now - self._warned_at.get(kind, -WARN_INTERVAL_S) < WARN_INTERVAL_S:
             return
         self._warned_at[kind] = now
-        self.log.event("store_warning", kind=kind, message=line,
-                       rows_dropped=self.rows_dropped, write_errors=self.write_errors)
+        self.log.event(
+            "store_warning",
+            kind=kind,
+            message=line,
+            rows_dropped=self.rows_dropped,
+            write_errors=self.write_errors,
+        )
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -258,20 +327,21 @@ class Store:
         self._wake.set()
         with self._settled_cv:
             if not self._settled_cv.wait_for(lambda: self._settled >= target, timeout):
-                raise TimeoutError(f"store flush: {target - self._settled} rows not committed "
-                                   f"after {timeout}s")
+                raise TimeoutError(
+                    f"store flush: {target - self._settled} rows not committed after {timeout}s"
+                )
 
     def close(self, timeout: float = 10.0) -> None:
         if self._closed:
             return
         if self._thread is None and self._accepted:
-            self.start()            # rows were accepted before start(): write them now
+            self.start()  # rows were accepted before start(): write them now
         self._closed = self._stopping = True
         if self._thread is None:
             return
         self._wake.set()
         self._thread.join(timeout)
-        if self._thread.is_alive():     # stuck retrying a failing DB: give up the rest
+        if self._thread.is_alive():  # stuck retrying a failing DB: give up the rest
             self._abandon.set()
             self._wake.set()
             self._thread.join()
@@ -305,21 +375,25 @@ class Store:
         self._wake.set()
         return fut.result(timeout=30.0)
 
-    def usage_since(self, key_id: str | None, since_ts: float,
-                    served_only: bool = False) -> tuple[int, int]:
+    def usage_since(
+        self, key_id: str | None, since_ts: float, served_only: bool = False
+    ) -> tuple[int, int]:
         """(requests, tokens) of a key since a time; `served_only` counts only requests an
         upstream served (what a budget charges)."""
         count = f"SUM({durable.CHARGED})" if served_only else "COUNT(*)"
         row = self.query(
             f"SELECT COALESCE({count}, 0) AS n, COALESCE(SUM(COALESCE(prompt_tokens, 0)"
             " + COALESCE(completion_tokens, 0)), 0) AS tokens"
-            " FROM request WHERE key_id IS ? AND ts >= ?", (key_id, since_ts))[0]
+            " FROM request WHERE key_id IS ? AND ts >= ?",
+            (key_id, since_ts),
+        )[0]
         return int(row["n"]), int(row["tokens"])
 
     # ---- writer thread ---------------------------------------------------------------
     def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, timeout=self.start_busy_s, isolation_level=None,
-                               check_same_thread=False)
+        conn = sqlite3.connect(
+            self.path, timeout=self.start_busy_s, isolation_level=None, check_same_thread=False
+        )
         conn.row_factory = dict_row
         if not is_memory(self.path):
             conn.execute("PRAGMA journal_mode=WAL")
@@ -340,7 +414,7 @@ class Store:
     def _run(self) -> None:
         try:
             conn = self._open()
-        except BaseException as exc:   # reported to start()'s caller
+        except BaseException as exc:  # reported to start()'s caller
             self._start_error = exc
             self._ready.set()
             return
@@ -351,7 +425,7 @@ class Store:
                 self._wake.wait(min(self.flush_interval_s, 1.0))
                 self._wake.clear()
                 if not threading.main_thread().is_alive():
-                    self._stopping = True   # interpreter exit without close(): flush, then end
+                    self._stopping = True  # interpreter exit without close(): flush, then end
                 self._serve_admits(conn)
                 self._serve_controls(conn)
                 self._drain(conn)
@@ -397,10 +471,10 @@ class Store:
                 self._commit(conn, rows)
                 self._settle(len(rows), written=True)
                 return
-            except sqlite3.OperationalError as exc:     # locked, disk full, I/O: keep the rows
+            except sqlite3.OperationalError as exc:  # locked, disk full, I/O: keep the rows
                 self.write_errors += 1
                 self._warn("write", f"write failed ({exc}); retrying, rows kept")
-            except sqlite3.Error as exc:                # a row SQLite refuses: isolate it
+            except sqlite3.Error as exc:  # a row SQLite refuses: isolate it
                 self.write_errors += 1
                 self._write_one_by_one(conn, rows, exc)
                 return

@@ -55,20 +55,40 @@ def comment_prefix(buf: bytes) -> int:
         pos = end + 2
 
 
-def synthetic_head(request_id: bytes, chunked: bool, keep_alive: bool,
-                   extra: Headers = ()) -> bytes:
+def synthetic_head(
+    request_id: bytes, chunked: bool, keep_alive: bool, extra: Headers = ()
+) -> bytes:
     """The head committed before the upstream's own is in (built as a relayed one is)."""
     own = [(b"Content-Type", b"text/event-stream"), (b"Cache-Control", b"no-cache"), *extra]
     return client_response(200, b"OK", own, request_id, chunked, keep_alive)
 
 
 class Hold:
-    __slots__ = ("beats", "chunked", "client", "extra", "first_out", "head", "interval",
-                 "last_out", "loop", "more", "on_commit", "parts", "pending", "request_id",
-                 "size", "state", "swallow", "timer", "timer_at")
+    __slots__ = (
+        "beats",
+        "chunked",
+        "client",
+        "extra",
+        "first_out",
+        "head",
+        "interval",
+        "last_out",
+        "loop",
+        "more",
+        "on_commit",
+        "parts",
+        "pending",
+        "request_id",
+        "size",
+        "state",
+        "swallow",
+        "timer",
+        "timer_at",
+    )
 
-    def __init__(self, loop, client, request_id: bytes, interval: float = 0.0,
-                 extra: Headers = ()) -> None:
+    def __init__(
+        self, loop, client, request_id: bytes, interval: float = 0.0, extra: Headers = ()
+    ) -> None:
         self.loop = loop
         self.client = client  # ClientConn: .transport, .http11, .wants_keep_alive, .gone
         self.request_id = request_id
@@ -157,8 +177,9 @@ class Hold:
         if not keep_length:  # the relay frames the body itself
             raw = [(k, v) for k, v in raw if k.lower() != b"content-length"]
         status = resp.status_code
-        return client_response(status, resp.reason or reason_phrase(status), raw,
-                               self.request_id, chunked, keep_alive)
+        return client_response(
+            status, resp.reason or reason_phrase(status), raw, self.request_id, chunked, keep_alive
+        )
 
     def take(self, out: bytes, content: bool, error_first: bool) -> int:
         """Body bytes while held, as they would go out. `content`: the first content event is
@@ -182,8 +203,11 @@ class Hold:
         body payload, with the number of bytes it was held as."""
         sent = b"".join(self.parts)
         chunked = self.client.http11
-        self.commit(self.client_head(resp, chunked, chunked and self.client.wants_keep_alive,
-                                     keep_length=False))
+        self.commit(
+            self.client_head(
+                resp, chunked, chunked and self.client.wants_keep_alive, keep_length=False
+            )
+        )
         return payload_of(kind, mode, sent), len(sent)
 
     # ---- WAITING -----------------------------------------------------------------------
@@ -212,8 +236,9 @@ class Hold:
         client = self.client
         self.chunked = client.http11
         if head is None:
-            head = synthetic_head(self.request_id, self.chunked,
-                                  client.wants_keep_alive and self.chunked, self.extra)
+            head = synthetic_head(
+                self.request_id, self.chunked, client.wants_keep_alive and self.chunked, self.extra
+            )
         self.parts, self.size, self.pending, self.head = [], 0, b"", b""
         self.state = COMMITTED
         self._write(head)

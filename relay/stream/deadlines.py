@@ -77,4 +77,5 @@ class Deadlines:
                 cb()
             except Exception as exc:  # (a bug in one guard must not leave the others unarmed)
                 self._loop.call_exception_handler(
-                    {"message": "stall deadline callback failed", "exception": exc})
+                    {"message": "stall deadline callback failed", "exception": exc}
+                )

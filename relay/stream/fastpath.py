@@ -48,7 +48,7 @@ class Shape:
     last string value (`s1`, `s2`) when that value may vary (OpenAI's `obfuscation`): made
     the first time a read needs it (`vary`), most streams never do."""
 
-    __slots__ = ("prefix", "lp", "heads", "sfx", "s1", "s2", "sfxc", "s2c", "split")
+    __slots__ = ("heads", "lp", "prefix", "s1", "s2", "s2c", "sfx", "sfxc", "split")
 
     def __init__(self, prefix: bytes, sfx: bytes) -> None:
         shared = _SHARED.get(prefix)  # (one prefix object and one heads dict for all alike)
@@ -71,7 +71,7 @@ class Shape:
             r2 = sfx.rfind(b'"')
             r1 = sfx.rfind(b'"', 0, r2)
             if r1 > 0 and sfx[r1 - 1] == 58 and 92 not in sfx[r1:r2]:  # `:"value"` (58: `:`)
-                self.s1, self.s2 = sfx[:r1 + 1], sfx[r2:]
+                self.s1, self.s2 = sfx[: r1 + 1], sfx[r2:]
                 self.s2c = self.s2 + b"\r\n"
         return self.s1
 
@@ -136,18 +136,24 @@ def events_in(data: bytes, shape: Shape) -> int:
     if data.startswith(head):
         h = len(head)
         if data.endswith(shape.sfxc):  # one event, its suffix the learned one
-            text = data[h:n - len(shape.sfxc)]
+            text = data[h : n - len(shape.sfxc)]
             if text and not (34 in text or 10 in text or 13 in text or text in _META_WORDS):
                 return 1
-        elif (shape.split or shape.vary()) and shape.s2c is not None and data.endswith(
-                shape.s2c):  # its last value varies
+        elif (
+            (shape.split or shape.vary()) and shape.s2c is not None and data.endswith(shape.s2c)
+        ):  # its last value varies
             q = data.find(b'"', h)
             text = data[h:q]
-            if (q > h and data[q - 1] != 92 and data.startswith(shape.s1, q)
-                    and not (10 in text or 13 in text or text in _META_WORDS)):
-                value = data[q + len(shape.s1):n - len(shape.s2c)]
-                if not (34 in value or 10 in value or 13 in value or 92 in value
-                        or value in _META_WORDS):
+            if (
+                q > h
+                and data[q - 1] != 92
+                and data.startswith(shape.s1, q)
+                and not (10 in text or 13 in text or text in _META_WORDS)
+            ):
+                value = data[q + len(shape.s1) : n - len(shape.s2c)]
+                if not (
+                    34 in value or 10 in value or 13 in value or 92 in value or value in _META_WORDS
+                ):
                     return 1
         if data[n - 2] == 13 and data[n - 1] == 10:
             return tokens(data, h, n - 2, shape)
@@ -163,8 +169,13 @@ def several(data: bytes, shape: Shape) -> int:
     ls = len(sfx)
     while pos < n:
         # (a size of 2 or 3 hex digits, looked at directly)
-        nl = pos + 2 if data[pos + 2:pos + 3] == b"\r" else pos + 3 if data[
-            pos + 3:pos + 4] == b"\r" else data.find(b"\r\n", pos, pos + 10)
+        nl = (
+            pos + 2
+            if data[pos + 2 : pos + 3] == b"\r"
+            else pos + 3
+            if data[pos + 3 : pos + 4] == b"\r"
+            else data.find(b"\r\n", pos, pos + 10)
+        )
         if nl <= pos:
             return 0
         text = data[pos:nl]
@@ -177,7 +188,7 @@ def several(data: bytes, shape: Shape) -> int:
         if size <= lp or not data.startswith(prefix, start) or data[end:pos] != b"\r\n":
             return 0  # (the last chunk, size 0, ends the body: not here)
         if data.startswith(sfx, end - ls):
-            text = data[start + lp:end - ls]
+            text = data[start + lp : end - ls]
             if text and not (34 in text or 10 in text or 13 in text or text in _META_WORDS):
                 count += 1
                 continue

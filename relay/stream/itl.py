@@ -22,8 +22,20 @@ from math import ceil, frexp, ldexp
 
 
 class Gaps:
-    __slots__ = ("buckets", "last", "max", "zeros", "lo", "hi", "key", "run", "lo2", "hi2",
-                 "key2", "run2")
+    __slots__ = (
+        "buckets",
+        "hi",
+        "hi2",
+        "key",
+        "key2",
+        "last",
+        "lo",
+        "lo2",
+        "max",
+        "run",
+        "run2",
+        "zeros",
+    )
 
     def __init__(self) -> None:
         self.buckets: dict[int, int] = {}
@@ -123,8 +135,9 @@ def _bounds(k: int) -> tuple[float, float]:
     return b
 
 
-def quantile_of(buckets: dict[int, int], zeros: int, q: float,
-                cap: float | None = None) -> float | None:
+def quantile_of(
+    buckets: dict[int, int], zeros: int, q: float, cap: float | None = None
+) -> float | None:
     total = zeros + sum(buckets.values())
     if total <= 0:
         return None

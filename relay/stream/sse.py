@@ -41,7 +41,7 @@ def is_meta(event: bytes) -> bool:
     i = event.find(b'"usage"')
     while i >= 0:
         i += 7
-        rest = event[i:i + 16].lstrip(b" \t\r\n")
+        rest = event[i : i + 16].lstrip(b" \t\r\n")
         if not (rest[:1] == b":" and rest[1:].lstrip(b" \t\r\n").startswith(b"null")):
             return True
         i = event.find(b'"usage"', i)
@@ -63,13 +63,17 @@ def content_event_at(data: bytes, start: int, end: int) -> int:
         i += 8
     else:
         i += 11
-    if (i < end - 2 and data[i] != 0x22
-            and data.find(b"\n\n", start, end) == end - 2
-            and data.find(b"\r", start, end) < 0
-            and data.find(b'"timings"', start, end) < 0):
+    if (
+        i < end - 2
+        and data[i] != 0x22
+        and data.find(b"\n\n", start, end) == end - 2
+        and data.find(b"\r", start, end) < 0
+        and data.find(b'"timings"', start, end) < 0
+    ):
         u = data.find(b'"usage"', start, end)
-        if u < 0 or (data.startswith(b'"usage":null', u)
-                     and data.find(b'"usage"', u + 12, end) < 0):
+        if u < 0 or (
+            data.startswith(b'"usage":null', u) and data.find(b'"usage"', u + 12, end) < 0
+        ):
             return i
     return 0
 
@@ -77,13 +81,13 @@ def content_event_at(data: bytes, start: int, end: int) -> int:
 class SseScanner:
     __slots__ = (
         "content_events",
-        "pending",
         "done_seen",
         "error_first",
-        "meta",
-        "oversized",
-        "on_first_content",
         "first_event",
+        "meta",
+        "on_first_content",
+        "oversized",
+        "pending",
     )
 
     def __init__(self, on_first_content=None) -> None:
@@ -117,9 +121,14 @@ class SseScanner:
             # an event split over any number of reads costs time linear in its size.
             # (an int `in` is a memchr: no line end in the new bytes, no event end)
             if not data.endswith(b"\n\n") and (
-                    (10 not in data and 13 not in data)
-                    or not (b"\n\n" in data or b"\r\r" in data or b"\n\r" in data
-                            or pending[-1:] + data[:1] in _RAW_ENDS)):
+                (10 not in data and 13 not in data)
+                or not (
+                    b"\n\n" in data
+                    or b"\r\r" in data
+                    or b"\n\r" in data
+                    or pending[-1:] + data[:1] in _RAW_ENDS
+                )
+            ):
                 if len(pending) + len(data) > _MAX_PENDING:
                     self.oversized = True  # give up on this event, keep relaying
                     self.pending = b""
@@ -168,7 +177,7 @@ class SseScanner:
             self.content_events += 1
             if self.content_events == 1 and self.on_first_content is not None:
                 self.on_first_content()
-        elif ev.startswith(b"data: [DONE]") or ev.startswith(b"data:[DONE]"):
+        elif ev.startswith((b"data: [DONE]", b"data:[DONE]")):
             self.done_seen = True
         if len(ev) <= _MAX_META and is_meta(ev):
             self.meta = ev

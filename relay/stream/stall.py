@@ -97,12 +97,20 @@ def stall_frame(
     text = stall_notice(reason, elapsed_s)
     if path in LEGACY_TEXT_PATHS:
         doc = _TextFrame(
-            "relay-stall-guard", "text_completion", created, model,
-            [_TextChoice(0, text, "length")], info,
+            "relay-stall-guard",
+            "text_completion",
+            created,
+            model,
+            [_TextChoice(0, text, "length")],
+            info,
         )
     else:
         doc = _ChatFrame(
-            "relay-stall-guard", "chat.completion.chunk", created, model,
-            [_ChatChoice(0, _Delta("assistant", text), "length")], info,
+            "relay-stall-guard",
+            "chat.completion.chunk",
+            created,
+            model,
+            [_ChatChoice(0, _Delta("assistant", text), "length")],
+            info,
         )
     return b"\n\ndata: " + _encode(doc) + b"\n\n" + DONE_EVENT

@@ -94,7 +94,7 @@ class JsonBody:
     It stands where the SSE scanner stands on the body path, so it takes the same calls.
     """
 
-    __slots__ = ("parts", "size", "error_first", "content_events")
+    __slots__ = ("content_events", "error_first", "parts", "size")
     LIMIT = 1 << 20
 
     def __init__(self) -> None:

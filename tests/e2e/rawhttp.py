@@ -50,12 +50,17 @@ class RawResponse:
         return [json.loads(d) for d in self.sse_data() if d != "[DONE]"]
 
 
-def build_request(method: str, path: str, port: int, body: Any = None,
-                  headers: dict[str, str] | None = None) -> bytes:
+def build_request(
+    method: str, path: str, port: int, body: Any = None, headers: dict[str, str] | None = None
+) -> bytes:
     if body is not None and not isinstance(body, (bytes, bytearray)):
         body = json.dumps(body).encode()
-    lines = [f"{method} {path} HTTP/1.1", f"Host: 127.0.0.1:{port}",
-             "User-Agent: relay-e2e/1", "Accept: */*"]
+    lines = [
+        f"{method} {path} HTTP/1.1",
+        f"Host: 127.0.0.1:{port}",
+        "User-Agent: relay-e2e/1",
+        "Accept: */*",
+    ]
     for k, v in (headers or {}).items():
         lines.append(f"{k}: {v}")
     if body is not None:
@@ -111,8 +116,9 @@ async def read_response(reader: asyncio.StreamReader, *, method: str = "GET") ->
     return RawResponse(status, reason, headers, body, chunks, None, raw)
 
 
-async def closed_after(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                       port: int) -> bool:
+async def closed_after(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, port: int
+) -> bool:
     """Whether the server closed the connection after the response just read.
 
     Decided by an event, not by a quiet spell: a second request (``GET /health``) on the same
@@ -126,14 +132,20 @@ async def closed_after(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
         first = await asyncio.wait_for(reader.read(1), IO_TIMEOUT)
     except (ConnectionError, OSError):
         return True
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise AssertionError(f"neither an answer nor a close within {IO_TIMEOUT}s") from None
     return first == b""
 
 
-async def request(port: int, method: str, path: str, body: Any = None, *,
-                  headers: dict[str, str] | None = None,
-                  check_close: bool = False) -> RawResponse:
+async def request(
+    port: int,
+    method: str,
+    path: str,
+    body: Any = None,
+    *,
+    headers: dict[str, str] | None = None,
+    check_close: bool = False,
+) -> RawResponse:
     """One request on a fresh connection, closed afterwards.
 
     ``check_close``: record in ``RawResponse.closed`` whether the server closed the

@@ -36,13 +36,18 @@ async def rows(app, n: int) -> list[dict]:
     def get():
         app.store.flush()
         return app.store.query("SELECT * FROM request ORDER BY rowid")
+
     await wait_for(lambda: len(get()) >= n, timeout=10, step=0.02)
     return get()
 
 
 async def test_long_prompt_gets_heartbeats_then_the_same_stream(llama_server, make_relay):
-    body = {"messages": [{"role": "user", "content": LONG}], "max_tokens": 8, "stream": True,
-            "cache_prompt": False}
+    body = {
+        "messages": [{"role": "user", "content": LONG}],
+        "max_tokens": 8,
+        "stream": True,
+        "cache_prompt": False,
+    }
     direct = await request(llama_server.port, "POST", CHAT, body)
     app = await make_relay(url=llama_server.url, parallel=2, heartbeat_s=0.01)
     via = await request(app.port, "POST", CHAT, body, headers={"X-Request-Id": "hb-real"})
@@ -54,8 +59,12 @@ async def test_long_prompt_gets_heartbeats_then_the_same_stream(llama_server, ma
     assert mask(via.body.replace(HB, b"")) == mask(direct.body)
     assert content_text(via.chunks) == content_text(direct.chunks) == CHAT8
     [row] = await rows(app, 1)
-    assert (row["ok"], row["status"], row["completion_tokens"], row["tokens_source"]) == \
-        (1, 200, 8, "exact")
+    assert (row["ok"], row["status"], row["completion_tokens"], row["tokens_source"]) == (
+        1,
+        200,
+        8,
+        "exact",
+    )
 
 
 async def test_api_key_server_through_a_keyless_relay(make_relay):
@@ -63,16 +72,19 @@ async def test_api_key_server_through_a_keyless_relay(make_relay):
     try:
         app = await make_relay(url=srv.url, parallel=2)
         body = chat_body(max_tokens=4, stream=True)
-        ok = await request(app.port, "POST", CHAT, body,
-                           headers={"Authorization": "Bearer sk-e2e-upstream"})
+        ok = await request(
+            app.port, "POST", CHAT, body, headers={"Authorization": "Bearer sk-e2e-upstream"}
+        )
         assert ok.status == 200, ok.body[:300]
         assert content_text(ok.chunks) == "Hello from a tiny"
         ok2 = await request(app.port, "POST", CHAT, body, headers={"x-api-key": "sk-e2e-upstream"})
         assert ok2.status == 200, ok2.body[:300]
-        direct = await request(srv.port, "POST", CHAT, body,
-                               headers={"Authorization": "Bearer wrong"})
-        wrong = await request(app.port, "POST", CHAT, body,
-                              headers={"Authorization": "Bearer wrong"})
+        direct = await request(
+            srv.port, "POST", CHAT, body, headers={"Authorization": "Bearer wrong"}
+        )
+        wrong = await request(
+            app.port, "POST", CHAT, body, headers={"Authorization": "Bearer wrong"}
+        )
         assert direct.status == wrong.status == 401
         assert wrong.body == direct.body  # the server's own answer, verbatim
     finally:
@@ -82,12 +94,16 @@ async def test_api_key_server_through_a_keyless_relay(make_relay):
 async def test_router_mode_two_models_on_demand(make_relay):
     srv = start_or_fail(router_models=("alpha", "beta"))
     try:
-        ups = [UpstreamConfig(name=f"router-{m}", url=srv.url, models=[m], parallel=2)
-               for m in ("alpha", "beta")]
+        ups = [
+            UpstreamConfig(name=f"router-{m}", url=srv.url, models=[m], parallel=2)
+            for m in ("alpha", "beta")
+        ]
         app = await make_relay(upstreams=ups, heartbeat_s=0.005)
         listed = await request(srv.port, "GET", "/v1/models")
-        assert {m["id"]: m["status"]["value"] for m in listed.json()["data"]} == \
-            {"alpha": "unloaded", "beta": "unloaded"}
+        assert {m["id"]: m["status"]["value"] for m in listed.json()["data"]} == {
+            "alpha": "unloaded",
+            "beta": "unloaded",
+        }
         for model in ("alpha", "beta", "alpha"):
             body = {**chat_body(max_tokens=8, stream=True), "model": model}
             resp = await request(app.port, "POST", CHAT, body)
@@ -95,15 +111,21 @@ async def test_router_mode_two_models_on_demand(make_relay):
             assert content_text(resp.chunks) == CHAT8
             assert {e["model"] for e in resp.sse_json()} == {model}
         loaded = await request(srv.port, "GET", "/v1/models")
-        assert {m["id"]: m["status"]["value"] for m in loaded.json()["data"]} == \
-            {"alpha": "loaded", "beta": "loaded"}
+        assert {m["id"]: m["status"]["value"] for m in loaded.json()["data"]} == {
+            "alpha": "loaded",
+            "beta": "loaded",
+        }
         got = await rows(app, 3)
         assert [(r["model"], r["upstream_served"], r["ok"]) for r in got] == [
-            ("alpha", "router-alpha", 1), ("beta", "router-beta", 1),
-            ("alpha", "router-alpha", 1)]
+            ("alpha", "router-alpha", 1),
+            ("beta", "router-beta", 1),
+            ("alpha", "router-alpha", 1),
+        ]
         slots = (await request(app.port, "GET", "/api/slots/metrics")).json()
-        assert (slots["router-alpha"]["requests_total"], slots["router-beta"]["requests_total"]) \
-            == (2, 1)
+        assert (
+            slots["router-alpha"]["requests_total"],
+            slots["router-beta"]["requests_total"],
+        ) == (2, 1)
         assert slots["router-alpha"]["parallel"] == slots["router-beta"]["parallel"] == 2
     finally:
         srv.cleanup()
@@ -112,8 +134,9 @@ async def test_router_mode_two_models_on_demand(make_relay):
 async def test_router_mode_first_request_waits_with_heartbeats(make_relay):
     srv = start_or_fail(router_models=("alpha", "beta"))
     try:
-        ups = [UpstreamConfig(name=f"router-{m}", url=srv.url, models=[m]) for m in ("alpha",
-                                                                                       "beta")]
+        ups = [
+            UpstreamConfig(name=f"router-{m}", url=srv.url, models=[m]) for m in ("alpha", "beta")
+        ]
         app = await make_relay(upstreams=ups, heartbeat_s=0.005)
         body = {**chat_body(max_tokens=8, stream=True), "model": "beta"}
         resp = await request(app.port, "POST", CHAT, body)  # beta is not loaded yet

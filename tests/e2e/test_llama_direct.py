@@ -61,9 +61,13 @@ async def test_nonstream_reuses_connection(llama_server):
 
 
 async def test_chat_stream_length(llama_server):
-    resp = await request(llama_server.port, "POST", "/v1/chat/completions",
-                         {**CHAT_HI, "stream": True},
-                         check_close=True)
+    resp = await request(
+        llama_server.port,
+        "POST",
+        "/v1/chat/completions",
+        {**CHAT_HI, "stream": True},
+        check_close=True,
+    )
     assert_stream_headers(resp)
     data = resp.sse_data()
     assert data[-1] == "[DONE]"
@@ -73,7 +77,8 @@ async def test_chat_stream_length(llama_server):
     # the first HTTP chunk carries the role-only event and the first content event together
     first_chunk = resp.sse_data(resp.chunks[0])
     assert len(first_chunk) == 2 and json.loads(first_chunk[1])["choices"][0]["delta"] == {
-        "content": "Hello"}
+        "content": "Hello"
+    }
     assert chat_text(events) == CHAT8
     final = events[-1]
     assert final["choices"][0] == {"finish_reason": "length", "index": 0, "delta": {}}
@@ -85,9 +90,13 @@ async def test_chat_stream_length(llama_server):
 
 
 async def test_chat_stream_include_usage(llama_server):
-    resp = await request(llama_server.port, "POST", "/v1/chat/completions",
-                         {**CHAT_HI, "stream": True, "stream_options": {"include_usage": True}},
-                         check_close=True)
+    resp = await request(
+        llama_server.port,
+        "POST",
+        "/v1/chat/completions",
+        {**CHAT_HI, "stream": True, "stream_options": {"include_usage": True}},
+        check_close=True,
+    )
     assert_stream_headers(resp)
     data = resp.sse_data()
     assert data[-1] == "[DONE]"
@@ -103,9 +112,13 @@ async def test_chat_stream_include_usage(llama_server):
 
 
 async def test_chat_stream_stop_word(llama_server):
-    resp = await request(llama_server.port, "POST", "/v1/chat/completions",
-                         {**CHAT_HI, "stream": True, "stop": ["."]},
-                         check_close=True)
+    resp = await request(
+        llama_server.port,
+        "POST",
+        "/v1/chat/completions",
+        {**CHAT_HI, "stream": True, "stop": ["."]},
+        check_close=True,
+    )
     events = resp.sse_json()
     assert chat_text(events) == "Hello from a tiny llama"
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
@@ -113,11 +126,12 @@ async def test_chat_stream_stop_word(llama_server):
 
 
 async def test_chat_stream_eos_via_assistant_prefill(llama_server):
-    body = {"messages": [{"role": "user", "content": "Hi"},
-                         {"role": "assistant", "content": "Well?"}],
-            "max_tokens": 16, "stream": True}
-    resp = await request(llama_server.port, "POST", "/v1/chat/completions", body,
-                         check_close=True)
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well?"}],
+        "max_tokens": 16,
+        "stream": True,
+    }
+    resp = await request(llama_server.port, "POST", "/v1/chat/completions", body, check_close=True)
     assert_stream_headers(resp)
     events = resp.sse_json()
     # llama-server streams the prefilled assistant text again, then the continuation
@@ -128,9 +142,13 @@ async def test_chat_stream_eos_via_assistant_prefill(llama_server):
 
 
 async def test_completions_stream_eos_stop(llama_server):
-    resp = await request(llama_server.port, "POST", "/v1/completions",
-                         {"prompt": STOP_TRIGGER_PROMPT, "max_tokens": 16, "stream": True},
-                         check_close=True)
+    resp = await request(
+        llama_server.port,
+        "POST",
+        "/v1/completions",
+        {"prompt": STOP_TRIGGER_PROMPT, "max_tokens": 16, "stream": True},
+        check_close=True,
+    )
     assert_stream_headers(resp)
     data = resp.sse_data()
     assert data[-1] == "[DONE]"
@@ -144,9 +162,13 @@ async def test_completions_stream_eos_stop(llama_server):
 
 
 async def test_completions_stream_length_has_usage(llama_server):
-    resp = await request(llama_server.port, "POST", "/v1/completions",
-                         {"prompt": "Say hi", "max_tokens": 5, "stream": True},
-                         check_close=True)
+    resp = await request(
+        llama_server.port,
+        "POST",
+        "/v1/completions",
+        {"prompt": "Say hi", "max_tokens": 5, "stream": True},
+        check_close=True,
+    )
     data = resp.sse_data()
     assert data[-1] == "[DONE]"
     events = [json.loads(d) for d in data[:-1]]
@@ -159,8 +181,13 @@ async def test_completions_stream_length_has_usage(llama_server):
 
 
 async def test_completions_nonstream_stop(llama_server):
-    resp = await request(llama_server.port, "POST", "/v1/completions",
-                         {"prompt": STOP_TRIGGER_PROMPT, "max_tokens": 16}, check_close=True)
+    resp = await request(
+        llama_server.port,
+        "POST",
+        "/v1/completions",
+        {"prompt": STOP_TRIGGER_PROMPT, "max_tokens": 16},
+        check_close=True,
+    )
     body = resp.json()
     assert body["choices"][0]["text"] == STOP_TEXT
     assert body["choices"][0]["finish_reason"] == "stop"
@@ -168,9 +195,13 @@ async def test_completions_nonstream_stop(llama_server):
 
 
 async def test_native_completion_stream_has_no_done(llama_server):
-    resp = await request(llama_server.port, "POST", "/completion",
-                         {"prompt": "Say hi", "n_predict": 3, "stream": True},
-                         check_close=True)
+    resp = await request(
+        llama_server.port,
+        "POST",
+        "/completion",
+        {"prompt": "Say hi", "n_predict": 3, "stream": True},
+        check_close=True,
+    )
     assert_stream_headers(resp)
     data = resp.sse_data()
     assert "[DONE]" not in data
@@ -180,17 +211,28 @@ async def test_native_completion_stream_has_no_done(llama_server):
     assert events[-1]["stop_type"] == "limit" and events[-1]["timings"]["predicted_n"] == 3
     assert resp.closed is True
 
-    resp = await request(llama_server.port, "POST", "/completion",
-                         {"prompt": STOP_TRIGGER_PROMPT, "n_predict": 16, "stream": True},
-                         check_close=True)
+    resp = await request(
+        llama_server.port,
+        "POST",
+        "/completion",
+        {"prompt": STOP_TRIGGER_PROMPT, "n_predict": 16, "stream": True},
+        check_close=True,
+    )
     events = [json.loads(d) for d in resp.sse_data()]
     assert "".join(e["content"] for e in events) == STOP_TEXT
     assert events[-1]["stop_type"] == "eos"
 
 
 async def test_deterministic_at_high_temperature(llama_server):
-    body = {**CHAT_HI, "max_tokens": 13, "temperature": 2.0, "top_k": 0, "top_p": 1.0,
-            "min_p": 0.0, "seed": 123}
+    body = {
+        **CHAT_HI,
+        "max_tokens": 13,
+        "temperature": 2.0,
+        "top_k": 0,
+        "top_p": 1.0,
+        "min_p": 0.0,
+        "seed": 123,
+    }
     resp = await request(llama_server.port, "POST", "/v1/chat/completions", body)
     content = resp.json()["choices"][0]["message"]["content"]
     assert content == "Hello from a tiny llama. Hello from a tiny llama. Hello"
@@ -213,8 +255,9 @@ async def test_props(llama_server):
 
 async def test_tokenize_roundtrip(llama_server):
     port = llama_server.port
-    resp = await request(port, "POST", "/tokenize",
-                         {"content": "Hello from a tiny llama.", "with_pieces": True})
+    resp = await request(
+        port, "POST", "/tokenize", {"content": "Hello from a tiny llama.", "with_pieces": True}
+    )
     pieces = [t["piece"] for t in resp.json()["tokens"]]
     assert pieces == [" Hello", " from", " a", " tiny", " llama", "."]
     ids = [t["id"] for t in resp.json()["tokens"]]
@@ -236,9 +279,13 @@ async def test_metrics_count_streamed_tokens(llama_server):
     before = await request(port, "GET", "/metrics")
     assert before.status == 200 and before.header("content-type").startswith("text/plain")
     n0 = _metric(before.body.decode(), "llamacpp:tokens_predicted_total")
-    resp = await request(port, "POST", "/v1/chat/completions",
-                         {**CHAT_HI, "max_tokens": 11, "stream": True},
-                         check_close=True)
+    resp = await request(
+        port,
+        "POST",
+        "/v1/chat/completions",
+        {**CHAT_HI, "max_tokens": 11, "stream": True},
+        check_close=True,
+    )
     predicted = resp.sse_json()[-1]["timings"]["predicted_n"]
     assert predicted == 11
     after = await request(port, "GET", "/metrics")
@@ -248,9 +295,13 @@ async def test_metrics_count_streamed_tokens(llama_server):
 
 async def test_prompt_over_context_is_json_4xx(llama_server):
     prompt = "a " * 5000
-    resp = await request(llama_server.port, "POST", "/v1/completions",
-                         {"prompt": prompt, "max_tokens": 4, "stream": True},
-                         check_close=True)
+    resp = await request(
+        llama_server.port,
+        "POST",
+        "/v1/completions",
+        {"prompt": prompt, "max_tokens": 4, "stream": True},
+        check_close=True,
+    )
     assert 400 <= resp.status < 500
     assert resp.header("content-type").startswith("application/json")
     err = resp.json()["error"]
@@ -268,8 +319,7 @@ async def test_unknown_path_404(llama_server):
 async def test_client_disconnect_frees_slot(llama_server):
     port = llama_server.port
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 1000000,
-            "stream": True}
+    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 1000000, "stream": True}
     writer.write(build_request("POST", "/v1/chat/completions", port, body))
     await writer.drain()
     status, _, _, _ = await read_head(reader)

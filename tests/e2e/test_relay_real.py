@@ -46,8 +46,11 @@ def chat_body(**kw) -> dict:
     return {"messages": [{"role": "user", "content": "Hi there"}], "cache_prompt": False, **kw}
 
 
-CHAT_EOS = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well?"}],
-            "max_tokens": 16, "cache_prompt": False}
+CHAT_EOS = {
+    "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well?"}],
+    "max_tokens": 16,
+    "cache_prompt": False,
+}
 
 
 def text_body(prompt: str = "Say hi", **kw) -> dict:
@@ -59,8 +62,10 @@ _MASKS = [
     (re.compile(rb'"id":"[^"]*"'), b'"id":"<id>"'),
     (re.compile(rb'"created":[0-9]+'), b'"created":0'),
     (re.compile(rb'"id_slot":[0-9]+'), b'"id_slot":0'),  # which of the 2 slots served it
-    (re.compile(rb'"((?:prompt|predicted)_(?:ms|per_token_ms|per_second))":[-0-9.eE+]+'),
-     rb'"\1":0'),
+    (
+        re.compile(rb'"((?:prompt|predicted)_(?:ms|per_token_ms|per_second))":[-0-9.eE+]+'),
+        rb'"\1":0',
+    ),
 ]
 
 
@@ -77,15 +82,15 @@ def frames(resp: RawResponse) -> list[tuple[bytes | None, bytes]]:
     a fixed length, so only chunks holding ``timings`` floats get ``None``.
     """
     assert resp.header("transfer-encoding") == "chunked", resp.headers
-    body = resp.raw[resp.raw.index(b"\r\n\r\n") + 4:]
+    body = resp.raw[resp.raw.index(b"\r\n\r\n") + 4 :]
     out: list[tuple[bytes | None, bytes]] = []
     pos = 0
     while True:
         eol = body.index(b"\r\n", pos)
         size_line = body[pos:eol]
         size = int(size_line, 16)
-        payload = body[eol + 2:eol + 2 + size]
-        assert body[eol + 2 + size:eol + 4 + size] == b"\r\n"
+        payload = body[eol + 2 : eol + 2 + size]
+        assert body[eol + 2 + size : eol + 4 + size] == b"\r\n"
         pos = eol + 4 + size
         out.append((None if b'"timings"' in payload else size_line, mask(payload)))
         if size == 0:
@@ -97,17 +102,21 @@ def expected_relay_headers(direct: RawResponse, rid: str) -> list[tuple[str, str
     return [(k, v) for k, v in direct.headers if k not in HOP_BY_HOP] + [("x-request-id", rid)]
 
 
-async def relayed(app, method: str, path: str, body=None, rid: str = "e2e",
-                  check_close: bool = False) -> RawResponse:
-    return await request(app.port, method, path, body, headers={"X-Request-Id": rid},
-                         check_close=check_close)
+async def relayed(
+    app, method: str, path: str, body=None, rid: str = "e2e", check_close: bool = False
+) -> RawResponse:
+    return await request(
+        app.port, method, path, body, headers={"X-Request-Id": rid}, check_close=check_close
+    )
 
 
 async def row(app, rid: str) -> dict:
     """The request's row once settled (exactly one)."""
+
     def get():
         app.store.flush()
         return app.store.query("SELECT * FROM request WHERE request_id = ?", (rid,))
+
     await wait_for(lambda: get(), timeout=5, step=0.02)
     rows = get()
     assert len(rows) == 1, rows
@@ -135,15 +144,19 @@ async def relay(llama_any, make_relay):
 # ---- byte-identical streams -------------------------------------------------------------------
 STREAMS = {
     "chat_length": (CHAT, chat_body(max_tokens=8, stream=True)),
-    "chat_include_usage": (CHAT, chat_body(max_tokens=8, stream=True,
-                                           stream_options={"include_usage": True})),
+    "chat_include_usage": (
+        CHAT,
+        chat_body(max_tokens=8, stream=True, stream_options={"include_usage": True}),
+    ),
     "chat_stop_word": (CHAT, chat_body(max_tokens=16, stream=True, stop=["."])),
     "chat_eos": (CHAT, {**CHAT_EOS, "stream": True}),
     "completions_length": (TEXT, text_body(max_tokens=8, stream=True)),
     "completions_eos": (TEXT, text_body(STOP_TRIGGER_PROMPT, max_tokens=16, stream=True)),
     "completions_stop_word": (TEXT, text_body(max_tokens=16, stream=True, stop=["."])),
-    "completions_include_usage": (TEXT, text_body(max_tokens=5, stream=True,
-                                                  stream_options={"include_usage": True})),
+    "completions_include_usage": (
+        TEXT,
+        text_body(max_tokens=5, stream=True, stream_options={"include_usage": True}),
+    ),
     "native_length": (NATIVE, text_body(n_predict=6, stream=True)),
     "native_eos": (NATIVE, text_body(STOP_TRIGGER_PROMPT, n_predict=16, stream=True)),
 }
@@ -164,8 +177,11 @@ async def test_stream_byte_identical_to_direct(llama_any, relay, path, body):
 
 
 async def test_nonstream_identical_to_direct(llama_any, relay):
-    for path, body in ((CHAT, chat_body(max_tokens=8)), (TEXT, text_body(max_tokens=8)),
-                       (NATIVE, text_body(n_predict=8))):
+    for path, body in (
+        (CHAT, chat_body(max_tokens=8)),
+        (TEXT, text_body(max_tokens=8)),
+        (NATIVE, text_body(n_predict=8)),
+    ):
         direct = await request(llama_any.port, "POST", path, body)
         via = await relayed(relay, "POST", path, body, "e2e-nonstream")
         assert direct.status == via.status == 200
@@ -180,12 +196,17 @@ async def test_nonstream_identical_to_direct(llama_any, relay):
 async def test_openai_client_streams_through_relay(relay):
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{relay.port}/v1", api_key="sk-e2e",
-                         max_retries=0, timeout=30.0)
+    client = AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{relay.port}/v1", api_key="sk-e2e", max_retries=0, timeout=30.0
+    )
     try:
         stream = await client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "Hi there"}], max_tokens=8,
-            stream=True, stream_options={"include_usage": True})
+            model="tiny",
+            messages=[{"role": "user", "content": "Hi there"}],
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         text, finish, usage = "", None, None
         async for chunk in stream:
             if chunk.choices:
@@ -197,13 +218,15 @@ async def test_openai_client_streams_through_relay(relay):
         assert finish == "length"
         assert usage is not None and usage.completion_tokens == 8
 
-        stream = await client.completions.create(model="tiny", prompt=STOP_TRIGGER_PROMPT,
-                                                 max_tokens=16, stream=True)
+        stream = await client.completions.create(
+            model="tiny", prompt=STOP_TRIGGER_PROMPT, max_tokens=16, stream=True
+        )
         pieces = [c.choices[0].text async for c in stream if c.choices]
         assert "".join(pieces) == STOP_TEXT
 
         done = await client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "Hi there"}], max_tokens=8)
+            model="tiny", messages=[{"role": "user", "content": "Hi there"}], max_tokens=8
+        )
         assert done.choices[0].message.content == CHAT8
         assert done.usage.completion_tokens == 8
     finally:
@@ -231,8 +254,7 @@ async def test_client_disconnect_frees_llama_slot(long_ctx_server, make_relay):
     before = await tokens_predicted_total(srv.port)
 
     reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
-    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 100000,
-            "stream": True}
+    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 100000, "stream": True}
     writer.write(build_request("POST", CHAT, app.port, body, {"X-Request-Id": "e2e-disconnect"}))
     await writer.drain()
     status, _, _, _ = await read_head(reader)
@@ -265,8 +287,11 @@ async def test_client_disconnect_frees_llama_slot(long_ctx_server, make_relay):
 # ---- exact token accounting -------------------------------------------------------------------
 TOKEN_CASES = {
     "chat": (CHAT, chat_body(max_tokens=11, stream=True), 11),
-    "chat_include_usage": (CHAT, chat_body(max_tokens=7, stream=True,
-                                           stream_options={"include_usage": True}), 7),
+    "chat_include_usage": (
+        CHAT,
+        chat_body(max_tokens=7, stream=True, stream_options={"include_usage": True}),
+        7,
+    ),
     "chat_eos": (CHAT, {**CHAT_EOS, "stream": True}, 5),  # 4 text tokens + EOS
     "completions_eos": (TEXT, text_body(STOP_TRIGGER_PROMPT, max_tokens=16, stream=True), 5),
     "completions_stop_word": (TEXT, text_body(max_tokens=16, stream=True, stop=["."]), 6),
@@ -302,8 +327,11 @@ async def test_exact_tokens_equal_timings_and_server_metrics(llama_any, relay, p
 # ---- llama-server's own errors pass through verbatim -------------------------------------------
 ERRORS = {
     "prompt_over_context_stream": ("POST", TEXT, text_body("a " * 5000, max_tokens=4, stream=True)),
-    "prompt_over_context_chat": ("POST", CHAT, {"messages": [{"role": "user", "content": "a " * 5000}],
-                                                "max_tokens": 4}),
+    "prompt_over_context_chat": (
+        "POST",
+        CHAT,
+        {"messages": [{"role": "user", "content": "a " * 5000}], "max_tokens": 4},
+    ),
     "unknown_path_404": ("GET", "/nope", None),
     "unknown_post_404": ("POST", "/v1/nope", {"x": 1}),
 }
@@ -343,8 +371,9 @@ async def test_plain_endpoints_pass_through(llama_any, relay, method, path, body
     assert norm(via.body) in (norm(before.body), norm(after.body))
     expected = expected_relay_headers(before, "e2e-plain")
     assert [k for k, _ in via.headers] == [k for k, _ in expected]
-    assert [(k, v) for k, v in via.headers if k != "content-length"] == \
-        [(k, v) for k, v in expected if k != "content-length"]
+    assert [(k, v) for k, v in via.headers if k != "content-length"] == [
+        (k, v) for k, v in expected if k != "content-length"
+    ]
     assert int(via.header("content-length")) == len(via.body)
 
 
@@ -354,11 +383,15 @@ async def test_one_client_connection_many_requests(relay):
     pooled upstream connection, and keeps the client's connection open throughout."""
     port = relay.port
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    seq = [(CHAT, chat_body(max_tokens=8)), (CHAT, chat_body(max_tokens=8, stream=True)),
-           (TEXT, text_body(STOP_TRIGGER_PROMPT, max_tokens=16, stream=True)),
-           (CHAT, chat_body(max_tokens=8)), (CHAT, chat_body(max_tokens=8)),
-           (NATIVE, text_body(STOP_TRIGGER_PROMPT, n_predict=16, stream=True)),
-           (CHAT, chat_body(max_tokens=8, stream=True))]
+    seq = [
+        (CHAT, chat_body(max_tokens=8)),
+        (CHAT, chat_body(max_tokens=8, stream=True)),
+        (TEXT, text_body(STOP_TRIGGER_PROMPT, max_tokens=16, stream=True)),
+        (CHAT, chat_body(max_tokens=8)),
+        (CHAT, chat_body(max_tokens=8)),
+        (NATIVE, text_body(STOP_TRIGGER_PROMPT, n_predict=16, stream=True)),
+        (CHAT, chat_body(max_tokens=8, stream=True)),
+    ]
     try:
         for path, body in seq:
             writer.write(build_request("POST", path, port, body))
@@ -369,8 +402,14 @@ async def test_one_client_connection_many_requests(relay):
                 assert resp.json()["choices"][0]["message"]["content"] == CHAT8
             elif path == CHAT:
                 events = resp.sse_json()
-                assert "".join(e["choices"][0]["delta"].get("content") or ""
-                               for e in events if e["choices"]) == CHAT8
+                assert (
+                    "".join(
+                        e["choices"][0]["delta"].get("content") or ""
+                        for e in events
+                        if e["choices"]
+                    )
+                    == CHAT8
+                )
             elif path == TEXT:
                 assert "".join(e["choices"][0]["text"] for e in resp.sse_json()) == STOP_TEXT
             else:

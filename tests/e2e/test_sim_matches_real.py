@@ -33,11 +33,27 @@ pytestmark = pytest.mark.e2e
 
 
 # Values compared exactly whatever the model: they are framing, not generated text.
-FRAMING_KEYS = {"object", "finish_reason", "role", "stop", "stop_type", "index", "logprobs",
-                "has_new_line", "truncated", "choices"}
+FRAMING_KEYS = {
+    "object",
+    "finish_reason",
+    "role",
+    "stop",
+    "stop_type",
+    "index",
+    "logprobs",
+    "has_new_line",
+    "truncated",
+    "choices",
+}
 # Generated text / counts: compared only where the simulator models the tiny model's output.
-MODEL_KEYS = {"content", "text", "completion_tokens", "predicted_n", "tokens_predicted",
-              "stopping_word"}
+MODEL_KEYS = {
+    "content",
+    "text",
+    "completion_tokens",
+    "predicted_n",
+    "tokens_predicted",
+    "stopping_word",
+}
 # Objects whose inner keys follow the llama.cpp build (sampler settings): only their presence
 # and position count.
 OPAQUE_KEYS = {"generation_settings"}
@@ -101,8 +117,10 @@ def explain(real: dict, sim: dict) -> str:
             lines.append(f"{k}: real={real[k]!r}\n{' ' * len(k)}   sim={sim[k]!r}")
     rc, sc = real["chunks"], sim["chunks"]
     if len(rc) != len(sc):
-        lines.append(f"HTTP chunks: real {len(rc)}, sim {len(sc)}; events per chunk: "
-                     f"real {[len(c) for c in rc]}, sim {[len(c) for c in sc]}")
+        lines.append(
+            f"HTTP chunks: real {len(rc)}, sim {len(sc)}; events per chunk: "
+            f"real {[len(c) for c in rc]}, sim {[len(c) for c in sc]}"
+        )
     for i, (a, b) in enumerate(zip(rc, sc)):
         if a == b:
             continue
@@ -113,8 +131,12 @@ def explain(real: dict, sim: dict) -> str:
             if isinstance(ea, list) and isinstance(eb, list):
                 only_r = [t for t in ea if t not in eb]
                 only_s = [t for t in eb if t not in ea]
-                lines.append(f"  event {j}: only real: {only_r[:8]}{' ...' if len(only_r) > 8 else ''}")
-                lines.append(f"  event {j}: only sim:  {only_s[:8]}{' ...' if len(only_s) > 8 else ''}")
+                lines.append(
+                    f"  event {j}: only real: {only_r[:8]}{' ...' if len(only_r) > 8 else ''}"
+                )
+                lines.append(
+                    f"  event {j}: only sim:  {only_s[:8]}{' ...' if len(only_s) > 8 else ''}"
+                )
                 if not only_r and not only_s:
                     lines.append(f"  event {j}: same paths, different order")
             else:
@@ -146,39 +168,70 @@ def chat(**kw) -> dict:
 
 # Assistant prefill ending in "?" -> " Fine, thanks!" + EOS (see tiny_gguf); the simulator
 # stops after 4 content events when told so.
-CHAT_EOS = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well?"}],
-            "max_tokens": 16, "stream": True, "sim": {"tokens": 4}}
+CHAT_EOS = {
+    "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well?"}],
+    "max_tokens": 16,
+    "stream": True,
+    "sim": {"tokens": 4},
+}
 
 CASES = {
     "chat_stream_length": Case("POST", CHAT, chat(max_tokens=4, stream=True)),
     "chat_stream_length_long": Case("POST", CHAT, chat(max_tokens=13, stream=True)),
     "chat_stream_include_usage": Case(
-        "POST", CHAT, chat(max_tokens=4, stream=True, stream_options={"include_usage": True})),
+        "POST", CHAT, chat(max_tokens=4, stream=True, stream_options={"include_usage": True})
+    ),
     "chat_stream_include_usage_false": Case(
-        "POST", CHAT, chat(max_tokens=4, stream=True, stream_options={"include_usage": False})),
+        "POST", CHAT, chat(max_tokens=4, stream=True, stream_options={"include_usage": False})
+    ),
     "chat_stream_stop_word": Case("POST", CHAT, chat(max_tokens=16, stream=True, stop=["."])),
     "chat_stream_stop_word_usage": Case(
-        "POST", CHAT, chat(max_tokens=16, stream=True, stop=["."],
-                           stream_options={"include_usage": True})),
+        "POST",
+        CHAT,
+        chat(max_tokens=16, stream=True, stop=["."], stream_options={"include_usage": True}),
+    ),
     "chat_stream_eos": Case("POST", CHAT, CHAT_EOS, same_model=False),
     "chat_nonstream": Case("POST", CHAT, chat(max_tokens=4)),
-    "completions_stream_length": Case("POST", TEXT, {"prompt": "Say hi", "max_tokens": 4,
-                                                     "stream": True}),
+    "completions_stream_length": Case(
+        "POST", TEXT, {"prompt": "Say hi", "max_tokens": 4, "stream": True}
+    ),
     "completions_stream_include_usage": Case(
-        "POST", TEXT, {"prompt": "Say hi", "max_tokens": 4, "stream": True,
-                       "stream_options": {"include_usage": True}}),
+        "POST",
+        TEXT,
+        {
+            "prompt": "Say hi",
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ),
     "completions_stream_eos": Case(
-        "POST", TEXT, {"prompt": "How are you?", "max_tokens": 16, "stream": True,
-                       "sim": {"tokens": 4, "eos_event": True}}, same_model=False),
+        "POST",
+        TEXT,
+        {
+            "prompt": "How are you?",
+            "max_tokens": 16,
+            "stream": True,
+            "sim": {"tokens": 4, "eos_event": True},
+        },
+        same_model=False,
+    ),
     "completions_stream_stop_word": Case(
-        "POST", TEXT, {"prompt": "Say hi", "max_tokens": 16, "stream": True, "stop": ["."]}),
+        "POST", TEXT, {"prompt": "Say hi", "max_tokens": 16, "stream": True, "stop": ["."]}
+    ),
     "completions_nonstream": Case("POST", TEXT, {"prompt": "Say hi", "max_tokens": 4}),
-    "native_stream_length": Case("POST", NATIVE, {"prompt": "Say hi", "n_predict": 3, "stream": True}),
+    "native_stream_length": Case(
+        "POST", NATIVE, {"prompt": "Say hi", "n_predict": 3, "stream": True}
+    ),
     "native_stream_eos": Case(
-        "POST", NATIVE, {"prompt": "How are you?", "n_predict": 16, "stream": True, "sim": {"tokens": 4}},
-        same_model=False),
+        "POST",
+        NATIVE,
+        {"prompt": "How are you?", "n_predict": 16, "stream": True, "sim": {"tokens": 4}},
+        same_model=False,
+    ),
     "native_stream_stop_word": Case(
-        "POST", NATIVE, {"prompt": "Say hi", "n_predict": 16, "stream": True, "stop": ["."]}),
+        "POST", NATIVE, {"prompt": "Say hi", "n_predict": 16, "stream": True, "stop": ["."]}
+    ),
     "native_nonstream": Case("POST", NATIVE, {"prompt": "Say hi", "n_predict": 3}),
     "health": Case("GET", "/health"),
     "models": Case("GET", "/v1/models"),
@@ -187,9 +240,12 @@ CASES = {
 
 
 async def both(llama_server, sim, case: Case) -> tuple[RawResponse, RawResponse]:
-    real, fake = await asyncio.gather(*(
-        request(port, case.method, case.path, case.body, check_close=True)
-        for port in (llama_server.port, sim.port)))
+    real, fake = await asyncio.gather(
+        *(
+            request(port, case.method, case.path, case.body, check_close=True)
+            for port in (llama_server.port, sim.port)
+        )
+    )
     return real, fake
 
 
@@ -204,11 +260,15 @@ async def test_sim_matches_real_structurally(llama_server, sim, case: Case):
 
 # The per-path [DONE] / close / usage rules, stated once more as plain facts on BOTH servers,
 # so a failure says which rule broke (the structural test above says where).
-@pytest.mark.parametrize("path,body,done", [
-    (CHAT, chat(max_tokens=3, stream=True), True),
-    (TEXT, {"prompt": "Say hi", "max_tokens": 3, "stream": True}, True),
-    (NATIVE, {"prompt": "Say hi", "n_predict": 3, "stream": True}, False),
-], ids=["chat", "completions", "native"])
+@pytest.mark.parametrize(
+    "path,body,done",
+    [
+        (CHAT, chat(max_tokens=3, stream=True), True),
+        (TEXT, {"prompt": "Say hi", "max_tokens": 3, "stream": True}, True),
+        (NATIVE, {"prompt": "Say hi", "n_predict": 3, "stream": True}, False),
+    ],
+    ids=["chat", "completions", "native"],
+)
 async def test_done_and_close_rules(llama_server, sim, path, body, done):
     for who, port in (("real", llama_server.port), ("sim", sim.port)):
         resp = await request(port, "POST", path, body, check_close=True)
@@ -239,5 +299,6 @@ async def test_native_stream_framing_matches(llama_server, sim):
     it = iter(real_paths)
     missing = [p for p in sim_paths if p not in it]
     assert not missing, f"simulator final-event keys not in the real order/set: {missing}"
-    assert dict((t[0], t[1:]) for t in s["chunks"][-1][0]).items() <= \
-        dict((t[0], t[1:]) for t in real_final).items()
+    assert {t[0]: t[1:] for t in s["chunks"][-1][0]}.items() <= {
+        t[0]: t[1:] for t in real_final
+    }.items()

@@ -54,9 +54,24 @@ CHAT_TEMPLATE = (
 
 # Word pieces of the vocabulary ("▁" is SentencePiece's space marker).
 WORDS = [
-    "▁Hello", "Hello", "▁from", "▁a", "▁tiny", "▁llama", "▁Fine", "▁thanks",
-    "▁How", "▁are", "▁you", "▁Say", "▁hi", "▁there", "▁go",
-    "▁user", "▁assistant", "▁system",
+    "▁Hello",
+    "Hello",
+    "▁from",
+    "▁a",
+    "▁tiny",
+    "▁llama",
+    "▁Fine",
+    "▁thanks",
+    "▁How",
+    "▁are",
+    "▁you",
+    "▁Say",
+    "▁hi",
+    "▁there",
+    "▁go",
+    "▁user",
+    "▁assistant",
+    "▁system",
 ]
 PUNCT = [".", ",", "!", "?"]
 
@@ -181,14 +196,18 @@ def write_tiny_model(path: str | Path) -> None:
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", ones)
         for name in ("attn_q", "attn_k", "attn_v"):
-            w.add_tensor(p + name + ".weight",
-                         (rng.standard_normal((N_EMBD, N_EMBD)) * 0.02).astype(np.float32))
+            w.add_tensor(
+                p + name + ".weight",
+                (rng.standard_normal((N_EMBD, N_EMBD)) * 0.02).astype(np.float32),
+            )
         w.add_tensor(p + "attn_output.weight", np.zeros((N_EMBD, N_EMBD), dtype=np.float32))
         w.add_tensor(p + "ffn_norm.weight", ones)
-        w.add_tensor(p + "ffn_gate.weight",
-                     (rng.standard_normal((N_FF, N_EMBD)) * 0.02).astype(np.float32))
-        w.add_tensor(p + "ffn_up.weight",
-                     (rng.standard_normal((N_FF, N_EMBD)) * 0.02).astype(np.float32))
+        w.add_tensor(
+            p + "ffn_gate.weight", (rng.standard_normal((N_FF, N_EMBD)) * 0.02).astype(np.float32)
+        )
+        w.add_tensor(
+            p + "ffn_up.weight", (rng.standard_normal((N_FF, N_EMBD)) * 0.02).astype(np.float32)
+        )
         w.add_tensor(p + "ffn_down.weight", np.zeros((N_EMBD, N_FF), dtype=np.float32))
     w.add_tensor("output_norm.weight", ones)
     w.add_tensor("output.weight", output)
