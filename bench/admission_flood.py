@@ -188,7 +188,7 @@ sha256 = "{hashlib.sha256(SECRET.encode()).hexdigest()}"
 """)
     logs = open(Path(tmp, "out.log"), "wb")  # noqa: SIM115 - the children write it to the end
     sim = subprocess.Popen(
-        [sys.executable, "-m", "relay.sim.server", "--port", str(sim_port)],
+        [sys.executable, "-m", "relay.sim", "--port", str(sim_port)],
         cwd=args.root,
         env=env,
         stdout=logs,

@@ -132,7 +132,7 @@ def run(coro) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "sim":
-        from relay.sim import server as sim
+        from relay.sim import cli as sim
 
         return sim.main(argv[1:])
     if argv and argv[0] == "report":

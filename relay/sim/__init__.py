@@ -1,0 +1,27 @@
+"""The built-in llama-server simulator: a fake upstream for tests, benches and `relay serve --demo`.
+
+Modules, from the entry points down (each imports only modules listed below it):
+
+- ``__main__``: ``python -m relay.sim [flags]``, the command line of cli.py.
+- ``cli``: the `relay sim` command line: its flags, the per-request knobs' help, serving until
+  a signal.
+- ``server``: `Simulator`, the in-process server object: state plus a listening socket, start/stop.
+- ``conn``: one client connection: h11 request parsing, routing, Content-Length answers, keep-alive.
+- ``gen``: one streamed generation, paced by a loop.call_at chain (`Gen`, and `Link`, what it
+  needs of its connection).
+- ``plan``: what to send for one request: the error its knobs ask for, or a generation's `Plan`.
+- ``state``: what a running simulator knows: `SimDefaults` (its knobs), `SimRequest` (one
+  request as seen), `SimState` (switches, counters, requests, connections).
+- ``endpoints``: the JSON bodies of the non-generation routes (models, props, slots, metrics,
+  tokenize, detokenize, embeddings).
+- ``frames``: the streamed events of one generation (`StreamFrames`).
+- ``shapes``: chat chunks in other servers' shapes (vLLM, OpenAI).
+- ``completion``: the JSON of a finished completion: ids, timings, usage, the native final
+  object, non-streamed bodies.
+- ``tinymodel``: the tiny model it pretends to serve: vocabulary, token text, stop words,
+  tokenizer, embeddings.
+- ``wire``: what every response is made of: heads, chunk framing, the fixed events, error bodies.
+
+The rule: nothing in `relay` imports this package but `relay.cli` (the `relay sim` and
+`relay serve --demo` commands), and it imports nothing of `relay` outside `relay/sim/`.
+"""

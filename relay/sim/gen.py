@@ -3,20 +3,39 @@
 Token i is due at t0 + i*interval (no drift), each event is one transport.write (or, with the
 events_per_chunk / chunks_per_write knobs, a group of them when its last one is due), and
 production stops while the connection's transport is paused. Knobs (stall, drop, mid-line
-or mid-chunk cuts, content-length bodies) come from the request's plan (sim_frames.Plan).
+or mid-chunk cuts, content-length bodies) come from the request's plan (plan.Plan). What it
+uses of its connection is the `Link` protocol below, which conn.py's connection satisfies, so
+this module needs nothing from conn.py.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import asyncio
+from typing import Protocol
 
-from relay.sim import frames as F
+from relay.sim import wire as W
+from relay.sim.completion import timings
+from relay.sim.frames import StreamFrames
+from relay.sim.plan import Plan
+from relay.sim.state import SimRequest, SimState
 
-if TYPE_CHECKING:
-    from relay.sim.plan import Plan
-    from relay.sim.server import SimRequest, _Conn
 
-SSE_HEAD = F.head(200, F.SSE_CT, sse=True)
+class Link(Protocol):
+    """What a Gen uses of its connection (read-only here, so plain attributes satisfy it)."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+    @property
+    def transport(self) -> asyncio.WriteTransport: ...
+    @property
+    def paused(self) -> bool: ...  # the transport asked us to stop writing
+    @property
+    def _keep(self) -> bool: ...  # the connection stays open after this response
+    @property
+    def sim(self) -> SimState: ...  # where the tokens sent are counted
+
+    def abort(self) -> None: ...
+    def finish_stream(self) -> None: ...  # the last bytes are written: end the response
 
 
 class Gen:
@@ -24,10 +43,10 @@ class Gen:
 
     __slots__ = ("c", "cl_tail", "f", "handle", "i", "p", "req", "role", "state", "stop_at", "t0")
 
-    def __init__(self, conn: _Conn, req: SimRequest, plan: Plan, frames: F.StreamFrames) -> None:
+    def __init__(self, conn: Link, req: SimRequest, plan: Plan, frames: StreamFrames) -> None:
         self.c, self.req, self.p, self.f = conn, req, plan, frames
         self.i = 0
-        self.handle = None
+        self.handle: asyncio.Handle | None = None
         self.state = "head"
         self.role: bytes | None = None
         self.cl_tail = b""
@@ -65,7 +84,7 @@ class Gen:
         parts = self._tail_payloads(tm)
         if self.p.content_length:
             return b"".join(parts)
-        return b"".join(map(F.chunk, parts)) + F.TERMINATOR
+        return b"".join(map(W.chunk, parts)) + W.TERMINATOR
 
     def _head(self) -> None:
         self.handle = None
@@ -75,16 +94,16 @@ class Gen:
         if p.content_length:
             n = p.n or 0
             self.cl_tail = self._tail(
-                F.timings(p.prompt_n, p.predicted_n, (p.ftd + max(n - 1, 0) * p.interval) * 1e3)
+                timings(p.prompt_n, p.predicted_n, (p.ftd + max(n - 1, 0) * p.interval) * 1e3)
             )
             length = f.body_len(n) + len(role or b"") + len(self.cl_tail)
-            head = F.head(200, F.SSE_CT, length=length, sse=True, close=not keep)
+            head = W.head(200, W.SSE_CT, length=length, sse=True, close=not keep)
         elif f.kind == "octet" or not keep:
-            head = F.head(200, f.content_type, sse=True, close=not keep)
+            head = W.head(200, f.content_type, sse=True, close=not keep)
         else:
-            head = SSE_HEAD
+            head = W.SSE_HEAD
         if role is not None and (p.ftd > 0 or self.stop_at == 0):
-            head += role if p.content_length else F.chunk(role)
+            head += role if p.content_length else W.chunk(role)
         else:
             self.role = role
         self.c.transport.write(head)
@@ -94,7 +113,7 @@ class Gen:
     def _frame(self, i: int) -> bytes:
         if self.role is not None:
             data, self.role = self.role + self.f.event(i), None
-            return data if self.p.content_length else F.chunk(data)
+            return data if self.p.content_length else W.chunk(data)
         return self.f.event(i) if self.p.content_length else self.f.chunk(i)
 
     def _frames(self, i: int, j: int) -> bytes:
@@ -105,7 +124,7 @@ class Gen:
         if self.p.content_length:
             return b"".join(evs)
         per = self.p.events_per_chunk
-        return b"".join(F.chunk(b"".join(evs[k : k + per])) for k in range(0, len(evs), per))
+        return b"".join(W.chunk(b"".join(evs[k : k + per])) for k in range(0, len(evs), per))
 
     def _tick(self) -> None:
         self.handle = None
@@ -156,7 +175,7 @@ class Gen:
                 elif p.content_length:
                     self.c.transport.write(half)
                 elif p.mid_line:
-                    self.c.transport.write(F.chunk(half))
+                    self.c.transport.write(W.chunk(half))
                 else:
                     self.c.transport.write(b"%x\r\n" % len(nxt) + half)
             return
@@ -167,4 +186,4 @@ class Gen:
 
     def _timings(self) -> dict:
         ms = (self.c.loop.time() - self.t0) * 1000.0 if self.i else 0.0
-        return F.timings(self.p.prompt_n, self.p.predicted_n, ms)
+        return timings(self.p.prompt_n, self.p.predicted_n, ms)

@@ -1,16 +1,19 @@
-"""What the simulator sends for one generation request: the plan, from the body and knobs.
+"""What the simulator sends for one request: the error its knobs ask for, or a generation's plan.
 
 Knobs come from an optional ``"sim": {...}`` object in the request body (tokens, pacing,
-first-token and head delays, stall / drop points, body shapes); the rest follows llama-server
-(n_predict, then max_tokens and its alias, stop words, the EOS event of the text routes).
+first-token and head delays, stall / drop points, body shapes, an error status or event) over
+the server's SimDefaults; the rest follows llama-server (n_predict, then max_tokens and its
+alias, stop words, the EOS event of the text routes).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from relay.sim.frames import generation_settings, stop_match, stop_words
+from relay.sim.completion import generation_settings
 from relay.sim.shapes import SHAPES
+from relay.sim.state import SimDefaults
+from relay.sim.tinymodel import stop_match, stop_words
 
 
 @dataclass
@@ -37,9 +40,10 @@ class Plan:
     )
     settings: dict | None = None  # native: generation_settings of the final event
     prompt: str = ""  # native: "prompt" of the final event
-    shape: str = "llama"  # chat chunks: "llama", "vllm" or "openai" (relay/sim_shapes.py)
+    shape: str = "llama"  # chat chunks: "llama", "vllm" or "openai" (shapes.py)
     events_per_chunk: int = 1  # content events per chunk (coalesced, as some servers do)
     chunks_per_write: int = 1  # chunks per write (so several reach the peer in one read)
+    error_event: bool = False  # a 200 stream holding only an {"error": ...} event
 
 
 def as_int(v) -> int | None:
@@ -50,6 +54,21 @@ def as_num(v, default: float) -> float:
     return (
         float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 else default
     )
+
+
+def knobs_of(body: dict) -> dict:
+    """The request's ``"sim"`` object (its knobs), or {}."""
+    sim = body.get("sim")
+    return sim if isinstance(sim, dict) else {}
+
+
+def error_reply(body: dict, d: SimDefaults) -> tuple[int, float] | None:
+    """The ``status`` knob: (status, seconds before the head) of an error answer, else None."""
+    knobs = knobs_of(body)
+    status = as_int(knobs.get("status"))
+    if status is None or status < 400:
+        return None
+    return status, as_num(knobs.get("head_delay_ms"), d.head_delay_ms) / 1000.0
 
 
 def _prompt_chars(kind: str, body: dict) -> int:
@@ -73,11 +92,9 @@ def _count(v, default: int) -> int:
     return v if v is not None and 1 <= v <= 4096 else default
 
 
-def make_plan(kind: str, body: dict, d) -> Plan:
-    """d: SimDefaults (tokens, interval_ms, first_token_delay_ms, head_delay_ms, shape,
-    events_per_chunk, chunks_per_write)."""
-    sim = body.get("sim")
-    sim = sim if isinstance(sim, dict) else {}
+def make_plan(kind: str, body: dict, d: SimDefaults) -> Plan:
+    """The plan of a generation request on route ``kind``, from its body and the defaults."""
+    sim = knobs_of(body)
     # llama-server: n_predict if given, else max_tokens (max_completion_tokens on the OpenAI
     # routes; the native /completion knows no such alias, and no route reads
     # max_output_tokens but the Responses API); the first one present wins, and a negative
@@ -156,4 +173,5 @@ def make_plan(kind: str, body: dict, d) -> Plan:
         shape=shape if shape in SHAPES else d.shape,
         events_per_chunk=_count(sim.get("events_per_chunk"), d.events_per_chunk),
         chunks_per_write=_count(sim.get("chunks_per_write"), d.chunks_per_write),
+        error_event=bool(sim.get("error_event")),
     )

@@ -1,7 +1,7 @@
 """Chat chunk shapes of servers other than llama-server, for the simulator's `shape` knob.
 
 The relay's per-event speed must not depend on one server's byte layout (issue 15), so the
-simulator can speak, besides llama-server's own chat chunks (relay/sim_frames.py):
+simulator can speak, besides llama-server's own chat chunks (frames.py):
 
 - ``vllm``: vLLM's OpenAI server, `{"id","object","created","model","choices":[{"index",
   "delta","logprobs":null,"finish_reason"}]}`, the first delta `{"role":"assistant",
@@ -97,7 +97,7 @@ class Shape:
         else:
             out = self._choice(62, b"{}", fin)
         if include_usage:
-            use = {
+            use: dict[str, int | dict[str, int]] = {
                 "prompt_tokens": prompt_n,
                 "completion_tokens": completion_n,
                 "total_tokens": prompt_n + completion_n,

@@ -1,0 +1,100 @@
+"""What every simulator response is made of: the head, chunked framing, fixed events, errors.
+
+Pure byte builders in llama-server's wire shape (see the captures in the shared fixtures):
+its header set and order, HTTP chunk framing, the fixed SSE events (``[DONE]``, the error
+event), and its error JSON (key order code, message, type).
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+import msgspec
+
+_enc = msgspec.json.Encoder()
+jdump = _enc.encode
+
+JSON_CT = b"application/json; charset=utf-8"
+SSE_CT = b"text/event-stream"
+OCTET_CT = b"application/octet-stream"
+METRICS_CT = b"text/plain; version=0.0.4"
+KEEP_ALIVE = b"Keep-Alive: timeout=5, max=100"
+TERMINATOR = b"0\r\n\r\n"
+DONE_EVENT = b"data: [DONE]\n\n"
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "unavailable_error",
+    501: "not_supported_error",
+    503: "unavailable_error",
+}
+ERROR_MESSAGES = {
+    400: "Invalid request",
+    401: "Invalid API Key",
+    403: "Forbidden",
+    404: "File Not Found",
+    429: "Too many requests, try again later",
+    500: "Internal server error (simulated)",
+    503: "Loading model",
+}
+
+
+def reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b"Unknown"
+
+
+def head(
+    status: int,
+    ctype: bytes,
+    *,
+    length: int | None = None,
+    sse: bool = False,
+    close: bool = False,
+    extra: tuple[bytes, ...] = (),
+) -> bytes:
+    """Response head in llama-server's header order (chunked when length is None)."""
+    lines = [
+        b"HTTP/1.1 %d %s" % (status, reason(status)),
+        b"Server: llama.cpp",
+        b"Access-Control-Allow-Origin: ",
+        *extra,
+    ]
+    if sse:
+        lines.append(b"X-Accel-Buffering: no")
+    lines.append(b"Content-Type: " + ctype)
+    lines.append(
+        b"Transfer-Encoding: chunked" if length is None else b"Content-Length: %d" % length
+    )
+    lines.append(b"Connection: close" if close else KEEP_ALIVE)
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def chunk(payload: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(payload), payload)
+
+
+def error_obj(code: int, message: str | None = None, type_: str | None = None) -> dict:
+    """llama-server error object, key order code, message, type (as for 400/5xx)."""
+    return {
+        "error": {
+            "code": code,
+            "message": message or ERROR_MESSAGES.get(code, "simulated error"),
+            "type": type_
+            or ERROR_TYPES.get(code, "server_error" if code >= 500 else "invalid_request_error"),
+        }
+    }
+
+
+def error_body(code: int, message: str | None = None, type_: str | None = None) -> bytes:
+    return jdump(error_obj(code, message, type_))
+
+
+SSE_HEAD = head(200, SSE_CT, sse=True)  # a chunked event stream on a kept-alive connection
+NOT_FOUND_BODY = b'{"error":{"message":"File Not Found","type":"not_found_error","code":404}}'
+ERROR_EVENT = b'data: {"error":{"code":500,"message":"simulated","type":"server_error"}}\n\n'
