@@ -11,7 +11,7 @@ import re
 import sqlite3
 
 from relay.config import is_pg_url
-from relay.store.sqlite import is_memory, open_readonly
+from relay.store.sqlite_file import is_memory, open_readonly
 
 
 def shown(db: str) -> str:
@@ -53,11 +53,11 @@ def fetch(db: str, sql: str, params: tuple = ()) -> list[dict]:
 
         with psycopg.connect(db, autocommit=True, row_factory=dict_row) as conn:
             return conn.execute(portable(sql), params).fetchall()
-    conn = open_readonly(db)
+    lite = open_readonly(db)
     try:
-        return conn.execute(sql, params).fetchall()
+        return lite.execute(sql, params).fetchall()
     finally:
-        conn.close()
+        lite.close()
 
 
 def columns(db: str, table: str = "request") -> set[str]:

@@ -1,0 +1,13 @@
+"""Where rows and admission records are kept: SQLite for one relay, PostgreSQL for several.
+
+- `schema`: the `request` table's columns, and a row as stored
+- `sqlite`, `sqlite_writer`, `sqlite_file`: the SQLite store (event-loop side, writer
+  thread, the file's lock and read-only connections)
+- `admissions`: durable admission records and crash recovery (SQLite)
+- `migrate`: older databases brought up to the current columns
+- `postgres`, `pg_sql`, `pg_budget`: the PostgreSQL store, its SQL, budgets shared in it
+- `spill`: rows kept in a local file while PostgreSQL is away
+
+May import: `relay.observe`, `relay.policy`, `relay.stream`, `relay.config`, `relay.http`,
+`relay.errors`. psycopg only in the PostgreSQL modules (the `postgres` extra).
+"""

@@ -15,6 +15,9 @@ import sqlite3
 
 from relay.observe.record import CRASHED, RESERVED
 
+# an admission record's id: a number in SQLite; PostgreSQL's are the relay's id and a counter
+AdmissionId = int | str
+
 FIELDS = (
     "id",
     "ts",
@@ -47,7 +50,7 @@ _RECOVER = (
 )
 
 
-def values(admission_id: int, rec, prompt_tokens: int, completion_tokens: int) -> tuple:
+def values(admission_id: AdmissionId, rec, prompt_tokens: int, completion_tokens: int) -> tuple:
     """The admission record of a request (`rec`: relay.record.Record)."""
     return (
         admission_id,

@@ -23,7 +23,7 @@ table existed gets it filled from its rows once, with the trigger, in one transa
 from __future__ import annotations
 
 from relay.store import admissions as durable
-from relay.store.sqlite import _TYPES, COLUMNS
+from relay.store.schema import COLUMNS, TYPES
 
 _PG_TYPE = {"REAL": "DOUBLE PRECISION", "INTEGER": "BIGINT", "TEXT": "TEXT"}
 ROW_COLUMNS = COLUMNS + ("row_id",)
@@ -49,13 +49,13 @@ RES_FIELDS = (
 
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS request ("
-    + ", ".join(f"{c} {_PG_TYPE[t]}" for c, t in zip(COLUMNS, _TYPES))
+    + ", ".join(f"{c} {_PG_TYPE[t]}" for c, t in zip(COLUMNS, TYPES))
     + ", row_id TEXT)",
     # a table an older relay created gains the columns added since (relay/migrate.py's job
     # on SQLite)
     *(
         f"ALTER TABLE request ADD COLUMN IF NOT EXISTS {c} {_PG_TYPE[t]}"
-        for c, t in zip(ROW_COLUMNS, _TYPES + ("TEXT",))
+        for c, t in zip(ROW_COLUMNS, TYPES + ("TEXT",))
     ),
     "CREATE UNIQUE INDEX IF NOT EXISTS request_row_id ON request (row_id)",
     "CREATE INDEX IF NOT EXISTS request_ts ON request (ts)",

@@ -32,9 +32,11 @@ from relay.config import ConfigError, StoreConfig, pg_connect_kwargs
 from relay.observe.log import Log
 from relay.policy.budget import window_bounds
 from relay.store import pg_sql
+from relay.store.admissions import AdmissionId
 from relay.store.pg_budget import SharedBudget, Unavailable
+from relay.store.schema import clean
 from relay.store.spill import Spill
-from relay.store.sqlite import Store, clean
+from relay.store.sqlite import Store
 
 DEFAULT_SPILL = "relay-spill.jsonl"
 _LOST = (psycopg.OperationalError, psycopg.InterfaceError)
@@ -84,6 +86,8 @@ class PgStore(Store):
 
     @classmethod
     def configured(cls, cfg: StoreConfig, log: Log) -> PgStore:
+        if cfg.url is None:
+            raise ConfigError("store.url: not set (SQLite's store.path is store.sqlite's)")
         try:
             kw = pg_connect_kwargs(cfg.url, cfg.password_env)
         except KeyError as exc:
@@ -119,7 +123,7 @@ class PgStore(Store):
 
     async def admit(
         self,
-        admission_id: str,
+        admission_id: AdmissionId,
         rec,
         prompt_tokens: int,
         completion_tokens: int,
@@ -133,7 +137,7 @@ class PgStore(Store):
             return
         try:
             exceeded = await self.shared.reserve(
-                admission_id, res, rec, prompt_tokens, completion_tokens, time.time()
+                str(admission_id), res, rec, prompt_tokens, completion_tokens, time.time()
             )
         except Unavailable as exc:
             raise RuntimeError(f"shared budget not asked, the local view holds: {exc}") from None
@@ -301,7 +305,9 @@ class PgStore(Store):
         The leases go first: a concurrent expiry of one of them (its relay_reserve or
         `expire` locks the lease, then inserts under the row's id) waits for this
         transaction and then finds nothing, instead of the two waiting on each other."""
-        with self._conn.transaction(), self._conn.cursor() as cur:
+        conn = self._conn
+        assert conn is not None  # (only called with the connection up: `_write_with_retry`)
+        with conn.transaction(), conn.cursor() as cur:
             cur.execute(pg_sql.DELETE_LEASES, ([r[-1] for r in rows],))
             # by key: each row locks its key's usage_day row (pg_sql.USAGE_DAY), so two
             # relays' batches lock them in one order and never wait on each other
@@ -315,7 +321,8 @@ class PgStore(Store):
             f"the spill file {self.spill.path!r}",
         )
         try:
-            self._conn.close()
+            if self._conn is not None:
+                self._conn.close()
         except Exception:
             pass
         self._conn = None
@@ -350,7 +357,7 @@ def _pg_row(values: tuple, now: float) -> tuple:
     )
 
 
-def _by_key(row: tuple) -> str:
+def _by_key(row) -> str:
     return row[_KEY] or ""
 
 

@@ -74,7 +74,7 @@ class Spill:
         self.path = path
         self.count = 0  # rows in the file now
         self.damaged = 0  # complete lines skipped because their checksum failed
-        self._fd: int | None = None
+        self._fd = -1  # the open, locked file (-1: not open)
 
     def open(self) -> list[tuple]:
         """Lock the file, cut a torn tail, and return the rows it holds."""
@@ -118,6 +118,6 @@ class Spill:
         self.count = 0
 
     def close(self) -> None:
-        if self._fd is not None:
+        if self._fd >= 0:
             os.close(self._fd)
-            self._fd = None
+            self._fd = -1

@@ -1,0 +1,49 @@
+"""The `request` table: one row per request, its columns in order, and a row as stored.
+
+The same columns in SQLite (`store.sqlite`) and PostgreSQL (`store.pg_sql`, which adds its
+own); a row is written straight off the request's `Record` (`observe.record`): one C call
+reads its columns in this order.
+"""
+
+from __future__ import annotations
+
+from operator import attrgetter
+
+# (column, SQLite type), in the table's order
+COLUMN_TYPES: tuple[tuple[str, str], ...] = (
+    ("ts", "REAL"), ("request_id", "TEXT"), ("key_id", "TEXT"), ("path", "TEXT"),
+    ("model", "TEXT"), ("stream", "INTEGER"), ("upstream_requested", "TEXT"),
+    ("upstream_served", "TEXT"), ("fallback_attempts", "INTEGER"), ("status", "INTEGER"),
+    ("ok", "INTEGER"), ("error_code", "TEXT"), ("queue_ms", "REAL"), ("ttft_ms", "REAL"),
+    ("total_ms", "REAL"), ("prompt_tokens", "INTEGER"), ("completion_tokens", "INTEGER"),
+    ("tokens_source", "TEXT"), ("bytes_out", "INTEGER"), ("client_closed", "INTEGER"),
+    ("error", "TEXT"),
+)  # fmt: skip
+# Columns added after the first schema: databases of an older relay gain them at start
+# (`store.migrate`; `error` came with TLS upstreams, then the benchmark timings).
+ADDED = (
+    ("first_byte_ms", "REAL"), ("e2e_ms", "REAL"), ("tpot_ms", "REAL"), ("itl_p50_ms", "REAL"),
+    ("itl_p99_ms", "REAL"), ("itl_max_ms", "REAL"), ("itl_hist", "TEXT"), ("prompt_ms", "REAL"),
+    ("prompt_per_second", "REAL"), ("predicted_per_second", "REAL"),
+)  # fmt: skip
+COLUMN_TYPES += ADDED
+COLUMNS = tuple(c for c, _ in COLUMN_TYPES)
+TYPES = tuple(t for _, t in COLUMN_TYPES)
+SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS request (" + ", ".join(f"{c} {t}" for c, t in COLUMN_TYPES) + ")",
+    "CREATE INDEX IF NOT EXISTS request_ts ON request (ts)",
+    "CREATE INDEX IF NOT EXISTS request_key_ts ON request (key_id, ts)",
+)
+INSERT = f"INSERT INTO request ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)})"
+KEYS = COLUMNS + ("admission_id",)  # a queued row: its columns, then its admission (or None)
+record_values = attrgetter(*COLUMNS)  # a Record's columns, in order
+_TS = COLUMNS.index("ts")
+_PLAIN = (type(None), int, float, str, bytes)
+
+
+def clean(values: tuple, now: float) -> tuple:
+    """Make a snapshot insertable: bool -> 0/1 (int subclass), odd types -> str, ts defaults to now."""
+    out = [v if type(v) in _PLAIN or isinstance(v, (int, float)) else str(v) for v in values]
+    if out[_TS] is None:
+        out[_TS] = now
+    return tuple(out)
