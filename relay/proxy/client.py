@@ -8,23 +8,21 @@ a fresh one, so h11 never has to be told about a body it did not frame.
 Received bytes wait in an inbox and are handed to h11 in bounded slices, a bounded number of
 events per loop turn, so one client sending a body in tiny chunks cannot hold the event loop;
 the head deadline runs until the body is whole. The head is judged before any body byte is
-read: ambiguous framing (`reqhead`), size, the caller's key (`admission.head_check`) and the
-relay-wide body memory bound (`bodies`).
+read (`policy.request_head`): size, ambiguous framing, the caller's key and the relay-wide
+body memory bound (`body_memory`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from itertools import chain
 
 import h11
 
 from relay.errors import RelayError, reason_phrase
-from relay.http import fields
-from relay.http import request_framing as reqhead
-from relay.http import request_path as paths
+from relay.http import fields, request_framing
 from relay.http.to_client import relay_response
-from relay.policy import admission
+from relay.policy import request_head
+from relay.proxy.request import Request
 
 _READ_BUFFER_LIMIT = 64 * 1024  # bytes received but not parsed before reading pauses
 WRITE_HIGH_WATER = 64 * 1024
@@ -35,71 +33,21 @@ LINGER_S = 2.0  # how long a refused client's input is read and discarded before
 _NEED, _STOP, _MORE = 0, 1, 2  # what _process leaves: wants bytes / stopped / out of turn
 
 
-class Request:
-    __slots__ = ("body", "headers", "http11", "keep_alive", "key_id", "method", "path", "target")
-
-    def __init__(
-        self,
-        method,
-        target,
-        headers,
-        body,
-        http11,
-        keep_alive,
-        key_id: str | None = None,
-        path: str | None = None,
-    ) -> None:
-        self.method: bytes = method
-        self.target: bytes = target
-        self.headers: list[tuple[bytes, bytes]] = headers
-        self.body: bytes = body
-        self.http11: bool = http11
-        self.keep_alive: bool = keep_alive
-        self.key_id = key_id  # the caller's key, identified on the head (None: auth off)
-        # the path the upstream routes on (paths.normalize), bounded for echoes and rows
-        self.path = (
-            path
-            if path is not None
-            else paths.bounded(paths.normalize(target), paths.MAX_PATH_CHARS)
-        )
-
-
 class ClientConn(asyncio.Protocol):
-    # One per open client connection, alive as long as it: no instance dict (issue 15).
+    # One per open client connection, alive as long as it: no instance dict.
+    # fmt: off
     __slots__ = (
-        "app",
-        "awaiting_head",
-        "body",
-        "body_size",
-        "busy",
-        "chunks",
-        "drain_waiter",
-        "exchange",
-        "gone",
-        "h11",
-        "head",
-        "head_bytes",
-        "held",
-        "http11",
-        "inbox",
-        "key_id",
-        "lingering",
-        "loop",
-        "path",
-        "peer_host",
-        "raw",
-        "task",
-        "timer",
-        "timer_kind",
-        "transport",
-        "turn",
-        "wants_keep_alive",
+        "app", "awaiting_head", "body", "body_size", "busy", "chunks", "drain_waiter",
+        "exchange", "gone", "h11", "head", "head_bytes", "held", "http11", "inbox", "key_id",
+        "lingering", "loop", "path", "peer_host", "raw", "task", "timer", "timer_kind",
+        "transport", "turn", "wants_keep_alive",
     )
+    # fmt: on
+    transport: asyncio.Transport  # set by connection_made, before anything reads it
 
     def __init__(self, app) -> None:
         self.app = app
         self.loop = app.loop
-        self.transport: asyncio.Transport | None = None
         # The h11 connection parsing the next request: made when its first byte arrives and
         # dropped once the request is read whole (a stream being relayed, or a connection
         # idle between requests, holds none: about 1 KB each).
@@ -268,89 +216,49 @@ class ClientConn(asyncio.Protocol):
                 if ev is h11.NEED_DATA:
                     return _NEED, budget
                 if isinstance(ev, h11.Request):
-                    self._on_head(ev)
+                    self._on_head(conn, ev)
                     if self.busy or self.gone:
                         return _STOP, budget
                 elif isinstance(ev, h11.Data):
                     if not self._on_data(ev):
                         return _STOP, budget
                 elif isinstance(ev, h11.EndOfMessage):
-                    self._dispatch()
+                    self._dispatch(conn)
                     return _STOP, budget
                 else:  # PAUSED or ConnectionClosed: nothing more to read on this connection
                     return _STOP, budget
             return _MORE, 0
         except h11.RemoteProtocolError as exc:
-            if exc.error_status_hint == 431:
-                err = RelayError("headers_too_large", "request head is too large")
-            elif exc.error_status_hint == 501:
-                err = RelayError("not_implemented", paths.bounded(str(exc)))
-            else:
-                err = RelayError("bad_request", paths.bounded(f"malformed HTTP request: {exc}"))
-            self._reject(err)
+            self._reject(request_head.malformed(exc.error_status_hint, str(exc)))
             return _STOP, budget
 
-    def _too_large(self) -> RelayError:
-        limit = self.app.config.server.max_body_bytes
-        return RelayError(
-            "request_too_large", f"request body is over {limit} bytes", {"limit_bytes": limit}
-        )
-
-    def _busy_error(self) -> RelayError:
-        limit = self.app.dispatcher.bodies.limit
-        return RelayError(
-            "server_busy",
-            "the relay holds too many request bodies; retry later",
-            {"limit_bytes": limit},
-            [(b"Retry-After", b"1")],
-        )
-
-    def _on_head(self, ev: h11.Request) -> None:
-        cfg = self.app.config.server
+    def _on_head(self, conn: h11.Connection, ev: h11.Request) -> None:
         self.head = ev
         self.awaiting_head = False
-        folded = reqhead.has_obs_fold(self.head_bytes)
+        folded = request_framing.has_obs_fold(self.head_bytes)
         self.head_bytes = bytearray()
         self.body = bytearray()
         self.body_size = self.chunks = 0
         raw = self.raw = fields.request_headers(ev.headers)
-        # h11 bounds only a head still incomplete; one that came whole in a read is measured here
-        size = (
-            len(ev.method) + len(ev.target) + 4 * len(raw) + sum(map(len, chain.from_iterable(raw)))
+        app = self.app
+        verdict = request_head.judge(
+            app.config.server,
+            app.auth,
+            ev.method,
+            ev.target,
+            ev.http_version,
+            raw,
+            folded,
+            self.peer_host,
+            app.dispatcher.bodies,
         )
-        if size > cfg.max_header_bytes:
-            self._reject(RelayError("headers_too_large", "request head is too large"))
+        self.http11, self.wants_keep_alive = verdict.http11, verdict.keep_alive
+        self.path, self.key_id = verdict.path, verdict.key_id
+        if verdict.refusal is not None:
+            self._reject(verdict.refusal)
             return
-        if folded:
-            self._reject(RelayError("bad_request", "obs-fold (a folded header line) in the head"))
-            return
-        self.http11 = ev.http_version == b"1.1"
-        err = reqhead.framing_error(raw, self.http11)
-        if err is not None:
-            self._reject(err)
-            return
-        self.wants_keep_alive = self.http11 and not fields.has_token(raw, b"connection", b"close")
-        cl = fields.get(raw, b"content-length")
-        declared = int(cl) if cl is not None else 0
-        if declared > cfg.max_body_bytes:
-            self._reject(self._too_large())
-            return
-        has_body = declared > 0 or fields.get(raw, b"transfer-encoding") is not None
-        self.path = paths.route_path(ev.target)
-        self.key_id, err = admission.head_check(
-            self.app.auth, ev.method, self.path, raw, self.peer_host
-        )
-        if err is not None and has_body:  # a bodiless request is answered the usual way
-            self._reject(err)
-            return
-        bodies = self.app.dispatcher.bodies
-        if declared > bodies.limit - bodies.held:
-            self._reject(self._busy_error())
-            return
-        if self.h11.they_are_waiting_for_100_continue:
-            self.transport.write(
-                self.h11.send(h11.InformationalResponse(status_code=100, headers=[]))
-            )
+        if conn.they_are_waiting_for_100_continue:
+            self.transport.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
 
     def _on_data(self, ev: h11.Data) -> bool:
         """Buffer one piece of body; False when the request was refused instead."""
@@ -359,20 +267,15 @@ class ClientConn(asyncio.Protocol):
         if ev.chunk_start:
             self.chunks += 1
             if self.chunks > cfg.max_body_chunks:
-                self._reject(
-                    RelayError(
-                        "request_too_large",
-                        f"request body is sent in more than {cfg.max_body_chunks} chunks",
-                        {"limit_chunks": cfg.max_body_chunks},
-                    )
-                )
+                self._reject(request_head.too_many_chunks(cfg.max_body_chunks))
                 return False
         self.body_size += n
         if self.body_size > cfg.max_body_bytes:
-            self._reject(self._too_large())
+            self._reject(request_head.too_large(cfg.max_body_bytes))
             return False
-        if not self.app.dispatcher.bodies.take(n):
-            self._reject(self._busy_error())
+        bodies = self.app.dispatcher.bodies
+        if not bodies.take(n):
+            self._reject(request_head.busy(bodies.limit))
             return False
         self.held += n
         self.body += ev.data
@@ -384,9 +287,10 @@ class ClientConn(asyncio.Protocol):
             self.app.dispatcher.bodies.give(self.held)
             self.held = 0
 
-    def _dispatch(self) -> None:
+    def _dispatch(self, conn: h11.Connection) -> None:
         self._disarm()
         ev = self.head
+        assert ev is not None  # (the head came before its end: `_on_head`)
         body = bytes(self.body)
         self.body = bytearray()
         req = Request(
@@ -404,7 +308,7 @@ class ClientConn(asyncio.Protocol):
         self.busy = True
         # The request is read whole: what h11 holds past it (a pipelined next request) waits
         # in the inbox with what arrives meanwhile, and h11 itself is dropped (see __init__).
-        self.inbox[:0] = self.h11.trailing_data[0]
+        self.inbox[:0] = conn.trailing_data[0]
         self.h11 = None
         self.task = self.loop.create_task(self.app.dispatcher.handle(self, req))
         self.app.track(self.task)  # in the drain's count from now, not from its first step

@@ -1,10 +1,11 @@
 """The life of one request: admission, candidates, relay, and settlement exactly once.
 
 Admission (the head was already judged by the client connection, `admission.head_check`):
-internal endpoints -> key (401) -> body peek (400) -> route (404) -> budget
-reservation (429) -> per candidate: slot (503) -> upstream (502/504) -> relay. Before the
-first content event reaches the client a retryable failure moves on to the next candidate;
-after it nothing is swapped. Every admitted request ends in `_settle`, once.
+the relay's own endpoints (`endpoints`) -> key (401) -> body peek (400) -> route (404) ->
+budget reservation (429) -> durable admission -> per candidate (`attempt`): slot (503) ->
+upstream (502/504) -> relay. Before the first content event reaches the client a retryable
+failure moves on to the next candidate; after it nothing is swapped. What the request holds
+and learns is written in its `Ledger`; every request ends in `settle.settle`, once.
 """
 
 from __future__ import annotations
@@ -15,28 +16,19 @@ import os
 import re
 import time
 
-import msgspec
-
 from relay.errors import RelayError, shutting_down, upstream_error
 from relay.http.fields import get as header
 from relay.http.request_path import bounded
-from relay.http.to_upstream import request_bytes, upstream_request_headers
-from relay.http.upstream_url import TargetError
-from relay.observe import ui_page as ui
-from relay.observe import ui_state
 from relay.observe.record import Record, user_agent
-from relay.observe.row_timings import round3
-from relay.policy import admin_access as access
 from relay.policy import admission as A
-from relay.policy.budget import BudgetExceeded
-from relay.policy.model_map import served_name, with_model
-from relay.policy.routing import NoRoute, model_list
-from relay.proxy import settle
+from relay.policy.budget import BudgetExceeded, Reservation
+from relay.policy.routing import NoRoute
+from relay.proxy import endpoints, settle
+from relay.proxy.attempt import Retry, open_exchange, take_slot, unavailable
 from relay.proxy.body_memory import BodyBytes
 from relay.proxy.exchange import Exchange
 from relay.proxy.health import DOWN
-from relay.proxy.pool import ConnectError
-from relay.proxy.slots import Busy, SlotsClosed
+from relay.proxy.ledger import Ledger
 from relay.stream import endings as E
 from relay.stream.content_hold import Hold, error_of
 
@@ -53,14 +45,6 @@ def exceeded(exc: BudgetExceeded) -> RelayError:
     return RelayError(
         "budget_exceeded", str(exc), exc.details(), [(b"Retry-After", b"%d" % exc.retry_after)]
     )
-
-
-class _Retry(Exception):
-    """A failure before the first content event: the next candidate may serve."""
-
-    def __init__(self, err: RelayError | None, response: bytes | None = None) -> None:
-        super().__init__(err.message if err else "retry")
-        self.err = err
 
 
 class Dispatcher:
@@ -97,36 +81,37 @@ class Dispatcher:
         )
         keep_alive = req.keep_alive
         cors = app.cors.headers(req.headers)
-        state = {"slot": None, "reservation": None, "ex": None, "hold": None, "cors": cors}
+        ledger = Ledger(cors)
         try:
             if app.cors.is_preflight(req.method, req.headers):  # before any key is asked for
                 if not client.gone:
                     client.transport.write(app.cors.preflight(req.headers, rid, keep_alive))
                 return
-            if self._internal(client, req, rid, state):
+            if endpoints.answer(app, client, req, rid, ledger):
                 return
-            keep_alive = await self._serve(client, req, rid, rec, state, t0, path)
+            keep_alive = await self._serve(client, req, rid, rec, ledger, t0, path)
             if keep_alive is None:  # the body streams to the client: wait for its end here,
                 del req  # with no frame but this one (the request was sent: not kept either)
-                await state["ex"].done
-                keep_alive = await self._ended(client, rec, state, state["up"], state["ex"], False)
+                ex = ledger.exchange
+                assert ex is not None  # (`_serve` returns None only while it streams)
+                await ex.done
+                keep_alive = await self._ended(client, rec, ledger, ledger.up, ex, False)
         except RelayError as err:
-            keep_alive = self._answer_error(client, rid, rec, err, keep_alive, state)
+            keep_alive = self._answer_error(client, rid, rec, err, keep_alive, ledger)
         except asyncio.CancelledError:
             keep_alive = False
-            self._cancelled(client, rid, rec, state)
+            self._cancelled(client, rid, rec, ledger)
         except Exception as exc:  # a bug: the client still gets an answer, the row is written
             app.log.event(
                 "internal_error",
                 request_id=rec.request_id,
                 error=f"{type(exc).__name__}: {exc}"[:300],
             )
-            ex = state["ex"]
-            if ex is not None:
-                ex.conn.abort()
+            if ledger.exchange is not None:
+                ledger.exchange.conn.abort()
             rec.outcome = rec.error_code = "internal_error"
             keep_alive = False
-            hold = state["hold"]
+            hold = ledger.hold
             if hold is None or not hold.open:
                 self._answer_error(
                     client,
@@ -134,20 +119,20 @@ class Dispatcher:
                     rec,
                     RelayError("internal_error", "internal relay error"),
                     False,
-                    state,
+                    ledger,
                 )
         finally:
-            if state["hold"] is not None:
-                state["hold"].close()
+            if ledger.hold is not None:
+                ledger.hold.close()
             if rec.outcome is not None or rec.status is not None:
-                settle.settle(app, client, rec, state, t0)  # once per request
+                settle.settle(app, client, rec, ledger, t0)  # once per request
             client.finish(keep_alive)
 
-    def _cancelled(self, client, rid: bytes, rec: Record, state: dict) -> None:
+    def _cancelled(self, client, rid: bytes, rec: Record, ledger: Ledger) -> None:
         """The task was cancelled (client gone, or the drain's last step): the row still says
         what reached the client, and a client that got nothing yet gets an answer."""
         draining = self.app.draining and not client.gone
-        ex, hold = state["ex"], state["hold"]
+        ex, hold = ledger.exchange, ledger.hold
         if ex is not None:
             if ex.head_at and ex.outcome is None:
                 ex.shutdown()  # ends the exchange: its timers stop, its figures stay
@@ -163,10 +148,10 @@ class Dispatcher:
             if hold is not None and hold.committed:
                 hold.fail(err.message, err.type, err.code)
             else:
-                client.respond(err.status, err.body(), rid, False, state["cors"])
+                client.respond(err.status, err.body(), rid, False, ledger.cors)
 
     def _answer_error(
-        self, client, rid, rec, err: RelayError, keep_alive: bool, state: dict
+        self, client, rid, rec, err: RelayError, keep_alive: bool, ledger: Ledger
     ) -> bool:
         rec.status = err.status
         rec.error_code = rec.error_code or err.code
@@ -174,28 +159,28 @@ class Dispatcher:
         if rec.error is None and isinstance(why, str) and why:
             rec.error = bounded(why)  # e.g. the TLS reason of a refused certificate
         rec.outcome = rec.outcome or "error"
-        hold = state["hold"]
+        hold = ledger.hold
         if hold is not None:
             hold.close()
             if hold.committed:  # a 200 event stream is out (heartbeats): the error goes in it
                 return hold.fail(err.message, err.type, err.code) and keep_alive
         keep_alive = keep_alive and err.status < 500 and err.status != 408
-        client.respond(err.status, err.body(), rid, keep_alive, err.headers + state["cors"])
+        client.respond(err.status, err.body(), rid, keep_alive, err.headers + ledger.cors)
         return keep_alive
 
     # ---- admission and relay -------------------------------------------------------------
     async def _serve(
-        self, client, req, rid: bytes, rec: Record, state: dict, t0: float, path: str
+        self, client, req, rid: bytes, rec: Record, ledger: Ledger, t0: float, path: str
     ) -> bool | None:
         app = self.app
-        if app.auth.enabled and not state.get("admin"):
+        if app.auth.enabled and not ledger.admin:
             rec.key_id = req.key_id or app.auth.identify(req.headers)
             if rec.key_id is None:
                 raise RelayError("invalid_api_key", "missing or unknown API key")
         slot_path = A.generates(req.method, path)  # any POST but a known cheap route
         peek = A.peek_body(req.method, req.headers, req.body, A.json_route(path))
         rec.model, rec.stream = bounded(peek.model, A.MAX_ECHO), bool(peek.stream)
-        state["model"] = peek.model  # the public name, whole (model_map looks it up)
+        ledger.model = peek.model  # the public name, whole (model_map looks it up)
         # the request keeps the upstreams it was routed among: a reload (SIGHUP) that removes
         # a fallback meanwhile must not leave a candidate with no upstream behind its name
         upstreams = app.upstreams
@@ -216,41 +201,40 @@ class Dispatcher:
         ):
             # the upstream must honour what is reserved
             req.body = A.with_limit(req.body, peek, cap, path)
-        state["generates"] = slot_path
-        state["completion_est"] = completion_est
-        state["completions"] = completions
-        state["prompt_est"] = prompt_est
+        ledger.generates = slot_path
+        ledger.completion_est = completion_est
+        ledger.completions = completions
+        ledger.prompt_est = prompt_est
         if rec.key_id is not None:
             try:
-                state["reservation"] = app.budgets.reserve(
+                ledger.reservation = app.budgets.reserve(
                     rec.key_id, prompt_est + completion_est, time.time()
                 )
             except BudgetExceeded as exc:
                 raise exceeded(exc) from None
-        res = state["reservation"]
+        res = ledger.reservation
         if res is not None and not res.settled:  # on disk before any slot or upstream
-            await self._admit(rec, state, res)
-        hold = state["hold"] = Hold(
+            await self._admit(rec, ledger, res)
+        hold = ledger.hold = Hold(
             app.loop,
             client,
             rid,
             app.config.dispatcher.heartbeat_s if rec.stream else 0.0,
-            state["cors"],
+            ledger.cors,
         )
         hold.start()
-        last: _Retry | None = None
+        last: Retry | None = None
         for i, name in enumerate(candidates):
             up = upstreams[name]
             more = i < len(candidates) - 1
             rec.fallback_attempts = i
             hold.more = more
             try:
-                return await self._attempt(client, req, rid, rec, state, up, slot_path, more, t0)
-            except _Retry as retry:
+                return await self._attempt(client, req, rid, rec, ledger, up, more, t0)
+            except Retry as retry:
                 last = retry
                 hold.retry()
-                settle.release_slot(state)
-                state["tried"] = name
+                ledger.release_slot()
                 if more:  # the attempt failed on this upstream: its metrics say so
                     up.metrics.request_done(False, retry.err.code)
                     app.log.event(
@@ -261,49 +245,46 @@ class Dispatcher:
                         reason=retry.err.code,
                         error=retry.err.details.get("error"),
                     )
+        assert last is not None  # (every candidate failed: the last one's error is the answer)
         raise last.err
 
     async def _attempt(
-        self, client, req, rid, rec: Record, state, up, slot_path: bool, more: bool, t0: float
+        self, client, req, rid, rec: Record, ledger: Ledger, up, more: bool, t0: float
     ) -> bool | None:
         """keep-alive once the exchange ended; None while its body streams to the client."""
         app = self.app
         d = app.config.dispatcher
-        state["up"] = up  # (a config reload may remove it from app.upstreams meanwhile)
+        ledger.up = up  # (a config reload may remove it from app.upstreams meanwhile)
         if up.health.probe == DOWN and d.health_interval_s > 0:  # probed often while down
-            raise _Retry(
-                RelayError(
-                    "upstream_unavailable",
-                    f"upstream {up.name} is down: {up.health.last_error}",
-                    {"upstream": up.name, "error": up.health.last_error},
-                )
-            )
-        ex = await self._start(client, req, rid, rec, state, up, slot_path, more, t0)
-        state["ex"] = ex
+            err = up.health.last_error
+            raise unavailable(up, f"upstream {up.name} is down: {err}", error=err)
+        if ledger.generates:
+            await take_slot(app, up, rec, ledger)
+        on_content = lambda e, up=up: up.metrics.observe_ttft(  # noqa: E731
+            e.first_content_at - t0, time.monotonic()
+        )
+        ex = await open_exchange(app, client, req, up, rid, rec, on_content, ledger)
         if not ex.body_started:  # 429/5xx with another candidate left
-            status = ex.head_resp.status_code
+            status = ex.head_resp.status_code if ex.head_resp is not None else 0
             ex.conn.abort()
             client.exchange = None
-            raise _Retry(
-                RelayError(
-                    "upstream_unavailable",
-                    f"upstream {up.name} answered {status}",
-                    {"upstream": up.name, "status": status},
-                )
-            )
-        if ex.outcome is None and not state["hold"].open:
+            raise unavailable(up, f"upstream {up.name} answered {status}", status=status)
+        if ex.outcome is None and ledger.hold is not None and not ledger.hold.open:
             await ex.opened()  # the first content event is out, or the exchange ended
         if ex.outcome is None:  # streaming, nothing is swapped any more: `handle` waits for
             return None  # the end (only its frame stays with a long stream, not the admission's)
-        return await self._ended(client, rec, state, up, ex, more)
+        return await self._ended(client, rec, ledger, up, ex, more)
 
-    async def _ended(self, client, rec: Record, state, up, ex: Exchange, more: bool) -> bool:
+    async def _ended(
+        self, client, rec: Record, ledger: Ledger, up, ex: Exchange, more: bool
+    ) -> bool:
         """The exchange is over: what the row says, and whether the client connection stays
-        (or the next candidate's turn: `_Retry`, only while the hold is not open)."""
+        (or the next candidate's turn: `Retry`, only while the hold is not open)."""
         await ex.done
         client.exchange = None
         rec.outcome = ex.outcome
-        hold = state["hold"]
+        hold = ledger.hold
+        assert hold is not None  # (the request's, made before its first candidate)
         if not hold.open:  # ended while nothing but comments reached the client
             if ex.outcome in (E.DROPPED, E.BAD_FRAMING, E.STALL, E.ERROR_EVENT, E.SHUTDOWN):
                 err = RelayError(
@@ -312,7 +293,7 @@ class Dispatcher:
                     {"upstream": up.name, "error": ex.outcome},
                 )
                 if more and ex.outcome != E.SHUTDOWN:
-                    raise _Retry(err)
+                    raise Retry(err)
                 rec.outcome = ex.outcome
                 if ex.outcome == E.ERROR_EVENT:  # the upstream's own words, in-band
                     rec.upstream_served, rec.error_code = up.name, E.ERROR_EVENT
@@ -346,49 +327,19 @@ class Dispatcher:
         up.pool.release(ex.conn, ex.reusable)
         return keep_alive and not client.gone
 
-    async def _start(
-        self, client, req, rid, rec: Record, state, up, slot_path: bool, more: bool, t0: float
-    ) -> Exchange:
-        """Wait for a slot, then open the exchange (up to its response head)."""
-        d = self.app.config.dispatcher
-        if slot_path:
-            q0 = time.perf_counter()
-            try:
-                state["slot"] = await up.slots.acquire(d.pool_timeout_s)
-            except SlotsClosed:  # the relay began draining while this request queued
-                raise shutting_down() from None
-            except Busy as exc:
-                retry_after = max(1, int(d.pool_timeout_s + 0.999))
-                raise _Retry(
-                    RelayError(
-                        "upstream_busy",
-                        f"upstream {up.name} is busy: {exc}",
-                        {"upstream": up.name},
-                        [(b"Retry-After", b"%d" % retry_after)],
-                    )
-                ) from None
-            finally:
-                waited = time.perf_counter() - q0
-                rec.queue_ms = round3(waited * 1000)
-                up.metrics.observe_queue_wait(waited)
-        on_content = lambda e, up=up: up.metrics.observe_ttft(  # noqa: E731
-            e.first_content_at - t0, time.monotonic()
-        )
-        return await self._open(client, req, up, rid, rec, more, on_content, state)
-
-    async def _admit(self, rec: Record, state: dict, res) -> None:
+    async def _admit(self, rec: Record, ledger: Ledger, res: Reservation) -> None:
         """A key with limits: its admission is on disk before the upstream is contacted (a
-        crash then cannot give the key back what it spent; relay/admission.py). With a
+        crash then cannot give the key back what it spent; `store.admissions`). With a
         shared store it is the reservation itself, taken in the database (429 when the key
-        is spent across all relays; relay/store_pg.py)."""
+        is spent across all relays; `store.postgres`)."""
         store = self.app.store
-        state["admission"] = admission_id = store.next_admission_id()
+        ledger.admission = admission_id = store.next_admission_id()
         reserved = res.tokens
-        prompt = min(state.get("prompt_est", 0), reserved)
+        prompt = min(ledger.prompt_est, reserved)
         try:
             await store.admit(admission_id, rec, prompt, reserved - prompt, ADMIT_WAIT_S, res=res)
         except BudgetExceeded as exc:  # no lease taken: the row is a plain 429's
-            state["admission"] = None
+            ledger.admission = None
             raise exceeded(exc) from None
         except RuntimeError as exc:  # the database fails: serve, the budget still holds
             self.app.log.event(
@@ -400,170 +351,3 @@ class Dispatcher:
                 request_id=rec.request_id,
                 error=f"not committed within {ADMIT_WAIT_S}s",
             )
-
-    async def _open(
-        self, client, req, up, rid: bytes, rec: Record, more: bool, on_content, state: dict
-    ) -> Exchange:
-        """Connect (pooled or new), send the request, wait for the response head.
-
-        The exchange starts relaying the body as soon as the head is in, without waiting for
-        this coroutine to wake up; only a 429/5xx with another candidate left is held back.
-
-        A pooled connection that turns out dead before one response byte is retried once on
-        a fresh connection: llama-server closes after every stream.
-        """
-        d = self.app.config.dispatcher
-        try:
-            target = up.target.join(req.target)  # under the URL's path prefix, if any
-        except TargetError as exc:
-            raise RelayError(
-                "bad_request", f"upstream {up.name}: {exc}", {"upstream": up.name}
-            ) from None
-        body = req.body
-        name = served_name(up.cfg.model_map, state.get("model"))
-        if name is not None:  # this upstream knows the model by another name
-            body = with_model(body, name)
-        # the caller's credential is the upstream's to check unless the relay checked it
-        # (API keys, or its admin key on an admin call) or sends its own
-        auth = self.app.auth
-        mine = auth.enabled or (state.get("admin") and auth.admin is not None)
-        head = upstream_request_headers(
-            req.headers,
-            up.host_header,
-            len(body),
-            rid,
-            up.auth,
-            up.static,
-            pass_credentials=not mine and up.auth is None,
-        )
-        fresh = False
-        while True:
-            if self.app.draining:  # no upstream stream starts once the drain began
-                raise shutting_down()
-            try:
-                conn, reused = await up.pool.acquire(d.connect_timeout_s, fresh=fresh)
-            except ConnectError as exc:
-                up.health.connect_failed(str(exc))
-                raise _Retry(
-                    RelayError(
-                        "upstream_unavailable",
-                        f"upstream {up.name} is unavailable: {exc}",
-                        {"upstream": up.name, "error": str(exc)},
-                    )
-                ) from None
-            ex = Exchange(
-                self.app.loop,
-                conn,
-                client,
-                req.method,
-                rid,
-                self.app.policy,
-                d.write_timeout_s,
-                rec.path,
-                rec.model or "",
-                up.name,
-                state["hold"],
-                self.app.deadlines,
-            )
-            ex.on_content = on_content
-            state["ex"] = ex
-            conn.used = True
-            conn.handler = ex
-            client.exchange = ex
-            conn.transport.write(request_bytes(req.method, target, head, body))
-            timer = self.app.loop.call_later(d.direct_read_timeout_s, ex.head_timeout)
-            try:
-                await ex.head_fut
-                ex.head_fut = None  # (seen: not kept for the stream)
-                up.health.answered()
-                return ex
-            except E.UpstreamGone as exc:
-                conn.abort()
-                if reused and exc.silent and not fresh:
-                    fresh = True
-                    ex.head_fut = None  # (it holds the exception, whose frames hold `ex`)
-                    continue
-                raise _Retry(
-                    RelayError(
-                        "upstream_unavailable", str(exc), {"upstream": up.name, "error": "closed"}
-                    )
-                ) from None
-            except E.UpstreamBadHead as exc:
-                conn.abort()
-                raise _Retry(
-                    RelayError(
-                        "upstream_bad_response",
-                        "upstream sent a malformed response",
-                        {"upstream": up.name, "error": str(exc)[:200]},
-                    )
-                ) from None
-            except E.ClientGone:
-                raise asyncio.CancelledError from None
-            except E.RelayShutdown:
-                rec.outcome = rec.error_code = E.SHUTDOWN  # as a stream cut by shutdown is
-                raise shutting_down() from None
-            except TimeoutError:
-                conn.abort()
-                raise _Retry(
-                    RelayError(
-                        "upstream_timeout",
-                        f"upstream {up.name} sent no response head within "
-                        f"{d.direct_read_timeout_s}s",
-                        {"upstream": up.name},
-                    )
-                ) from None
-            except BaseException:
-                client.exchange = None
-                raise
-            finally:
-                timer.cancel()
-
-    # ---- endpoints the relay answers itself ---------------------------------------------
-    def _internal(self, client, req, rid: bytes, state: dict) -> bool:
-        app = self.app
-        cors = state["cors"]
-        path = req.path  # normalised and bounded (it is echoed in a 404)
-        if ui.is_page(path):
-            ui.answer(app.auth, client, req, rid)
-            return True
-        relay_admin = access.is_relay_admin(path)
-        if relay_admin or access.is_upstream_admin(req.method, path):
-            refused = access.admin_refusal(app.auth, req.headers, client.peer_host)
-            if refused is not None:
-                raise RelayError(*refused)
-            state["admin"] = True  # an admin call: no API key needed on top
-        if relay_admin:
-            now = time.monotonic()
-            for up in app.upstreams.values():
-                up.refresh_metrics()
-            app.registry.rows_dropped = app.store.rows_dropped
-            app.registry.rows_pending = app.store.pending
-            app.registry.rows_spilled = getattr(app.store, "spilled", None)
-            if path == "/metrics":
-                client.respond(
-                    200,
-                    app.registry.prometheus(now),
-                    rid,
-                    req.keep_alive,
-                    cors,
-                    content_type=b"text/plain; version=0.0.4; charset=utf-8",
-                )
-            elif path == "/api/slots/metrics":
-                client.respond(200, app.registry.json(now), rid, req.keep_alive, cors)
-            elif path == ui.STATE_PATH:
-                client.respond(
-                    200,
-                    msgspec.json.encode(ui_state.state(app, time.time(), now)),
-                    rid,
-                    req.keep_alive,
-                    cors + ui.NO_STORE,
-                )
-            else:
-                raise RelayError("not_found", f"no such endpoint {path}")
-            return True
-        if path in ("/v1/models", "/models") and req.method == b"GET" and app.router.models:
-            if app.auth.enabled and app.auth.identify(req.headers) is None:
-                raise RelayError("invalid_api_key", "missing or unknown API key")
-            client.respond(200, model_list(app.router.models), rid, req.keep_alive, cors)
-            return True
-        return False

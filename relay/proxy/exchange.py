@@ -2,29 +2,26 @@
 
 This is the hot path. Upstream bytes go to the client transport unchanged as they arrive
 (chunked framing passed through raw while `ChunkTracker` follows it); the SSE scanner watches
-the payload in passing; the stall guard is one deadline (relay/deadlines.py: one loop timer
-for every stream) re-armed lazily from the last read time.
-Every way out ends in `_end(outcome)`, exactly once, which resolves `done`.
+the payload in passing; the stall guard is one deadline (`stream.deadlines`: one loop timer
+for every stream) re-armed lazily from the last read time. What the exchange holds, its
+output and its one way out, `_end(outcome)`, are `proxy.exchange_state`'s.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from relay.http import response_framing as framing
-from relay.http.chunked import LAST_CHUNK, SIZE, ChunkError, ChunkTracker, frame
+from relay.http.chunked import LAST_CHUNK, ChunkError, ChunkTracker, frame
 from relay.http.response_head import BadHead, HeadReader, ResponseHead
+from relay.proxy.exchange_state import ExchangeState
 from relay.stream.client_flow import ClientFlow
-from relay.stream.content_hold import ERROR, OPENED, Hold
-from relay.stream.deadlines import Deadlines
 from relay.stream.endings import (
     BAD_FRAMING,
     CLIENT_GONE,
     CLIENT_SLOW,
     DONE,
     DROPPED,
-    ERROR_EVENT,
     SHUTDOWN,
     STALL,
     ClientGone,
@@ -35,151 +32,33 @@ from relay.stream.endings import (
 from relay.stream.fastpath import events_in, learn
 from relay.stream.itl import Gaps
 from relay.stream.sse import SseScanner
-from relay.stream.stall import StallPolicy, stall_frame
+from relay.stream.stall import stall_frame
 from relay.stream.usage import JsonBody
 
 
-def _ended_data(*_) -> None:
-    """What an ended exchange leaves where its own bound methods were (its data_received: the
-    transport reads into its UpstreamConn again; its flow's on_stuck)."""
+class Exchange(ExchangeState):
+    """Reads the upstream: its head (handed to the dispatcher), then the body, relayed as it
+    comes; the stall guard, client flow control and the other ways an exchange is cut."""
 
-
-class Exchange:
-    # Slots: over 40 fields is past what a shared-key instance dict holds, and the body
-    # path reads several per event.
-    __slots__ = (
-        "_closed_early",
-        "_leftover",
-        "_write",
-        "body_copy",
-        "body_started",
-        "bytes_out",
-        "client",
-        "client_keep_alive",
-        "conn",
-        "counted",
-        "data_received",
-        "deadlines",
-        "done",
-        "fast",
-        "first_content_at",
-        "flow",
-        "gaps",
-        "got_bytes",
-        "head_at",
-        "head_fut",
-        "head_reader",
-        "head_resp",
-        "hold",
-        "kind",
-        "last_read",
-        "loop",
-        "method",
-        "mode",
-        "model",
-        "on_content",
-        "open_fut",
-        "outcome",
-        "path",
-        "policy",
-        "remaining",
-        "request_id",
-        "scanner",
-        "shape",
-        "sse",
-        "stall_elapsed",
-        "stall_reason",
-        "status",
-        "timer",
-        "tracker",
-        "upstream_keep_alive",
-        "upstream_name",
-        "write_timeout_s",
-    )
-
-    def __init__(
-        self,
-        loop,
-        conn,
-        client,
-        method: bytes,
-        request_id: bytes,
-        policy: StallPolicy,
-        write_timeout_s: float,
-        path: str,
-        model: str,
-        upstream_name: str,
-        hold: Hold,
-        deadlines: Deadlines,
-    ) -> None:
-        self.loop = loop
-        self.deadlines = deadlines  # the relay's stall deadlines (one loop timer for all)
-        self.conn = conn
-        self.client = client  # ClientConn: .transport, .http11, .wants_keep_alive
-        self.method = method
-        self.request_id = request_id
-        self.policy = policy
-        self.flow: ClientFlow | None = None  # made the first time the client falls behind
-        self.write_timeout_s = write_timeout_s
-        self.path = path
-        self.model = model
-        self.upstream_name = upstream_name
-        self.head_reader: HeadReader | None = HeadReader()  # None once the head is parsed
-        # resolved when the response head is in; None once the dispatcher has seen it
-        self.head_fut: asyncio.Future | None = loop.create_future()
-        self.head_resp: ResponseHead | None = None
-        self.done: asyncio.Future = loop.create_future()
-        self.open_fut: asyncio.Future | None = None  # `opened()`: resolved when the hold opens
-        self.got_bytes = False
-        self.body_started = False
-        self._leftover = b""
-        self._closed_early = False
-        # set when the head arrives
-        self.status = 0
-        self.kind = framing.EMPTY
-        self.mode = framing.PASS
-        self.remaining = 0
-        self.tracker: ChunkTracker | None = None
-        self.scanner: SseScanner | None = None
-        self.sse = False
-        self.upstream_keep_alive = False
-        self.client_keep_alive = False
-        # the request's hold until the first content event is out (relay/hold.py), then None
-        self.hold: Hold | None = hold
-        self.head_at = 0.0
-        self.last_read = 0.0
-        self.first_content_at: float | None = None
-        self.gaps: Gaps | None = None  # SSE: gaps between content events (relay/gaps.py)
-        self.bytes_out = 0
-        self.outcome: str | None = None
-        self.stall_reason: str | None = None
-        self.stall_elapsed = 0.0
-        self.timer: int | None = None  # the stall guard's deadline in `deadlines`
-        self.counted = 0  # tokens already added to the upstream's rate window
-        self.fast = False  # the next read may be recognised by the fast path (fastpath.py)
-        self.shape = None  # this stream's token events up to their text (fastpath.learn)
-        self.on_content = None  # called once the first content event is written (metrics)
-        self.body_copy: JsonBody | None = None
-        # While the body flows the exchange is the upstream transport's protocol itself, and
-        # its data_received is upstream_data: no hop (uvloop binds it at set_protocol time).
-        self.data_received = self.upstream_data
+    __slots__ = ()
 
     # ---- upstream callbacks (UpstreamConn) -----------------------------------------
     def upstream_data(self, data: bytes) -> None:
         if not self.body_started:
             if self.head_reader is not None:
-                self._head_data(data)
+                self._head_data(self.head_reader, data)
             else:  # head parsed, body not started yet: keep for start_body
                 self._leftover += data
             return
         now = self.last_read = self.loop.time()
-        if self.fast:  # the usual read, whole token events: see relay/fastpath.py
+        if self.fast:  # the usual read, whole token events: see `stream.fastpath`
             shape = self.shape
             n = events_in(data, shape) if shape is not None else 0
             if n or (n := self._token_read(data)):
-                self.scanner.content_events += n
-                gp = self.gaps  # one inter-token gap (relay/gaps.py)
-                g = now - gp.last
+                sc, gp = self.scanner, self.gaps  # (`fast`: an SSE stream has both)
+                assert sc is not None and gp is not None
+                sc.content_events += n
+                g = now - gp.last  # one inter-token gap (`stream.itl`)
                 gp.last = now
                 if gp.lo <= g < gp.hi:  # in the last gap's bucket again
                     gp.run += 1
@@ -192,20 +71,21 @@ class Exchange:
                 self.bytes_out += len(data)
                 self._write(data)
                 return
-        gp = self.gaps
-        if gp is None:
+        gp, sc = self.gaps, self.scanner
+        if gp is None or sc is None:  # (an SSE stream has both)
             self._body_read(data)
             return
-        before = self.scanner.content_events
+        before = sc.content_events
         self._body_read(data)
-        if self.scanner.content_events != before:
-            gp.events(now, before, self.scanner.content_events)
+        if sc.content_events != before:
+            gp.events(now, before, sc.content_events)
 
     def _body_read(self, data: bytes) -> None:
         """Any read the fast path did not take: chunk tracker, scanner, then forward."""
         kind = self.kind
         if kind == framing.CHUNKED:
             tracker = self.tracker
+            assert tracker is not None  # (made with the chunked kind: `start_body`)
             spans = tracker.spans(data)
             if spans is not None:  # whole chunks: forward as is, scan in place
                 scanner = self.scanner
@@ -289,10 +169,10 @@ class Exchange:
             self._upstream_failed(DROPPED)
 
     # ---- head ----------------------------------------------------------------------
-    def _head_data(self, data: bytes) -> None:
+    def _head_data(self, reader: HeadReader, data: bytes) -> None:
         self.got_bytes = True
         try:
-            parsed = self.head_reader.feed(data)
+            parsed = reader.feed(data)
         except BadHead as exc:
             self.head_reader = None
             self.conn.abort()  # read no more of it (an endless head would pile up meanwhile)
@@ -307,7 +187,8 @@ class Exchange:
         if self.head_fut is None or self.head_fut.done():
             return
         status = resp.status_code
-        if not (self.hold.more and (status == 429 or status >= 500)):
+        more = self.hold is not None and self.hold.more  # (the hold is the request's till now)
+        if not (more and (status == 429 or status >= 500)):
             self.start_body(resp)  # at once: the dispatcher only awaits `done` from here
         self.head_fut.set_result(None)  # (the head is `head_resp`, dropped once the hold opens)
 
@@ -331,6 +212,7 @@ class Exchange:
         if transport is not None and not transport.is_closing():
             transport.set_protocol(self)
         hold = self.hold
+        assert hold is not None  # (the request's, until the first content event is out)
         self.status = resp.status_code
         try:
             p = framing.plan(
@@ -342,7 +224,7 @@ class Exchange:
                 self.client.wants_keep_alive,
                 hold.committed,
             )
-        except framing.FramingError:  # (head.py refuses these heads first) nothing is sent
+        except framing.FramingError:  # (`response_head` refuses these first) nothing is sent
             self.conn.abort()
             self._upstream_failed(BAD_FRAMING)
             return
@@ -384,7 +266,9 @@ class Exchange:
 
     def _commit_early(self) -> None:
         """A heartbeat is due while this upstream's head and events are held."""
-        held, sent = self.hold.commit_upstream(self.head_resp, self.kind, self.mode)
+        hold, resp = self.hold, self.head_resp
+        assert hold is not None and resp is not None  # (armed by start_body, while held)
+        held, sent = hold.commit_upstream(resp, self.kind, self.mode)
         self.mode = framing.committed_carriage(self.kind, self.client.http11)
         self.client_keep_alive = self.client.wants_keep_alive and self.client.http11
         self.bytes_out -= sent  # counted again, as payload
@@ -395,81 +279,6 @@ class Exchange:
     def _first_content(self) -> None:
         # the held head goes out with this read (_emit: one write), then the metrics hear
         self.first_content_at = time.perf_counter()
-
-    def _release_hold(self) -> None:
-        self.hold.release()
-        self._opened()
-
-    def opened(self) -> asyncio.Future:
-        """A future resolved once the hold is open (content reached the client: nothing is
-        swapped any more) or the exchange ended, whichever comes first."""
-        fut = self.open_fut = self.loop.create_future()
-        if self.hold is None or self.outcome is not None:
-            self._resolve_open()
-        return fut
-
-    def _resolve_open(self) -> None:
-        fut, self.open_fut = self.open_fut, None
-        if fut is not None and not fut.done():
-            fut.set_result(None)
-
-    def _opened(self) -> None:
-        """The hold is over: from here the exchange writes to the client itself (its own chunks
-        in REFRAME, until both sides stand between chunks: `_check_fast`)."""
-        self.hold = None
-        self.head_resp = None  # (its headers were written: not kept for the stream)
-        self._resolve_open()
-        if self.mode == framing.REFRAME:
-            transport = self.client.transport
-            self._write = lambda payload: transport.write(frame(payload))
-
-    def _emit(self, out: bytes) -> None:
-        if out:
-            self.bytes_out += len(out)
-            if self.hold is None:
-                self._write(out)
-            else:
-                self._held(out)
-        if self.on_content is not None and self.first_content_at is not None:
-            report, self.on_content = self.on_content, None
-            report(self)
-
-    def _held(self, out: bytes) -> None:
-        sc = self.scanner
-        took = self.hold.take(
-            out, self.first_content_at is not None, sc is not None and sc.error_first
-        )
-        if took == OPENED:
-            self._opened()
-        elif took == ERROR:  # an {"error": ...} first event: the next upstream, or in-band
-            self.conn.abort()
-            self._end(ERROR_EVENT)
-
-    def _check_fast(self) -> None:
-        """Whether the next read may take the fast path: streaming, between chunks and events."""
-        if self.mode != framing.PASS:
-            tr = self.tracker
-            if self.mode != framing.REFRAME or self.hold is not None or tr.state != SIZE or tr.held:
-                self.fast = False
-                return
-            # both sides stand between chunks: the upstream's own pass as they are again
-            self.mode, self._write = framing.PASS, self.client.transport.write
-        sc, tr = self.scanner, self.tracker
-        self.fast = (
-            self.hold is None
-            and self.outcome is None
-            and isinstance(sc, SseScanner)
-            and sc.content_events > 0
-            and not sc.pending
-            and tr.state == SIZE
-            and not tr.held
-        )
-
-    def _upstream_failed(self, outcome: str) -> None:
-        """The upstream broke the body: the client sees the truncation (no clean end). While
-        held, only comments reached the client: the caller answers or tries another upstream."""
-        self.client_keep_alive = False
-        self._end(outcome)
 
     # ---- stall guard -----------------------------------------------------------------
     def _arm(self) -> None:
@@ -504,9 +313,10 @@ class Exchange:
         if not self.sse:  # non-SSE bodies are cut: nothing injected
             self.client_keep_alive = False
         else:
+            sc = self.scanner
             payload = (
                 b""
-                if self.scanner.done_seen
+                if isinstance(sc, SseScanner) and sc.done_seen
                 else stall_frame(
                     self.path,
                     self.model,
@@ -569,48 +379,3 @@ class Exchange:
             self._upstream_failed(SHUTDOWN)
         elif self._head_failed(RelayShutdown()):
             self.head_reader = None
-
-    # ---- the one way out ---------------------------------------------------------------
-    def _end(self, outcome: str) -> None:
-        if self.outcome is not None:
-            return
-        self.outcome = outcome
-        self.fast = False
-        if self.timer is not None:
-            self.deadlines.cancel(self.timer)
-            self.timer = None
-        flow = self.flow
-        if flow is not None:
-            flow.cancel()
-        hold = self.hold
-        if hold is not None:  # ended before content: the hold says what the client gets
-            self.hold = None
-            hold.on_commit = None
-            if outcome == DONE:
-                hold.finish()
-        elif outcome == DONE and self.mode == framing.REFRAME:
-            self.client.transport.write(LAST_CHUNK)
-        if self.conn.handler is self:
-            self.conn.handler = None
-        transport = self.conn.transport
-        if transport is not None and transport.get_protocol() is self:
-            transport.set_protocol(self.conn)
-        # (the bound method held on itself is a reference cycle: without it the exchange, and
-        # the client connection and transports it reaches, are freed at once, not by the
-        # cyclic collector; issue 15)
-        self.data_received = _ended_data
-        if flow is not None:
-            flow.on_stuck = _ended_data
-        if isinstance(self.scanner, SseScanner):
-            self.scanner.on_first_content = None  # (a bound method of this exchange too)
-        if flow is not None and flow.paused and self.conn.transport is not None:
-            self.conn.transport.resume_reading()
-        if not self.done.done():
-            self.done.set_result(outcome)
-        self._resolve_open()
-
-    @property
-    def reusable(self) -> bool:
-        return (
-            self.outcome == DONE and self.upstream_keep_alive and self.kind != framing.UNTIL_CLOSE
-        )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Callable
 
 from relay.http.tls import describe
 
@@ -19,7 +20,9 @@ class Health:
     def __init__(self) -> None:
         self.probe = READY  # READY (answers), LOADING (503 on /health) or DOWN
         self.last_error = ""
-        self.on_down = None  # called when a request finds the upstream down (wakes the probe)
+        self.on_down: Callable[[], object] | None = (
+            None  # called when a request finds the upstream down (wakes the probe)
+        )
 
     def probe_delay(self, interval_s: float, down_interval_s: float) -> float:
         """Seconds until the next probe: sooner while down, to see it come back."""

@@ -60,7 +60,7 @@ class UpstreamConn(asyncio.Protocol):
             handler.upstream_data(data)
         else:  # bytes on an idle pooled connection: it cannot be trusted any more
             self.alive = False
-            self.transport.abort()
+            self.abort()
 
     def eof_received(self):
         self._closed(None)
@@ -117,7 +117,7 @@ class Pool:
 
     def use_tls(self, tls: ssl.SSLContext | None) -> None:
         """New connections use this context (a reload); pooled ones keep theirs."""
-        self.tls = {} if tls is None else {"ssl": tls, "server_hostname": self.host}
+        self.ssl = tls  # (SNI and the hostname checked: the URL's host)
 
     async def acquire(self, timeout: float, fresh: bool = False) -> tuple[UpstreamConn, bool]:
         """(connection, reused). Raises ConnectError."""
@@ -128,8 +128,9 @@ class Pool:
             if conn.idle_timer is not None:
                 conn.idle_timer.cancel()
                 conn.idle_timer = None
-            if conn.alive and not conn.transport.is_closing():
-                if not unread_bytes(conn.transport):
+            transport = conn.transport
+            if conn.alive and transport is not None and not transport.is_closing():
+                if not unread_bytes(transport):
                     return conn, True
                 conn.abort()  # unsolicited bytes, not read yet: out of step with us
         loop = asyncio.get_running_loop()
@@ -137,10 +138,15 @@ class Pool:
         # (no extra task either, unlike wait_for in 3.11).
         task = asyncio.current_task()
         expired = []
+        assert task is not None  # (acquire runs in the request's task)
         timer = loop.call_later(timeout, lambda: expired.append(task.cancel()))
         try:
             _, conn = await loop.create_connection(
-                lambda: UpstreamConn(self), self.host, self.port, **self.tls
+                lambda: UpstreamConn(self),
+                self.host,
+                self.port,
+                ssl=self.ssl,
+                server_hostname=self.host if self.ssl is not None else None,
             )
         except asyncio.CancelledError:
             if not expired or task.uncancel() > 0:
@@ -157,7 +163,14 @@ class Pool:
 
     def release(self, conn: UpstreamConn, reusable: bool) -> None:
         conn.handler = None
-        if not reusable or not conn.alive or self.keepalive_s <= 0 or conn.transport.is_closing():
+        transport = conn.transport
+        if (
+            not reusable
+            or not conn.alive
+            or self.keepalive_s <= 0
+            or transport is None
+            or transport.is_closing()
+        ):
             conn.abort()
             self.burns = self.burns or conn.used
             self._warm_spare()

@@ -1,7 +1,9 @@
-"""Settlement: what an admitted request used, written down exactly once on every exit path.
+"""Settlement: what a request used, written down exactly once on every exit path.
 
-Release the slot, replace the budget reservation with actual usage, write one request row
-(replacing its admission record, relay/durable.py), update the metrics, log the access line.
+From the request's `Ledger`: release the slot, replace the budget reservation with actual
+usage, write one request row (replacing its admission record, `store.admissions`), update
+the metrics, log the access line. A request refused before it was read whole has no ledger:
+`rejected` writes its row.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from relay.http.request_path import MAX_PATH_CHARS, bounded, normalize
 from relay.observe import row_timings as timing
 from relay.observe.record import RESERVED, Record, user_agent
 from relay.proxy.exchange import Exchange
+from relay.proxy.ledger import Ledger
 from relay.stream import endings as E
 from relay.stream.sse import SseScanner
 from relay.stream.usage import Usage, stream_usage
@@ -31,57 +34,52 @@ ADMISSION_CODES = frozenset(
 )
 
 
-def release_slot(state: dict) -> None:
-    slot, state["slot"] = state.get("slot"), None
-    if slot is not None:
-        slot.release()
-
-
-def settle(app, client, rec: Record, state: dict, t0: float) -> None:
+def settle(app, client, rec: Record, ledger: Ledger, t0: float) -> None:
     """Release the slot, settle the budget, write the row and the access line: once."""
-    release_slot(state)
-    ex: Exchange | None = state.get("ex")
+    ledger.release_slot()
+    ex = ledger.exchange
+    exact = None
     rec.total_ms = timing.round3((time.perf_counter() - t0) * 1000)
     rec.client_closed = client.gone and rec.outcome in (E.CLIENT_GONE, E.CLIENT_SLOW)
     served_ex = ex if ex is not None and rec.upstream_served is not None else None
     if served_ex is not None:
-        rec.bytes_out = ex.bytes_out
-        if ex.first_content_at is not None:
-            rec.ttft_ms = timing.round3((ex.first_content_at - t0) * 1000)
-        state["exact"] = _tokens(app, rec, ex, state)
-        if ex.outcome == E.STALL:
-            rec.error_code = f"stream_stall_{ex.stall_reason}"
+        rec.bytes_out = served_ex.bytes_out
+        if served_ex.first_content_at is not None:
+            rec.ttft_ms = timing.round3((served_ex.first_content_at - t0) * 1000)
+        exact = _tokens(rec, served_ex, ledger)
+        if served_ex.outcome == E.STALL:
+            rec.error_code = f"stream_stall_{served_ex.stall_reason}"
             app.log.event(
                 "stream_stall_guard_tripped",
-                reason=ex.stall_reason,
-                elapsed_s=ex.stall_elapsed,
-                upstream=ex.upstream_name,
+                reason=served_ex.stall_reason,
+                elapsed_s=served_ex.stall_elapsed,
+                upstream=served_ex.upstream_name,
                 request_id=rec.request_id,
             )
         elif rec.outcome not in (E.DONE, None):
             rec.error_code = rec.error_code or rec.outcome
         elif (
-            isinstance(ex.scanner, SseScanner)
-            and ex.scanner.error_first
-            and not ex.scanner.content_events
+            isinstance(served_ex.scanner, SseScanner)
+            and served_ex.scanner.error_first
+            and not served_ex.scanner.content_events
         ):
             rec.outcome = rec.error_code = E.ERROR_EVENT  # a 200 that carried only an error
     rec.ok = rec.outcome == E.DONE and rec.status is not None and rec.status < 400
-    hold = state.get("hold")
+    hold = ledger.hold
     timing.fill(
         rec,
         t0,
         hold.first_out if hold is not None else None,
         served_ex.gaps if served_ex is not None else None,
-        state.get("exact"),
+        exact,
     )
     if rec.error_code is None and rec.status is not None and rec.status >= 400:
         rec.error_code = f"upstream_{rec.status}"
-    res = state.get("reservation")
+    res = ledger.reservation
     if res is not None:
         used = 1 if rec.upstream_served is not None else 0
         app.budgets.settle(res, used, rec.total_tokens if used else 0, time.time())
-    served = state.get("up") or app.upstreams.get(rec.upstream_requested or "")
+    served = ledger.up or app.upstreams.get(rec.upstream_requested or "")
     if rec.error_code in ADMISSION_CODES or served is None:
         app.registry.rejected(rec.error_code or "unknown")  # no upstream involved
     else:
@@ -93,40 +91,43 @@ def settle(app, client, rec: Record, state: dict, t0: float) -> None:
             None if tpot is None else tpot / 1000,
             None if e2e is None else e2e / 1000,
         )
-        if ex is not None and ex.outcome == E.STALL:
+        if ex is not None and ex.outcome == E.STALL and ex.stall_reason is not None:
             m.stall(ex.stall_reason)
     if rec.key_id is not None:
         app.registry.key_used(rec.key_id, rec.prompt_tokens, rec.completion_tokens)
     app.ui_recent.add(rec)
-    app.store.put_record(rec, state.get("admission"))  # the row replaces it, in one commit
+    app.store.put_record(rec, ledger.admission)  # the row replaces it, in one commit
     app.log.record("access", rec.log_fields())
 
 
-def _tokens(app, rec: Record, ex: Exchange, state: dict):
+def _tokens(rec: Record, ex: Exchange, ledger: Ledger) -> Usage | None:
+    """The row's tokens from what the exchange read (exact usage, counted events), else
+    the reservation; the upstream's token figures follow."""
     scanner = ex.scanner
     exact = None
     approx = None
     if ex.body_copy is not None:
         # a body answering several prompts / choices: its usage may cover one of them
         # (llama-server's /v1/completions), so no usable figure - the reservation is charged
-        if ex.outcome == E.DONE and state.get("completions", 1) <= 1:
+        if ex.outcome == E.DONE and ledger.completions <= 1:
             exact = ex.body_copy.usage()
-    elif scanner is not None:
+    elif isinstance(scanner, SseScanner):
         exact = stream_usage(scanner.meta) if scanner.meta else None
         approx = scanner.content_events
     if (
         exact is not None
         and exact.completion_tokens is None
         and exact.prompt_tokens is not None
-        and state.get("completion_est") == 0
+        and ledger.completion_est == 0
     ):
         exact = Usage(exact.prompt_tokens, 0)  # embeddings / rerank: no completion tokens
-    rec.set_tokens(exact, approx, state.get("prompt_est"))
-    if rec.tokens_source is None and state.get("generates") and 200 <= ex.status < 300:
+    rec.set_tokens(exact, approx, ledger.prompt_est)
+    if rec.tokens_source is None and ledger.generates and 200 <= ex.status < 300:
         # served, nothing counted (a body too big to keep, a body that is not JSON, ...):
         # unknown means reserved
-        rec.set_reserved(state.get("prompt_est") or 0, state.get("completion_est") or 0)
-    metrics = state["up"].metrics
+        rec.set_reserved(ledger.prompt_est, ledger.completion_est)
+    assert ledger.up is not None  # (an exchange was opened on it)
+    metrics = ledger.up.metrics
     if exact is not None:
         metrics.set_flm(exact.decoding_speed_tps, exact.kv_occupancy_pct)
     if rec.completion_tokens is not None and rec.tokens_source != RESERVED:
