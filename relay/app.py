@@ -118,8 +118,9 @@ class App:
                 up.probe_task.cancel()
                 up.probe_task = None
         if self.config.dispatcher.health_interval_s > 0:
+            loop = asyncio.get_running_loop()
             for up in self.upstreams.values():
-                up.probe_task = self.loop.create_task(self._probe(up))
+                up.probe_task = loop.create_task(self._probe(up))
 
     def _restore_budgets(self, windows: list[tuple[str, str]] | None = None) -> None:
         """Budgets survive a restart: each window's usage is rebuilt from the rows (those of
@@ -158,7 +159,8 @@ class App:
                     client._reject(shutting_down())
                     continue
                 client.gone = True
-                client.transport.close()
+                if client.transport is not None:
+                    client.transport.close()
         for up in self.all_upstreams():
             up.slots.close()  # queued requests are answered 503 shutting_down now
         pending = self._live_tasks()

@@ -227,7 +227,7 @@ class PgUrlError(ValueError):
 
 
 def is_pg_url(text: str | None) -> bool:
-    return bool(text) and text.split("://", 1)[0].lower() in PG_SCHEMES and "://" in text
+    return text is not None and "://" in text and text.split("://", 1)[0].lower() in PG_SCHEMES
 
 
 def check_pg_url(url: str) -> None:

@@ -7,6 +7,8 @@ them, so a lookup is a C scan of those names, not a `lower()` per name per looku
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 HOP_BY_HOP = frozenset(
     {
         b"connection",
@@ -22,6 +24,7 @@ HOP_BY_HOP = frozenset(
 )
 
 Headers = list[tuple[bytes, bytes]]
+HeaderPairs = Sequence[tuple[bytes, bytes]]  # headers given to read only
 
 
 class HeaderList(list):

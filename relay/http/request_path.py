@@ -10,6 +10,7 @@ changed; only the relay's decisions use this.
 
 from __future__ import annotations
 
+from typing import overload
 from urllib.parse import unquote_to_bytes
 
 MAX_PATH_CHARS = 2048  # longer names are truncated where the relay echoes or stores them
@@ -52,6 +53,10 @@ def route_path(target: bytes) -> str:
     return path
 
 
+@overload
+def bounded(text: str, limit: int = ...) -> str: ...
+@overload
+def bounded(text: None, limit: int = ...) -> None: ...
 def bounded(text: str | None, limit: int = 256) -> str | None:
     """`text` cut to `limit` characters (with a marker) for errors, rows and log lines."""
     if text is None or len(text) <= limit:

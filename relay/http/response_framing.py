@@ -86,7 +86,7 @@ def closing_bytes(
 ) -> tuple[bytes, bool]:
     """The bytes that end a body early carrying `payload` (a stall frame), and whether the
     client can still tell where the body ends (keep-alive possible) afterwards."""
-    if kind == CHUNKED and mode == PASS:
+    if kind == CHUNKED and mode == PASS and tracker is not None:
         return tracker.close_with(payload), True
     if mode in (CHUNK, REFRAME):
         return frame(payload) + LAST_CHUNK, True

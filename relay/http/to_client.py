@@ -6,7 +6,7 @@ framing headers are the relay's to set for the client's side of the wire.
 
 from __future__ import annotations
 
-from relay.http.fields import HOP_BY_HOP, Headers, connection_tokens, lower_names
+from relay.http.fields import HOP_BY_HOP, HeaderPairs, Headers, connection_tokens, lower_names
 
 _NOT_DOWNSTREAM = HOP_BY_HOP | {b"x-request-id"}
 # ... and no Content-Length where the client's framing is the relay's chunking, or where
@@ -56,7 +56,7 @@ def relay_response(
     body: bytes,
     request_id: bytes | None,
     keep_alive: bool,
-    extra: Headers = (),
+    extra: HeaderPairs = (),
     content_type: bytes = b"application/json",
 ) -> bytes:
     """A whole response the relay answers itself (errors, metrics, model list)."""

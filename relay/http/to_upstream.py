@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from relay.http.fields import HOP_BY_HOP, Headers, connection_tokens, lower_names
+from relay.http.fields import HOP_BY_HOP, HeaderPairs, Headers, connection_tokens, lower_names
 
 # Header names that carry a caller's credential.
 CLIENT_CREDENTIALS = frozenset(
@@ -93,7 +93,7 @@ def upstream_request_headers(
     body_len: int,
     request_id: bytes,
     auth: tuple[bytes, bytes] | None,
-    static: Headers = (),
+    static: HeaderPairs = (),
     pass_credentials: bool = False,
 ) -> Headers:
     """The request headers sent upstream (the body goes with Content-Length).

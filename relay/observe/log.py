@@ -25,7 +25,7 @@ class Log:
         self.flush_s = flush_s
         self.lines: list[dict] | None = None  # set to a list to keep records (tests)
         self._pending: list[bytes] = []
-        self._timer = None
+        self._timer: asyncio.TimerHandle | None = None
         self._lock = threading.Lock()
 
     def event(self, event: str, **fields) -> None:

@@ -341,7 +341,7 @@ class Registry:
             key_req.add(n, key=key)
             key_tok.add(prompt, key=key, kind="prompt")
             key_tok.add(completion, key=key, kind="completion")
-        families = (
+        families: tuple[_Family, ...] = (
             up,
             state,
             parallel,

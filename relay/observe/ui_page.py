@@ -61,6 +61,7 @@ def answer(auth, client, req, rid: bytes) -> None:
         refused = access.admin_refusal(auth, req.headers, client.peer_host)
         if refused is not None:
             raise RelayError(*refused)
+    found: tuple[bytes, bytes] | None
     if req.path == AUTH_PATH:
         found = msgspec.json.encode({"admin_key": auth.admin is not None}), b"application/json"
     else:

@@ -24,7 +24,9 @@ class NotJson(ValueError):
 
 
 def _ws(body: bytes, i: int) -> int:
-    return _WS.match(body, i).end()
+    """Where the JSON whitespace at `i` ends (`_WS` matches the empty run too)."""
+    m = _WS.match(body, i)
+    return m.end() if m is not None else i
 
 
 def model_spans(body: bytes) -> list[tuple[int, int]]:

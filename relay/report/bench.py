@@ -84,6 +84,10 @@ def _stats(values: list[float]) -> dict:
     }
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
 def _itl_stats(rows: list[dict]) -> dict:
     buckets: dict[int, int] = {}
     zeros = 0
@@ -94,10 +98,7 @@ def _itl_stats(rows: list[dict]) -> dict:
     mean = None
     if n:
         mean = sum(c * sum(G.bucket_bounds(k)) / 2 for k, c in buckets.items()) / n * 1000
-    q = {
-        f"p{p}": (None if not n else G.quantile_of(buckets, zeros, p / 100) * 1000)
-        for p in (50, 90, 99)
-    }
+    q = {f"p{p}": _ms(G.quantile_of(buckets, zeros, p / 100)) for p in (50, 90, 99)}
     return {"mean": mean, **q, "n": n}
 
 

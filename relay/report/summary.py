@@ -230,6 +230,7 @@ def parse_time(text: str) -> float:
 def window(args, now: float) -> tuple[float | None, float]:
     """[start, end] of the rows asked for; start None: all rows."""
     end = parse_time(args.to_ts) if args.to_ts else now
+    start: float | None
     if args.from_ts:
         start = parse_time(args.from_ts)
     else:

@@ -24,12 +24,13 @@ The heartbeat timer is re-armed lazily from the last write to the client (`last_
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import msgspec
 
 from relay.errors import error_event, reason_phrase
 from relay.http.chunked import LAST_CHUNK, frame
-from relay.http.fields import Headers
+from relay.http.fields import HeaderPairs
 from relay.http.response_framing import payload_of
 from relay.http.to_client import client_response, with_cors
 from relay.stream.sse import event_json
@@ -56,7 +57,7 @@ def comment_prefix(buf: bytes) -> int:
 
 
 def synthetic_head(
-    request_id: bytes, chunked: bool, keep_alive: bool, extra: Headers = ()
+    request_id: bytes, chunked: bool, keep_alive: bool, extra: HeaderPairs = ()
 ) -> bytes:
     """The head committed before the upstream's own is in (built as a relayed one is)."""
     own = [(b"Content-Type", b"text/event-stream"), (b"Cache-Control", b"no-cache"), *extra]
@@ -87,7 +88,7 @@ class Hold:
     )
 
     def __init__(
-        self, loop, client, request_id: bytes, interval: float = 0.0, extra: Headers = ()
+        self, loop, client, request_id: bytes, interval: float = 0.0, extra: HeaderPairs = ()
     ) -> None:
         self.loop = loop
         self.client = client  # ClientConn: .transport, .http11, .wants_keep_alive, .gone
@@ -99,10 +100,12 @@ class Hold:
         self.head = b""  # WAITING: the head the exchange would send
         self.parts: list[bytes] = []  # WAITING: bytes after the head; COMMITTED: held events
         self.size = 0
-        self.pending = b""  # COMMITTED: an unfinished event
+        self.pending: bytes | bytearray = b""  # COMMITTED: an unfinished event
         self.swallow = False  # COMMITTED: this response cannot continue it (non-2xx, not SSE)
         self.chunked = False  # COMMITTED: the client's body is framed by the relay
-        self.on_commit = None  # the exchange's way to commit with its upstream's head
+        self.on_commit: Callable[[], None] | None = (
+            None  # the exchange's way to commit with its upstream's head
+        )
         self.beats = 0
         self.timer = None
         self.timer_at = 0.0

@@ -16,6 +16,7 @@ The loop is only asked for `time()` and `call_at()`, so tests drive it with a fa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from heapq import heapify, heappop, heappush
 from itertools import count
 
@@ -28,7 +29,9 @@ class Deadlines:
     def __init__(self, loop) -> None:
         self._loop = loop
         self._heap: list[tuple[float, int]] = []
-        self._live: dict[int, object] = {}  # seq -> callback, for deadlines not cancelled
+        self._live: dict[
+            int, Callable[[], object]
+        ] = {}  # seq -> callback, for deadlines not cancelled
         self._seq = count()
         self._timer = None
         self._timer_at = float("inf")

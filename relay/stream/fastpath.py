@@ -59,7 +59,8 @@ class Shape:
         self.prefix, self.heads = shared
         self.lp, self.sfx = len(prefix), sfx
         self.sfxc = sfx + b"\r\n"  # a one-event chunk ends so
-        self.s1 = self.s2 = self.s2c = None
+        self.s1: bytes | None = None
+        self.s2 = self.s2c = b""  # (set with s1)
         self.split = False
 
     def vary(self) -> bytes | None:
@@ -140,7 +141,7 @@ def events_in(data: bytes, shape: Shape) -> int:
             if text and not (34 in text or 10 in text or 13 in text or text in _META_WORDS):
                 return 1
         elif (
-            (shape.split or shape.vary()) and shape.s2c is not None and data.endswith(shape.s2c)
+            (shape.split or shape.vary()) and shape.s1 is not None and data.endswith(shape.s2c)
         ):  # its last value varies
             q = data.find(b'"', h)
             text = data[h:q]

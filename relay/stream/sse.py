@@ -92,7 +92,7 @@ class SseScanner:
 
     def __init__(self, on_first_content=None) -> None:
         self.content_events = 0  # events that carried generated content
-        self.pending = b""  # unfinished event text
+        self.pending: bytes | bytearray = b""  # unfinished event text
         self.done_seen = False  # `data: [DONE]` went by
         self.error_first = False  # the first event was an `{"error": ...}` object
         self.meta = b""  # last event carrying usage/timings

@@ -96,7 +96,7 @@ def stall_frame(
     info = _StallInfo(reason, elapsed_s, upstream)
     text = stall_notice(reason, elapsed_s)
     if path in LEGACY_TEXT_PATHS:
-        doc = _TextFrame(
+        doc: _TextFrame | _ChatFrame = _TextFrame(
             "relay-stall-guard",
             "text_completion",
             created,
