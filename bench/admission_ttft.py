@@ -84,11 +84,11 @@ def _config(tmp: str, name: str, sim_port: int, store: str, keys: dict) -> str:
 
 def _postgres(pg_url: str | None):
     """(store lines, server to stop or None): --pg-url (password from PGPASSWORD), else a
-    throwaway server of the test suite's (tests/pg_server.py: Debian's binaries), with fsync
+    throwaway server of the test suite's (tests/support/pg_server.py: Debian's binaries), with fsync
     on as a real one has (each reservation's commit waits for its WAL flush)."""
     if pg_url:
         return f'url = "{pg_url}"', None
-    from tests.pg_server import PASSWORD, PASSWORD_ENV, PgServer, find_bin
+    from tests.support.pg_server import PASSWORD, PASSWORD_ENV, PgServer, find_bin
 
     server = PgServer(find_bin(), fsync=True)
     server.init()

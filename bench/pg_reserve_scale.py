@@ -2,7 +2,7 @@
 
     python -m bench.pg_reserve_scale [--rows 0,10000,100000,1000000] [--calls 50]
 
-A throwaway PostgreSQL (tests/pg_server.py; fsync on), the relay's schema, then for each count
+A throwaway PostgreSQL (tests/support/pg_server.py; fsync on), the relay's schema, then for each count
 one key's rows spread over today (UTC), and the p50 of: the window's usage read the way
 relay_reserve read it before usage_day (a sum over the key's rows since midnight), read off
 usage_day (`relay_used`), and a whole `relay_reserve` (lock, expiry, usage, lease). Rows are
@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from relay.store import pg_sql
-from tests.pg_server import PgServer, find_bin
+from tests.support.pg_server import PgServer, find_bin
 
 
 def _p50(conn, sql: str, params, calls: int, after=None) -> float:

@@ -1,5 +1,8 @@
+"""Fixtures for every test: the simulator, relays in this process, the captured llama-server
+fixtures, a PostgreSQL server. Helpers to import live in tests/support/."""
+
 import asyncio
-import socket
+import os
 
 import pytest
 
@@ -12,7 +15,9 @@ from relay.config import (
     UpstreamConfig,
 )
 from relay.observe.log import quiet
-from relay.sim.server import Simulator
+from relay.sim.server import SimDefaults, Simulator
+from tests.support.fixtures import need_fixtures
+from tests.support.need import extra_hint, missing
 
 
 @pytest.fixture
@@ -21,6 +26,22 @@ async def sim():
     await s.start()
     yield s
     await s.stop()
+
+
+@pytest.fixture
+async def sim_b():
+    """A second simulator, serving another model (`models/b.gguf`)."""
+    s = Simulator(defaults=SimDefaults(model="models/b.gguf"))
+    await s.start()
+    yield s
+    await s.stop()
+
+
+@pytest.fixture(scope="session")
+def llama_fixtures():
+    """The captured llama-server exchanges' folder (tests/support/fixtures.py); without it the
+    test skips naming where the captures come from, and fails under CI=true."""
+    return need_fixtures()
 
 
 @pytest.fixture
@@ -68,16 +89,6 @@ async def make_relay(sim):
         await app.stop(drain_timeout_s=0.5)
 
 
-async def wait_for(predicate, timeout: float = 5.0, step: float = 0.005):
-    """Poll a condition the code under test makes true (bounded, fails loudly)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not predicate():
-        if loop.time() > end:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(step)
-
-
 def pytest_asyncio_loop_factories(config, item):
     """The relay runs on uvloop where it is installed (`relay serve` does): test it there."""
     try:
@@ -85,15 +96,6 @@ def pytest_asyncio_loop_factories(config, item):
     except ImportError:
         return {"asyncio": asyncio.new_event_loop}
     return {"uvloop": uvloop.new_event_loop}
-
-
-def closed_port() -> int:
-    """A port where nothing listens (bound, then released): a connect to it is refused."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def pytest_report_header(config):
@@ -110,24 +112,21 @@ def pytest_report_header(config):
 
 @pytest.fixture(scope="session")
 def pg_server():
-    """A real PostgreSQL server for the session (tests/pg_server.py). Without the server
-    binaries or the driver the tests skip, and fail under CI=true."""
-    import os
+    """A real PostgreSQL server for the session (tests/support/pg_server.py). Without the
+    driver (the postgres extra) or the server binaries the tests skip naming what is missing,
+    and fail under CI=true."""
+    from tests.support.pg_server import PASSWORD, PASSWORD_ENV, PgServer, find_bin
 
-    from tests.pg_server import PASSWORD, PASSWORD_ENV, PgServer, find_bin
-
-    why = None
     try:
         import psycopg  # noqa: F401
-    except ImportError:
-        why = "psycopg (relay[postgres]) is not installed"
+    except ImportError as exc:
+        missing(f"{extra_hint('postgres')} ({exc})")
     bindir = find_bin()
-    if why is None and bindir is None:
-        why = "PostgreSQL server binaries (initdb, pg_ctl) not found"
-    if why is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(why)
-        pytest.skip(why)
+    if bindir is None:
+        missing(
+            "needs the PostgreSQL server binaries (initdb, pg_ctl): apt-get install postgresql,"
+            " or set PG_BIN to their folder"
+        )
     server = PgServer(bindir)
     os.environ[PASSWORD_ENV] = PASSWORD
     try:

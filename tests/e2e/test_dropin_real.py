@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from relay.config import UpstreamConfig
-from tests.conftest import wait_for
+from tests.support.helpers import wait_for
 
+from .common import CHAT, CHAT8, chat_body, mask
 from .llama_server import start_or_fail
 from .rawhttp import request
-from .test_relay_real import CHAT, CHAT8, chat_body, mask
 
 pytestmark = pytest.mark.e2e
 

@@ -25,25 +25,20 @@ import time
 
 import pytest
 
-from tests.conftest import wait_for
+from tests.support.helpers import wait_for
 
+from .common import CHAT, CHAT8, chat_body, mask
 from .llama_server import start_or_fail
 from .rawhttp import RawResponse, build_request, read_head, read_response, request
 from .tiny_gguf import STOP_TEXT, STOP_TRIGGER_PROMPT
 
 pytestmark = pytest.mark.e2e
 
-CHAT = "/v1/chat/completions"
 TEXT = "/v1/completions"
 NATIVE = "/completion"
-CHAT8 = "Hello from a tiny llama. Hello from"  # the first 8 chat tokens
 
 # Hop-by-hop response headers of llama-server that the relay does not forward to its client.
 HOP_BY_HOP = {"connection", "keep-alive"}
-
-
-def chat_body(**kw) -> dict:
-    return {"messages": [{"role": "user", "content": "Hi there"}], "cache_prompt": False, **kw}
 
 
 CHAT_EOS = {
@@ -58,23 +53,6 @@ def text_body(prompt: str = "Say hi", **kw) -> dict:
 
 
 # ---- masking and framing ----------------------------------------------------------------------
-_MASKS = [
-    (re.compile(rb'"id":"[^"]*"'), b'"id":"<id>"'),
-    (re.compile(rb'"created":[0-9]+'), b'"created":0'),
-    (re.compile(rb'"id_slot":[0-9]+'), b'"id_slot":0'),  # which of the 2 slots served it
-    (
-        re.compile(rb'"((?:prompt|predicted)_(?:ms|per_token_ms|per_second))":[-0-9.eE+]+'),
-        rb'"\1":0',
-    ),
-]
-
-
-def mask(data: bytes) -> bytes:
-    for pattern, repl in _MASKS:
-        data = pattern.sub(repl, data)
-    return data
-
-
 def frames(resp: RawResponse) -> list[tuple[bytes | None, bytes]]:
     """The chunked body as (size line, masked payload) per chunk, terminator included.
 

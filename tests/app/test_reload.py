@@ -1,0 +1,210 @@
+"""The pure parts of a config reload: budgets keep what was used, slots take new bounds."""
+
+import asyncio
+import time
+
+import pytest
+
+from relay.config import ConfigError, KeyConfig, StoreConfig
+from relay.policy.budget import BudgetExceeded, Budgets
+from relay.proxy.slots import SlotPool
+
+SHA = "a" * 64
+NOW = 1_700_000_000.0
+
+
+def test_budget_reload_keeps_used_and_reserved_and_reports_new_windows():
+    b = Budgets([KeyConfig(id="k", sha256=SHA, requests_per_day=10)])
+    done = b.reserve("k", 5, NOW)
+    b.settle(done, 1, 7, NOW)
+    flying = b.reserve("k", 3, NOW)
+    fresh = b.reload(
+        [
+            KeyConfig(id="k", sha256=SHA, requests_per_day=2, tokens_per_month=100),
+            KeyConfig(id="new", sha256=SHA, requests_per_day=1),
+        ]
+    )
+    assert fresh == [("k", "monthly"), ("new", "daily")]
+    assert b.usage("k", NOW)["daily"] == {
+        "requests": 1,
+        "tokens": 7,
+        "reserved_requests": 1,
+        "reserved_tokens": 3,
+    }
+    with pytest.raises(BudgetExceeded):  # 1 used + 1 reserved: the new limit of 2 is reached
+        b.reserve("k", 1, NOW)
+    b.settle(flying, 1, 2, NOW)  # settles in the window it reserved in
+    assert b.usage("k", NOW)["daily"]["requests"] == 2
+    b.reload([])  # a removed key: a reservation taken before still settles
+    assert b.keys == {}
+
+
+def test_budget_settle_after_the_key_was_removed():
+    b = Budgets([KeyConfig(id="k", sha256=SHA, requests_per_day=10)])
+    res = b.reserve("k", 5, NOW)
+    b.reload([])
+    b.settle(res, 1, 5, NOW)  # no KeyError
+    assert res.settled
+
+
+async def test_slot_resize_grants_waiters_and_shrinks_on_release():
+    pool = SlotPool(1, 8)
+    held = await pool.acquire(1.0)
+    waiter = asyncio.ensure_future(pool.acquire(5.0))
+    await asyncio.sleep(0)
+    assert pool.queued == 1
+    pool.resize(2, 8)
+    second = await asyncio.wait_for(waiter, 1)
+    assert pool.in_flight == 2
+    pool.resize(1, 8)
+    held.release()
+    assert pool.in_flight == 1
+    second.release()
+    assert pool.in_flight == 0
+
+
+async def test_reload_refuses_a_new_listen_address_or_store(make_relay):
+    import msgspec
+
+    app = await make_relay()
+    for change in (
+        {"server": msgspec.structs.replace(app.config.server, port=1)},
+        {"store": StoreConfig(path="/tmp/other.db")},
+        {"store": msgspec.structs.replace(app.config.store, url="postgresql://u@h/db")},
+    ):
+        new = msgspec.structs.replace(app.config, **change)
+        with pytest.raises(ConfigError, match="needs a restart"):
+            app.reload(new)
+    assert app.config.server.port == 0
+
+
+async def test_reload_timeouts_apply_to_new_streams_not_to_those_in_flight(make_relay, sim):
+    import msgspec
+
+    from tests.support import httpc
+    from tests.support.helpers import wait_for
+
+    app = await make_relay(stream_idle_timeout_s=5.0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
+    writer.write(
+        httpc.build_request("POST", "/v1/chat/completions", httpc.chat(4, interval_ms=300))
+    )
+    head = await asyncio.wait_for(httpc.read_head(reader), 5)
+    d = msgspec.structs.replace(app.config.dispatcher, stream_idle_timeout_s=0.1)
+    app.reload(msgspec.structs.replace(app.config, dispatcher=d))
+    late = await httpc.fetch(
+        app.port, "POST", "/v1/chat/completions", httpc.chat(4, interval_ms=300)
+    )
+    await asyncio.wait_for(httpc.read_body(reader, head), 5)
+    writer.close()
+    assert head.complete and head.data_events()[-1] == "[DONE]"  # on the policy it started with
+    assert late.data_events()[-2]["x_relay_stall"]["reason"] == "idle"  # the new bound
+    await wait_for(lambda: len(app.log.of("access")) == 2)
+    outcomes = sorted(r.get("error_code") or "ok" for r in app.log.of("access"))
+    assert outcomes == ["ok", "stream_stall_idle"]
+
+
+async def test_reload_applies_the_buffered_body_bound(make_relay, sim):
+    """`max_buffered_body_bytes` changed by a reload bounds new bodies (it was built once)."""
+    import msgspec
+
+    from tests.support import httpc
+
+    app = await make_relay(max_body_bytes=8192, max_buffered_body_bytes=2048)
+    body = httpc.chat(2)
+    body["messages"] = [{"role": "user", "content": "x" * 4000}]
+    refused = await httpc.fetch(app.port, "POST", "/v1/chat/completions", body)
+    assert (refused.status, refused.json()["error"]["code"]) == (503, "server_busy")
+    server = msgspec.structs.replace(app.config.server, max_buffered_body_bytes=65536)
+    app.reload(msgspec.structs.replace(app.config, server=server))
+    assert app.dispatcher.bodies.limit == 65536
+    served = await httpc.fetch(app.port, "POST", "/v1/chat/completions", body)
+    assert served.status == 200 and served.complete
+    assert app.dispatcher.bodies.held == 0
+
+
+def test_a_window_a_reload_creates_is_charged_by_requests_in_flight_then():
+    """Its used figures are rebuilt from the rows committed at the reload; requests admitted
+    before it (a key with no limits, or a limit of another window) are charged when they
+    settle, once; those admitted after it only through their own reservation."""
+    b = Budgets(
+        [KeyConfig(id="free", sha256=SHA), KeyConfig(id="k", sha256=SHA, requests_per_day=10)]
+    )
+    unlimited = b.reserve("free", 0, NOW)
+    daily_only = b.reserve("k", 5, NOW)
+    assert b.fresh_windows(
+        [
+            KeyConfig(id="free", sha256=SHA, tokens_per_day=1000),
+            KeyConfig(id="k", sha256=SHA, requests_per_day=10, tokens_per_month=1000),
+        ]
+    ) == [("free", "daily"), ("k", "monthly")]
+    fresh = b.reload(
+        [
+            KeyConfig(id="free", sha256=SHA, tokens_per_day=1000),
+            KeyConfig(id="k", sha256=SHA, requests_per_day=10, tokens_per_month=1000),
+        ]
+    )
+    assert fresh == [("free", "daily"), ("k", "monthly")]
+    b.restore("free", "daily", 2, 50, NOW)  # what the rows held at the reload
+    b.settle(unlimited, 1, 402, NOW)
+    b.settle(unlimited, 1, 402, NOW)  # once
+    assert b.usage("free", NOW)["daily"] == {
+        "requests": 3,
+        "tokens": 452,
+        "reserved_requests": 0,
+        "reserved_tokens": 0,
+    }
+    b.settle(daily_only, 1, 40, NOW)
+    assert b.usage("k", NOW)["daily"]["tokens"] == 40
+    assert b.usage("k", NOW)["monthly"]["tokens"] == 40
+    after = b.reserve("free", 10, NOW)  # admitted under the new limit: its reservation only
+    b.settle(after, 1, 8, NOW)
+    assert b.usage("free", NOW)["daily"]["tokens"] == 460
+
+
+async def test_a_reload_adding_a_token_limit_charges_a_stream_in_flight(make_relay, sim):
+    """Over real sockets: a key without limits streams 400 tokens; a reload gives it 300 a
+    day mid-stream; the stream is charged when it ends, and the next request is refused."""
+    import msgspec
+
+    from tests.support import httpc
+    from tests.support.helpers import wait_for
+    from tests.support.keys import bearer, key
+
+    app = await make_relay(keys=[key()])
+    body = httpc.chat(400, interval_ms=2)
+    stream = asyncio.create_task(
+        httpc.fetch(
+            app.port, "POST", "/v1/chat/completions", body, {**bearer(), "X-Request-Id": "flying"}
+        )
+    )
+    await wait_for(lambda: sim.requests and sim.requests[0].tokens_sent >= 1)
+    app.reload(msgspec.structs.replace(app.config, key=[key(tokens_per_day=300)]))
+    resp = await asyncio.wait_for(stream, 20)
+    assert resp.status == 200 and resp.complete
+    await wait_for(lambda: len(app.log.of("access")) == 1)
+    used = app.budgets.usage("alpha", time.time())["daily"]
+    assert (used["requests"], used["reserved_requests"], used["reserved_tokens"]) == (1, 0, 0)
+    app.store.flush()
+    [row] = app.store.query("SELECT prompt_tokens, completion_tokens FROM request")
+    assert row["completion_tokens"] == 400
+    assert used["tokens"] == row["prompt_tokens"] + 400
+    refused = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(2), bearer())
+    assert (refused.status, refused.json()["error"]["code"]) == (429, "budget_exceeded")
+
+
+async def test_a_reload_whose_new_limits_cannot_be_rebuilt_changes_nothing(make_relay, monkeypatch):
+    import msgspec
+
+    from tests.support.keys import key
+
+    app = await make_relay(keys=[key()])
+    old = app.config
+
+    def stuck(timeout=5.0):
+        raise TimeoutError("store flush: 3 rows not committed after 2.0s")
+
+    monkeypatch.setattr(app.store, "flush", stuck)
+    with pytest.raises(ConfigError, match="nothing changed"):
+        app.reload(msgspec.structs.replace(app.config, key=[key(tokens_per_day=300)]))
+    assert app.config is old and app.budgets.windows_of("alpha") == []

@@ -1,0 +1,219 @@
+"""relay/stream/content_hold.py without sockets: what reaches the client before the first
+content event."""
+
+from __future__ import annotations
+
+from relay.http.chunked import frame
+from relay.stream import content_hold as H
+from tests.support.fake_loop import FakeLoop
+
+
+class Transport:
+    def __init__(self) -> None:
+        self.out: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.out.append(data)
+
+
+class Client:
+    def __init__(self, http11: bool = True) -> None:
+        self.transport = Transport()
+        self.http11 = http11
+        self.wants_keep_alive = http11
+        self.gone = False
+
+
+HB = frame(H.HEARTBEAT)
+
+
+def make(interval: float = 1.0, http11: bool = True, extra=()) -> tuple[H.Hold, FakeLoop, list]:
+    loop, client = FakeLoop(), Client(http11)
+    hold = H.Hold(loop, client, b"r1", interval, extra)
+    hold.start()
+    return hold, loop, client.transport.out
+
+
+def test_comment_prefix():
+    assert H.comment_prefix(b"") == 0
+    assert H.comment_prefix(b": ping\n\n") == 8
+    assert H.comment_prefix(b": a\n: b\n\n: c\n\ndata: x\n\n") == 14
+    assert H.comment_prefix(b"\n: ping\n\n") == 9
+    assert H.comment_prefix(b": ping\n\ndata: {}\n\n: ping\n\n") == 8
+    assert H.comment_prefix(b": ping\n") == 0  # unfinished
+    assert H.comment_prefix(b": ping\r\n\r\n") == 0  # CR endings: held, not judged
+    assert H.comment_prefix(b"event: x\n: c\n\n") == 0
+
+
+def test_synthetic_head():
+    assert H.synthetic_head(b"r", True, True, [(b"Access-Control-Allow-Origin", b"*")]) == (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+        b"Access-Control-Allow-Origin: *\r\nTransfer-Encoding: chunked\r\nX-Request-Id: r\r\n\r\n"
+    )
+    assert H.synthetic_head(b"r", False, False).endswith(
+        b"X-Request-Id: r\r\nConnection: close\r\n\r\n"
+    )
+
+
+def test_waiting_keeps_and_releases_in_one_write():
+    hold, _loop, out = make(interval=0)
+    hold.head = b"HEAD"
+    assert not hold.keep(b"a") and not hold.keep(b"b")
+    assert out == [] and not hold.sent
+    hold.release()
+    assert out == [b"HEADab"] and hold.open
+
+
+def test_waiting_over_limit():
+    hold, _loop, _out = make(interval=0)
+    assert hold.keep(b"x" * (H.LIMIT + 1))
+
+
+def test_heartbeat_commits_a_synthetic_head_then_repeats():
+    hold, loop, out = make(interval=1.0)
+    loop.run_until(0.99)
+    assert out == []
+    loop.run_until(1.0)
+    assert out == [H.synthetic_head(b"r1", True, True), HB] and hold.committed
+    loop.run_until(2.5)
+    assert out[2:] == [HB] and hold.beats == 2
+
+
+def test_a_write_to_the_client_postpones_the_heartbeat():
+    hold, loop, out = make(interval=1.0)
+    loop.run_until(1.0)
+    loop.now = 1.5
+    assert not hold.feed(b": ping\n\n", False)
+    assert out[-1] == frame(b": ping\n\n")
+    loop.run_until(2.4)
+    assert out[-1] == frame(b": ping\n\n")  # not at 2.0: the ping went out at 1.5
+    loop.run_until(2.5)
+    assert out[-1] == HB
+
+
+def test_heartbeat_commits_with_the_exchanges_head():
+    hold, loop, out = make(interval=1.0)
+    hold.head = b"UPSTREAM HEAD"
+    hold.keep(b"held")
+    hold.on_commit = lambda: hold.commit(b"REFRAMED HEAD")
+    loop.run_until(1.0)
+    assert out == [b"REFRAMED HEAD", HB]
+
+
+def test_committed_holds_events_and_passes_leading_comments():
+    hold, loop, out = make(interval=1.0)
+    loop.run_until(1.0)
+    del out[:]
+    assert not hold.feed(b': a\n\ndata: {"choices":[]}\n\n: b\n\nda', False)
+    assert out == [frame(b": a\n\n")]
+    assert not hold.feed(b"ta: x\n\n", False)
+    assert out == [frame(b": a\n\n")]  # an event is held: what follows waits behind it
+    assert hold.feed(b'data: {"content":"hi"}\n\n', True)
+    assert out[1] == frame(b'data: {"choices":[]}\n\n: b\n\ndata: x\n\ndata: {"content":"hi"}\n\n')
+    assert hold.open
+    loop.run_until(10)
+    assert len(out) == 2  # no heartbeat once open
+
+
+def test_committed_http10_is_not_framed():
+    hold, loop, out = make(interval=1.0, http11=False)
+    loop.run_until(1.0)
+    assert out == [H.synthetic_head(b"r1", False, False), H.HEARTBEAT]
+    hold.feed(b": p\n\n", False)
+    assert out[-1] == b": p\n\n"
+    assert not hold.fail("m", "t", "c")  # no keep-alive: the body ends by closing
+    assert out[-1] == b'data: {"error":{"message":"m","type":"t","code":"c"}}\n\ndata: [DONE]\n\n'
+
+
+def test_fail_is_one_error_event_done_and_the_last_chunk():
+    hold, loop, out = make(interval=1.0)
+    loop.run_until(1.0)
+    hold.feed(b"data: {}\n\n", False)
+    del out[:]
+    assert hold.fail("Loading model", "unavailable_error", "upstream_503")
+    assert out == [
+        frame(
+            b'data: {"error":{"message":"Loading model","type":"unavailable_error",'
+            b'"code":"upstream_503"}}\n\ndata: [DONE]\n\n'
+        ),
+        b"0\r\n\r\n",
+    ]
+    assert hold.open
+
+
+def test_finish_while_committed_ends_the_body():
+    hold, loop, out = make(interval=1.0)
+    loop.run_until(1.0)
+    hold.feed(b"data: {}\n\n", False)
+    del out[:]
+    hold.finish()
+    assert out == [frame(b"data: {}\n\n"), b"0\r\n\r\n"]
+
+
+def test_swallowed_response_writes_nothing():
+    hold, loop, out = make(interval=1.0)
+    loop.run_until(1.0)
+    del out[:]
+    hold.swallow = True
+    assert not hold.feed(b"data: x\n\n", True)
+    hold.finish()
+    assert out == [] and hold.committed
+
+
+def test_retry_drops_what_the_failed_candidate_left():
+    hold, loop, out = make(interval=1.0)
+    loop.run_until(1.0)
+    hold.feed(b"data: role\n\ndata: par", False)
+    hold.swallow = True
+    hold.retry()
+    assert (hold.parts, hold.pending, hold.swallow) == ([], b"", False)
+    del out[:]
+    hold.feed(b'data: {"content":"x"}\n\n', True)
+    assert out == [frame(b'data: {"content":"x"}\n\n')]
+
+
+def test_error_of_the_first_held_event():
+    hold, loop, _out = make(interval=1.0)
+    loop.run_until(1.0)
+    hold.feed(b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n', False)
+    assert hold.error() == {"code": 500, "message": "boom", "type": "server_error"}
+    assert H.error_of(b'{"error":"plain"}') == {"message": "plain"}
+    assert H.error_of(b"not json") is None and H.error_of(b"[1]") is None
+
+
+def test_client_gone_stops_the_heartbeat():
+    hold, loop, out = make(interval=1.0)
+    hold.client.gone = True
+    loop.run_until(5)
+    assert out == [] and not hold.sent
+
+
+def test_no_interval_no_timer():
+    _hold, loop, _out = make(interval=0)
+    assert loop.timers == []
+
+
+def test_an_event_a_byte_at_a_time_is_held_in_linear_time():
+    import time
+
+    hold, loop, out = make(interval=1.0)
+    loop.run_until(1.0)
+    del out[:]
+    event = b"data: " + b"x" * 60000 + b"\n\n"
+    t0 = time.process_time()
+    for i in range(len(event)):
+        assert not hold.feed(event[i : i + 1], False)
+    assert time.process_time() - t0 < 1.0
+    assert out == [] and hold.parts == [event] and hold.pending == b""
+    hold.feed(b": c\n\nda", False)
+    assert hold.parts == [event, b": c\n\n"] and hold.pending == b"da"
+
+
+def test_a_partial_event_alone_is_pending_not_judged():
+    hold, loop, out = make(interval=1.0)
+    loop.run_until(1.0)
+    del out[:]
+    assert not hold.feed(b": pi", False)
+    assert (out, hold.parts, hold.pending) == ([], [], b": pi")
+    assert not hold.feed(b"ng\n\n", False)
+    assert out == [frame(b": ping\n\n")] and hold.parts == []
