@@ -57,7 +57,7 @@ class App:
             self.registry.add(up.metrics)
         self.store = make_store(config, self.log)
         self.dispatcher = Dispatcher(self)
-        self.ui_recent = Recent()  # the operator page's figures (relay/ui_state.py)
+        self.ui_recent = Recent()  # the operator page's figures (observe.ui_state)
         self.ui_trend = Trend()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.deadlines: Deadlines | None = None
@@ -124,7 +124,7 @@ class App:
 
     def _restore_budgets(self, windows: list[tuple[str, str]] | None = None) -> None:
         """Budgets survive a restart: each window's usage is rebuilt from the rows (those of
-        requests a crash cut included: relay/durable.py). `windows`: only those."""
+        requests a crash cut included: store.admissions). `windows`: only those."""
         now = time.time()
         if windows is None:
             windows = [(k, kind) for k in self.budgets.keys for kind in self.budgets.windows_of(k)]

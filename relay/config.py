@@ -94,7 +94,7 @@ class BudgetConfig(Struct, forbid_unknown_fields=True, kw_only=True):
 class StoreConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     path: str = "relay.db"
     retention_days: Annotated[float, Meta(ge=0.0, le=36500.0)] = 30.0
-    # PostgreSQL instead of `path` (README: More than one box): several relays share the rows
+    # PostgreSQL instead of `path` (docs/postgresql.md): several relays share the rows
     # and the budgets. The password comes from the environment variable named here, never
     # from the file; rows wait in `spill_path` while the server is unreachable.
     url: str | None = None

@@ -43,7 +43,7 @@ RESTORE_FLUSH_S = 2.0
 def restored_usage(app, windows: list[tuple[str, str]], now: float) -> dict:
     """The used figures of the windows a reload creates, from the rows: every row put so far
     is committed first (a request that ended a moment ago counts; those still in flight are
-    charged when they settle, relay/budget.py). ConfigError if the store cannot say: the
+    charged when they settle, policy.budget). ConfigError if the store cannot say: the
     reload then changes nothing."""
     if not windows:
         return {}

@@ -42,7 +42,7 @@ _SEEN_TARGET = 256  # longer targets are not kept
 
 def route_path(target: bytes) -> str:
     """`bounded(normalize(target), MAX_PATH_CHARS)`, remembered for short targets: a client
-    names the same few endpoints again and again (issue 15: per-request work)."""
+    names the same few endpoints again and again."""
     path = _SEEN.get(target)
     if path is None:
         path = bounded(normalize(target), MAX_PATH_CHARS)

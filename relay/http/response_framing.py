@@ -32,7 +32,7 @@ def upstream_body(method: bytes, status: int, headers: Headers) -> tuple[str, in
     if te is not None:
         # `chunked` alone: another coding would reach the client dropped or mangled, and a
         # Content-Length beside it makes the framing ambiguous (RFC 9112 6.1, 6.3 item 3).
-        # relay/head.py refuses such heads first; this stays total on its own.
+        # http.response_head refuses such heads first; this stays total on its own.
         if te.strip(b" \t").lower() != b"chunked":
             raise FramingError(f"unknown Transfer-Encoding {te[:40]!r}")
         if cl is not None:

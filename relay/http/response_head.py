@@ -137,7 +137,7 @@ def _one_head(buf: bytes, pos: int, end: int) -> ResponseHead | None:
         pairs = _FIELD.findall(buf, line_end + 2, end - 2)
         headers = header_list(pairs, [name.lower() for name, _ in pairs])
     else:
-        headers = header_list((), [])  # with the lower-case names beside (relay/headers.py)
+        headers = header_list((), [])  # with the lower-case names beside (http.fields)
     version = m.group(1)
     _check_framing(version, headers)
     status = int(m.group(2))

@@ -37,14 +37,14 @@ class Record:
     tokens_source: str | None = None
     bytes_out: int = 0
     client_closed: bool = False
-    # benchmark timings (relay/timing.py), ms measured at the relay on the client side
+    # benchmark timings (observe.row_timings), ms measured at the relay on the client side
     first_byte_ms: float | None = None
     e2e_ms: float | None = None
     tpot_ms: float | None = None
     itl_p50_ms: float | None = None
     itl_p99_ms: float | None = None
     itl_max_ms: float | None = None
-    itl_hist: str | None = None  # the gaps' buckets (relay/gaps.py), pooled by `relay report`
+    itl_hist: str | None = None  # the gaps' buckets (stream.itl), pooled by `relay report`
     # the upstream's own `timings` (llama-server), when it sent them
     prompt_ms: float | None = None
     prompt_per_second: float | None = None
@@ -82,7 +82,7 @@ class Record:
 
     def set_reserved(self, prompt: int, completion: int) -> None:
         """No usable figure for a request that was served: it is charged what it reserved
-        (the rule crash recovery follows, relay/durable.py)."""
+        (the rule crash recovery follows, store.admissions)."""
         self.prompt_tokens, self.completion_tokens = prompt, completion
         self.tokens_source = RESERVED
 

@@ -1,6 +1,6 @@
 """A request's benchmark timings, computed once at settlement from what the exchange noted.
 
-Definitions (README, "Timings"), all measured at the relay on the client side of the wire, in
+Definitions (docs/benchmarking.md), all measured at the relay on the client side of the wire, in
 ms from the moment the dispatcher took the request (its head and body read):
 
 - `first_byte_ms`: the first byte of the response handed to the client's socket (for an SSE
@@ -11,7 +11,7 @@ ms from the moment the dispatcher took the request (its head and body read):
 - `tpot_ms`: (e2e - ttft) / (output tokens - 1), vLLM's TPOT (AIPerf/GenAI-Perf call it ITL),
   NULL below 2 output tokens or when the tokens were not counted (a reservation charged);
 - `itl_p50_ms`, `itl_p99_ms`, `itl_max_ms`: the gaps between consecutive content events on the
-  event loop's clock, from `relay/gaps.py`'s buckets (p50/p99 to within 6.25%, max exact);
+  event loop's clock, from `stream.itl`'s buckets (p50/p99 to within 6.25%, max exact);
 - `prompt_ms`, `prompt_per_second`, `predicted_per_second`: the upstream's own `timings`.
 """
 

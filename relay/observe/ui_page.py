@@ -1,6 +1,6 @@
 """The operator page: `GET /ui` and its files, packaged with relay (no build step, no CDN).
 
-The files hold no data: every figure comes from `GET /api/ui/state` (relay/ui_state.py),
+The files hold no data: every figure comes from `GET /api/ui/state` (observe.ui_state),
 an admin endpoint like the rest of `/api/*`, which the page's script polls once a second,
 sending the admin key typed into the page as `Authorization: Bearer` (never in a URL). The
 files themselves follow the admin rule's network part: with API keys but no admin key they

@@ -93,12 +93,12 @@ class ExchangeState:
         self.sse = False
         self.upstream_keep_alive = False
         self.client_keep_alive = False
-        # the request's hold until the first content event is out (relay/hold.py), then None
+        # the request's hold until the first content event is out (stream.content_hold), then None
         self.hold: Hold | None = hold
         self.head_at = 0.0
         self.last_read = 0.0
         self.first_content_at: float | None = None
-        self.gaps: Gaps | None = None  # SSE: gaps between content events (relay/gaps.py)
+        self.gaps: Gaps | None = None  # SSE: gaps between content events (stream.itl)
         self.bytes_out = 0
         self.outcome: str | None = None
         self.stall_reason: str | None = None

@@ -1,7 +1,7 @@
 """`relay report --bench`: the figures benchmarking tools print, computed from stored rows.
 
 Pure: rows in (dicts of the `request` table), groups out. Definitions follow vLLM's
-`vllm bench serve` (README, "Benchmark view"):
+`vllm bench serve` (docs/benchmarking.md):
 
 - only successful requests (`ok = 1`) enter the latency figures and throughputs, as vLLM
   counts only completed requests;

@@ -1,7 +1,7 @@
 """Read-only access to the stored rows for `relay report`: a SQLite file (`[store].path`) or
 the PostgreSQL table several relays share (`--db postgresql://...`; the password from libpq's
 PGPASSWORD or ~/.pgpass, never the command line). The SQL is written once in SQLite's
-spelling; relay/pg_sql.py `portable` turns it into PostgreSQL's.
+spelling; store.pg_sql `portable` turns it into PostgreSQL's.
 """
 
 from __future__ import annotations

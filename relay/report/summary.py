@@ -2,7 +2,7 @@
 
 Aggregation (`aggregate`, `summarize`, `percentile`, `tokens_per_s`) is pure; `main` does the
 I/O: parse flags, read rows read-only (a SQLite file or the shared PostgreSQL table:
-relay/rows_read.py), print a table or JSON.
+report.rows), print a table or JSON.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def _parser() -> argparse.ArgumentParser:
         "benchmark view",
         "TTFT, TPOT, ITL, E2EL (mean, p50, p90, p99), request and output "
         "token throughput and goodput over the window, as vLLM's `vllm bench serve` defines "
-        "them (README: Benchmark view). Any of these flags selects it.",
+        "them (docs/benchmarking.md). Any of these flags selects it.",
     )
     b.add_argument("--bench", action="store_true", help="the benchmark view (grouped by model)")
     b.add_argument("--by", choices=sorted(benchview.BY), help="group by model, upstream or key")
@@ -248,7 +248,7 @@ def bench_main(args, parser) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     params: tuple = (end,) if start is None else (end, start)
-    try:  # a database no relay of issue 13 opened yet lacks the timing columns: NULLs
+    try:  # a database no relay with the timing columns opened yet lacks them: NULLs
         have = rows_read.columns(args.db)
         cols = ", ".join(c if c in have else f"NULL AS {c}" for c in benchview.READ_COLUMNS)
         sql = f"SELECT {cols} FROM request WHERE ts <= ?" + (

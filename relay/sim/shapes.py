@@ -1,6 +1,6 @@
 """Chat chunk shapes of servers other than llama-server, for the simulator's `shape` knob.
 
-The relay's per-event speed must not depend on one server's byte layout (issue 15), so the
+The relay's per-event speed must not depend on one server's byte layout, so the
 simulator can speak, besides llama-server's own chat chunks (frames.py):
 
 - ``vllm``: vLLM's OpenAI server, `{"id","object","created","model","choices":[{"index",

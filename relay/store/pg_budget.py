@@ -1,15 +1,15 @@
 """Budgets shared by every relay on one PostgreSQL: the reservation is taken in the database.
 
-`SharedBudget.reserve` runs `relay_reserve` (relay/pg_sql.py) in one round trip on a small
+`SharedBudget.reserve` runs `relay_reserve` (store.pg_sql) in one round trip on a small
 pool of asyncio connections (psycopg's AsyncConnection on the relay's own loop): under a
 per-key lock the database checks settled usage plus live leases against every window and
 inserts the lease, so N relays against one key admit exactly the limit. A lease lives
 `reservation_ttl_s`; `renew` (every third of it) keeps a live relay's leases, and the row that
-settles a request deletes its lease in the same transaction (relay/store_pg.py).
+settles a request deletes its lease in the same transaction (store.postgres).
 
 When the server cannot be reached (refused, reset, or no answer within `timeout_s`) the call
 raises Unavailable at once - for `retry_s` further calls fail fast without trying - and the
-caller serves on the relay's local budget view (relay/budget.py), which `refresh` keeps
+caller serves on the relay's local budget view (policy.budget), which `refresh` keeps
 seeded with the shared usage. `decision` is the pure part: the function's answer -> None or
 BudgetExceeded.
 """

@@ -1,6 +1,6 @@
-"""The PostgreSQL dialect of the store: the same `request` table (relay/store.py COLUMNS) plus
+"""The PostgreSQL dialect of the store: the same `request` table (store.schema COLUMNS) plus
 a `row_id` (globally unique: the relay's random id and a counter) that makes every write
-idempotent, and the `reservation` table of the budget leases (relay/pg_budget.py).
+idempotent, and the `reservation` table of the budget leases (store.pg_budget).
 
 `relay_reserve` is the whole pre-flight in one round trip: under a per-key advisory lock it
 turns the key's expired leases into `relay_crashed` rows (their relay died mid-request: as a
@@ -51,7 +51,7 @@ SCHEMA = (
     "CREATE TABLE IF NOT EXISTS request ("
     + ", ".join(f"{c} {_PG_TYPE[t]}" for c, t in zip(COLUMNS, TYPES))
     + ", row_id TEXT)",
-    # a table an older relay created gains the columns added since (relay/migrate.py's job
+    # a table an older relay created gains the columns added since (store.migrate's job
     # on SQLite)
     *(
         f"ALTER TABLE request ADD COLUMN IF NOT EXISTS {c} {_PG_TYPE[t]}"
@@ -220,5 +220,5 @@ PRUNE = "DELETE FROM request WHERE ts < %s"
 
 def portable(sql: str) -> str:
     """SQLite's `?` placeholders and `IS ?` as PostgreSQL spells them (the readers' SQL of
-    relay/report.py is written once, for both)."""
+    report.summary is written once, for both)."""
     return sql.replace("IS ?", "IS NOT DISTINCT FROM ?").replace("?", "%s")

@@ -1,18 +1,18 @@
 """Request rows and budget leases in PostgreSQL, shared by any number of relays.
 
-The same shape as the SQLite store (relay/store.py, which this extends): `put` snapshots a
+The same shape as the SQLite store (store.sqlite, which this extends): `put` snapshots a
 row into a bounded deque on the loop thread and never blocks; one writer thread commits
 batches. Every row carries a `row_id` unique across relays and restarts (this process's random
 relay id and a counter; a keyed request's row id is its lease id), and the insert ignores a
 row the table already has, so writing a row twice leaves it once.
 
 While the server cannot be reached the relay keeps relaying: each batch goes to the spill
-file (relay/spill.py, fsync'd) instead, and so does whatever is queued when the relay stops.
+file (store.spill, fsync'd) instead, and so does whatever is queued when the relay stops.
 The writer tries the server again every `reconnect_s`; once it answers, the spill is
 replayed (at start too, before the relay serves) and then emptied - a crash between the
 commit and the emptying replays rows the table already has, which changes nothing.
 
-Keyed requests take their reservation in the database (relay/pg_budget.py); `maintain`
+Keyed requests take their reservation in the database (store.pg_budget); `maintain`
 renews this relay's leases, turns leases of dead relays into charged rows, and refreshes
 the local budget view that serves while the server is away.
 """

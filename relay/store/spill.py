@@ -5,7 +5,7 @@ the middle of an append leaves a torn last line (no newline, or a checksum that 
 match): reading stops trusting the file there and the next open cuts it off, so only whole
 rows are ever replayed. A complete line whose checksum fails (a damaged sector) is skipped
 and counted. Replaying is safe to repeat: every row carries its globally unique row id and
-the database ignores a row it already has (relay/store_pg.py), so a crash between the commit
+the database ignores a row it already has (store.postgres), so a crash between the commit
 and `clear()` replays the same rows again without duplicating them.
 
 `encode` / `decode` are pure; `Spill` owns the file (and an exclusive lock on it: one relay

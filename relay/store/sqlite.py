@@ -62,8 +62,8 @@ class Store(RowWriter):
         timeout: float | None = None,
         res=None,
     ) -> None:
-        """Commit a request's admission record (relay/durable.py) before going on. (`res`,
-        the local reservation, matters to a shared budget only: relay/store_pg.py.)
+        """Commit a request's admission record (store.admissions) before going on. (`res`,
+        the local reservation, matters to a shared budget only: store.postgres.)
 
         RuntimeError if it could not be written; with `timeout`, TimeoutError if it is not
         committed by then (the record is still written when the writer gets to it, and the

@@ -111,7 +111,7 @@ class Hold:
         self.timer_at = 0.0
         self.last_out = 0.0
         self.first_out: float | None = None  # perf_counter of the first byte out (a row's
-        # first_byte_ms: relay/timing.py); every write before the hold opens comes through here
+        # first_byte_ms: observe.row_timings); every write before the hold opens comes through here
 
     @property
     def sent(self) -> bool:

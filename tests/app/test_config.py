@@ -1,4 +1,4 @@
-"""Unit tests for relay/config.py: defaults, unknown keys, ranges, cross-field rules, TOML."""
+"""Unit tests for relay.config: defaults, unknown keys, ranges, cross-field rules, TOML."""
 
 from __future__ import annotations
 

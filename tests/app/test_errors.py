@@ -1,4 +1,4 @@
-"""relay/errors.py: status, type and exact OpenAI-shaped JSON bodies; then the errors the relay
+"""relay.errors: status, type and exact OpenAI-shaped JSON bodies; then the errors the relay
 answers itself, each over a real socket, with exact bodies."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The built-in simulator (relay/sim.py) against the real llama-server, STRUCTURALLY.
+"""The built-in simulator (relay.sim) against the real llama-server, STRUCTURALLY.
 
 The same request goes to both; each response is reduced to what a client or relay can depend
 on and the reductions must be equal, so the simulator cannot drift from the real server:

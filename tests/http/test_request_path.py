@@ -108,7 +108,7 @@ def test_request_headers_come_from_h11_with_its_lower_case_names():
     assert user_agent(kept) == "ua"
 
 
-def _old_user_agent(headers):  # what relay/record.py did before issue 15 part 4
+def _old_user_agent(headers):  # what observe.record did before it read HeaderList names
     for k, v in headers:
         if k.lower() == b"user-agent":
             text = v[:200].decode("latin-1")

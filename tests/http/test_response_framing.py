@@ -103,7 +103,7 @@ def test_eighteen_digits_are_a_length():
     ],
 )
 def test_only_a_lone_chunked_coding_without_a_length_is_carried(headers):
-    """(RFC 9112 6.1 / 6.3, as nginx: a 502) relay/head.py refuses these heads first."""
+    """(RFC 9112 6.1 / 6.3, as nginx: a 502) http.response_head refuses these heads first."""
     with pytest.raises(FramingError):
         upstream_body(b"POST", 200, headers)
 

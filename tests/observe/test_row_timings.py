@@ -223,7 +223,7 @@ def test_a_run_in_the_last_bucket_counts_as_add_would():
 
 def test_gaps_jittering_across_a_bucket_edge_count_as_one_bucket_per_gap():
     """A paced stream read off a millisecond clock has gaps of 19, 20, 21 ms, on both sides of
-    a bucket edge: `add` keeps the last two buckets' runs (relay/gaps.py) and the histogram
+    a bucket edge: `add` keeps the last two buckets' runs (stream.itl) and the histogram
     must still be every gap in the bucket frexp puts it in, whenever it is read."""
     import random
     from math import frexp

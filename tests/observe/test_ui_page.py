@@ -58,7 +58,7 @@ async def test_page_live_in_chromium(make_relay, sim, browser, tmp_path):
     # the "gone" upstream refuses connections: after one request it is down
     resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(2, model="other"), headers=bearer())
     assert resp.status == 502
-    # six minutes of trend points, as the once-a-second sampler leaves them (relay/ui_state.py)
+    # six minutes of trend points, as the once-a-second sampler leaves them (observe.ui_state)
     now = time.time()
     app.ui_trend.next_at = now + 3600  # the sampler adds no point of its own during the test
     for i in range(12):

@@ -121,7 +121,7 @@ def test_page_files_are_packaged():
     for path in ("/ui", "/ui/", "/ui/app.js", "/ui/app.css"):
         body, ctype = ui.page(path)
         assert body and ctype.startswith(b"text/")
-    assert ui.page("/ui/../relay/ui.py") is None and ui.page("/ui/nope") is None
+    assert ui.page("/ui/../ui_page.py") is None and ui.page("/ui/nope") is None
     html = ui.page("/ui")[0].decode()
     assert "http://" not in html and "https://" not in html  # nothing from a CDN
 

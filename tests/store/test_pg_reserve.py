@@ -62,7 +62,7 @@ async def test_a_token_window_counts_settled_tokens_and_live_leases(pg_server, d
     assert await _ask(shared, _budgets(tokens_per_day=100), "a", 60) is None
     exc = await _ask(shared, _budgets(tokens_per_day=100), "b", 60)
     assert (exc.limit, exc.used) == ("daily_tokens", 60)
-    # the settlement: the row in, the lease out, one transaction (as relay/store_pg.py)
+    # the settlement: the row in, the lease out, one transaction (as store.postgres)
     pg_server.query(
         db,
         "WITH gone AS (DELETE FROM reservation WHERE id = 'a' RETURNING ts)"

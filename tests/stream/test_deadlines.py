@@ -93,7 +93,7 @@ def test_a_failing_callback_does_not_stop_the_others():
 
 
 class Guard:
-    """An exchange's stall guard as relay/exchange.py arms it: lazily re-armed from the last
+    """An exchange's stall guard as proxy.exchange arms it: lazily re-armed from the last
     read, tripped once `StallPolicy.due` says so."""
 
     def __init__(self, loop, d: Deadlines, policy: StallPolicy, reads: list[float]) -> None:

@@ -78,7 +78,7 @@ def scan(reads: list[bytes]) -> tuple:
 
 
 def relay_scan(reads: list[bytes]) -> tuple:
-    """Drive tracker + scanner the way relay/exchange.py does for a chunked SSE body."""
+    """Drive tracker + scanner the way proxy.exchange does for a chunked SSE body."""
     calls = []
     s = SseScanner()
     s.on_first_content = lambda: calls.append(s.content_events)
