@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from http import HTTPStatus
+from typing import NamedTuple
 
 import msgspec
 
@@ -94,14 +95,24 @@ def error_event(message: str, type_: str, code: str | None) -> bytes:
     return b"data: " + _encode(_EventBody(_EventError(message, type_, code))) + b"\n\n"
 
 
-def upstream_error(status: int, error: dict | None, code: str, message: str) -> RelayError:
+class UpstreamErrorFields(NamedTuple):
+    """What the relay passes on of an upstream's `{"error": ...}` object: its non-empty string
+    `message`, `type` and `code` (None for one it did not give as such)."""
+
+    message: str | None = None
+    type: str | None = None
+    code: str | None = None
+
+
+def upstream_error(
+    status: int, error: UpstreamErrorFields | None, code: str, message: str
+) -> RelayError:
     """An upstream's failure passed on in-band: its own message, type and (string) code
     where its body gave them; `code` / `message` otherwise."""
     err = RelayError("upstream_bad_response", message)
     err.status, err.code = status, code
-    if error:
-        for field in ("message", "type", "code"):
-            value = error.get(field)
-            if isinstance(value, str) and value:
-                setattr(err, field, value)
+    if error is not None:
+        err.message = error.message or err.message
+        err.type = error.type or err.type
+        err.code = error.code or err.code
     return err

@@ -34,7 +34,7 @@ from relay.policy.budget import window_bounds
 from relay.store import pg_sql
 from relay.store.admissions import AdmissionId
 from relay.store.pg_budget import SharedBudget, Unavailable
-from relay.store.schema import clean
+from relay.store.schema import clean, record_values
 from relay.store.spill import Spill
 from relay.store.sqlite import Store
 
@@ -113,9 +113,11 @@ class PgStore(Store):
         super().put(row)
 
     def put_record(self, rec, admission_id=None) -> None:
-        row = rec.row()  # (the PostgreSQL writer takes the row as the dict has it)
-        row["admission_id"] = admission_id
-        self.put(row)
+        """A settled request's row off its `Record`, as the SQLite store takes it (no dict
+        in between); a row with no lease gets a row id of its own."""
+        if admission_id is None:  # (a keyed row's row id is its lease id)
+            admission_id = self.next_admission_id()
+        self._put(record_values(rec) + (admission_id,))
 
     @property
     def spilled(self) -> int:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from relay.errors import error_event, reason_phrase
+from relay.errors import UpstreamErrorFields, error_event, reason_phrase
 from relay.http.chunked import LAST_CHUNK, frame
 from relay.http.fields import HeaderPairs
 from relay.http.response_framing import payload_of
@@ -304,7 +304,7 @@ class Hold:
         self.close()
         return self.chunked and self.client.wants_keep_alive
 
-    def error(self) -> dict | None:
+    def error(self) -> UpstreamErrorFields | None:
         """The `error` object of the first held event (an upstream's `{"error": ...}`)."""
         if not self.parts:
             return None
@@ -320,13 +320,20 @@ class Hold:
         self.parts, self.size, self.pending, self.head = [], 0, b"", b""
 
 
-def error_of(body: bytes) -> dict | None:
-    """`{"error": {...}}` (or `{"error": "text"}`) -> the error object, else None."""
+def error_of(body: bytes) -> UpstreamErrorFields | None:
+    """`{"error": {...}}` (or `{"error": "text"}`) -> its string fields, else None."""
     try:
         doc = msgspec.json.decode(body)
     except msgspec.DecodeError:
         return None
     err = doc.get("error") if isinstance(doc, dict) else None
     if isinstance(err, str):
-        return {"message": err}
-    return err if isinstance(err, dict) else None
+        return UpstreamErrorFields(message=err or None)
+    if not isinstance(err, dict):
+        return None
+    message, type_, code = (err.get(k) for k in ("message", "type", "code"))
+    return UpstreamErrorFields(
+        message if isinstance(message, str) and message else None,
+        type_ if isinstance(type_, str) and type_ else None,
+        code if isinstance(code, str) and code else None,
+    )
