@@ -5,11 +5,16 @@ relay writes the request itself - every client header already passed h11's valid
 reads the response head with this small strict parser: on this edge-class hardware h11's
 per-request work on this side (about 150 us) was a third of the relay's added TTFT.
 
-Strict means: whatever h11 would reject is rejected here too (tests/test_unit_head.py holds
-it to h11 as the oracle), and so is a head whose body framing is ambiguous or in a transfer
-coding the relay does not carry (RFC 9112 6.1 / 6.3, as nginx answers it: 502). The bytes are
-read once however they are split, and interim (1xx) heads are bounded in number and, with
-the final head, in bytes.
+Strict means: whatever h11 would reject is rejected here too (tests/http/test_response_head.py
+holds it to h11 as the oracle, both ways), and so is, where h11 would read it:
+- a body framing that is ambiguous or in a transfer coding the relay does not carry (RFC 9112
+  6.1 / 6.3, as nginx answers it: 502): Content-Length with Transfer-Encoding, either one
+  repeated, a coding but `chunked`, Transfer-Encoding on HTTP/1.0, a Content-Length over 18
+  digits (the framing of interim 1xx heads is held to this too);
+- a control byte in the status line or a header value, a line ended by a bare LF, a header
+  line continued on the next (obs-fold), an HTTP version other than 1.0 and 1.1;
+- a protocol switch (101), more than 8 interim heads, over 64 KiB of heads.
+The bytes are read once however they are split.
 """
 
 from __future__ import annotations

@@ -86,6 +86,31 @@ async def test_ambiguous_or_unknown_framing_is_a_bad_response(make_relay, name, 
     await up.stop()
 
 
+@pytest.mark.parametrize("http", ["1.1", "1.0"])
+@pytest.mark.parametrize("coding", [b"CHUNKED", b"Chunked"])
+async def test_transfer_encoding_chunked_in_any_case_is_relayed_as_chunked(
+    make_relay, coding, http
+):
+    up, app = await relay_for(
+        make_relay,
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: "
+        + coding
+        + b"\r\n\r\n"
+        + chunked(SSE_BODY),
+    )
+    resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(3), http=http)
+    assert resp.status == 200 and resp.complete
+    assert resp.body == SSE_BODY
+    named = [(k, v) for k, v in resp.headers if k != "X-Request-Id"]
+    if http == "1.1":  # the chunks passed through as they came, under the relay's own header
+        assert named == [("Content-Type", "text/event-stream"), ("Transfer-Encoding", "chunked")]
+        assert resp.raw_body == chunked(SSE_BODY)
+    else:  # de-chunked for an HTTP/1.0 client: the body ends at the close
+        assert named == [("Content-Type", "text/event-stream"), ("Connection", "close")]
+        assert resp.raw_body == SSE_BODY
+    await up.stop()
+
+
 async def test_bad_framing_falls_back_to_the_next_upstream(make_relay):
     from relay.config import UpstreamConfig
 

@@ -340,16 +340,48 @@ async def test_a_long_path_is_bounded_in_the_row_and_the_error(make_relay, sim):
 
 
 async def test_body_bytes_are_given_back_when_the_client_leaves_mid_request(make_relay, sim):
-    app = await make_relay()
-    for served in (False, True):  # gone as soon as its body is held, or once it reached upstream
-        body = httpc.chat(2, first_token_delay_ms=200)
+    """Whichever way the client leaves, the relay-wide bound gets back exactly the bytes its
+    body took: halfway through sending the body, while at the upstream, while queued for a
+    slot."""
+    app = await make_relay(parallel=1, queue=4)
+    bodies, slots = app.dispatcher.bodies, app.upstreams["llm"].slots
+
+    def request(marker: str) -> tuple[bytes, int]:
+        body = httpc.chat(2, first_token_delay_ms=5000)  # in flight until the client leaves
+        body["messages"][0]["content"] = marker  # (tells the requests apart at the upstream)
+        return httpc.build_request("POST", CHAT, body), len(json.dumps(body).encode())
+
+    async def send(data: bytes):
         _reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
-        writer.write(httpc.build_request("POST", CHAT, body))
-        await wait_for(lambda: app.dispatcher.bodies.held > 0 or sim.requests)
-        if served:
-            await wait_for(lambda: sim.requests)
-        writer.transport.abort()
-        await wait_for(lambda: app.dispatcher.bodies.held == 0)
+        writer.write(data)
+        return writer
+
+    def at_upstream(marker: str) -> bool:
+        return any(r.json["messages"][0]["content"] == marker for r in sim.requests)
+
+    # 1. gone with half of its body sent: nothing dispatched yet
+    data, size = request("half")
+    writer = await send(data[: len(data) - size // 2])
+    await wait_for(lambda: bodies.held == size - size // 2)
+    writer.transport.abort()
+    await wait_for(lambda: bodies.held == 0)
+    # 2. gone while the upstream works on it
+    data, first = request("served")
+    served = await send(data)
+    await wait_for(lambda: at_upstream("served"))
+    assert bodies.held == first and slots.in_flight == 1
+    # 3. gone while queued for the slot the second one holds
+    data, size = request("queued")
+    writer = await send(data)
+    await wait_for(lambda: slots.queued == 1)
+    assert bodies.held == first + size
+    writer.transport.abort()
+    await wait_for(lambda: bodies.held == first)  # its own bytes back, the served one's kept
+    assert slots.queued == 0 and not at_upstream("queued")
+    served.transport.abort()
+    await wait_for(lambda: bodies.held == 0)
+    await wait_for(lambda: slots.in_flight == 0)
+    assert [r.json["messages"][0]["content"] for r in sim.requests] == ["served"]
 
 
 # ---- limits the upstream honours, per path (issue 10 item 7) ------------------------------

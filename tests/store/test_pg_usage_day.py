@@ -13,18 +13,29 @@ import types
 import pytest
 
 from relay.policy.budget import window_bounds
-from relay.store import admissions as durable
 from relay.store import pg_sql
 from tests.support.need import need_extra
 
 # relay.store.postgres imports psycopg: without the postgres extra the module skips, naming it
 store_pg = need_extra("postgres", "relay.store.postgres")
 
+# What a budget charges, written out here (docs/budgets.md "What is charged"), not taken from
+# relay.store: a request an upstream served, or one a crash cut (`relay_crashed`); its tokens
+# are its prompt and completion tokens.
+CRASHED = "relay_crashed"
+CHARGED = f"(upstream_served IS NOT NULL OR error_code = '{CRASHED}')"
+N = f"CASE WHEN {CHARGED} THEN 1 ELSE 0 END"
+T = (
+    f"CASE WHEN {CHARGED} THEN coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0)"
+    " ELSE 0 END"
+)
 BY_DAY = (
-    f"SELECT key_id, floor(ts / 86400) * 86400 AS day,"
-    f" sum(CASE WHEN {durable.CHARGED} THEN 1 ELSE 0 END),"
-    " sum(coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0))"
+    f"SELECT key_id, floor(ts / 86400) * 86400 AS day, sum({N}), sum({T})"
     " FROM request WHERE key_id IS NOT NULL AND ts IS NOT NULL GROUP BY 1, 2"
+)
+USED_SINCE = (  # a key's charged requests and tokens since a moment, summed over its rows
+    f"SELECT coalesce(sum({N}), 0), coalesce(sum({T}), 0) FROM request"
+    " WHERE key_id = %s AND ts >= %s"
 )
 KEYS = ("a", "b", "c")
 
@@ -63,12 +74,17 @@ def _check(conn, now: float) -> None:
     for key in KEYS:
         for start in _starts(now):
             used = conn.execute("SELECT n, t FROM relay_used(%s, %s)", (key, start)).fetchone()
-            rows = conn.execute(pg_sql.USED_BY_ROWS, (key, start)).fetchone()
+            rows = conn.execute(USED_SINCE, (key, start)).fetchone()
             assert used == rows, (key, start)
 
 
 def _random_row(rng: random.Random, now: float, row_id: str) -> tuple:
     served = rng.random() < 0.7
+    error_code = None if served else rng.choice(["upstream_error", CRASHED])
+    prompt = rng.choice([None, rng.randint(0, 50)])
+    completion = rng.choice([None, rng.randint(0, 500)])
+    if not served and error_code != CRASHED:  # as the relay writes a row no upstream served:
+        prompt = completion = None  # no token figures (docs/budgets.md: not charged)
     return _row(
         ts=now - rng.random() * 40 * 86400,
         request_id=row_id,
@@ -76,11 +92,61 @@ def _random_row(rng: random.Random, now: float, row_id: str) -> tuple:
         path="/v1/chat/completions",
         ok=int(served),
         upstream_served="u" if served else None,
-        error_code=None if served else rng.choice(["upstream_error", durable.CRASHED]),
-        prompt_tokens=rng.choice([None, rng.randint(0, 50)]),
-        completion_tokens=rng.choice([None, rng.randint(0, 500)]),
+        error_code=error_code,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
         row_id=row_id,
     )
+
+
+DAY = 1_700_006_400.0  # a UTC midnight (19676 * 86400)
+
+
+def test_a_keys_usage_is_its_charged_requests_and_their_tokens(conn):
+    """A few rows, the usage they give written out by hand."""
+
+    def row(rid, ts, key, served=None, error=None, prompt=None, completion=None):
+        return _row(
+            ts=ts,
+            request_id=rid,
+            key_id=key,
+            path="/v1/chat/completions",
+            ok=int(served is not None and error is None),
+            upstream_served=served,
+            error_code=error,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            row_id=rid,
+        )
+
+    rows = [
+        row("a1", DAY + 10, "a", served="u", prompt=3, completion=4),
+        row("a2", DAY + 20, "a", served="u", error="upstream_500", prompt=5),  # served: charged
+        row("a3", DAY + 30, "a", error="relay_crashed", prompt=1, completion=20),
+        row("a4", DAY + 40, "a", error="budget_exceeded"),  # refused by the relay: not charged
+        row("a5", DAY + 50, "a", error="upstream_unavailable"),  # no upstream answered
+        row("a6", DAY - 100, "a", served="u", prompt=7, completion=7),  # the day before
+        row("b1", DAY + 60, "b", served="u", prompt=2, completion=2),
+        row("n1", DAY + 70, None, served="u", prompt=9, completion=9),  # no key: no budget
+    ]
+    with conn.transaction(), conn.cursor() as cur:
+        cur.executemany(pg_sql.INSERT, rows)
+
+    def used(key, start):
+        return tuple(conn.execute("SELECT n, t FROM relay_used(%s, %s)", (key, start)).fetchone())
+
+    assert used("a", DAY) == (3, 33)  # a1 3 + 4, a2 5, a3 1 + 20
+    assert used("a", DAY - 86400) == (4, 47)  # and a6 7 + 7
+    assert used("a", DAY + 25) == (1, 21)  # a start inside the day: a3 alone
+    assert used("a", DAY + 86400) == (0, 0)
+    assert used("b", DAY) == (1, 4)
+    assert used("c", DAY) == (0, 0)
+    days = conn.execute("SELECT key_id, day, n, t FROM usage_day ORDER BY key_id, day").fetchall()
+    assert [(k, float(d), n, t) for k, d, n, t in days] == [
+        ("a", DAY - 86400, 1, 14),
+        ("a", DAY, 3, 33),
+        ("b", DAY, 1, 4),
+    ]
 
 
 def test_usage_day_is_the_sum_of_the_rows_whatever_happens_to_them(conn):
@@ -122,12 +188,12 @@ def test_usage_day_is_the_sum_of_the_rows_whatever_happens_to_them(conn):
             conn.execute(pg_sql.PRUNE, (now - (38 - step // 5) * 86400,))
         _check(conn, now)
     crashed = conn.execute(
-        "SELECT count(*) FROM request WHERE error_code = %s", (durable.CRASHED,)
+        "SELECT count(*) FROM request WHERE error_code = %s", (CRASHED,)
     ).fetchone()[0]
     replaced = conn.execute(
         "SELECT count(*) FROM request WHERE request_id LIKE 'lease%%'"
         " AND error_code IS DISTINCT FROM %s",
-        (durable.CRASHED,),
+        (CRASHED,),
     ).fetchone()[0]
     assert crashed > 0 and conn.execute("SELECT count(*) FROM request").fetchone()[0] > 100
     assert replaced > 0  # (placeholders replaced by their rows: the UPDATE path)

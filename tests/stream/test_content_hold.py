@@ -3,6 +3,9 @@ content event."""
 
 from __future__ import annotations
 
+import pytest
+
+from relay.errors import UpstreamErrorFields
 from relay.http.chunked import frame
 from relay.stream import content_hold as H
 from tests.support.fake_loop import FakeLoop
@@ -176,8 +179,13 @@ def test_error_of_the_first_held_event():
     hold, loop, _out = make(interval=1.0)
     loop.run_until(1.0)
     hold.feed(b'data: {"error":{"code":500,"message":"boom","type":"server_error"}}\n\n', False)
-    assert hold.error() == {"code": 500, "message": "boom", "type": "server_error"}
-    assert H.error_of(b'{"error":"plain"}') == {"message": "plain"}
+    # (the string fields only: a numeric code is not passed on as the error's code)
+    assert hold.error() == UpstreamErrorFields("boom", "server_error", None)
+    assert H.error_of(b'{"error":"plain"}') == UpstreamErrorFields("plain", None, None)
+    assert H.error_of(b'{"error":{"message":"","code":"c"}}') == UpstreamErrorFields(
+        None, None, "c"
+    )
+    assert H.error_of(b'{"error":""}') == UpstreamErrorFields(None, None, None)
     assert H.error_of(b"not json") is None and H.error_of(b"[1]") is None
 
 
@@ -217,3 +225,83 @@ def test_a_partial_event_alone_is_pending_not_judged():
     assert (out, hold.parts, hold.pending) == ([], [], b": pi")
     assert not hold.feed(b"ng\n\n", False)
     assert out == [frame(b": ping\n\n")] and hold.parts == []
+
+
+# ---- the hold's size bound: 64 KiB held stays held, one byte more releases -----------------
+LIMIT = 65536  # the bound written out (not read from the module)
+
+
+def test_the_limit_is_64_kib():
+    assert H.LIMIT == LIMIT
+
+
+def test_waiting_holds_exactly_the_limit_and_releases_one_byte_past_it():
+    hold, _loop, out = make(interval=0)
+    hold.head = b"HEAD"
+    assert hold.take(b"x" * (LIMIT - 1), False, False) == H.HELD
+    assert hold.take(b"x", False, False) == H.HELD  # exactly LIMIT held: still held
+    assert out == [] and not hold.sent
+    assert hold.take(b"y", False, False) == H.OPENED  # LIMIT + 1
+    assert out == [b"HEAD" + b"x" * LIMIT + b"y"] and hold.open
+
+
+def test_waiting_keep_is_over_the_limit_only_past_it():
+    hold, _loop, out = make(interval=0)
+    assert not hold.keep(b"x" * LIMIT)
+    assert hold.keep(b"x")
+    hold, _loop, out = make(interval=0)
+    assert not hold.keep(b"x" * (LIMIT - 2)) and not hold.keep(b"xx")
+    assert hold.keep(b"x") and out == []  # (`keep` only says so: `take` releases)
+
+
+def committed() -> tuple[H.Hold, list]:
+    hold, loop, out = make(interval=1.0)
+    loop.run_until(1.0)  # the heartbeat committed the synthetic head
+    del out[:]
+    return hold, out
+
+
+def event(size: int) -> bytes:
+    """A non-comment event of exactly `size` bytes."""
+    return b"data: " + b"x" * (size - 8) + b"\n\n"
+
+
+def test_committed_holds_whole_events_of_exactly_the_limit():
+    hold, out = committed()
+    held = event(LIMIT - 100) + event(100)
+    assert not hold.feed(held[: LIMIT - 100], False)
+    assert not hold.feed(held[LIMIT - 100 :], False)  # LIMIT bytes of whole events
+    assert out == [] and hold.size == LIMIT and hold.committed
+    assert hold.feed(b"d", False)  # one byte of the next event: LIMIT + 1
+    assert out == [frame(held + b"d")] and hold.open
+
+
+@pytest.mark.parametrize("last", [b"x", b"\n"])  # the event grows in place / ends
+def test_committed_holds_whole_events_and_an_unfinished_one_up_to_the_limit(last):
+    hold, out = committed()
+    whole = event(1000)
+    line = b"data: " + b"x" * (LIMIT - 1000 - 7) + b"\n"  # one line of an unfinished event
+    assert not hold.feed(whole + line, False)
+    assert out == [] and hold.size + len(hold.pending) == LIMIT
+    assert hold.feed(last, False)
+    assert out == [frame(whole + line + last)] and hold.open
+
+
+def test_committed_unfinished_event_growing_in_place_up_to_the_limit():
+    hold, out = committed()
+    assert not hold.feed(event(LIMIT - 10), False)  # a whole event held
+    assert not hold.feed(b"data: ", False)  # an unfinished one after it
+    assert not hold.feed(b"yyy", False)  # grows in place: LIMIT - 1
+    assert not hold.feed(b"y", False)  # exactly LIMIT
+    assert out == [] and hold.committed
+    assert hold.feed(b"y", False)  # LIMIT + 1
+    assert out == [frame(event(LIMIT - 10) + b"data: yyyyy")] and hold.open
+
+
+def test_committed_one_unfinished_event_of_the_limit_stays_held():
+    hold, out = committed()
+    assert not hold.feed(b"data: " + b"x" * (LIMIT - 7), False)  # LIMIT - 1, unfinished
+    assert not hold.feed(b"x", False)  # grows in place to exactly LIMIT
+    assert out == [] and hold.parts == [] and len(hold.pending) == LIMIT
+    assert hold.feed(b"x", False)
+    assert out == [frame(b"data: " + b"x" * (LIMIT - 5))] and hold.open

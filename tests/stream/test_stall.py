@@ -6,11 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
 
 import pytest
 
 from relay.stream.stall import DONE_EVENT, StallPolicy, stall_frame, stall_notice
 from tests.support import httpc
+from tests.support.fakeup import Scripted
+from tests.support.helpers import rows_of, wait_for
+from tests.support.sockets import slow_client
 
 INF = float("inf")
 
@@ -357,3 +361,93 @@ async def test_keep_alive_survives_a_stall(make_relay, sim):
     writer.close()
     assert first.complete and synthetic(first)["x_relay_stall"]["reason"] == "idle"
     assert second.json() == {"status": "ok"}
+
+
+# ---- a stall after the upstream's own [DONE] ------------------------------------------------
+SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+CONTENT = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
+
+
+def chunk(payload: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(payload), payload)
+
+
+def sends(body: bytes):
+    """An upstream that sends `body` at once and then nothing more, keeping its connection
+    open until the relay closes it (a body without its end stalls there)."""
+
+    async def script(up, index, reader, writer):
+        if await up.read_request(reader) is None:
+            return
+        writer.write(body)
+        await writer.drain()
+        await reader.read()  # until the relay closes its end
+
+    return script
+
+
+@pytest.mark.parametrize("framing", ["chunked", "close"])
+async def test_a_stall_after_done_ends_the_body_with_nothing_more(make_relay, framing):
+    """The upstream sends its `[DONE]` and then neither ends the body nor closes: the stall
+    guard trips, and as the `[DONE]` already reached the client it adds no stall event and
+    no second `[DONE]`, only what ends the body (the last chunk)."""
+    if framing == "chunked":
+        body = SSE_HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + chunk(CONTENT) + chunk(TAIL)
+    else:  # no framing header: the body would end at the close
+        body = SSE_HEAD + b"\r\n" + CONTENT + TAIL
+    up = await Scripted(sends(body)).start()
+    app = await make_relay(url=up.url, stream_idle_timeout_s=0.2, stream_total_timeout_s=0)
+    resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(5), timeout=5)
+    assert resp.status == 200 and resp.complete  # the last chunk came: a clean end
+    assert resp.header("transfer-encoding") == "chunked"
+    assert resp.body.count(b"data: [DONE]") == 1 and b"relay-stall-guard" not in resp.body
+    assert resp.body == CONTENT + TAIL
+    if framing == "chunked":  # passed through as the upstream framed it, then the last chunk
+        assert resp.raw_body == chunk(CONTENT) + chunk(TAIL) + b"0\r\n\r\n"
+    else:  # the relay's own chunks (as the reads came), then the last chunk
+        assert resp.raw_body.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    [row] = await rows_of(app, 1)
+    assert (row["status"], row["error_code"]) == (200, "stream_stall_idle")
+    assert [t["reason"] for t in app.log.of("stream_stall_guard_tripped")] == ["idle"]
+    await up.stop()
+
+
+def token(i: int) -> bytes:
+    return b'data: {"choices":[{"index":0,"delta":{"content":"t%d"}}]}\n\n' % i
+
+
+async def test_a_client_too_slow_to_read_is_not_a_stalled_upstream(make_relay):
+    """Upstream reads pause while the client reads nothing (the relay's write buffer over its
+    high-water mark): for longer than the idle bound, reads are not owed, and the stream ends
+    whole once the client reads it all."""
+    n = 20000  # about 1.2 MB: far more than the relay buffers for one client
+    events = b"".join(token(i) for i in range(n)) + TAIL
+    body = (
+        SSE_HEAD
+        + b"Transfer-Encoding: chunked\r\n\r\n"
+        + b"".join(chunk(events[i : i + 4096]) for i in range(0, len(events), 4096))
+        + b"0\r\n\r\n"
+    )
+    up = await Scripted(sends(body)).start()
+    idle = 0.2
+    app = await make_relay(url=up.url, stream_idle_timeout_s=idle, stream_total_timeout_s=0)
+    sock, conn, head = await slow_client(app, httpc.chat(5))
+    assert head.status == 200
+    await wait_for(lambda: conn.exchange is not None and conn.exchange.flow is not None)
+    ex = conn.exchange
+    assert ex.flow.paused and not ex.conn.transport.is_reading()
+    await asyncio.sleep(3 * idle)  # the client reads nothing for three idle bounds
+    assert ex.outcome is None and ex.flow.paused  # not tripped: still waiting on the client
+    assert app.log.of("stream_stall_guard_tripped") == []
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    reader, writer = await asyncio.open_connection(sock=sock)
+    await asyncio.wait_for(httpc.read_body(reader, head), 10)
+    writer.close()
+    assert head.complete
+    assert b"relay-stall-guard" not in head.body
+    assert head.body == events
+    [row] = await rows_of(app, 1)
+    assert (row["status"], row["ok"], row["error_code"]) == (200, 1, None)
+    assert row["completion_tokens"] == n
+    assert app.log.of("stream_stall_guard_tripped") == []
+    await up.stop()
