@@ -204,8 +204,8 @@ SETUP = SCHEMA + (USAGE_DAY, USAGE_DAY_TABLE, USED, FUNCTION)
 RESERVE = "SELECT relay_reserve(" + ", ".join("%s" for _ in range(17)) + ")"
 
 USAGE = "SELECT n, t AS tokens FROM relay_used(%s, %s)"  # (a key's: budgets have keys)
-# the same summed over the key's rows, as relay_reserve read it before usage_day: the reference
-# tests/test_pg_usage_day.py holds relay_used to, and what bench/pg_reserve_scale.py times
+# the same summed over the key's rows, as relay_reserve read it before usage_day: what
+# bench/pg_reserve_scale.py times relay_used against
 USED_BY_ROWS = (
     f"SELECT coalesce(sum({_CHARGE[0]}), 0), coalesce(sum({_CHARGE[1]}), 0)"
     " FROM request WHERE key_id = %s AND ts >= %s"

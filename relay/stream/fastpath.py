@@ -22,8 +22,8 @@ the same kind. Nothing in such a read can add a marker, a line end, an event or 
 exactly those events and keep nothing else: the exchange forwards the read as is and adds
 them. Anything else - the first events, a usage/timings or [DONE] event, partial chunks or
 events, a CR, a chunk extension, a changed key - is the general chunk tracker's and
-scanner's, which stay the reference. tests/test_unit_fastpath.py holds `events_in` to the general path on random reads of every
-framing.
+scanner's, which stay the reference: tests/stream/test_fastpath.py holds `events_in` to the
+general path on random reads of every framing.
 """
 
 from __future__ import annotations
