@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from relay.http import request_path as paths
+from relay.http.request_path import route_path
 
 
 class Request:
@@ -26,9 +26,5 @@ class Request:
         self.http11: bool = http11
         self.keep_alive: bool = keep_alive
         self.key_id = key_id  # the caller's key, identified on the head (None: auth off)
-        # the path the upstream routes on (paths.normalize), bounded for echoes and rows
-        self.path = (
-            path
-            if path is not None
-            else paths.bounded(paths.normalize(target), paths.MAX_PATH_CHARS)
-        )
+        # the path the upstream routes on, bounded for echoes and rows
+        self.path = path if path is not None else route_path(target)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from relay.errors import RelayError
-from relay.http.request_path import MAX_PATH_CHARS, bounded, normalize
+from relay.http.request_path import bounded, route_path
 from relay.observe import row_timings as timing
 from relay.observe.record import RESERVED, Record, user_agent
 from relay.proxy.exchange import Exchange
@@ -141,7 +141,7 @@ def rejected(dispatcher, client, err: RelayError) -> None:
     """A request refused before it was read whole (400/408/413/431): a row all the same."""
     app = dispatcher.app
     head = client.head
-    path = bounded(normalize(head.target), MAX_PATH_CHARS) if head is not None else ""
+    path = route_path(head.target) if head is not None else ""
     rid = (
         dispatcher.request_id(head.headers.raw_items()) if head is not None else dispatcher.new_id()
     )
