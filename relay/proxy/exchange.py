@@ -258,7 +258,7 @@ class Exchange(ExchangeState):
         if leftover:
             self.upstream_data(leftover)
         if not p.holdable and self.hold is not None and not hold.committed and self.outcome is None:
-            self._release_hold()
+            self._release_hold(hold)  # (still the request's: self.hold is hold)
         if self.outcome is None:
             self._arm()  # (after the first write: it is not in the client's wait)
         if self._closed_early:
@@ -309,7 +309,7 @@ class Exchange(ExchangeState):
             if hold.more or hold.swallow:  # only comments reached the client: the next
                 self._end(STALL)  # upstream, or an in-band error
                 return
-            self._release_hold()
+            self._release_hold(hold)
         if not self.sse:  # non-SSE bodies are cut: nothing injected
             self.client_keep_alive = False
         else:

@@ -122,9 +122,9 @@ class ExchangeState:
         raise NotImplementedError
 
     # ---- output ----------------------------------------------------------------------
-    def _release_hold(self) -> None:
-        if self.hold is not None:
-            self.hold.release()
+    def _release_hold(self, hold: Hold) -> None:
+        """Write what `hold` (this exchange's, still held) keeps: from here the client is open."""
+        hold.release()
         self._opened()
 
     def opened(self) -> asyncio.Future:
