@@ -9,24 +9,31 @@
   (`PATH_LIMITS`) the body is read as JSON whatever its Content-Type says, as llama-server
   parses any body as JSON; one that is not a JSON object is refused there (400
   `invalid_json`). Nesting too deep for the decoder is invalid JSON too, not a relay error.
+  A field the relay decides on named twice is refused (`body_fields`): the upstream's parser
+  could read the other one. `n` and `best_of` are read as the servers that honour them read
+  them (`4`, `4.0`, `"4"`); a count they would not read as a whole number is refused.
 - `completion_limit` / `estimate_tokens`: the most tokens the upstream may generate per
   prompt is the largest of the limit fields this path's API honours (llama-server reads
   `n_predict` before `max_tokens`; a field another API names is ignored, so it limits
   nothing); none, or a negative one, is unbounded. The reservation is that limit times the
-  prompts (`"prompt": [p1 ... pN]`) times OpenAI's `n`.
-- `with_limit`: when a token budget applies, an unbounded request is capped by splicing the
+  prompts (`"prompt": [p1 ... pN]`) times the choices (`n`, or `best_of` when larger).
+- `with_limit`: when a token budget applies, an unbounded request is capped by writing the
   cap into the limit fields of the path's API (never a field it does not know), so the
   reservation is what the upstream honours.
 """
 
 from __future__ import annotations
 
+import bisect
+
 import msgspec
+import msgspec.structs
 
 from relay.errors import RelayError
 from relay.http import fields
 from relay.http.request_path import bounded
 from relay.policy import admin_access as access
+from relay.policy import body_fields as B
 
 # The limit fields each generation API honours (llama-server reads n_predict first, then
 # max_tokens and its alias; a field another API names is ignored on this path: a
@@ -102,10 +109,12 @@ def json_route(path: str) -> bool:
 
 
 MAX_ECHO = 256  # characters of client text quoted in an error message
+LARGE_BODY = 1 << 20  # bytes: a larger body is read over more than one loop turn
+MAX_CHOICES = 1 << 20  # a larger `n` is reserved as this many (any budget refuses it)
 
 
 class Peek(msgspec.Struct):
-    """The few request fields the relay reads; everything else is skipped by the decoder."""
+    """The few request fields the relay reads (`body_fields.DECIDING`), each named once."""
 
     model: str | None = None
     stream: bool | None = None
@@ -113,12 +122,15 @@ class Peek(msgspec.Struct):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     max_output_tokens: int | None = None
-    # raw (empty when absent): counted, never decoded whole; any JSON type is accepted
-    n: msgspec.Raw = msgspec.Raw()  # OpenAI: completions (choices) per prompt
-    prompt: msgspec.Raw = msgspec.Raw()  # `prompt_count`
+    choices: int = 1  # completions per prompt: OpenAI's `n`, or `best_of` when larger
+    prompt: msgspec.Raw = msgspec.Raw()  # as sent (`prompt_count`)
+    spans: dict[str, tuple[int, int]] = msgspec.field(default_factory=dict)
 
 
-_peek = msgspec.json.Decoder(Peek)
+_str = msgspec.json.Decoder(str | None)
+_bool = msgspec.json.Decoder(bool | None)
+_int = msgspec.json.Decoder(int | None)
+_any = msgspec.json.Decoder()
 
 
 def head_check(
@@ -143,34 +155,90 @@ def _invalid(reason: str) -> RelayError:
     )
 
 
+def _bad_field(name: str, why: str) -> RelayError:
+    return RelayError(
+        "bad_request", bounded(f"invalid request field: {why} - at `$.{name}`", MAX_ECHO)
+    )
+
+
 def peek_body(method: bytes, headers, body: bytes, llm: bool) -> Peek:
-    """The peeked fields; `llm`: the path is an LLM endpoint (strict: a JSON object needed)."""
+    """The peeked fields; `llm`: the path is an LLM endpoint (strict: a JSON object needed).
+    Elsewhere a body that is not a JSON object is not read; one that is follows the same
+    rules (a deciding member named twice is refused wherever the relay reads it)."""
     if method != b"POST":
         return Peek()
     if not llm:
         if not body:
             return Peek()
         ctype = (fields.get(headers, b"content-type") or b"application/json").lower()
-        if b"json" not in ctype:  # another kind of body on another endpoint: nothing to read
-            try:
-                return _peek.decode(body)
-            except (msgspec.DecodeError, RecursionError):
-                return Peek()
+        llm = b"json" in ctype
     if not body:
         raise _invalid("the body is empty, a JSON object is expected")
     try:
-        return _peek.decode(body)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        if " - at `" not in text:  # the top level itself is not an object
-            raise _invalid(f"a JSON object is expected ({text})") from None
-        raise RelayError(
-            "bad_request", bounded(f"invalid request field: {text}", MAX_ECHO)
-        ) from None
+        members = B.read(body)
+    except msgspec.ValidationError as exc:  # the top level itself is not an object
+        if not llm:
+            return Peek()
+        raise _invalid(f"a JSON object is expected ({exc})") from None
     except msgspec.DecodeError as exc:
+        if not llm:
+            return Peek()
         raise _invalid(str(exc)) from None
     except RecursionError:
+        if not llm:
+            return Peek()
         raise _invalid("nested too deeply") from None
+    try:
+        spans = B.locate(body, members)
+    except B.Ambiguous as exc:
+        raise _invalid(str(exc)) from None
+    except B.TooManyMembers as exc:
+        raise RelayError("bad_request", f"request body not read: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise _invalid(str(exc)) from None
+    return Peek(
+        model=_typed(_str, members, "model"),
+        stream=_typed(_bool, members, "stream"),
+        n_predict=_typed(_int, members, "n_predict"),
+        max_tokens=_typed(_int, members, "max_tokens"),
+        max_completion_tokens=_typed(_int, members, "max_completion_tokens"),
+        max_output_tokens=_typed(_int, members, "max_output_tokens"),
+        choices=max(_count(members, "n"), _count(members, "best_of")),
+        prompt=members.prompt,
+        spans=spans,
+    )
+
+
+def _typed(decoder, members: B.Members, name: str):
+    raw = getattr(members, name)
+    if not raw:
+        return None
+    try:
+        return decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise _bad_field(name, str(exc)) from None
+
+
+def _count(members: B.Members, name: str) -> int:
+    """`n` / `best_of` as the servers that honour them read it (vLLM and pydantic take
+    `4`, `4.0` and `"4"` alike): absent, null or below 2 is one; a count no server reads
+    as a whole number is refused rather than reserved as one."""
+    raw = getattr(members, name)
+    if not raw:
+        return 1
+    value = _any.decode(raw)
+    if value is None:
+        return 1
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            value = None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _bad_field(name, "expected a whole number")
+    return min(max(value, 1), MAX_CHOICES)
 
 
 def completion_limit(peek: Peek, path: str) -> int | None:
@@ -188,36 +256,45 @@ def completion_limit(peek: Peek, path: str) -> int | None:
     return max(asked)
 
 
-_raw_items = msgspec.json.Decoder(list[msgspec.Raw])
-_int = msgspec.json.Decoder(int)
+MAX_PROMPTS = 16384  # prompts in one request's `"prompt": [...]` (more: refused)
+# The first MAX_PROMPTS + 1 items of an array as sent; msgspec skips the rest in C, so a
+# list of millions costs what its bytes cost to scan, never an object each.
+_first_items = msgspec.json.Decoder(
+    msgspec.defstruct(
+        "FirstItems",
+        [(f"i{k}", msgspec.Raw, msgspec.Raw()) for k in range(MAX_PROMPTS + 1)],
+        array_like=True,
+    )
+)
 
 
 def prompt_count(peek: Peek) -> int:
     """How many prompts a request carries: `"prompt": [p1 ... pN]` (strings, token lists or
     multimodal objects) is N, each generating up to the limit; a flat list of token ids, or
-    of ids mixed with strings (llama-server's one-prompt forms), is one."""
-    raw = peek.prompt
-    if not bytes(raw).lstrip().startswith(b"["):
+    of ids mixed with strings (llama-server's one-prompt forms), is one. A list of more than
+    MAX_PROMPTS items that is not all ids is refused (400): counting it would cost an
+    object per item, and a reservation the relay cannot count is not what is served."""
+    raw = bytes(peek.prompt)
+    if not raw.startswith(b"["):
         return 1
+    if b'"' not in raw and b"{" not in raw and raw.find(b"[", 1) < 0:
+        return 1  # numbers only: token ids, one prompt
     try:
-        items = _raw_items.decode(raw)
+        items = msgspec.structs.astuple(_first_items.decode(raw))
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return 1
-    kinds = {bytes(i).lstrip()[:1] for i in items}
+    if items[MAX_PROMPTS]:  # (a flat list of ids of any length is one prompt, above)
+        raise RelayError("bad_request", f"more than {MAX_PROMPTS} prompts in one request")
+    n = bisect.bisect_left(items, True, key=lambda item: not item)  # the items sent
+    kinds = {bytes(item)[:1] for item in items[:n]}
     if not kinds & {b"[", b"{", b'"'} or (not kinds & {b"[", b"{"} and kinds - {b'"'}):
         return 1  # token ids, or ids mixed with strings: one prompt (llama-server's rule)
-    return max(1, len(items))
+    return max(1, n)
 
 
 def choices(peek: Peek) -> int:
-    """OpenAI's `n`: completions per prompt (1 when absent or not a positive integer)."""
-    if not peek.n:
-        return 1
-    try:
-        n = _int.decode(peek.n)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return 1
-    return n if n > 1 else 1
+    """Completions per prompt (`Peek.choices`: OpenAI's `n`, or `best_of` when larger)."""
+    return peek.choices
 
 
 def estimate_tokens(body: bytes, peek: Peek, default_max: int, path: str) -> tuple[int, int]:
@@ -244,42 +321,25 @@ _OWN_LIMIT = {
 }
 
 
-def with_limit(body: bytes, peek: Peek, limit: int, path: str) -> bytes:
+def with_limit(
+    body: bytes, peek: Peek, limit: int, path: str
+) -> tuple[bytes, dict[str, tuple[int, int]]]:
     """The body with `limit` written into every limit field of this path's API the request
     carries, or into the one field its API reads when it carries none, so the upstream
-    cannot generate more.
+    cannot generate more; and the spans of the deciding members in it.
 
     Only fields the path's API knows are written: a hosted API refuses a field it does not
     know (OpenAI answers 400 to `n_predict`). Only called for a body `peek_body` accepted as
-    a JSON object. The fields are spliced in before the closing brace, not re-encoded: a
-    duplicate key resolves to the last one both in msgspec and in llama-server's parser, so
-    what the relay reserved on and what the upstream reads agree.
+    a JSON object. A value is replaced where it was sent and a missing field added before
+    the closing brace (`body_fields.splice`), never re-encoded: the body names each field
+    once, so what the relay reserved on is what any parser reads.
     """
     fields = PATH_LIMITS.get(path, _OPENAI)
-    present = [f for f in fields if getattr(peek, f) is not None]
-    return splice_fields(
-        body, [(f, limit) for f in present or [_OWN_LIMIT.get(path, "max_tokens")]]
-    )
-
-
-_WS = b" \t\r\n"
-
-
-def splice_fields(body: bytes, fields: list[tuple[str, int]]) -> bytes:
-    """`body` (a JSON object) with `"name":value` members appended before its closing brace;
-    one copy of the body, never a decode."""
-    end = len(body)
-    while end and body[end - 1] in _WS:
-        end -= 1
-    end -= 1  # the closing brace
-    if end < 1 or body[end] != 0x7D:
-        raise _invalid("cannot apply the token limit")
-    last = end
-    while last and body[last - 1] in _WS:
-        last -= 1
-    if not last:
-        raise _invalid("cannot apply the token limit")
-    sep = b"" if body[last - 1] == 0x7B else b","  # `{}`: no member before
-    members = b",".join(b'"%s":%d' % (name.encode(), value) for name, value in fields)
-    view = memoryview(body)
-    return b"".join((view[:last], sep, members, view[end:]))
+    present = [f for f in fields if f in peek.spans]  # `null` too: a member all the same
+    value = b"%d" % limit
+    try:
+        return B.splice(
+            body, peek.spans, dict.fromkeys(present or [_OWN_LIMIT.get(path, "max_tokens")], value)
+        )
+    except msgspec.DecodeError:
+        raise _invalid("cannot apply the token limit") from None

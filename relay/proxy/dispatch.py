@@ -191,8 +191,11 @@ class Dispatcher:
                 "model_not_found", f"no upstream serves model {rec.model!r}", {"model": rec.model}
             ) from None
         rec.upstream_requested = candidates[0]
+        if len(req.body) > A.LARGE_BODY:  # the other streams' turn between body passes
+            await asyncio.sleep(0)
         cap = app.config.budget.default_max_tokens
         prompt_est, completion_est, completions = A.estimates(req.body, peek, cap, path)
+        spans = peek.spans
         if (
             A.json_route(path)
             and rec.key_id is not None
@@ -200,7 +203,9 @@ class Dispatcher:
             and app.budgets.limits_tokens(rec.key_id)
         ):
             # the upstream must honour what is reserved
-            req.body = A.with_limit(req.body, peek, cap, path)
+            req.body, spans = A.with_limit(req.body, peek, cap, path)
+        if peek.model is not None:
+            ledger.model_at = spans.get("model")  # where model_map writes an upstream's name
         ledger.generates = slot_path
         ledger.completion_est = completion_est
         ledger.completions = completions

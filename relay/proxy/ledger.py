@@ -39,6 +39,7 @@ class Ledger:
         "generates",
         "hold",
         "model",
+        "model_at",
         "prompt_est",
         "reservation",
         "slot",
@@ -49,6 +50,7 @@ class Ledger:
         self.cors = cors
         self.admin = False
         self.model: str | None = None
+        self.model_at: tuple[int, int] | None = None  # the model string's span in the body
         self.generates = False
         self.prompt_est = 0
         self.completion_est = 0

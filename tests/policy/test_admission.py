@@ -2,7 +2,6 @@
 
 import json
 
-import msgspec
 import pytest
 
 from relay.config import KeyConfig
@@ -74,7 +73,7 @@ CHAT = "/v1/chat/completions"
 
 
 def peek(**fields) -> A.Peek:
-    return msgspec.json.decode(json.dumps(fields).encode(), type=A.Peek)
+    return A.peek_body(b"POST", [], json.dumps(fields).encode(), True)
 
 
 @pytest.mark.parametrize(
@@ -141,9 +140,50 @@ def test_reservation_multiplies_limit_prompts_and_choices():
     p = peek(prompt=["a", "b", "c"], max_tokens=10, n=2)
     assert A.estimate_tokens(b"", p, 77, "/v1/completions") == (0, 60)
     assert A.estimate_tokens(b"", peek(prompt=["a", "b"]), 77, "/completion") == (0, 154)
-    for n in (0, -3, "x", 1.5, None):
+    for n in (0, -3, None, "1", 1.0):
         assert A.choices(peek(n=n)) == 1
     assert A.estimate_tokens(b"", peek(max_tokens=10, n=4), 77, CHAT) == (0, 40)
+
+
+@pytest.mark.parametrize(
+    "fields,choices",
+    [
+        # every spelling vLLM / pydantic read as 4 is reserved as 4 completions
+        ({"n": 4}, 4),
+        ({"n": "4"}, 4),
+        ({"n": " 4 "}, 4),
+        ({"n": 4.0}, 4),
+        ({"n": "4.0"}, 4),
+        ({"n": 4e0}, 4),
+        # legacy completions: best_of completions are generated, n returned
+        ({"best_of": 4}, 4),
+        ({"best_of": 4, "n": 2}, 4),
+        ({"best_of": "3", "n": 5}, 5),
+        ({"n": 10**12}, A.MAX_CHOICES),
+    ],
+)
+def test_choices_read_as_the_servers_read_them(fields, choices):
+    assert A.choices(peek(max_tokens=300, **fields)) == choices
+    assert A.estimate_tokens(b"", peek(max_tokens=300, **fields), 77, CHAT)[1] == 300 * choices
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"n": "x"},
+        {"n": 1.5},
+        {"n": "2.5"},
+        {"n": True},
+        {"n": [4]},
+        {"best_of": {"a": 4}},
+        {"n": "inf"},
+        {"n": "nan"},
+    ],
+)
+def test_choices_no_server_reads_as_a_count_are_refused(fields):
+    with pytest.raises(RelayError) as exc:
+        peek(**fields)
+    assert exc.value.code == "bad_request" and exc.value.status == 400
 
 
 @pytest.mark.parametrize(
@@ -153,8 +193,15 @@ def test_reservation_multiplies_limit_prompts_and_choices():
         (
             CHAT,
             b'{"model":"m","max_tokens":-1,"n_predict":7}',
-            b'{"model":"m","max_tokens":-1,"n_predict":7,"n_predict":64,"max_tokens":64}',
+            b'{"model":"m","max_tokens":64,"n_predict":64}',
         ),
+        # replaced where they were sent, whatever surrounds them
+        (
+            CHAT,
+            b'{"max_tokens" :\n -1 , "a":[{"max_tokens":1}], "n_predict": -5}',
+            b'{"max_tokens" :\n 64 , "a":[{"max_tokens":1}], "n_predict": 64}',
+        ),
+        (CHAT, b'{"max_tokens":null}', b'{"max_tokens":64}'),
         # a field of another API is left alone, the path's own field added
         (CHAT, b'{"max_output_tokens":5}', b'{"max_output_tokens":5,"max_tokens":64}'),
         ("/v1/responses", b'{"max_tokens":5}', b'{"max_tokens":5,"max_output_tokens":64}'),
@@ -162,17 +209,18 @@ def test_reservation_multiplies_limit_prompts_and_choices():
         ("/completion", b'{"prompt":"}"}', b'{"prompt":"}","n_predict":64}'),
         # whitespace, an empty object, nested objects, strings holding braces
         (CHAT, b"{}", b'{"max_tokens":64}'),
-        (CHAT, b" { \n } \r\n", b' {"max_tokens":64} \r\n'),
+        (CHAT, b" { \n } \r\n", b' {"max_tokens":64 \n } \r\n'),
         (CHAT, b'{"a":{"b":{}}}  \n', b'{"a":{"b":{}},"max_tokens":64}  \n'),
         (CHAT, b'{"a":"{}}{"}', b'{"a":"{}}{","max_tokens":64}'),
-        (CHAT, b'{"a":[{"}":"{"}] }', b'{"a":[{"}":"{"}],"max_tokens":64}'),
+        (CHAT, b'{"a":[{"}":"{"}] }', b'{"a":[{"}":"{"}],"max_tokens":64 }'),
     ],
 )
 def test_with_limit_splices_the_fields_the_api_reads(path, body, want):
-    out = A.with_limit(body, A.peek_body(b"POST", [], body, True), 64, path)
+    out, spans = A.with_limit(body, A.peek_body(b"POST", [], body, True), 64, path)
     assert out == want
-    # the last duplicate wins in the decoder: what the relay reads is what it reserved on
-    assert A.completion_limit(A.peek_body(b"POST", [], out, True), path) == 64
+    # each field named once: what the relay reserved on is what any parser reads
+    again = A.peek_body(b"POST", [], out, True)
+    assert A.completion_limit(again, path) == 64 and again.spans == spans
     assert {k: v for k, v in json.loads(body).items() if k not in A.LIMIT_FIELDS} == {
         k: v for k, v in json.loads(out).items() if k not in A.LIMIT_FIELDS
     }
@@ -181,7 +229,7 @@ def test_with_limit_splices_the_fields_the_api_reads(path, body, want):
 def test_splice_refuses_what_is_not_an_object():
     for bad in (b"", b"}", b"  }", b"[1]", b'{"a":1'):
         with pytest.raises(RelayError):
-            A.splice_fields(bad, [("max_tokens", 1)])
+            A.with_limit(bad, A.Peek(), 1, CHAT)
 
 
 def test_with_limit_does_not_decode_the_body():
@@ -190,7 +238,7 @@ def test_with_limit_does_not_decode_the_body():
     import time
 
     t = time.perf_counter()
-    out = A.with_limit(body, p, 16, "/completion")
+    out, _ = A.with_limit(body, p, 16, "/completion")
     assert time.perf_counter() - t < 0.2
     assert out.endswith(b'","n_predict":16}') and len(out) == len(body) + len(b',"n_predict":16')
 
