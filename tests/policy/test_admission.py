@@ -303,3 +303,15 @@ def test_body_bytes_bound():
     assert b.take(6) and not b.take(5) and b.held == 6
     b.give(6)
     assert b.take(10) and b.held == 10
+
+
+def test_prompt_lists_are_counted_up_to_max_prompts():
+    many = ["p"] * A.MAX_PROMPTS
+    assert A.prompt_count(peek(prompt=many)) == A.MAX_PROMPTS
+    assert A.prompt_count(peek(prompt=[[1, 2]] * 3 + [{"prompt_string": "x"}])) == 4
+    for over in (many + ["p"], [[1]] * (A.MAX_PROMPTS + 5)):
+        with pytest.raises(RelayError) as exc:
+            A.prompt_count(peek(prompt=over))
+        assert (exc.value.code, exc.value.status) == ("bad_request", 400)
+    # a flat list of token ids is one prompt, however long
+    assert A.prompt_count(peek(prompt=list(range(A.MAX_PROMPTS * 3)))) == 1
