@@ -3,8 +3,10 @@
 The files hold no data: every figure comes from `GET /api/ui/state` (observe.ui_state),
 an admin endpoint like the rest of `/api/*`, which the page's script polls once a second,
 sending the admin key typed into the page as `Authorization: Bearer` (never in a URL). The
-files themselves follow the admin rule's network part: with API keys but no admin key they
-are served to loopback peers only (the state they would show is loopback-only then too).
+files themselves follow the admin rule's network part (`admin_access.loopback_refusal`): with
+API keys but no admin key they are served to loopback peers only, for a Host naming the relay
+(the state they would show is loopback-only then too, and for the page's own origin only). A
+link from another site to the page is followed: the files hold nothing such a site could read.
 """
 
 from __future__ import annotations
@@ -54,13 +56,13 @@ def page(path: str) -> tuple[bytes, bytes] | None:
     return body, ctype
 
 
-def answer(auth, client, req, rid: bytes) -> None:
+def answer(auth, client, req, rid: bytes, listen_host: str) -> None:
     """Answer a request for a page file: no data in them, so no key is needed for them when an
-    admin key guards the data; loopback peers only when keys exist without one."""
-    if auth.admin is None:
-        refused = access.admin_refusal(auth, req.headers, client.peer_host)
-        if refused is not None:
-            raise RelayError(*refused)
+    admin key guards the data; loopback peers naming the relay (`listen_host`: `[server].host`)
+    only when keys exist without one."""
+    refused = access.loopback_refusal(auth, req.headers, client.peer_host, listen_host)
+    if refused is not None:
+        raise RelayError(*refused)
     found: tuple[bytes, bytes] | None
     if req.path == AUTH_PATH:
         found = msgspec.json.encode({"admin_key": auth.admin is not None}), b"application/json"

@@ -8,8 +8,17 @@ router's model management (`/models` other than GET: load, unload, add, delete) 
 experimental `/cors-proxy`. Who is an admin:
 
 - an admin key is configured: whoever presents it;
-- API keys but no admin key: a peer on the loopback interface (the operator's own box);
+- API keys but no admin key: a peer on the loopback interface (the operator's own box), and
+  only when the request names this relay (`names_relay`: no DNS-rebinding page) and comes from
+  no browser page of another origin (`cross_origin`);
 - no keys at all (the edge default): everyone, as before.
+
+Whatever the mode, a mutating admin request (any method but GET and HEAD) from a browser page
+of another origin is refused (no cross-site request forgery): such a page can send a "simple"
+POST without a CORS preflight, and with the loopback trust or no keys it needs no credential.
+Configured CORS origins do not count as the relay's own: they may call inference, not change
+the server. Each of these refusals is 403 `forbidden`; requests with no `Origin` and no
+`Sec-Fetch-Site` (curl, SDKs) are judged as before. The exact rule: docs/security.md.
 
 Paths are matched in their normalised form (`paths.normalize`): what the upstream routes on.
 """
@@ -17,11 +26,29 @@ Paths are matched in their normalised form (`paths.normalize`): what the upstrea
 from __future__ import annotations
 
 import ipaddress
+import re
 
+from relay.http.fields import lower_names, values_of
 from relay.policy.keys import Auth
 
 RELAY_ADMIN_PREFIX = "/api/"
 RELAY_METRICS = "/metrics"
+# what a browser says of the page that made a request; "none": the user typed or bookmarked it
+OWN_SITE = (b"same-origin", b"none")
+DEFAULT_PORT = {"http": ":80", "https": ":443"}
+# Host: `[IPv6]` or a name / IPv4 address, then an optional port (compared lower case)
+_HOST = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9][a-z0-9.-]*))(?::[0-9]{1,5})?")
+_ORIGIN = re.compile(r"(https?)://(\[[0-9a-f:.]+\](?::[0-9]{1,5})?|[a-z0-9.:-]+)")
+_LOCALHOST = re.compile(r"(?:[a-z0-9-]+\.)*localhost")
+
+NOT_LOOPBACK = (
+    "admin endpoints are open to loopback peers only when no admin_key_sha256 is configured"
+)
+NOT_OUR_HOST = (
+    "admin endpoints trust a loopback peer only with a Host naming this relay"
+    " (localhost, *.localhost, a loopback address or [server].host)"
+)
+OTHER_ORIGIN = "admin endpoints refuse requests from a browser page of another origin"
 
 
 def is_relay_admin(path: str) -> bool:
@@ -40,6 +67,15 @@ def is_upstream_admin(method: bytes, path: str) -> bool:
     return path == "/cors-proxy" or path.startswith("/cors-proxy/")
 
 
+def is_admin(method: bytes, path: str) -> bool:
+    return is_relay_admin(path) or is_upstream_admin(method, path)
+
+
+def is_mutating(method: bytes) -> bool:
+    """Whether an admin request may change the server: any method but GET and HEAD."""
+    return method != b"GET" and method != b"HEAD"
+
+
 def is_loopback(host: str | None) -> bool:
     """Whether a peer address is on the loopback interface (IPv4-mapped IPv6 included)."""
     if not host:
@@ -52,14 +88,107 @@ def is_loopback(host: str | None) -> bool:
     return (mapped or ip).is_loopback
 
 
-def admin_refusal(auth: Auth, headers, peer_host: str | None) -> tuple[str, str] | None:
-    """None when the caller may use admin endpoints, else (error code, message)."""
+def _listen_name(listen_host: str) -> str | ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """`[server].host` as a Host may name it: an address, a lower-case name, or None for a
+    wildcard (`0.0.0.0`, `::`, empty), which names no one host."""
+    if not listen_host:
+        return None
+    try:
+        ip = ipaddress.ip_address(listen_host)
+    except ValueError:
+        return listen_host.lower()
+    return None if ip.is_unspecified else ip
+
+
+def names_relay(host: bytes | None, listen_host: str) -> bool:
+    """Whether a `Host` value names this relay, so that no DNS-rebinding page sent it: a
+    loopback name (`localhost`, `*.localhost`), a loopback address (`127.0.0.0/8`, `[::1]`,
+    `[::ffff:127.x.y.z]`), or `[server].host` (`listen_host`) unless it is a wildcard; with any
+    port or none (the name is what a rebinding page forges; another port reaches the relay only
+    through a forwarder on the box, `ssh -L`). None (no Host, which only HTTP/1.0 allows and no
+    browser omits) names it too."""
+    if host is None:
+        return True
+    m = _HOST.fullmatch(host.decode("latin-1").strip().lower())
+    if m is None:
+        return False
+    v6, name = m.groups()
+    own = _listen_name(listen_host)
+    if v6 is not None:
+        try:
+            ip6 = ipaddress.IPv6Address(v6)
+        except ValueError:
+            return False
+        return is_loopback(str(ip6)) or ip6 == own
+    if _LOCALHOST.fullmatch(name):
+        return True
+    try:
+        ip4 = ipaddress.IPv4Address(name)
+    except ValueError:
+        return name == own
+    return ip4.is_loopback or ip4 == own
+
+
+def same_origin(origin: bytes, host: bytes) -> bool:
+    """Whether an `Origin` is the origin a request with this `Host` was sent to: the same
+    host and port (a scheme's default port whether written or not), `http` or `https`."""
+    m = _ORIGIN.fullmatch(origin.decode("latin-1").strip().lower())
+    if m is None:  # "null" (a sandboxed frame, a file), a path, a user part: never the relay
+        return False
+    scheme, authority = m.groups()
+    default = DEFAULT_PORT[scheme]
+    named = host.decode("latin-1").strip().lower()
+    return authority.removesuffix(default) == named.removesuffix(default)
+
+
+def cross_origin(headers) -> bool:
+    """Whether a browser page of another origin sent the request: a `Sec-Fetch-Site` other
+    than `same-origin` or `none` (`same-site` is another port or subdomain: another origin),
+    or an `Origin` that is not the one the `Host` names. A request with neither (curl, SDKs,
+    a page's own GET that needs no `Origin`) is not; a repeated header is."""
+    lows = lower_names(headers)
+    sites = values_of(headers, lows, b"sec-fetch-site")
+    if len(sites) > 1 or (sites and sites[0].strip().lower() not in OWN_SITE):
+        return True
+    origins = values_of(headers, lows, b"origin")
+    if not origins:
+        return False
+    hosts = values_of(headers, lows, b"host")
+    return len(origins) > 1 or len(hosts) != 1 or not same_origin(origins[0], hosts[0])
+
+
+def loopback_refusal(
+    auth: Auth, headers, peer_host: str | None, listen_host: str
+) -> tuple[str, str] | None:
+    """The admin rule's network part (keys without an admin key): a loopback peer and a Host
+    naming this relay. None when it holds (or does not apply), else (error code, message)."""
+    if auth.admin is not None or not auth.enabled:
+        return None
+    if not is_loopback(peer_host):
+        return "forbidden", NOT_LOOPBACK
+    lows = lower_names(headers)
+    hosts = values_of(headers, lows, b"host")
+    if len(hosts) > 1 or not names_relay(hosts[0] if hosts else None, listen_host):
+        return "forbidden", NOT_OUR_HOST
+    return None
+
+
+def admin_refusal(
+    auth: Auth, method: bytes, headers, peer_host: str | None, listen_host: str
+) -> tuple[str, str] | None:
+    """None when the caller may make this admin request, else (error code, message).
+    `listen_host`: `[server].host`, a name a Host may give the relay."""
+    if is_mutating(method) and cross_origin(headers):  # whatever the credentials
+        return "forbidden", OTHER_ORIGIN
     if auth.admin is not None:
         if auth.admin_ok(headers):
             return None
         return "invalid_api_key", "admin key required"
-    if not auth.enabled or is_loopback(peer_host):
+    if not auth.enabled:
         return None
-    return "forbidden", (
-        "admin endpoints are open to loopback peers only when no admin_key_sha256 is configured"
-    )
+    refused = loopback_refusal(auth, headers, peer_host, listen_host)
+    if refused is not None:
+        return refused
+    if cross_origin(headers):  # the loopback trust is for the operator's own pages
+        return "forbidden", OTHER_ORIGIN
+    return None

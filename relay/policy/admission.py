@@ -134,12 +134,13 @@ _any = msgspec.json.Decoder()
 
 
 def head_check(
-    auth, method: bytes, path: str, headers, peer_host: str | None
+    auth, method: bytes, path: str, headers, peer_host: str | None, listen_host: str = ""
 ) -> tuple[str | None, RelayError | None]:
     """(key id, refusal) decided on the head alone: 401/403 for a caller the request will be
-    refused for anyway, so its body is never read. Admin endpoints follow `relay.access`."""
-    if access.is_relay_admin(path) or access.is_upstream_admin(method, path):
-        refused = access.admin_refusal(auth, headers, peer_host)
+    refused for anyway, so its body is never read. Admin endpoints follow `admin_access`
+    (`listen_host`: `[server].host`; empty: only loopback names name the relay)."""
+    if access.is_admin(method, path):
+        refused = access.admin_refusal(auth, method, headers, peer_host, listen_host)
         return None, (RelayError(*refused) if refused is not None else None)
     if not auth.enabled:
         return None, None

@@ -3,7 +3,8 @@
 In this order (each refusal closes the connection): a head over `max_header_bytes` (431),
 a folded header line (400), body framing two parsers could read differently (400/501,
 `http.request_framing`), a declared body over `max_body_bytes` (413), a caller the request
-would be refused for anyway when a body follows (401/403, `admission.head_check`), and a
+would be refused for anyway when a body follows (401/403, `admission.head_check`: a key, or
+the admin rule of `admin_access` with `[server].host` as the relay's own name), and a
 declared body the relay-wide body memory cannot hold now (503). A bodiless request with a bad
 key is answered the usual way instead (its row says so).
 """
@@ -57,7 +58,7 @@ def judge(
     peer_host: str | None,
     bodies,
 ) -> HeadVerdict:
-    """The verdict on one request head. `server`: the `[server]` limits; `folded`: the raw
+    """The verdict on one request head. `server`: the `[server]` limits and host; `folded`: the raw
     head held an obs-fold (`request_framing.has_obs_fold`); `bodies`: the relay-wide bound on
     body bytes held (`limit`, `held`)."""
     # h11 bounds only a head still incomplete; one that came whole in a read is measured here
@@ -76,7 +77,7 @@ def judge(
         return HeadVerdict(too_large(server.max_body_bytes), http11, keep_alive)
     has_body = declared > 0 or fields.get(headers, b"transfer-encoding") is not None
     path = route_path(target)
-    key_id, err = head_check(auth, method, path, headers, peer_host)
+    key_id, err = head_check(auth, method, path, headers, peer_host, server.host)
     if err is not None and has_body:  # a bodiless request is answered the usual way
         return HeadVerdict(err, http11, keep_alive, path, key_id)
     if declared > bodies.limit - bodies.held:

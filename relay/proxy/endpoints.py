@@ -28,11 +28,13 @@ def answer(app, client, req, rid: bytes, ledger: Ledger) -> bool:
     cors = ledger.cors
     path = req.path  # normalised and bounded (it is echoed in a 404)
     if ui_page.is_page(path):
-        ui_page.answer(app.auth, client, req, rid)
+        ui_page.answer(app.auth, client, req, rid, app.config.server.host)
         return True
     relay_admin = admin_access.is_relay_admin(path)
     if relay_admin or admin_access.is_upstream_admin(req.method, path):
-        refused = admin_access.admin_refusal(app.auth, req.headers, client.peer_host)
+        refused = admin_access.admin_refusal(  # `[server].host`: a name a Host may give it
+            app.auth, req.method, req.headers, client.peer_host, app.config.server.host
+        )
         if refused is not None:
             raise RelayError(*refused)
         ledger.admin = True  # an admin call: no API key needed on top

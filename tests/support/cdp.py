@@ -203,10 +203,14 @@ class Browser:
         self.proc, self.port = proc, port
 
     @classmethod
-    async def start(cls, exe: str, profile_dir: str, timeout: float = 30.0) -> Browser:
+    async def start(
+        cls, exe: str, profile_dir: str, timeout: float = 30.0, flags: tuple[str, ...] = ()
+    ) -> Browser:
+        """`flags`: more command-line switches (`--host-resolver-rules=...`)."""
         proc = await asyncio.create_subprocess_exec(
             exe,
             *CHROMIUM_FLAGS,
+            *flags,
             f"--user-data-dir={profile_dir}",
             "--remote-debugging-port=0",
             "about:blank",

@@ -138,12 +138,13 @@ async def fetch(
     timeout: float = TIMEOUT,
     ssl=None,
 ) -> Response:
-    """One request on a new connection (TLS with an `ssl` context); closed afterwards."""
+    """One request on a new connection (TLS with an `ssl` context); closed afterwards. Its
+    Host names the address connected to, as curl's does (the relay's admin rule reads it)."""
     reader, writer = await asyncio.open_connection(
         "127.0.0.1", port, ssl=ssl, server_hostname="localhost" if ssl else None
     )
     try:
-        writer.write(build_request(method, path, body, headers, http))
+        writer.write(build_request(method, path, body, headers, http, f"127.0.0.1:{port}"))
         resp = await asyncio.wait_for(read_head(reader), timeout)
         await asyncio.wait_for(read_body(reader, resp, method), timeout)
         return resp

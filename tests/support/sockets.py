@@ -85,12 +85,13 @@ OWN = _own_address()
 
 
 async def fetch_from(host: str, port: int, method: str, target: str, headers=None, body=None):
-    """One request to the relay at `host` (e.g. OWN, to be a non-loopback peer), whole answer read."""
+    """One request to the relay at `host` (e.g. OWN, to be a non-loopback peer), whole answer
+    read; its Host names the address connected to, as curl's does."""
     reader, writer = await asyncio.open_connection(host, port)
     try:
         if body is None and method == "POST":
             body = b"{}"
-        writer.write(httpc.build_request(method, target, body, headers))
+        writer.write(httpc.build_request(method, target, body, headers, host=f"{host}:{port}"))
         resp = await asyncio.wait_for(httpc.read_head(reader), 10)
         await asyncio.wait_for(httpc.read_body(reader, resp, method), 10)
         return resp
