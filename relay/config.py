@@ -15,7 +15,7 @@ from urllib.parse import parse_qsl, urlsplit
 import msgspec
 from msgspec import Meta, Struct
 
-from relay.http.to_upstream import check_static_headers
+from relay.http.to_upstream import check_header_name, check_static_headers
 from relay.http.upstream_url import Target, TargetError, parse_target
 
 Seconds = Annotated[float, Meta(ge=0.001, le=86400.0)]
@@ -171,6 +171,11 @@ def check(cfg: Config) -> Config:
                 raise ConfigError(f"upstream.{up.name}.fallback: unknown upstream {fb!r}")
         if (up.auth_header is None) != (up.auth_value_env is None):
             raise ConfigError(f"upstream.{up.name}: auth_header and auth_value_env go together")
+        if up.auth_header is not None:  # (its value is read and checked with the upstream's)
+            try:
+                check_header_name(up.auth_header)
+            except ValueError as exc:
+                raise ConfigError(f"upstream.{up.name}.auth_header: {exc}") from None
     ids = [k.id for k in cfg.key]
     if len(set(ids)) != len(ids):
         raise ConfigError("key.id: ids must be unique")

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 from relay.http.chunked import LAST_CHUNK, ChunkTracker, frame
 from relay.http.fields import Headers, get, has_token
-from relay.http.response_head import MAX_LENGTH_DIGITS
+from relay.http.response_head import is_chunked, is_length
 
 # Upstream body kinds
 EMPTY, LENGTH, CHUNKED, UNTIL_CLOSE = "empty", "length", "chunked", "close"
@@ -33,13 +33,13 @@ def upstream_body(method: bytes, status: int, headers: Headers) -> tuple[str, in
         # `chunked` alone: another coding would reach the client dropped or mangled, and a
         # Content-Length beside it makes the framing ambiguous (RFC 9112 6.1, 6.3 item 3).
         # http.response_head refuses such heads first; this stays total on its own.
-        if te.strip(b" \t").lower() != b"chunked":
+        if not is_chunked(te):
             raise FramingError(f"unknown Transfer-Encoding {te[:40]!r}")
         if cl is not None:
             raise FramingError("Content-Length and Transfer-Encoding together")
         return CHUNKED, -1
     if cl is not None:
-        if not cl.isdigit() or len(cl) > MAX_LENGTH_DIGITS:
+        if not is_length(cl):
             raise FramingError(f"bad Content-Length {cl[:20]!r}")
         n = int(cl)
         return (LENGTH, n) if n else (EMPTY, 0)

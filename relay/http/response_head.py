@@ -153,37 +153,53 @@ def _one_head(buf: bytes, pos: int, end: int) -> ResponseHead | None:
     return ResponseHead(version, status, m.group(3) or b"", headers)
 
 
+def is_chunked(value: bytes) -> bool:
+    """Whether a Transfer-Encoding value is `chunked` alone, in any case (RFC 9112 7)."""
+    return value.strip(b" \t").lower() == b"chunked"
+
+
+def is_length(value: bytes) -> bool:
+    """Whether a Content-Length value is one number of at most MAX_LENGTH_DIGITS digits."""
+    return _LENGTH.fullmatch(value) is not None
+
+
+_FRAMING = (b"content-length", b"transfer-encoding")
+
+
 def _check_framing(version: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-    """One way to read where the body ends, in a coding the relay carries: at most one
-    Content-Length of at most 18 digits, at most one Transfer-Encoding and it `chunked` alone
-    (any other coding would be dropped or mangled on the way), never both, and no
-    Transfer-Encoding on HTTP/1.0 (RFC 9112 6.1: its framing is faulty)."""
+    """One way to read where the body ends, in a coding the relay carries (see
+    `_check_framing_fields`). The usual head has one framing field: it is found by index
+    (C scans of the lower-case names) instead of a Python loop over every header, and then
+    judged by the same function as any other head."""
     lows = lower_names(headers)
     cl, te = lows.count(b"content-length"), lows.count(b"transfer-encoding")
     if cl + te == 0:
         return
-    if cl + te == 1:  # the usual head: one of them, checked alone (the same order)
-        value = headers[lows.index(b"content-length" if cl else b"transfer-encoding")][1]
-        if cl:
-            if _LENGTH.fullmatch(value) is None:
-                raise BadHead(f"bad Content-Length {value[:20]!r}")
-        elif value.lower() != b"chunked":
-            raise BadHead(f"upstream sent unknown Transfer-Encoding {value[:40]!r}")
-        elif version == b"1.0":
-            raise BadHead("upstream sent Transfer-Encoding in an HTTP/1.0 response")
-        return
+    if cl + te == 1:
+        i = lows.index(b"content-length" if cl else b"transfer-encoding")
+        _check_framing_fields(version, [(lows[i], headers[i][1])])
+    else:
+        fields = [(low, value) for (_, value), low in zip(headers, lows) if low in _FRAMING]
+        _check_framing_fields(version, fields)
+
+
+def _check_framing_fields(version: bytes, fields: list[tuple[bytes, bytes]]) -> None:
+    """The rule, on a head's framing fields in order ((lower-case name, value)): at most one
+    Content-Length of at most 18 digits, at most one Transfer-Encoding and it `chunked` alone
+    (any other coding would be dropped or mangled on the way), never both, and no
+    Transfer-Encoding on HTTP/1.0 (RFC 9112 6.1: its framing is faulty)."""
     length = coding = None
-    for (_, value), low in zip(headers, lows):
+    for low, value in fields:
         if low == b"content-length":
             if length is not None:
                 raise BadHead("upstream sent several Content-Length headers")
-            if _LENGTH.fullmatch(value) is None:
+            if not is_length(value):
                 raise BadHead(f"bad Content-Length {value[:20]!r}")
             length = value
-        elif low == b"transfer-encoding":
+        else:
             if coding is not None:
                 raise BadHead("upstream sent several Transfer-Encoding headers")
-            if value.lower() != b"chunked":
+            if not is_chunked(value):
                 raise BadHead(f"upstream sent unknown Transfer-Encoding {value[:40]!r}")
             coding = value
     if coding is not None:

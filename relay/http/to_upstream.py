@@ -55,8 +55,9 @@ CREDENTIALS = frozenset({b"authorization", b"x-api-key"})
 # Never forwarded upstream: the relay sets these itself.
 _NOT_UPSTREAM = HOP_BY_HOP | {b"host", b"content-length", b"x-request-id", b"expect"}
 IDENTITY = (b"Accept-Encoding", b"identity")
-_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
-_VALUE = re.compile(r"^[^\x00-\x08\x0a-\x1f\x7f]*$")
+# (matched whole, with fullmatch: `$` would let a final "\n" through)
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")
 
 
 def looks_like_credential(name: str) -> bool:
@@ -64,16 +65,37 @@ def looks_like_credential(name: str) -> bool:
     return low.encode() in CLIENT_CREDENTIALS or any(w in low for w in _SECRET_WORDS)
 
 
+def check_header_name(name: str) -> None:
+    """ValueError unless the relay may send a header of this name from its configuration: an
+    RFC 9110 token (no blank, colon, CR, LF or other byte that would end the line or start
+    another), and not one the relay sets itself. The message quotes nothing of the name (an
+    operator may have put a secret there by mistake): the caller names the key."""
+    if _TOKEN.fullmatch(name) is None:
+        raise ValueError("not a header name (letters, digits and !#$%&'*+-.^_`|~ only)")
+    if name.lower() in _RELAY_OWNED:
+        raise ValueError("set by the relay")
+
+
+def check_header_value(value: str) -> None:
+    """ValueError unless `value` stays one header value on the wire: no control character
+    but TAB (a CR or LF would start another header line, or end the head), no blanks at its
+    ends (a peer strips them). The message quotes nothing of it: it may be a secret."""
+    if _VALUE.fullmatch(value) is None or value != value.strip(" \t"):
+        raise ValueError("control characters (CR, LF, ...) or blanks at its ends")
+
+
 def check_static_headers(headers: dict[str, str], auth_header: str | None = None) -> None:
     """Raises ValueError naming the first header that cannot be a static upstream header."""
     for name, value in headers.items():
-        if not _TOKEN.match(name):
-            raise ValueError(f"{name!r} is not a header name")
-        if not _VALUE.match(value) or value != value.strip(" \t"):
-            raise ValueError(f"{name!r}: the value has control characters or edge spaces")
+        try:
+            check_header_name(name)
+        except ValueError as exc:
+            raise ValueError(f"{name!r} is {exc}") from None
+        try:
+            check_header_value(value)
+        except ValueError as exc:
+            raise ValueError(f"{name!r}: the value has {exc}") from None
         low = name.lower()
-        if low in _RELAY_OWNED:
-            raise ValueError(f"{name!r} is set by the relay")
         if looks_like_credential(name) or (auth_header and low == auth_header.lower()):
             raise ValueError(
                 f"{name!r} looks like a credential: secrets only through auth_header + "

@@ -7,14 +7,19 @@ in front of the client's path, with the OpenAI base-URL convention that a prefix
 `/v1` and a client path starting with `/v1/` do not double the `/v1`
 (`https://host/api/v1` + `/v1/chat/completions` -> `/api/v1/chat/completions`).
 
-A prefix scopes what the client can reach on that server, so a client path whose dot
-segments (`..`, `.`, also percent-encoded) would be resolved by the upstream is refused
-rather than joined: it could climb out of the prefix.
+A prefix scopes what the client can reach on that server, so a client path in which any
+server could read a dot segment (`..`, `.`, however encoded: `%2e`, `..%2f`, `%5c`, a
+backslash, `%252e` decoded twice, `..;x`; `request_path.dot_segment_in`) is refused rather
+than joined: it could climb out of the prefix. An encoded slash that makes no dot segment
+passes (`/v1/models/org%2Fname`: decoded or not, it stays under the prefix), and so does
+anything in the query.
 """
 
 from __future__ import annotations
 
-from urllib.parse import unquote_to_bytes, urlsplit
+from urllib.parse import urlsplit
+
+from relay.http.request_path import dot_segment_in, origin_form, path_part
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -44,15 +49,12 @@ class Target:
         """The request-target sent upstream for the client's `target` (path and query)."""
         if not self.prefix:
             return target
-        if target.startswith((b"http://", b"https://")):  # absolute-form: its path part
-            slash = target.find(b"/", target.find(b"//") + 2)
-            target = target[slash:] if slash >= 0 else b"/"
-        if not target.startswith(b"/"):
+        target = origin_form(target)  # (absolute-form: its path and query)
+        if target[:1] != b"/":
             raise TargetError("a path prefix needs an origin-form request target")
-        path = target.split(b"?", 1)[0]
-        for seg in path.split(b"/"):
-            if seg and unquote_to_bytes(seg) in (b".", b".."):
-                raise TargetError("dot segments are not allowed under a path prefix")
+        path = path_part(target)
+        if dot_segment_in(path):
+            raise TargetError("dot segments (however encoded) are not allowed under a path prefix")
         if self.v1_prefix and (path == b"/v1" or path.startswith(b"/v1/")):
             target = target[3:]  # ("/v1" alone, or "/v1?x", is the prefix itself)
         return self.prefix + target
@@ -77,7 +79,7 @@ def parse_target(url: str) -> Target:
         raise TargetError("a query or fragment is not allowed")
     prefix = parts.path.rstrip("/")
     if prefix:
-        if any(seg in (".", "..") for seg in prefix.split("/")) or "//" in prefix:
+        if dot_segment_in(prefix.encode()) or "//" in prefix:
             raise TargetError("the path prefix must be plain segments")
         if any(ord(c) <= 0x20 or ord(c) >= 0x7F or c in "%\\" for c in prefix):
             raise TargetError("the path prefix must be printable ASCII without % or spaces")

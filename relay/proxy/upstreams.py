@@ -12,7 +12,7 @@ import os
 
 from relay.config import ConfigError, UpstreamConfig, parse_target_url
 from relay.http.tls import client_context
-from relay.http.to_upstream import fixed_headers
+from relay.http.to_upstream import check_header_value, fixed_headers
 from relay.http.upstream_url import Target
 from relay.observe.metrics import UpstreamMetrics
 from relay.proxy.health import Health
@@ -25,16 +25,20 @@ TLS_KEEPALIVE_S = 60.0
 
 
 def upstream_auth(cfg: UpstreamConfig) -> tuple[bytes, bytes] | None:
-    """The header the upstream wants, its value read from the environment (never the file)."""
+    """The header the upstream wants, its value read from the environment (never the file),
+    at start and at each reload: a value that would not stay one header value (a CR or LF
+    would add lines to every request) is refused naming the key, never quoting the value."""
     if not cfg.auth_header:
         return None
+    where = f"upstream.{cfg.name}.auth_value_env: environment variable {cfg.auth_value_env}"
     value = os.environ.get(cfg.auth_value_env or "")
     if value is None:
-        raise ConfigError(
-            f"upstream.{cfg.name}.auth_value_env: environment variable "
-            f"{cfg.auth_value_env} is not set"
-        )
-    return cfg.auth_header.encode(), value.encode()
+        raise ConfigError(f"{where} is not set")
+    try:
+        check_header_value(value)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: the value has {exc}") from None
+    return cfg.auth_header.encode(), os.fsencode(value)  # (its bytes as the environment holds them)
 
 
 def upstream_tls(cfg: UpstreamConfig, target: Target):

@@ -439,3 +439,109 @@ def test_buffered_body_bound_below_the_body_limit_refused():
     assert "server.max_body_bytes" in str(err.value)
     data["server"]["max_buffered_body_bytes"] = 1 << 20  # equal: allowed
     assert parse_config(data).server.max_buffered_body_bytes == 1 << 20
+
+
+# ---- issue 21 item 4: no header line injected from the configuration ---------------------------
+# auth_header (the file) and the value of auth_value_env (the environment) are held to the
+# rule static headers are held to (`http.to_upstream.check_header_name` / `_value`); a refusal
+# names the key and quotes neither (the value is a secret, and a name may be one by mistake).
+@pytest.mark.parametrize(
+    "name,why",
+    [
+        ("X-Key\r\nX-Evil: 1", "not a header name"),
+        ("X-Key\n", "not a header name"),  # (a `$` in a pattern lets a final LF through)
+        ("X-Key\r", "not a header name"),
+        ("X Key", "not a header name"),
+        ("X-Key:", "not a header name"),
+        ("X-K\u00e9y", "not a header name"),
+        ("", "not a header name"),
+        ("Content-Length", "set by the relay"),
+        ("transfer-encoding", "set by the relay"),
+        ("Host", "set by the relay"),
+        ("X-Request-Id", "set by the relay"),
+    ],
+)
+def test_an_auth_header_that_is_no_header_name_is_refused(name, why):
+    up = {"name": "llm", "url": "https://h", "auth_header": name, "auth_value_env": "K"}
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"upstream": [up]})
+    msg = str(exc.value)
+    assert msg.startswith("upstream.llm.auth_header: ") and why in msg
+    assert "X-Evil" not in msg and "Key" not in msg  # nothing of the name is quoted
+
+
+@pytest.mark.parametrize("name", ["Authorization", "x-api-key", "X-Goog-Api-Key", "api-key"])
+def test_an_auth_header_that_is_a_token_passes(name):
+    up = {"name": "llm", "url": "https://h", "auth_header": name, "auth_value_env": "K"}
+    assert parse_config({"upstream": [up]}).upstream[0].auth_header == name
+
+
+@pytest.mark.parametrize(
+    "headers,why",
+    [
+        ({"X-Ok": "x\n"}, "control characters"),  # a final LF: the line ends, the head too
+        ({"X-Ok": "x\r"}, "control characters"),
+        ({"X-Ok\n": "x"}, "not a header name"),
+    ],
+)
+def test_a_static_header_ending_in_a_line_break_is_refused(headers, why):
+    with pytest.raises(ConfigError, match=why):
+        parse_config({"upstream": [{"name": "r", "url": "https://h", "headers": headers}]})
+
+
+SECRET_PART = "sk-live-0123"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        SECRET_PART + "\r\nX-Evil: 1",
+        SECRET_PART + "\n",  # a secret file read with its final newline
+        SECRET_PART + "\r",
+        "\n" + SECRET_PART,
+        SECRET_PART + " ",
+        " " + SECRET_PART,
+        SECRET_PART + "\x7f",
+        SECRET_PART + "\x1b[2J",
+    ],
+)
+def test_an_auth_value_that_would_not_stay_one_header_value_is_refused(monkeypatch, value):
+    from relay.proxy.upstreams import upstream_auth
+
+    monkeypatch.setenv("R_KEY", value)
+    [up] = parse_config(
+        {
+            "upstream": [
+                {"name": "r", "url": "https://h", "auth_header": "X-Key", "auth_value_env": "R_KEY"}
+            ]
+        }
+    ).upstream
+    with pytest.raises(ConfigError) as exc:
+        upstream_auth(up)
+    msg = str(exc.value)
+    assert msg == (
+        "upstream.r.auth_value_env: environment variable R_KEY: the value has control "
+        "characters (CR, LF, ...) or blanks at its ends"
+    )
+
+
+@pytest.mark.parametrize(
+    "value,sent",
+    [
+        ("Bearer sk-1", b"Bearer sk-1"),
+        ("a\tb", b"a\tb"),  # a TAB inside a value is a value's
+        ("cl\u00e9", "cl\u00e9".encode()),
+    ],
+)
+def test_an_auth_value_that_stays_one_header_value_is_sent_as_it_is(monkeypatch, value, sent):
+    from relay.proxy.upstreams import upstream_auth
+
+    monkeypatch.setenv("R_KEY", value)
+    [up] = parse_config(
+        {
+            "upstream": [
+                {"name": "r", "url": "https://h", "auth_header": "X-Key", "auth_value_env": "R_KEY"}
+            ]
+        }
+    ).upstream
+    assert upstream_auth(up) == (b"X-Key", sent)

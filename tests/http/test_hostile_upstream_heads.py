@@ -111,6 +111,41 @@ async def test_transfer_encoding_chunked_in_any_case_is_relayed_as_chunked(
     await up.stop()
 
 
+def _without_request_id(raw_head: bytes) -> bytes:
+    return b"".join(x for x in raw_head.splitlines(True) if not x.startswith(b"X-Request-Id:"))
+
+
+@pytest.mark.parametrize("http", ["1.1", "1.0"])
+async def test_a_lone_transfer_encoding_in_any_spelling_is_relayed_as_the_canonical_one(
+    make_relay, http
+):
+    """(issue 21 item 9) The single-framing-header shape, its name and coding in any case: the
+    client gets the very bytes the canonical `Transfer-Encoding: chunked` gets."""
+
+    async def client_sees(line: bytes) -> tuple[int, bytes, bytes]:
+        up, app = await relay_for(
+            make_relay,
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            + line
+            + b"\r\n\r\n"
+            + chunked(SSE_BODY),
+        )
+        resp = await httpc.fetch(app.port, "POST", "/v1/chat/completions", httpc.chat(3), http=http)
+        await up.stop()
+        assert resp.complete
+        return resp.status, _without_request_id(resp.raw_head), resp.raw_body
+
+    want = await client_sees(b"Transfer-Encoding: chunked")
+    assert want[0] == 200 and want[2] == (chunked(SSE_BODY) if http == "1.1" else SSE_BODY)
+    for line in (
+        b"transfer-encoding: chunked",
+        b"TRANSFER-ENCODING: Chunked",
+        b"tRaNsFeR-eNcOdInG: CHUNKED",
+        b"transfer-encoding:chunked",
+    ):
+        assert await client_sees(line) == want, line
+
+
 async def test_bad_framing_falls_back_to_the_next_upstream(make_relay):
     from relay.config import UpstreamConfig
 

@@ -224,6 +224,14 @@ FRAMING_HEADS = [  # (version, headers, the refusal or None), the refusals writt
     (b"1.1", [(b"Transfer-Encoding", b"chunked")], None),
     (b"1.1", [(b"Transfer-Encoding", b"gzip")], UNKNOWN_TE + "b'gzip'"),
     (b"1.1", [(b"Transfer-Encoding", b"CHUNKED")], None),
+    (b"1.1", [(b"transfer-encoding", b"chunked")], None),
+    (b"1.1", [(b"TRANSFER-ENCODING", b"Chunked")], None),
+    (
+        b"1.0",
+        [(b"TRANSFER-ENCODING", b"Chunked")],
+        "upstream sent Transfer-Encoding in an HTTP/1.0 response",
+    ),
+    (b"1.1", [(b"CONTENT-LENGTH", b"+5")], BAD_CL + "b'+5'"),
     (
         b"1.0",
         [(b"Transfer-Encoding", b"chunked")],
@@ -339,3 +347,53 @@ async def test_streamed_requests_leave_no_cyclic_garbage(make_relay):
     finally:
         gc.enable()
     assert left == []
+
+
+# ---- the path a request names (issue 21 item 2): one reading of it for routing and prefixes
+@pytest.mark.parametrize(
+    "target,path",
+    [
+        (b"/v1/chat/%63ompletions", "/v1/chat/completions"),  # decoded once, as llama-server
+        (b"/v1//chat/./completions/", "/v1/chat/completions"),
+        (b"/a/../slots?x=/../..", "/slots"),  # the query is no part of it
+        (b"/v1/models/org%2Fname", "/v1/models/org/name"),
+        (b"/v1/models/org%252Fname", "/v1/models/org%2Fname"),  # decoded once only
+        (b"/v1/x#/../..", "/v1/x"),
+        # the same separators and dot segments as the prefix check (`dot_segment_in`)
+        (b"/v1/models\\..\\..\\slots", "/slots"),
+        (b"/v1/models%5c..%5c..%5cslots", "/slots"),
+        (b"/a/..;x/slots", "/slots"),
+        (b"/a/.;/slots", "/a/slots"),
+        (b"/a/%c0%ae%c0%ae/slots", "/slots"),
+        (b"/a/...", "/a/..."),
+        # absolute-form: its path, the scheme in any case
+        (b"http://h/v1/models", "/v1/models"),
+        (b"HTTPS://h:1/v1/models?x", "/v1/models"),
+        (b"http://h", "/"),
+        (b"http://h?x=/a", "/"),
+    ],
+)
+def test_normalize_reads_the_path_as_the_prefix_check_does(target, path):
+    assert paths.normalize(target) == path
+
+
+@pytest.mark.parametrize(
+    "path,dots",
+    [
+        (b"/v1/chat/completions", False),
+        (b"/a.b/.c/c./...", False),
+        (b"/a/%2e%2e%2e", False),
+        (b"/a/..", True),
+        (b"/a/%2e", True),
+        (b"/a%2f..", True),
+        (b"/a\\..", True),
+        (b"/a/%252e%252e", True),
+        (b"/a/..;b", True),
+        (b"/a/..%00", True),
+        (b"/a/%" + b"25" * 7 + b"2e", True),  # `.` after 8 decoding rounds
+        (b"/a/%" + b"25" * 7 + b"41", False),  # `A` after 8: decoding stopped there
+        (b"/a/%" + b"25" * 8 + b"41", True),  # still changing after 8 rounds
+    ],
+)
+def test_dot_segment_in_follows_every_decoding_round(path, dots):
+    assert paths.dot_segment_in(path) is dots

@@ -19,7 +19,7 @@ from collections import Counter
 
 import h11
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from relay.http import response_framing as framing
@@ -76,6 +76,7 @@ framing_name = st.sampled_from(
         b"CONTENT-LENGTH",
         b"Transfer-Encoding",
         b"transfer-encoding",
+        b"TRANSFER-ENCODING",
     ]
 )
 odd_name = st.one_of(
@@ -202,8 +203,17 @@ def fields(head) -> tuple:
     return (head.http_version, head.status_code, head.reason, list(head.headers))
 
 
+def as_h11_keeps(headers) -> list[tuple[bytes, bytes]]:
+    """Headers as h11 hands them on: a Transfer-Encoding value in lower case (its one change;
+    head.py keeps the bytes as sent, and reads the coding in any case)."""
+    return [(k, v.lower() if k.lower() == b"transfer-encoding" else v) for k, v in headers]
+
+
 @SETTINGS
 @given(response())
+@example(  # one framing header among others, its coding not in lower case
+    b"HTTP/1.1 200\r\nContent-Type:OK\r\nContent-Type:OK\r\nTRANSFER-ENCODING:Chunked\r\n\r\n"
+)
 def test_head_py_refuses_whatever_h11_refuses_and_agrees_where_both_accept(data):
     mine, got = head_py_reads(data)
     theirs, ev = h11_reads(data)
@@ -214,7 +224,7 @@ def test_head_py_refuses_whatever_h11_refuses_and_agrees_where_both_accept(data)
         assert head.status_code == ev.status_code
         assert head.http_version == ev.http_version
         assert head.reason == ev.reason
-        assert [(k, v) for k, v in head.headers] == [(raw, v) for raw, v in ev.headers.raw_items()]
+        assert as_h11_keeps(head.headers) == list(ev.headers.raw_items())
         assert data[used:] in (b"", b"hello")
     if mine == "ok":
         assert theirs == "ok", data  # head.py never accepts what h11 would not read as one
@@ -537,3 +547,52 @@ def test_chunked_in_any_case_is_refused_only_for_its_framing(coding, version, li
         parse_response_head(head + CHUNKED_BODY)
     assert refusal in str(exc.value)
     assert "unknown Transfer-Encoding" not in str(exc.value)
+
+
+# ---- one framing rule for every head (issue 21 item 9) -----------------------------------------
+# The usual head has one framing header, found by index instead of a loop over every header;
+# it is then judged by the same function as any other head, so its name and its coding read
+# in any case exactly as the canonical spelling does, alone or among other headers.
+TE_NAMES = [b"Transfer-Encoding", b"transfer-encoding", b"TRANSFER-ENCODING", b"tRaNsFeR-eNcOdInG"]
+CL_NAMES = [b"Content-Length", b"content-length", b"CONTENT-LENGTH"]
+TE_VALUES = [b"chunked", b"Chunked", b"CHUNKED", b"gzip", b"chunked, gzip", b"chunked\x00"]
+CL_VALUES = [b"5", b"0", b"+5", b"1" * 19]
+AROUND = [([], []), ([b"Content-Type: text/event-stream"], [b"X-A: 1"])]
+
+
+def outcome(data: bytes):
+    """What the relay makes of a head: its refusal, or its fields and body framing."""
+    try:
+        head, used = parse_response_head(data)
+    except BadHead as exc:
+        return "refused", str(exc)
+    return fields(head)[:3], framing.upstream_body(b"POST", head.status_code, head.headers), used
+
+
+def single_framing_head(version: bytes, name: bytes, value: bytes, around) -> bytes:
+    before, after = around
+    lines = before + [name + b": " + value] + after
+    return b"HTTP/%s 200 OK\r\n%s\r\n\r\n" % (version, b"".join(x + b"\r\n" for x in lines))
+
+
+@pytest.mark.parametrize("around", AROUND)
+@pytest.mark.parametrize("version", [b"1.1", b"1.0"])
+@pytest.mark.parametrize(
+    "names,values", [(TE_NAMES, TE_VALUES), (CL_NAMES, CL_VALUES)], ids=["te", "cl"]
+)
+def test_a_single_framing_header_reads_in_any_spelling_as_the_canonical_one(
+    names, values, version, around
+):
+    canonical = names[0]
+    for value in values:
+        want = outcome(single_framing_head(version, canonical, value, around))
+        for name in names[1:]:
+            assert outcome(single_framing_head(version, name, value, around)) == want, (name, value)
+    if names is TE_NAMES:  # and `chunked` in any case is `chunked`
+        want = outcome(single_framing_head(version, canonical, b"chunked", around))
+        for name in names:
+            for value in (b"Chunked", b"CHUNKED"):
+                got = outcome(single_framing_head(version, name, value, around))
+                assert got == want, (name, value)
+        if version == b"1.1":
+            assert want[1] == ("chunked", -1)
