@@ -13,9 +13,12 @@ Modules, from the entry points down (each imports only modules listed below it):
 - ``state``: what a running simulator knows: `SimDefaults` (its knobs), `SimRequest` (one
   request as seen), `SimState` (switches, counters, requests, connections).
 - ``endpoints``: the JSON bodies of the non-generation routes (models, props, slots, metrics,
-  tokenize, detokenize, embeddings).
-- ``frames``: the streamed events of one generation (`StreamFrames`).
+  tokenize, detokenize, embeddings, the Messages and Responses token counts).
+- ``frames``: the streamed events of one generation (`StreamFrames`), and the non-streamed body
+  of any generation route.
 - ``shapes``: chat chunks in other servers' shapes (vLLM, OpenAI).
+- ``messages`` / ``responses``: Anthropic Messages (/v1/messages) and OpenAI Responses
+  (/v1/responses) in llama-server's bytes: streamed events, bodies, token counts.
 - ``completion``: the JSON of a finished completion: ids, timings, usage, the native final
   object, non-streamed bodies.
 - ``tinymodel``: the tiny model it pretends to serve: vocabulary, token text, stop words,

@@ -3,7 +3,8 @@
 `SimConnection` is the asyncio.Protocol the Simulator's server makes for each connection. h11
 parses its requests one at a time (pipelined ones wait); each is recorded as a SimRequest,
 routed by method and percent-decoded path, and answered: a Content-Length body (after the
-delays its knobs ask for), or a stream that a Gen (gen.py) paces. Keep-alive as llama-server's:
+delays its knobs ask for), or a stream that a Gen (gen.py) paces, on the OpenAI routes, the
+native /completion, Anthropic's /v1/messages and OpenAI's /v1/responses. Keep-alive as llama-server's:
 at most 100 requests, an idle timeout, and the connection closed after every stream (unless
 SimDefaults.keep_streams).
 """
@@ -20,13 +21,13 @@ import msgspec
 
 from relay.sim import plan as P
 from relay.sim import wire as W
-from relay.sim.completion import nonstream_body, timings
+from relay.sim.completion import timings
 from relay.sim.endpoints import metrics_body, misc_body
-from relay.sim.frames import StreamFrames
+from relay.sim.frames import StreamFrames, any_nonstream_body
 from relay.sim.gen import Gen
 from relay.sim.state import SimRequest, SimState
 
-GEN_ROUTES = ("chat", "text", "native")
+GEN_ROUTES = ("chat", "text", "native", "messages", "responses")
 _ROUTES = {
     ("GET", "/health"): "health",
     ("GET", "/v1/health"): "health",
@@ -40,6 +41,12 @@ _ROUTES = {
     ("POST", "/v1/completions"): "text",
     ("POST", "/completions"): "text",
     ("POST", "/completion"): "native",
+    ("POST", "/v1/messages"): "messages",
+    ("POST", "/v1/messages/count_tokens"): "count_tokens",
+    ("POST", "/v1/responses"): "responses",
+    ("POST", "/responses"): "responses",
+    ("POST", "/v1/responses/input_tokens"): "input_tokens",
+    ("POST", "/responses/input_tokens"): "input_tokens",
     ("POST", "/tokenize"): "tokenize",
     ("POST", "/detokenize"): "detokenize",
     ("POST", "/v1/embeddings"): "embeddings",
@@ -291,6 +298,9 @@ class SimConnection(asyncio.Protocol):
         if err is not None:
             status, delay = err
             return self._respond(req, status, W.error_body(status), delay=delay)
+        bad = P.request_error(route, data)
+        if bad is not None:
+            return self._respond(req, bad[0], bad[1])
         if route in GEN_ROUTES:
             return self._generate(req, route, data)
         if route == "metrics":
@@ -328,12 +338,18 @@ class SimConnection(asyncio.Protocol):
                 isinstance(data.get("stream_options"), dict)
                 and data["stream_options"].get("include_usage") is True
             )
-            g = Gen(
-                self,
-                req,
-                p,
-                StreamFrames(p.kind, sim.defaults.model, p.prompt_n, include_usage, shape=p.shape),
+            empty = timings(p.prompt_n, p.predicted_n, 0.0) if p.n == 0 else None
+            frames = StreamFrames(
+                p.kind,
+                sim.defaults.model,
+                p.prompt_n,
+                include_usage,
+                shape=p.shape,
+                text_n=p.text_n,
+                tool=p.tool,
+                empty_timings=empty,
             )
+            g = Gen(self, req, p, frames)
             self.active = g
             g.start()
             return
@@ -355,7 +371,7 @@ class SimConnection(asyncio.Protocol):
             req.completion_tokens = p.predicted_n
 
         def body() -> bytes:
-            return nonstream_body(
+            return any_nonstream_body(
                 p.kind,
                 sim.defaults.model,
                 p.prompt_n,
@@ -366,6 +382,8 @@ class SimConnection(asyncio.Protocol):
                 p.stop_word,
                 p.settings,
                 p.prompt,
+                p.text_n,
+                p.tool,
             )
 
         self._respond(req, 200, body, delay=p.head_delay + gen_s, setup=count)

@@ -7,6 +7,8 @@ Pure builders; `misc_body` picks one by route name.
 
 from __future__ import annotations
 
+from relay.sim import messages as M
+from relay.sim import responses as R
 from relay.sim.tinymodel import FINGERPRINT, N_CTX, N_VOCAB, detokenize, embedding, tokenize
 from relay.sim.wire import jdump
 
@@ -220,6 +222,10 @@ def misc_body(route: str, data: dict, model: str, created: int, slots: int, busy
     if route == "tokenize":
         c = data.get("content")
         return jdump({"tokens": tokenize(c if isinstance(c, str) else "")})
+    if route == "count_tokens":  # /v1/messages/count_tokens
+        return M.count_tokens_body(max(1, M.prompt_chars(data) // 4))
+    if route == "input_tokens":  # /v1/responses/input_tokens
+        return R.input_tokens_body(max(1, R.prompt_chars(data) // 4))
     if route == "detokenize":
         t = data.get("tokens")
         return jdump({"content": detokenize(t if isinstance(t, list) else [])})

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import time
 
-from relay.sim.completion import native_final, new_id, usage
+from relay.sim import messages as M
+from relay.sim import responses as R
+from relay.sim.completion import native_final, new_id, nonstream_body, usage
 from relay.sim.shapes import Shape
 from relay.sim.tinymodel import EOS_ID, FINGERPRINT, TOKEN_IDS, token_text
 from relay.sim.wire import DONE_EVENT, OCTET_CT, SSE_CT, TERMINATOR, chunk, jdump
@@ -22,7 +24,8 @@ def octet_payload(i: int) -> bytes:
 
 
 class StreamFrames:
-    """Per-request event builder. kind: "chat" | "text" (v1/completions) | "native" | "octet"."""
+    """Per-request event builder. kind: "chat" | "text" (v1/completions) | "native" | "octet",
+    or "messages" | "responses" (their events come from messages.py / responses.py: `api`)."""
 
     __slots__ = (
         "_cache",
@@ -30,6 +33,7 @@ class StreamFrames:
         "_post",
         "_pre",
         "alt",
+        "api",
         "created",
         "id",
         "include_usage",
@@ -48,6 +52,9 @@ class StreamFrames:
         rid: str | None = None,
         shape: str = "llama",
         rng=None,
+        text_n: int | None = None,
+        tool: tuple[str, list[str]] | None = None,
+        empty_timings: dict | None = None,
     ) -> None:
         self.kind = kind
         self.model = model
@@ -56,6 +63,11 @@ class StreamFrames:
         self.created = int(time.time()) if created is None else created
         self.id = rid or new_id()
         self._cache: dict[int, bytes] = {}
+        self.api: M.MessagesFrames | R.ResponsesFrames | None = None
+        if kind == "messages":
+            self.api = M.MessagesFrames(model, prompt_n, text_n, tool)
+        elif kind == "responses":
+            self.api = R.ResponsesFrames(model, prompt_n, text_n, tool, empty_timings)
         m = self._model_json = jdump(model)
         if kind == "chat":
             self._pre = b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":'
@@ -88,6 +100,8 @@ class StreamFrames:
         return OCTET_CT if self.kind == "octet" else SSE_CT
 
     def role_event(self) -> bytes | None:
+        if self.api is not None:
+            return self.api.role_event()
         if self.kind != "chat":
             return None
         if self.alt is not None:
@@ -100,6 +114,8 @@ class StreamFrames:
     def event(self, i: int) -> bytes:
         """Unframed bytes of content event i (an SSE event, or a binary blob for octet)."""
         kind = self.kind
+        if self.api is not None:
+            return self.api.event(i)
         if kind == "octet":
             return octet_payload(i)
         text = token_text(i, kind == "chat")
@@ -118,6 +134,8 @@ class StreamFrames:
 
     def chunk(self, i: int) -> bytes:
         """Chunk-framed content event i (cached per token-cycle position when possible)."""
+        if self.api is not None:
+            return self.api.chunk(i)
         if self.kind == "native" or (self.alt is not None and self.alt.kind == "openai"):
             return chunk(self.event(i))  # (OpenAI's padding differs from event to event)
         key = (
@@ -176,6 +194,8 @@ class StreamFrames:
     ) -> bytes:
         """Unframed final event(s): finish event (+ usage event for chat with include_usage)."""
         kind = self.kind
+        if self.api is not None:
+            return self.api.final_events(n, predicted_n, finish, tm, stop_word)
         if self.alt is not None:
             return self.alt.final_events(finish, self.prompt_n, predicted_n, self.include_usage)
         if kind == "chat":
@@ -243,3 +263,27 @@ class StreamFrames:
         if self.done_event:
             out += chunk(DONE_EVENT)
         return out + TERMINATOR
+
+
+def any_nonstream_body(
+    kind: str,
+    model: str,
+    prompt_n: int,
+    n: int,
+    predicted_n: int,
+    finish: str,
+    tm: dict,
+    stop_word: str | None = None,
+    settings: dict | None = None,
+    prompt: str = "",
+    text_n: int | None = None,
+    tool: tuple[str, list[str]] | None = None,
+) -> bytes:
+    """The non-streamed body of any generation route (completion.py's, or the APIs')."""
+    if kind == "messages":
+        return M.nonstream_body(model, prompt_n, n, predicted_n, finish, stop_word, text_n, tool)
+    if kind == "responses":
+        return R.nonstream_body(model, prompt_n, n, predicted_n, text_n, tool)
+    return nonstream_body(
+        kind, model, prompt_n, n, predicted_n, finish, tm, stop_word, settings, prompt
+    )

@@ -1,19 +1,35 @@
 """What the simulator sends for one request: the error its knobs ask for, or a generation's plan.
 
 Knobs come from an optional ``"sim": {...}`` object in the request body (tokens, pacing,
-first-token and head delays, stall / drop points, body shapes, an error status or event) over
-the server's SimDefaults; the rest follows llama-server (n_predict, then max_tokens and its
-alias, stop words, the EOS event of the text routes).
+first-token and head delays, stall / drop points, body shapes, an error status or event, a
+tool call on the Messages and Responses routes) over the server's SimDefaults; the rest
+follows llama-server (n_predict, then max_tokens and its aliases, stop words, the EOS event of
+the text routes, the errors of a Messages or Responses request it cannot take).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from relay.sim import messages as M
+from relay.sim import responses as R
 from relay.sim.completion import generation_settings
 from relay.sim.shapes import SHAPES
 from relay.sim.state import SimDefaults
-from relay.sim.tinymodel import stop_match, stop_words
+from relay.sim.tinymodel import DEFAULT_TOOL_ARGS, arg_pieces, stop_match, stop_words
+from relay.sim.wire import error_body, jdump
+
+API_KINDS = ("messages", "responses")  # Anthropic Messages, OpenAI Responses
+# the body fields holding the token limit, the first one present wins (llama-server: the
+# native /completion knows no max_tokens alias; /v1/messages reads max_tokens only; the
+# Responses API's max_output_tokens comes before max_tokens but after n_predict)
+_LIMIT_FIELDS = {
+    "native": ("n_predict", "max_tokens"),
+    "messages": ("max_tokens",),
+    "responses": ("n_predict", "max_output_tokens", "max_tokens", "max_completion_tokens"),
+}
+_CHAT_LIMITS = ("n_predict", "max_tokens", "max_completion_tokens")
+_JSON_TYPES: dict[type, str] = {str: "string", list: "array", dict: "object"}
 
 
 @dataclass
@@ -44,6 +60,10 @@ class Plan:
     events_per_chunk: int = 1  # content events per chunk (coalesced, as some servers do)
     chunks_per_write: int = 1  # chunks per write (so several reach the peer in one read)
     error_event: bool = False  # a 200 stream holding only an {"error": ...} event
+    # messages / responses with the tool_call knob: text tokens before the call (None: text
+    # only), and the call (name, argument pieces: one event each after the text)
+    text_n: int | None = None
+    tool: tuple[str, list[str]] | None = None
 
 
 def as_int(v) -> int | None:
@@ -71,7 +91,70 @@ def error_reply(body: dict, d: SimDefaults) -> tuple[int, float] | None:
     return status, as_num(knobs.get("head_delay_ms"), d.head_delay_ms) / 1000.0
 
 
+def request_error(route: str, body: dict) -> tuple[int, bytes] | None:
+    """What llama-server answers a Messages or Responses request it cannot take, else None."""
+    if route in ("messages", "count_tokens"):
+        if "messages" not in body:
+            return 500, error_body(500, "'messages' is required", "server_error")
+        field = "max_tokens"
+    elif route in ("responses", "input_tokens"):
+        if "input" not in body:
+            return 400, error_body(400, "'input' is required")
+        if "previous_response_id" in body:
+            return 400, error_body(400, "llama.cpp does not support 'previous_response_id'.")
+        field = "max_output_tokens"
+    else:
+        return None
+    typ = _JSON_TYPES.get(type(body.get(field)))
+    if typ is None:
+        return None
+    msg = f"Field 'max_tokens': [json.exception.type_error.302] type must be number, but is {typ}"
+    return 400, error_body(400, msg)
+
+
+def prompt_n(kind: str, body: dict) -> int:
+    """The prompt's tokens as the simulator counts them: a token per 4 characters."""
+    return max(1, _prompt_chars(kind, body) // 4)
+
+
+def _first_tool(body: dict) -> str | None:
+    tools = body.get("tools")
+    for t in tools if isinstance(tools, list) else ():
+        if isinstance(t, dict):
+            fn = t.get("function")
+            name = fn.get("name") if isinstance(fn, dict) else t.get("name")
+            if isinstance(name, str) and name:
+                return name
+    return None
+
+
+def tool_call(body: dict, knob) -> tuple[str, list[str]] | None:
+    """The ``tool_call`` knob: (name, argument pieces) of the call to make, or None.
+
+    ``true``: the request's first tool (else ``get_weather``) with ``{"city": "Paris"}`` in
+    runs of word / other characters; an object may set ``name``, ``arguments`` (a JSON text,
+    or a value to encode) and ``pieces`` (that many argument deltas of equal length)."""
+    if not knob:
+        return None
+    spec = knob if isinstance(knob, dict) else {}
+    name = spec.get("name")
+    if not isinstance(name, str) or not name:
+        name = _first_tool(body) or "get_weather"
+    args = spec.get("arguments", DEFAULT_TOOL_ARGS)
+    if not isinstance(args, str):
+        args = jdump(args).decode()
+    k = as_int(spec.get("pieces"))
+    if k is None or k < 1 or not args:
+        return name, arg_pieces(args)
+    size = -(-len(args) // k)
+    return name, [args[j : j + size] for j in range(0, len(args), size)]
+
+
 def _prompt_chars(kind: str, body: dict) -> int:
+    if kind == "messages":
+        return M.prompt_chars(body)
+    if kind == "responses":
+        return R.prompt_chars(body)
     if kind == "chat":
         total = 0
         for m in body.get("messages") or ():
@@ -100,12 +183,7 @@ def make_plan(kind: str, body: dict, d: SimDefaults) -> Plan:
     # max_output_tokens but the Responses API); the first one present wins, and a negative
     # one means no limit
     limit = None
-    fields = (
-        ("n_predict", "max_tokens")
-        if kind == "native"
-        else ("n_predict", "max_tokens", "max_completion_tokens")
-    )
-    for k in fields:
+    for k in _LIMIT_FIELDS.get(kind, _CHAT_LIMITS):
         v = as_int(body.get(k))
         if v is not None:
             limit = v if v >= 0 else None
@@ -119,7 +197,9 @@ def make_plan(kind: str, body: dict, d: SimDefaults) -> Plan:
     else:
         n, finish = d.tokens, "stop"
     predicted = n
-    sm = stop_match(body.get("stop"), n, kind == "chat")
+    chat = kind == "chat" or kind in API_KINDS  # chat-style text (starts "Hello")
+    stop = body.get("stop_sequences" if kind == "messages" else "stop")
+    sm = stop_match(stop, n, chat)
     word = None
     if sm is not None:
         (n, word), predicted, finish = sm, sm[0] + 1, "stop"
@@ -150,6 +230,14 @@ def make_plan(kind: str, body: dict, d: SimDefaults) -> Plan:
     chatty = bool(sim.get("chatty")) and not cl
     if chatty:
         n, interval = None, interval or 0.01
+    tool = tool_call(body, sim.get("tool_call")) if kind in API_KINDS and not chatty else None
+    text_n = None
+    if tool is not None:  # the text the tokens knob asks for (none by default), then the call
+        t = as_int(sim.get("tokens"))
+        text_n = t if t is not None and t >= 0 else 0
+        n = text_n + len(tool[1])
+        finish, word = ("length", None) if limit is not None and limit < n else ("stop", None)
+        n = predicted = n if limit is None else min(n, limit)
     shape = sim.get("shape", d.shape)
     return Plan(
         kind=kind,
@@ -157,7 +245,7 @@ def make_plan(kind: str, body: dict, d: SimDefaults) -> Plan:
         n=n,
         predicted_n=predicted,
         finish=finish,
-        prompt_n=max(1, _prompt_chars(kind, body) // 4),
+        prompt_n=prompt_n(kind, body),
         interval=interval,
         ftd=as_num(sim.get("first_token_delay_ms"), d.first_token_delay_ms) / 1000.0,
         head_delay=as_num(sim.get("head_delay_ms"), d.head_delay_ms) / 1000.0,
@@ -174,4 +262,6 @@ def make_plan(kind: str, body: dict, d: SimDefaults) -> Plan:
         events_per_chunk=_count(sim.get("events_per_chunk"), d.events_per_chunk),
         chunks_per_write=_count(sim.get("chunks_per_write"), d.chunks_per_write),
         error_event=bool(sim.get("error_event")),
+        text_n=text_n,
+        tool=tool,
     )

@@ -1,11 +1,14 @@
 """The tiny model the simulator pretends to serve: its vocabulary, its text, what it computes.
 
 It writes " Hello from a tiny llama." over and over (chat starts at "Hello"), one token a
-word; stop words are matched against that text. Its tokenizer, detokenizer and embeddings are
-deterministic stand-ins with the real server's output types. Pure functions, no I/O.
+word; stop words are matched against that text; a tool call's arguments stream in runs of word
+and other characters. Its tokenizer, detokenizer and embeddings are deterministic stand-ins
+with the real server's output types. Pure functions, no I/O.
 """
 
 from __future__ import annotations
+
+import re
 
 FINGERPRINT = "b0-unknown"  # the llama.cpp build it reports (system_fingerprint, build_info)
 CYCLE = (" Hello", " from", " a", " tiny", " llama", ".")
@@ -22,6 +25,8 @@ ID_TO_PIECE = {v: k for k, v in TOKEN_IDS.items()}
 EOS_ID = 2  # "</s>" of the tiny model: sent as its own (empty-content) native event
 N_VOCAB = 388
 N_CTX = 2048
+DEFAULT_TOOL_ARGS = '{"city": "Paris"}'  # a tool call's arguments (the captures' call)
+_PIECES = re.compile(r"\w+|\W+")
 
 
 def token_text(i: int, chat: bool) -> str:
@@ -34,6 +39,12 @@ def token_text(i: int, chat: bool) -> str:
 def gen_text(n: int, chat: bool) -> str:
     full = "".join(CYCLE) * (n // 6) + "".join(CYCLE[: n % 6])
     return full[1:] if chat and n > 0 else full
+
+
+def arg_pieces(arguments: str) -> list[str]:
+    """A tool call's arguments as the model would stream them: runs of word and other
+    characters (``{"``, ``city``, ``": "``, ``Paris``, ``"}``); at least one piece."""
+    return _PIECES.findall(arguments) or [arguments]
 
 
 def stop_words(stop) -> list[str]:

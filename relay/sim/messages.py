@@ -1,0 +1,216 @@
+"""Anthropic Messages (``/v1/messages``) in the pinned llama-server's bytes: events and bodies.
+
+A stream (tests/support/captures/messages_stream*.http) is named SSE events, ``event: X`` then
+``data: {...}``, with no ``[DONE]`` and no ``ping``: ``message_start`` (its ``usage`` has
+``cache_read_input_tokens``, ``input_tokens`` and ``output_tokens`` 0) alone or in the chunk of
+the first token, then per token a ``content_block_delta`` (the first one of a block after its
+``content_block_start``), and a last chunk with every block's ``content_block_stop`` (in index
+order, all at the end: llama-server closes a text block only after a tool_use block opened
+after it), ``message_delta`` (``stop_reason`` ``max_tokens``, ``end_turn`` also for a stop
+sequence, or ``tool_use``; ``stop_sequence``; ``usage.output_tokens``) and ``message_stop``.
+A tool_use block (the ``tool_call`` knob) streams its arguments as ``input_json_delta``
+pieces; its ``content_block_start`` has no ``input``. Pure byte builders.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+
+import msgspec
+
+from relay.sim.tinymodel import gen_text, token_text
+from relay.sim.wire import chunk, jdump
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def rand32() -> str:
+    return "".join(random.choices(_ALNUM, k=32))
+
+
+def _text_of(content) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+    return 0
+
+
+def prompt_chars(body: dict) -> int:
+    """Characters of the prompt: the system text and every message's text."""
+    total = _text_of(body.get("system"))
+    msgs = body.get("messages")
+    for m in msgs if isinstance(msgs, list) else ():
+        if isinstance(m, dict):
+            total += _text_of(m.get("content"))
+    return total
+
+
+def sse(name: bytes, data: bytes) -> bytes:
+    return b"event: " + name + b"\ndata: " + data + b"\n\n"
+
+
+def _usage(prompt_n: int, output_n: int) -> dict:
+    return {"cache_read_input_tokens": 0, "input_tokens": prompt_n, "output_tokens": output_n}
+
+
+def stop_reason(finish: str, tool: bool) -> str:
+    if finish == "length":  # a call cut by the token limit too
+        return "max_tokens"
+    return "tool_use" if tool else "end_turn"
+
+
+class MessagesFrames:
+    """One /v1/messages stream: ``text_n`` text tokens, then the tool call's argument pieces."""
+
+    __slots__ = ("_cache", "_pre", "id", "model", "pieces", "prompt_n", "text_n", "tool", "tool_id")
+
+    kind = "messages"
+
+    def __init__(
+        self,
+        model: str,
+        prompt_n: int,
+        text_n: int | None = None,
+        tool: tuple[str, list[str]] | None = None,
+        rid: str | None = None,
+    ) -> None:
+        self.model, self.prompt_n = model, prompt_n
+        self.id = rid or "chatcmpl-" + rand32()
+        self.tool = tool[0] if tool else None
+        self.pieces = tool[1] if tool else []
+        self.text_n = text_n  # None: text only, however many tokens
+        self.tool_id = rand32()
+        self._cache: dict[int, bytes] = {}
+        self._pre = (
+            b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+            b'"delta":{"type":"text_delta","text":'
+        )
+
+    def role_event(self) -> bytes:
+        msg: dict[str, object] = {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "content": [],
+            "model": self.model,
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": _usage(self.prompt_n, 0),
+        }
+        return sse(b"message_start", jdump({"type": "message_start", "message": msg}))
+
+    def _is_text(self, i: int) -> bool:
+        return self.text_n is None or i < self.text_n
+
+    def event(self, i: int) -> bytes:
+        if self._is_text(i):
+            ev = self._pre + jdump(token_text(i, True)) + b"}}\n\n"
+            if i == 0:
+                start = {
+                    "type": "content_block_start",
+                    "index": 0,
+                    "content_block": {"type": "text", "text": ""},
+                }
+                ev = sse(b"content_block_start", jdump(start)) + ev
+            return ev
+        k = i - (self.text_n or 0)
+        index = 1 if self.text_n else 0
+        ev = sse(
+            b"content_block_delta",
+            jdump(
+                {
+                    "type": "content_block_delta",
+                    "index": index,
+                    "delta": {"type": "input_json_delta", "partial_json": self.pieces[k]},
+                }
+            ),
+        )
+        if k == 0:
+            block = {"type": "tool_use", "id": self.tool_id, "name": self.tool}
+            start = {"type": "content_block_start", "index": index, "content_block": block}
+            ev = sse(b"content_block_start", jdump(start)) + ev
+        return ev
+
+    def chunk(self, i: int) -> bytes:
+        if not self._is_text(i):
+            return chunk(self.event(i))
+        key = -1 if i == 0 else i % 6
+        c = self._cache.get(key)
+        if c is None:
+            c = self._cache[key] = chunk(self.event(i))
+        return c
+
+    def final_events(
+        self, n: int, predicted_n: int, finish: str, tm: dict, stop_word: str | None
+    ) -> bytes:
+        text_n = n if self.text_n is None else min(n, self.text_n)
+        blocks = (text_n > 0) + (n > text_n)
+        out = b"".join(
+            sse(b"content_block_stop", b'{"type":"content_block_stop","index":%d}' % k)
+            for k in range(blocks)
+        )
+        delta = {
+            "type": "message_delta",
+            "delta": {
+                "stop_reason": stop_reason(finish, n > text_n),
+                "stop_sequence": stop_word,
+            },
+            "usage": {"output_tokens": predicted_n},
+        }
+        return (
+            out
+            + sse(b"message_delta", jdump(delta))
+            + sse(b"message_stop", b'{"type":"message_stop"}')
+        )
+
+
+def tool_input(pieces: list[str], k: int) -> object:
+    """The tool call's input, parsed from its first ``k`` argument pieces ({} if not JSON)."""
+    try:
+        return msgspec.json.decode("".join(pieces[:k]))
+    except msgspec.DecodeError:
+        return {}
+
+
+def nonstream_body(
+    model: str,
+    prompt_n: int,
+    n: int,
+    predicted_n: int,
+    finish: str,
+    stop_word: str | None,
+    text_n: int | None = None,
+    tool: tuple[str, list[str]] | None = None,
+) -> bytes:
+    """A non-streamed /v1/messages answer (no ``timings``)."""
+    tn = n if text_n is None else min(n, text_n)
+    content: list[dict] = []
+    if tn > 0:
+        content.append({"type": "text", "text": gen_text(tn, True)})
+    if tool is not None and n > tn:
+        content.append(
+            {
+                "type": "tool_use",
+                "id": rand32(),
+                "name": tool[0],
+                "input": tool_input(tool[1], n - tn),
+            }
+        )
+    return jdump(
+        {
+            "id": "chatcmpl-" + rand32(),
+            "type": "message",
+            "role": "assistant",
+            "content": content,
+            "model": model,
+            "stop_reason": stop_reason(finish, n > tn),
+            "stop_sequence": stop_word,
+            "usage": _usage(prompt_n, predicted_n),
+        }
+    )
+
+
+def count_tokens_body(prompt_n: int) -> bytes:
+    return b'{"input_tokens":%d}' % prompt_n

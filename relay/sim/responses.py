@@ -1,0 +1,280 @@
+"""OpenAI Responses (``/v1/responses``) in the pinned llama-server's bytes: events and bodies.
+
+A stream (tests/support/captures/responses_stream*.http) is named SSE events with no
+``[DONE]``, and, unlike OpenAI's own API, no ``sequence_number``, ``output_index`` or
+``content_index``: ``response.created`` and ``response.in_progress`` (``{"id","object",
+"status"}`` only), then per token a ``response.output_text.delta`` (the first one after
+``response.output_item.added`` and ``response.content_part.added``), and a last chunk with
+``response.output_text.done``, ``response.content_part.done``, ``response.output_item.done``
+and ``response.completed`` (the whole response with ``usage``, and ``timings`` beside it).
+A function call (the ``tool_call`` knob) is an ``output_item.added`` of type
+``function_call`` with ``response.function_call_arguments.delta`` pieces (no ``.done``
+event); an empty answer is created + in_progress (carrying ``timings``), then completed.
+The non-streamed body has its keys sorted at the top and in message items. Pure builders.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+import time
+
+from relay.sim.tinymodel import gen_text, token_text
+from relay.sim.wire import chunk, jdump
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def rand32() -> str:
+    return "".join(random.choices(_ALNUM, k=32))
+
+
+def _text_of(content) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+    return 0
+
+
+def prompt_chars(body: dict) -> int:
+    """Characters of the prompt: the instructions and the input's text."""
+    total = _text_of(body.get("instructions"))
+    inp = body.get("input")
+    if not isinstance(inp, list):
+        return total + _text_of(inp)
+    for item in inp:
+        if isinstance(item, dict):
+            total += _text_of(item.get("content")) + _text_of(item.get("output"))
+        elif isinstance(item, str):
+            total += len(item)
+    return total
+
+
+def sse(name: bytes, data: bytes) -> bytes:
+    return b"event: " + name + b"\ndata: " + data + b"\n\n"
+
+
+def usage(prompt_n: int, output_n: int) -> dict:
+    return {
+        "input_tokens": prompt_n,
+        "output_tokens": output_n,
+        "total_tokens": prompt_n + output_n,
+        "input_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def _part(text: str) -> dict:
+    return {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
+
+
+def _fc_item(fid: str, arguments: str, name: str) -> dict:
+    return {
+        "id": "fc_" + fid,
+        "type": "function_call",
+        "status": "completed",
+        "arguments": arguments,
+        "call_id": "call_" + fid,
+        "name": name,
+    }
+
+
+class ResponsesFrames:
+    """One /v1/responses stream: ``text_n`` text tokens, then the function call's pieces."""
+
+    __slots__ = (
+        "_cache",
+        "_pre",
+        "created",
+        "fid",
+        "first_timings",
+        "id",
+        "model",
+        "msg_id",
+        "pieces",
+        "prompt_n",
+        "text_n",
+        "tool",
+    )
+
+    kind = "responses"
+
+    def __init__(
+        self,
+        model: str,
+        prompt_n: int,
+        text_n: int | None = None,
+        tool: tuple[str, list[str]] | None = None,
+        first_timings: dict | None = None,
+        rid: str | None = None,
+    ) -> None:
+        self.model, self.prompt_n = model, prompt_n
+        self.id = rid or "resp_" + rand32()
+        self.msg_id = "msg_" + rand32()
+        self.fid = rand32()
+        self.created = int(time.time())
+        self.tool = tool[0] if tool else None
+        self.pieces = tool[1] if tool else []
+        self.text_n = text_n  # None: text only, however many tokens
+        self.first_timings = first_timings  # an empty answer: in_progress carries timings
+        self._cache: dict[int, bytes] = {}
+        self._pre = (
+            b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+            b'"item_id":"%s","delta":' % self.msg_id.encode()
+        )
+
+    def role_event(self) -> bytes:
+        head = {"id": self.id, "object": "response", "status": "in_progress"}
+        prog: dict = {"type": "response.in_progress", "response": head}
+        if self.first_timings is not None:
+            prog["timings"] = self.first_timings
+        return sse(
+            b"response.created", jdump({"type": "response.created", "response": head})
+        ) + sse(b"response.in_progress", jdump(prog))
+
+    def _is_text(self, i: int) -> bool:
+        return self.text_n is None or i < self.text_n
+
+    def event(self, i: int) -> bytes:
+        if self._is_text(i):
+            ev = self._pre + jdump(token_text(i, True)) + b"}\n\n"
+            if i == 0:
+                item = {
+                    "content": [],
+                    "id": self.msg_id,
+                    "role": "assistant",
+                    "status": "in_progress",
+                    "type": "message",
+                }
+                part = {
+                    "type": "response.content_part.added",
+                    "item_id": self.msg_id,
+                    "part": {"type": "output_text", "text": ""},
+                }
+                ev = (
+                    sse(
+                        b"response.output_item.added",
+                        jdump({"type": "response.output_item.added", "item": item}),
+                    )
+                    + sse(b"response.content_part.added", jdump(part))
+                    + ev
+                )
+            return ev
+        k = i - (self.text_n or 0)
+        delta = {
+            "type": "response.function_call_arguments.delta",
+            "delta": self.pieces[k],
+            "item_id": "fc_" + self.fid,
+        }
+        ev = sse(b"response.function_call_arguments.delta", jdump(delta))
+        if k == 0:
+            call = {
+                "id": "fc_" + self.fid,
+                "arguments": "",
+                "call_id": "call_" + self.fid,
+                "name": self.tool,
+                "type": "function_call",
+                "status": "in_progress",
+            }
+            added = {"type": "response.output_item.added", "item": call}
+            ev = sse(b"response.output_item.added", jdump(added)) + ev
+        return ev
+
+    def chunk(self, i: int) -> bytes:
+        if not self._is_text(i):
+            return chunk(self.event(i))
+        key = -1 if i == 0 else i % 6
+        c = self._cache.get(key)
+        if c is None:
+            c = self._cache[key] = chunk(self.event(i))
+        return c
+
+    def final_events(
+        self, n: int, predicted_n: int, finish: str, tm: dict, stop_word: str | None
+    ) -> bytes:
+        text_n = n if self.text_n is None else min(n, self.text_n)
+        out, output = b"", []
+        if text_n > 0:
+            text = gen_text(text_n, True)
+            item = {
+                "type": "message",
+                "status": "completed",
+                "id": self.msg_id,
+                "content": [_part(text)],
+                "role": "assistant",
+            }
+            output.append(item)
+            done = {"type": "response.output_text.done", "item_id": self.msg_id, "text": text}
+            part = {
+                "type": "response.content_part.done",
+                "item_id": self.msg_id,
+                "part": _part(text),
+            }
+            out += (
+                sse(b"response.output_text.done", jdump(done))
+                + sse(b"response.content_part.done", jdump(part))
+                + sse(
+                    b"response.output_item.done",
+                    jdump({"type": "response.output_item.done", "item": item}),
+                )
+            )
+        if self.tool is not None and n > text_n:
+            fc = _fc_item(self.fid, "".join(self.pieces[: n - text_n]), self.tool)
+            output.append(fc)
+            out += sse(
+                b"response.output_item.done",
+                jdump({"type": "response.output_item.done", "item": fc}),
+            )
+        resp = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": "completed",
+            "model": self.model,
+            "output": output,
+            "usage": usage(self.prompt_n, predicted_n),
+        }
+        done_ev = {"type": "response.completed", "response": resp, "timings": tm}
+        return out + sse(b"response.completed", jdump(done_ev))
+
+
+def nonstream_body(
+    model: str,
+    prompt_n: int,
+    n: int,
+    predicted_n: int,
+    text_n: int | None = None,
+    tool: tuple[str, list[str]] | None = None,
+) -> bytes:
+    """A non-streamed /v1/responses answer (sorted keys, no ``timings``)."""
+    tn = n if text_n is None else min(n, text_n)
+    output: list[dict] = []
+    if tn > 0:
+        output.append(
+            {
+                "content": [_part(gen_text(tn, True))],
+                "id": "msg_" + rand32(),
+                "role": "assistant",
+                "status": "completed",
+                "type": "message",
+            }
+        )
+    if tool is not None and n > tn:
+        output.append(_fc_item(rand32(), "".join(tool[1][: n - tn]), tool[0]))
+    now = int(time.time())
+    return jdump(
+        {
+            "completed_at": now,
+            "created_at": now,
+            "id": "resp_" + rand32(),
+            "model": model,
+            "object": "response",
+            "output": output,
+            "status": "completed",
+            "usage": usage(prompt_n, predicted_n),
+        }
+    )
+
+
+def input_tokens_body(prompt_n: int) -> bytes:
+    return b'{"input_tokens":%d,"object":"response.input_tokens"}' % prompt_n
