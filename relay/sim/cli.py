@@ -77,10 +77,10 @@ per-request knobs: a request body may carry "sim": {...} overriding the flags fo
   shape                  str    chat chunks: "llama", "vllm" or "openai"; default --shape
   events_per_chunk       int    content events in one chunk (1..4096); default --events-per-chunk
   chunks_per_write       int    chunks in one write (1..4096); default --chunks-per-write
-  tool_call              bool   /v1/messages, /v1/responses: answer with a tool call after
-                                `tokens` text tokens: the request's first tool, arguments
-                                {"city": "Paris"} in word-sized deltas; default false (an
-                                object sets "name", "arguments" (text or value), "pieces")
+  tool_call              bool   a tool call on /v1/messages, /v1/responses; default false
+                                (after `tokens` text tokens: the request's first tool,
+                                arguments {"city": "Paris"} in word-sized deltas; an object
+                                sets "name", "arguments" (text or value), "pieces")
 """
 
 
