@@ -68,6 +68,7 @@ class App:
         self.retired: list[Upstream] = []  # removed by a reload, pool closed once idle
         self.draining = False
         self._hurry = asyncio.Event()
+        self._reloading = asyncio.Lock()  # one reload at a time (reload_async)
         self._closed = asyncio.Event()  # set when a client connection is lost
         self.port = 0
 
@@ -134,8 +135,13 @@ class App:
             self.budgets.restore(key_id, kind, requests, tokens, now)
 
     def reload(self, config: Config) -> dict:
-        """Apply a new configuration (SIGHUP): see `relay.reload`."""
+        """Apply a new configuration: see `relay.reload` (the store read in this thread)."""
         return reload.apply(self, config)
+
+    async def reload_async(self, config: Config) -> dict:
+        """Apply a new configuration (SIGHUP), the store read off the event loop."""
+        async with self._reloading:
+            return await reload.apply_async(self, config)
 
     async def stop(self, drain_timeout_s: float | None = None) -> None:
         """Stop accepting, refuse the queue, let in-flight requests finish (bounded), flush

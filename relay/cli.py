@@ -96,9 +96,13 @@ async def _serve(args) -> int:
             app.hurry()
         stop.set()
 
-    def on_hup() -> None:
+    reloads: set[asyncio.Task] = set()
+
+    def on_hup() -> None:  # (a task: a reload waits for the store off the loop)
         if not stop.is_set():
-            reload_config(app, args, sim_url, log)
+            task = loop.create_task(reload_config(app, args, sim_url, log))
+            reloads.add(task)
+            task.add_done_callback(reloads.discard)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_stop)
@@ -110,11 +114,11 @@ async def _serve(args) -> int:
     return 0
 
 
-def reload_config(app, args, sim_url: str | None, log) -> None:
+async def reload_config(app, args, sim_url: str | None, log) -> None:
     """SIGHUP: read the file again (flags still override it) and apply it, or keep the
     running configuration and say why."""
     try:
-        summary = app.reload(build_config(args, sim_url))
+        summary = await app.reload_async(build_config(args, sim_url))
     except ConfigError as exc:
         log.event("config_reload_failed", reason=str(exc), config=args.config)
         return

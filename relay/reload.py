@@ -4,8 +4,11 @@ Everything is built and checked first; only then is anything swapped, in one syn
 step, so a bad file changes nothing. What changes:
 
 - keys and budgets: new keys, new limits; a window kept across the reload keeps its used and
-  reserved figures, a new one is rebuilt from the rows (flushed first, read before the swap),
-  and requests in flight then are charged to it when they settle;
+  reserved figures, a new one is rebuilt from the rows of the requests settled before the
+  reload (the store's writer reads them once they are committed, off the event loop: a
+  locked database or a server that does not answer delays nothing else, and refuses the
+  reload after RESTORE_WAIT_S), and the requests settled meanwhile and those in flight are
+  charged to it when they settle (policy.budget);
 - upstreams: added ones start; removed ones take no new request, and their pools are closed
   once their streams are done; one whose URL changed is a new upstream under the same name
   (its metrics carry on); otherwise slots, queue, models, fallback, auth, static headers,
@@ -20,8 +23,10 @@ a file that changes them is refused.
 
 from __future__ import annotations
 
-import sqlite3
+import asyncio
+import concurrent.futures
 import time
+from dataclasses import dataclass
 
 from relay.config import Config, ConfigError
 from relay.http.to_upstream import fixed_headers
@@ -37,33 +42,88 @@ from relay.proxy.upstreams import (
 )
 from relay.stream.stall import StallPolicy
 
-RESTORE_FLUSH_S = 2.0
+RESTORE_WAIT_S = 2.0
 
 
-def restored_usage(app, windows: list[tuple[str, str]], now: float) -> dict:
-    """The used figures of the windows a reload creates, from the rows: every row put so far
-    is committed first (a request that ended a moment ago counts; those still in flight are
-    charged when they settle, policy.budget). ConfigError if the store cannot say: the
-    reload then changes nothing."""
-    if not windows:
-        return {}
-    try:
-        app.store.flush(RESTORE_FLUSH_S)
-        out = {}
-        for key_id, kind in windows:
-            start, _ = window_bounds(kind, now)
-            out[key_id, kind] = app.store.usage_since(key_id, start, served_only=True)
-        return out
-    except (RuntimeError, TimeoutError, OSError, sqlite3.Error) as exc:  # (OSError: PostgreSQL)
-        raise ConfigError(
-            f"key: the usage of new limits cannot be rebuilt from the store "
-            f"({exc}); nothing changed"
-        ) from None
+@dataclass
+class _Plan:
+    """A new configuration built and checked, not applied yet."""
+
+    old: Config
+    new: Config
+    generation: int  # the budgets' when it was built
+    ups: dict
+    in_place: list
+    added: list
+    changed: list
+    router: Router
+    auth: Auth
+    cors: Cors
+    policy: StallPolicy
+    fresh: list[tuple[str, str]]  # the (key, kind) windows it creates
 
 
 def apply(app, new: Config) -> dict:
-    """Apply `new` to `app`, or raise ConfigError leaving it as it was; a summary."""
+    """Apply `new` to `app`, or raise ConfigError leaving it as it was; a summary. New
+    windows' rows are waited for in the calling thread (`apply_async` waits off the loop:
+    SIGHUP's way)."""
+    plan = prepare(app, new)
+    rebuilt = {}
+    if plan.fresh:
+        asked = _ask_rows(app, plan)
+        try:
+            rebuilt = dict(zip(plan.fresh, asked.result(RESTORE_WAIT_S)))
+        except Exception as exc:
+            asked.cancel()
+            app.budgets.unstage()
+            raise _cannot(exc) from None
+    return swap(app, plan, rebuilt)
 
+
+async def apply_async(app, new: Config) -> dict:
+    """As `apply`; the event loop goes on while the store reads the rows of new windows
+    (a locked database, a PostgreSQL that does not answer: the reload is refused after
+    RESTORE_WAIT_S, and nothing else waited for it)."""
+    plan = prepare(app, new)
+    rebuilt = {}
+    if plan.fresh:
+        asked = _ask_rows(app, plan)
+        try:
+            used = await asyncio.wait_for(asyncio.wrap_future(asked), RESTORE_WAIT_S)
+        except asyncio.CancelledError:
+            app.budgets.unstage()  # (the relay stops)
+            raise
+        except Exception as exc:  # (waited for in vain: the read is cancelled)
+            app.budgets.unstage()
+            raise _cannot(exc) from None
+        if app.draining or app.config is not plan.old or app.budgets.generation != plan.generation:
+            app.budgets.unstage()
+            raise ConfigError(
+                "the relay changed while the store was read (stopping, or another reload);"
+                " nothing changed"
+            )
+        rebuilt = dict(zip(plan.fresh, used))
+    return swap(app, plan, rebuilt)
+
+
+def _ask_rows(app, plan: _Plan) -> concurrent.futures.Future:
+    """The used figures of the windows the plan creates, in its order, from the rows of the
+    requests settled until now: the store's writer reads them at this point of its queue,
+    and a request settled meanwhile is charged by the budgets instead (`Budgets.stage`)."""
+    now = time.time()
+    app.budgets.stage()
+    return app.store.usage_read([(k, window_bounds(kind, now)[0]) for k, kind in plan.fresh])
+
+
+def _cannot(exc: BaseException) -> ConfigError:
+    why = f"not read within {RESTORE_WAIT_S}s" if isinstance(exc, TimeoutError) else str(exc)
+    return ConfigError(
+        f"key: the usage of new limits cannot be rebuilt from the store ({why}); nothing changed"
+    )
+
+
+def prepare(app, new: Config) -> _Plan:
+    """Build and check everything `new` needs (ConfigError: nothing has changed)."""
     old = app.config
     for what, a, b in (
         ("server.host", old.server.host, new.server.host),
@@ -77,7 +137,6 @@ def apply(app, new: Config) -> dict:
     if not new.upstream:
         raise ConfigError("upstream: at least one [[upstream]] is required")
     d = new.dispatcher
-    # ---- build (may raise: nothing has changed yet) ----
     ups: dict = {}
     in_place: list = []
     added, changed = [], []
@@ -95,13 +154,27 @@ def apply(app, new: Config) -> dict:
         else:
             added.append(cfg.name)
         ups[cfg.name] = up
-    router = Router(new.upstream)
-    auth = Auth(new.key, new.admin_key_sha256)
-    cors = Cors(new.server.cors_origins)
-    policy = StallPolicy(d.stream_idle_timeout_s, d.stream_total_timeout_s, d.direct_read_timeout_s)
-    restored = restored_usage(app, app.budgets.fresh_windows(new.key), time.time())
-    # ---- swap (cannot fail) ----
-    for up, cfg, up_auth, up_tls in in_place:
+    return _Plan(
+        old,
+        new,
+        app.budgets.generation,
+        ups,
+        in_place,
+        added,
+        changed,
+        Router(new.upstream),
+        Auth(new.key, new.admin_key_sha256),
+        Cors(new.server.cors_origins),
+        StallPolicy(d.stream_idle_timeout_s, d.stream_total_timeout_s, d.direct_read_timeout_s),
+        app.budgets.fresh_windows(new.key),
+    )
+
+
+def swap(app, plan: _Plan, rebuilt: dict) -> dict:
+    """Apply a plan (cannot fail: one synchronous step); `rebuilt`: its new windows' used
+    figures (`_ask_rows`)."""
+    new, d, ups = plan.new, plan.new.dispatcher, plan.ups
+    for up, cfg, up_auth, up_tls in plan.in_place:
         up.cfg, up.auth, up.static, up.tls = cfg, up_auth, fixed_headers(cfg.headers), up_tls
         up.slots.resize(cfg.parallel, cfg.queue)
         up.metrics.parallel = cfg.parallel
@@ -110,26 +183,23 @@ def apply(app, new: Config) -> dict:
         pool.connect_timeout_s = d.connect_timeout_s
         pool.prewarm = d.prewarm and pool.keepalive_s > 0
         pool.use_tls(up_tls)
-    removed = [name for name in app.upstreams if name not in ups or name in changed]
+    removed = [name for name in app.upstreams if name not in ups or name in plan.changed]
     app.retired.extend(up for name, up in app.upstreams.items() if ups.get(name) is not up)
     app.config = new
     app.upstreams = ups
-    app.router = router
-    app.auth = auth
-    app.cors = cors
-    app.policy = policy
+    app.router = plan.router
+    app.auth = plan.auth
+    app.cors = plan.cors
+    app.policy = plan.policy
     app.dispatcher.bodies.limit = new.server.max_buffered_body_bytes  # bodies held stay held
     app.registry.set_upstreams([up.metrics for up in ups.values()])
     app.store.retention_days = new.store.retention_days
-    now = time.time()
-    app.budgets.reload(new.key)
-    for (key_id, kind), (requests, tokens) in restored.items():
-        app.budgets.restore(key_id, kind, requests, tokens, now)
+    app.budgets.reload(new.key, rebuilt, time.time())
     app.start_probes()
     return {
         "upstreams": list(ups),
-        "added": added,
-        "removed": [n for n in removed if n not in changed],
-        "changed": changed,
+        "added": plan.added,
+        "removed": [n for n in removed if n not in plan.changed],
+        "changed": plan.changed,
         "keys": len(new.key),
     }

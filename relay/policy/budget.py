@@ -103,15 +103,32 @@ def _limits(k: KeyConfig) -> list[tuple[str, int, int]]:
 class Budgets:
     def __init__(self, keys: list[KeyConfig]) -> None:
         self.generation = 0  # how many reloads: windows a later one creates are told apart
+        self._late: list[tuple[Reservation, int, int]] | None = None  # settled since stage()
         self.keys: dict[str, _KeyBudget] = {
             k.id: _KeyBudget([_Window(kind, r, t) for kind, r, t in _limits(k)]) for k in keys
         }
 
-    def reload(self, keys: list[KeyConfig]) -> list[tuple[str, str]]:
+    def stage(self) -> None:
+        """A reload's new windows are to be rebuilt from the rows of the requests settled
+        until now (read while the relay goes on): those settling from now until `reload`
+        are kept, to be charged to the new windows then (their rows were not among those
+        rows). `unstage`: the reload was refused."""
+        self._late = []
+
+    def unstage(self) -> None:
+        self._late = None
+
+    def reload(
+        self,
+        keys: list[KeyConfig],
+        rebuilt: dict[tuple[str, str], tuple[int, int]] | None = None,
+        now: float = 0.0,
+    ) -> list[tuple[str, str]]:
         """New keys and limits; a window kept across the reload keeps its used and reserved
         figures (only its limits change). Returns the (key, kind) windows that are new: their
-        used figures are to be rebuilt from the rows (`restore`); requests in flight then
-        are charged to them when they settle (their rows were not among those rows)."""
+        used figures are to be rebuilt from the rows (`rebuilt`, read at `stage`, or
+        `restore`); requests in flight then are charged to them when they settle (their rows
+        were not among those rows), and so are those settled since `stage`."""
         self.generation += 1
         fresh: list[tuple[str, str]] = []
         table: dict[str, _KeyBudget] = {}
@@ -127,6 +144,11 @@ class Budgets:
                 ws.append(w)
             table[k.id] = _KeyBudget(ws)
         self.keys = table
+        for (key_id, kind), (requests, tokens) in (rebuilt or {}).items():
+            self.restore(key_id, kind, requests, tokens, now)
+        late, self._late = self._late or [], None
+        for res, requests, tokens in late:
+            self._charge_newer(res, requests, tokens, now, born=self.generation)
         return fresh
 
     def fresh_windows(self, keys: list[KeyConfig]) -> list[tuple[str, str]]:
@@ -195,16 +217,21 @@ class Budgets:
                     w.used_req += requests  # in, as its row does (ts = admission time)
                     w.used_tok += tokens
         self._charge_newer(res, requests, tokens, now)
+        if self._late is not None:
+            self._late.append((res, requests, tokens))
 
-    def _charge_newer(self, res: Reservation, requests: int, tokens: int, now: float) -> None:
+    def _charge_newer(
+        self, res: Reservation, requests: int, tokens: int, now: float, born: int | None = None
+    ) -> None:
         """Windows a reload created after the request was admitted were rebuilt from the rows
         committed then, which did not hold this request's: it is charged to them now (in the
-        window holding its admission time, as its row will count)."""
+        window holding its admission time, as its row will count). `born`: only those of
+        that reload."""
         kb = self.keys.get(res.key_id)
         if kb is None:
             return
         for w in kb.windows:
-            if w.born > res.gen:
+            if w.born > res.gen and born in (None, w.born):
                 w.roll(now)
                 if w.start <= res.admitted_at < w.end:
                     w.used_req += requests

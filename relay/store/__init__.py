@@ -6,6 +6,7 @@
 - `admissions`: durable admission records and crash recovery (SQLite)
 - `migrate`: older databases brought up to the current columns
 - `postgres`, `pg_sql`, `pg_budget`: the PostgreSQL store, its SQL, budgets shared in it
+- `pg_bound`: client-side bounds on PostgreSQL calls (a server that does not answer)
 - `spill`: rows kept in a local file while PostgreSQL is away
 
 May import: `relay.observe`, `relay.policy`, `relay.stream`, `relay.config`, `relay.http`,

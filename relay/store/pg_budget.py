@@ -7,11 +7,14 @@ inserts the lease, so N relays against one key admit exactly the limit. A lease 
 `reservation_ttl_s`; `renew` (every third of it) keeps a live relay's leases, and the row that
 settles a request deletes its lease in the same transaction (store.postgres).
 
-When the server cannot be reached (refused, reset, or no answer within `timeout_s`) the call
-raises Unavailable at once - for `retry_s` further calls fail fast without trying - and the
-caller serves on the relay's local budget view (policy.budget), which `refresh` keeps
-seeded with the shared usage. `decision` is the pure part: the function's answer -> None or
-BudgetExceeded.
+A call gets `timeout_s` in all - a free connection, connecting, the answer - and a server
+that does not answer in time is cut off (store.pg_bound: a frozen server accepts the
+connection and never answers, so only the relay can end the wait). When the server cannot
+be reached (refused, reset, or no answer in time) the call raises Unavailable - for
+`retry_s` further calls fail fast without trying, and then, until one succeeds, one call at a
+time asks while the others fail fast - and the caller serves on the relay's local budget
+view (policy.budget), which `maintain` keeps seeded with the shared usage. `decision` is
+the pure part: the function's answer -> None or BudgetExceeded.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 
 from relay.policy.budget import BudgetExceeded
 from relay.store import pg_sql
+from relay.store.pg_bound import NoAnswer, bounded
 
 
 class Unavailable(RuntimeError):
@@ -88,6 +92,8 @@ class SharedBudget:
         self._idle: list = []
         self._sem: asyncio.Semaphore | None = None
         self._down_until = 0.0
+        self._suspect = False  # the last call failed and none succeeded since
+        self._probing = False  # a call asks the server while it is suspect
 
     async def reserve(
         self, lease_id: str, res, rec, prompt: int, completion: int, now: float
@@ -114,45 +120,78 @@ class SharedBudget:
 
     # ---- the pool ------------------------------------------------------------------------
     async def _one(self, sql: str, params: tuple, fetch: bool = True):
+        """One statement on a pooled connection, all of it - the wait for a free connection,
+        connecting, the answer - within `timeout_s` (store.pg_bound: a frozen server is cut
+        off). After a failure, until a call succeeds, one call at a time asks the server;
+        the others fail fast meanwhile, as they do for `retry_s` after each failure."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.pool_size)
         self._check_down()
-        async with self._sem:
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._sem.acquire()
+        except TimeoutError:
+            self._check_down()  # (those holding them just failed)
+            self.unavailable += 1
+            raise Unavailable(f"PostgreSQL: no connection free within {self.timeout_s}s") from None
+        try:
             self._check_down()  # (it went down while this call waited for a connection)
-            fresh = not self._idle
-            while True:
-                conn = self._idle.pop() if self._idle else await self._connect()
-                try:
-                    async with asyncio.timeout(self.timeout_s):
-                        cur = await conn.execute(sql, params)
-                        row = await cur.fetchone() if fetch else None
-                except BaseException as exc:
-                    await _discard(conn)
-                    if isinstance(exc, asyncio.CancelledError) or not _retryable(exc):
-                        raise
-                    idle, self._idle = self._idle, []
-                    for c in idle:  # pooled ones died with the server (or hang with it)
-                        await _discard(c)
-                    if fresh or isinstance(exc, TimeoutError):
-                        # a new connection failed, or no answer in time (the statement may
-                        # still run: not sent again): the server is gone for now
-                        self._failed()
-                        raise Unavailable(f"PostgreSQL: {_why(exc)}") from None
-                    fresh = True
-                    continue
-                self._idle.append(conn)
-                return row
+            probe = self._suspect
+            if probe:
+                self._probing = True
+            try:
+                row = await self._ask(sql, params, fetch, deadline)
+            finally:
+                if probe:
+                    self._probing = False
+            self._suspect = False
+            return row
+        finally:
+            self._sem.release()
+
+    async def _ask(self, sql: str, params: tuple, fetch: bool, deadline: float):
+        loop = asyncio.get_running_loop()
+        fresh = not self._idle
+        while True:
+            conn = self._idle.pop() if self._idle else await self._connect(deadline)
+            try:
+                row = await bounded(conn, _call(conn, sql, params, fetch), deadline - loop.time())
+            except NoAnswer:  # (severed; the statement may still run once the server
+                await self._drop_idle()  # wakes up: not sent again)
+                self._failed()
+                raise Unavailable(f"PostgreSQL: no answer within {self.timeout_s}s") from None
+            except BaseException as exc:
+                if isinstance(exc, asyncio.CancelledError):
+                    raise  # (severed by `bounded`)
+                await _discard(conn)
+                if not _retryable(exc):
+                    raise
+                await self._drop_idle()  # pooled ones died with the server
+                if fresh:  # a new connection failed: the server is gone for now
+                    self._failed()
+                    raise Unavailable(f"PostgreSQL: {_why(exc)}") from None
+                fresh = True
+                continue
+            self._idle.append(conn)
+            return row
+
+    async def _drop_idle(self) -> None:
+        idle, self._idle = self._idle, []
+        for c in idle:
+            await _discard(c)
 
     def _check_down(self) -> None:
-        if time.monotonic() < self._down_until:
+        if time.monotonic() < self._down_until or (self._suspect and self._probing):
             self.unavailable += 1
             raise Unavailable("PostgreSQL unreachable (retrying shortly)")
 
-    async def _connect(self):
+    async def _connect(self, deadline: float):
         import psycopg
 
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout_at(deadline):
                 return await psycopg.AsyncConnection.connect(
                     **self.kw, autocommit=True, connect_timeout=max(1, int(self.timeout_s))
                 )
@@ -162,7 +201,13 @@ class SharedBudget:
 
     def _failed(self) -> None:
         self.unavailable += 1
+        self._suspect = True
         self._down_until = time.monotonic() + self.retry_s
+
+
+async def _call(conn, sql: str, params: tuple, fetch: bool):
+    cur = await conn.execute(sql, params)
+    return await cur.fetchone() if fetch else None
 
 
 def _retryable(exc: BaseException) -> bool:

@@ -33,6 +33,7 @@ from relay.observe.log import Log
 from relay.policy.budget import window_bounds
 from relay.store import pg_sql
 from relay.store.admissions import AdmissionId
+from relay.store.pg_bound import Watchdog
 from relay.store.pg_budget import SharedBudget, Unavailable
 from relay.store.schema import clean, record_values
 from relay.store.spill import Spill
@@ -51,6 +52,11 @@ class PgStore(Store):
     connect_timeout_s = 2
     reconnect_s = 0.5
     statement_timeout_ms = 10_000
+    # a call the server does not answer (frozen: store.pg_bound) is cut off by the relay a
+    # little after the server's own statement_timeout would have ended it; closing, within
+    # close_grace_s (what is not written by then goes to the spill file)
+    call_timeout_s = statement_timeout_ms / 1000 + 2.0
+    close_grace_s = 2.0
 
     def __init__(
         self,
@@ -64,7 +70,8 @@ class PgStore(Store):
     ) -> None:
         super().__init__(url, retention_days, log=log, **opts)
         # the writer thread blocks on its connection: bounded by the server (statement
-        # timeout) and, for a server that vanished from the network, by TCP itself
+        # timeout), for a server that vanished from the network by TCP itself, and for one
+        # that answers nothing by the relay (`watchdog`)
         self.kw = {
             **kw,
             "connect_timeout": self.connect_timeout_s,
@@ -83,6 +90,7 @@ class PgStore(Store):
         self.shared = SharedBudget(kw, self.relay_id, reservation_ttl_s)
         self._conn: psycopg.Connection | None = None  # the writer thread's
         self._retry_at = 0.0
+        self.watchdog = Watchdog()
 
     @classmethod
     def configured(cls, cfg: StoreConfig, log: Log) -> PgStore:
@@ -174,6 +182,12 @@ class PgStore(Store):
         await self.shared.close()
         await super().aclose()
 
+    def close(self, timeout: float = 10.0) -> None:
+        """As the SQLite store's, and a call the server does not answer ends (severed)
+        within `close_grace_s`: the rows not written by then are spilled."""
+        self.watchdog.cap(self.close_grace_s)
+        super().close(timeout)
+
     # ---- reading ---------------------------------------------------------------------
     def query(self, sql: str, params=()) -> list[dict]:
         """SQLite-style SQL (`?`), read on a short-lived connection."""
@@ -185,9 +199,18 @@ class PgStore(Store):
         row = self._read(pg_sql.USAGE if served_only else pg_sql.COUNT, (key_id, since_ts))[0]
         return int(row["n"]), int(row["tokens"])
 
+    def _usage_at(self, conn, key_id: str, since_ts: float) -> tuple:
+        """(writer thread) From the database - while rows wait in the spill file it cannot say."""
+        if self.spill.count:
+            raise PgUnreachable(f"store.url: {self.spill.count} rows wait in the spill file")
+        return self.usage_since(key_id, since_ts, served_only=True)
+
     def _read(self, sql: str, params) -> list[dict]:
         try:
-            with psycopg.connect(**self.kw, autocommit=True, row_factory=dict_row) as conn:
+            with (
+                psycopg.connect(**self.kw, autocommit=True, row_factory=dict_row) as conn,
+                self.watchdog.within(conn, self.call_timeout_s),
+            ):
                 return conn.execute(sql, params).fetchall()
         except psycopg.Error as exc:  # an OSError, as a SQLite file that cannot be read
             raise PgUnreachable(f"store.url: {_first(exc)}") from None
@@ -201,11 +224,11 @@ class PgStore(Store):
 
     def _open(self):
         try:
-            self._conn = psycopg.connect(**self.kw, autocommit=True)
-            with self._conn.transaction():
-                self._conn.execute("SELECT pg_advisory_xact_lock(%s)", (pg_sql.SCHEMA_LOCK,))
+            self._conn = conn = psycopg.connect(**self.kw, autocommit=True)
+            with self.watchdog.within(conn, self.call_timeout_s), conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (pg_sql.SCHEMA_LOCK,))
                 for stmt in pg_sql.SETUP:
-                    self._conn.execute(stmt)
+                    conn.execute(stmt)
         except psycopg.Error as exc:
             self._disconnect()
             raise PgUnreachable(f"store.url: {_first(exc)}") from None
@@ -231,8 +254,8 @@ class PgStore(Store):
 
     def _reconnect(self) -> None:
         if self._conn is None:
-            if time.monotonic() < self._retry_at:
-                return
+            if self._stopping or time.monotonic() < self._retry_at:
+                return  # (closing: what is left goes to the spill, the next start sends it)
             try:
                 self._conn = psycopg.connect(**self.kw, autocommit=True)
             except _LOST:
@@ -309,7 +332,11 @@ class PgStore(Store):
         transaction and then finds nothing, instead of the two waiting on each other."""
         conn = self._conn
         assert conn is not None  # (only called with the connection up: `_write_with_retry`)
-        with conn.transaction(), conn.cursor() as cur:
+        with (
+            self.watchdog.within(conn, self.call_timeout_s),
+            conn.transaction(),
+            conn.cursor() as cur,
+        ):
             cur.execute(pg_sql.DELETE_LEASES, ([r[-1] for r in rows],))
             # by key: each row locks its key's usage_day row (pg_sql.USAGE_DAY), so two
             # relays' batches lock them in one order and never wait on each other
@@ -345,7 +372,10 @@ class PgStore(Store):
             return
         cutoff = time.time() - self.retention_days * 86400.0
         try:
-            self.rows_pruned += self._conn.execute(pg_sql.PRUNE, (cutoff,)).rowcount
+            with self.watchdog.within(self._conn, self.call_timeout_s):
+                self.rows_pruned += self._conn.execute(pg_sql.PRUNE, (cutoff,)).rowcount
+        except _LOST as exc:  # (cut off: never used again)
+            self._lost(exc)
         except psycopg.Error as exc:
             self.write_errors += 1
             self._warn("prune", f"prune failed ({_first(exc)})")

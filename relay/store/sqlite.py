@@ -17,7 +17,7 @@ from relay.store import admissions as durable
 from relay.store.admissions import AdmissionId
 from relay.store.schema import KEYS, record_values
 from relay.store.sqlite_file import is_memory, open_readonly, take_lock
-from relay.store.sqlite_writer import RowWriter
+from relay.store.sqlite_writer import RowWriter, usage_sql
 
 
 class Store(RowWriter):
@@ -171,14 +171,21 @@ class Store(RowWriter):
     ) -> tuple[int, int]:
         """(requests, tokens) of a key since a time; `served_only` counts only requests an
         upstream served (what a budget charges)."""
-        count = f"SUM({durable.CHARGED})" if served_only else "COUNT(*)"
-        row = self.query(
-            f"SELECT COALESCE({count}, 0) AS n, COALESCE(SUM(COALESCE(prompt_tokens, 0)"
-            " + COALESCE(completion_tokens, 0)), 0) AS tokens"
-            " FROM request WHERE key_id IS ? AND ts >= ?",
-            (key_id, since_ts),
-        )[0]
+        row = self.query(usage_sql(served_only), (key_id, since_ts))[0]
         return int(row["n"]), int(row["tokens"])
+
+    def usage_read(self, windows: list[tuple[str, float]]) -> concurrent.futures.Future:
+        """The charged usage, (requests, tokens) of each (key, since), of the rows of
+        exactly the requests settled until now: read by the writer thread once their rows are
+        committed, before any later row is (store.sqlite_writer). The caller waits for the
+        future where it likes (a reload: off the event loop); cancelled, it is not read."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._stopping or self._thread is None or not self._thread.is_alive():
+            fut.set_exception(RuntimeError("store is not running"))
+            return fut
+        self._reads.append((self._accepted, list(windows), fut))
+        self._wake.set()
+        return fut
 
 
 def _retrieved(fut) -> None:

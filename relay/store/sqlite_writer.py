@@ -5,7 +5,10 @@ The writer wakes every `flush_interval_s` (or at once when a batch is ready, or 
 flush/close/query), writes the rows in transactions of up to `batch_max` rows, retries a
 failed batch with backoff (keeping its rows), commits admission records as they come (a
 request waits for its own), and prunes rows older than `retention_days` at start and about
-once an hour. `store.sqlite.Store` is the event loop's side of it.
+once an hour. A usage read (`_reads`) names a point of the row queue: it runs once every row
+before that point is settled and before any row after it is written, so it sees the rows of
+exactly the requests settled when it was asked. `store.sqlite.Store` is the event loop's
+side of it.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class RowWriter:
         self._overflow: collections.deque = collections.deque()
         self._controls: collections.deque = collections.deque()  # (sql, params, future)
         self._admits: collections.deque = collections.deque()  # (values, loop, future)
+        self._reads: collections.deque = collections.deque()  # (rows before, windows, future)
         # admission ids: a random 31-bit prefix per process above a 32-bit counter (63 bits),
         # so two processes never reuse each other's ids even if they share a file
         self._admission_ids = (int.from_bytes(os.urandom(4), "big") >> 1) << 32
@@ -149,18 +153,27 @@ class RowWriter:
             self._serve_admits(conn)
             self._serve_controls(conn)
             conn.close()
-            while self._controls:
-                self._controls.popleft()[2].set_exception(RuntimeError("store closed"))
+            for waiting in (self._controls, self._reads):
+                while waiting:
+                    fut = waiting.popleft()[2]
+                    if fut.set_running_or_notify_cancel():
+                        fut.set_exception(RuntimeError("store closed"))
 
     def _take_batch(self) -> list[tuple]:
         batch: list[tuple] = []
+        most = self.batch_max
+        while self._reads and self._reads[0][2].cancelled():
+            self._reads.popleft()
+        if self._reads:  # not past the point a usage read waits at
+            most = min(most, max(0, self._reads[0][0] - self._settled))
         for source in (self._queue, self._overflow):
-            while source and len(batch) < self.batch_max:
+            while source and len(batch) < most:
                 batch.append(source.popleft())
         return batch
 
     def _drain(self, conn: sqlite3.Connection) -> None:
         while not self._abandon.is_set():
+            self._serve_controls(conn)  # (a usage read due before these rows: now)
             batch = self._take_batch()
             if not batch:
                 return
@@ -168,7 +181,6 @@ class RowWriter:
             self._serve_admits(conn)
             self._write_with_retry(conn, batch)
             self._serve_admits(conn)
-            self._serve_controls(conn)
 
     def _write_with_retry(self, conn: sqlite3.Connection, batch: list[tuple]) -> None:
         now = time.time()
@@ -289,6 +301,30 @@ class RowWriter:
                 fut.set_result(conn.execute(sql, params).fetchall())
             except BaseException as exc:
                 fut.set_exception(exc)
+        while self._reads and self._reads[0][0] <= self._settled:
+            _, windows, fut = self._reads.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue  # (its caller stopped waiting)
+            try:
+                fut.set_result([self._usage_at(conn, *w) for w in windows])
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+    def _usage_at(self, conn: sqlite3.Connection, key_id: str, since_ts: float) -> tuple:
+        """A key's charged usage since a time, from the committed rows."""
+        row = conn.execute(usage_sql(served_only=True), (key_id, since_ts)).fetchone()
+        return int(row["n"]), int(row["tokens"])
+
+
+def usage_sql(served_only: bool) -> str:
+    """(n, tokens) of a key's rows since a time; `served_only` counts only the requests a
+    budget charges (store.admissions CHARGED)."""
+    count = f"SUM({durable.CHARGED})" if served_only else "COUNT(*)"
+    return (
+        f"SELECT COALESCE({count}, 0) AS n, COALESCE(SUM(COALESCE(prompt_tokens, 0)"
+        " + COALESCE(completion_tokens, 0)), 0) AS tokens"
+        " FROM request WHERE key_id IS ? AND ts >= ?"
+    )
 
 
 def _busy(conn: sqlite3.Connection, seconds: float) -> None:

@@ -1,6 +1,7 @@
 """The pure parts of a config reload: budgets keep what was used, slots take new bounds."""
 
 import asyncio
+import concurrent.futures
 import time
 
 import pytest
@@ -201,10 +202,126 @@ async def test_a_reload_whose_new_limits_cannot_be_rebuilt_changes_nothing(make_
     app = await make_relay(keys=[key()])
     old = app.config
 
-    def stuck(timeout=5.0):
-        raise TimeoutError("store flush: 3 rows not committed after 2.0s")
+    def failing(windows):
+        fut = concurrent.futures.Future()
+        fut.set_exception(RuntimeError("store closed"))
+        return fut
 
-    monkeypatch.setattr(app.store, "flush", stuck)
-    with pytest.raises(ConfigError, match="nothing changed"):
-        app.reload(msgspec.structs.replace(app.config, key=[key(tokens_per_day=300)]))
+    monkeypatch.setattr(app.store, "usage_read", failing)
+    new = msgspec.structs.replace(app.config, key=[key(tokens_per_day=300)])
+    with pytest.raises(ConfigError, match=r"\(store closed\); nothing changed"):
+        app.reload(new)
+    with pytest.raises(ConfigError, match=r"\(store closed\); nothing changed"):
+        await app.reload_async(new)
     assert app.config is old and app.budgets.windows_of("alpha") == []
+    assert app.budgets._late is None  # (unstaged: settlements are not kept)
+
+
+def test_requests_settled_while_a_reload_reads_the_rows_are_charged_to_its_windows():
+    """The rows are read at `stage` (store: at that point of the row queue); a request that
+    settles before the new windows exist is charged to them when they do, once, in the
+    window of its admission; after a refusal (`unstage`) nothing is kept."""
+    b = Budgets([KeyConfig(id="k", sha256=SHA)])
+    early = b.reserve("k", 0, NOW)
+    late = b.reserve("k", 0, NOW)
+    b.stage()
+    b.settle(early, 1, 30, NOW)  # settled while the rows are read: its row is not among them
+    new = [KeyConfig(id="k", sha256=SHA, requests_per_day=10)]
+    assert b.reload(new, {("k", "daily"): (4, 100)}, NOW) == [("k", "daily")]
+    assert b.usage("k", NOW)["daily"]["requests"] == 5
+    assert b.usage("k", NOW)["daily"]["tokens"] == 130
+    b.settle(late, 1, 7, NOW)  # in flight at the reload: charged as it settles
+    assert b.usage("k", NOW)["daily"]["tokens"] == 137
+    b.stage()
+    b.settle(b.reserve("k", 5, NOW), 1, 5, NOW)
+    b.unstage()  # refused: the next reload rebuilds from rows that hold that one
+    more = [KeyConfig(id="k", sha256=SHA, requests_per_day=10, tokens_per_month=900)]
+    assert b.reload(more, {("k", "monthly"): (7, 142)}, NOW) == [("k", "monthly")]
+    assert b.usage("k", NOW)["monthly"]["tokens"] == 142
+    assert b.usage("k", NOW)["daily"]["tokens"] == 142  # (kept: its own figures)
+
+
+async def test_an_injected_header_line_from_the_config_stops_the_start_and_a_reload(tmp_path):
+    """(issue 21 item 4) A CR/LF in the auth value from the environment, or in auth_header,
+    is refused at start (exit 2) and at SIGHUP (the running configuration stays), naming the
+    key, never quoting the value; no injected line ever reaches the upstream."""
+    import json
+    import signal
+
+    from tests.support import httpc
+    from tests.support.fakeup import Scripted
+    from tests.support.processes import kill, start, wait_listening
+
+    async def serve(up, index, reader, writer):
+        while await up.read_request(reader) is not None:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+            writer.write(b"Content-Length: 2\r\n\r\n{}")
+            await writer.drain()
+
+    up = await Scripted(serve).start()
+    cfg = tmp_path / "relay.toml"
+
+    def write(header: str, env: str) -> None:
+        cfg.write_text(
+            f"[server]\nport = 0\n[dispatcher]\nhealth_interval_s = 0\n[store]\npath = "
+            f'"{tmp_path / "relay.db"}"\n[[upstream]]\nname = "llm"\nurl = "{up.url}"\n'
+            f"auth_header = {json.dumps(header)}\nauth_value_env = {json.dumps(env)}\n"
+        )
+
+    env = {"GOOD_KEY": "sk-good-123", "BAD_KEY": "sk-bad-456\r\nX-Evil: 1"}
+    write("X-Key", "BAD_KEY")
+    proc = await start("serve", "--config", str(cfg), env=env)
+    err = b""
+    try:
+        while line := await asyncio.wait_for(proc.stderr.readline(), 20):
+            err += line
+            assert b'"relay_listening"' not in line, "it started with the injected value"
+        assert await proc.wait() == 2
+    finally:
+        await kill(proc)
+    assert (
+        "upstream.llm.auth_value_env: environment variable BAD_KEY: the value has control "
+        "characters" in err.decode()
+    )
+    assert b"sk-bad" not in err and up.heads == []
+
+    write("X-Key", "GOOD_KEY")
+    proc = await start("serve", "--config", str(cfg), env=env)
+    lines: list[bytes] = []
+
+    async def reloaded() -> dict:  # the reload's outcome: config_reloaded or _reload_failed
+        while True:
+            line = await asyncio.wait_for(proc.stderr.readline(), 10)
+            assert line, lines
+            lines.append(line)
+            if line.startswith(b"{") and json.loads(line)["event"].startswith("config_reload"):
+                return json.loads(line)
+
+    async def sent_key() -> bytes:
+        resp = await httpc.fetch(port, "POST", "/v1/embeddings", {"model": "m", "input": "x"})
+        assert resp.status == 200
+        return up.heads[-1]
+
+    try:
+        port, seen = await wait_listening(proc)
+        lines += [json.dumps(rec).encode() for rec in seen]
+        assert b"\r\nX-Key: sk-good-123\r\n" in await sent_key()
+        for header, var, key in (
+            ("X-Key", "BAD_KEY", "upstream.llm.auth_value_env: "),
+            ("X-Key\r\nX-Evil: 1", "GOOD_KEY", "upstream.llm.auth_header: "),
+        ):
+            write(header, var)
+            proc.send_signal(signal.SIGHUP)
+            rec = await reloaded()
+            assert rec["event"] == "config_reload_failed" and rec["reason"].startswith(key)
+            head = await sent_key()  # on the configuration it ran with
+            assert b"\r\nX-Key: sk-good-123\r\n" in head and b"X-Evil" not in head
+        proc.send_signal(signal.SIGTERM)
+        rest = await asyncio.wait_for(proc.stderr.read(), 15)
+        assert await proc.wait() == 0
+    finally:
+        await kill(proc)
+        await up.stop()
+    log = b"".join(lines) + rest
+    assert b"sk-bad" not in log and b"X-Evil" not in log and b"sk-good" not in log
+    assert all(b"X-Evil" not in h for h in up.heads)

@@ -232,7 +232,7 @@ def test_two_relays_writing_batches_of_the_same_keys_never_deadlock(pg_server, c
     def writer(tag: str, seed: int) -> None:
         rng = random.Random(seed)
         with psycopg.connect(url, autocommit=True) as c:
-            fake = types.SimpleNamespace(_conn=c)
+            fake = types.SimpleNamespace(_conn=c, watchdog=store_pg.Watchdog(), call_timeout_s=60.0)
             for b in range(40):
                 rows = [
                     _row(
