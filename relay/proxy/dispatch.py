@@ -29,6 +29,7 @@ from relay.proxy.body_memory import BodyBytes
 from relay.proxy.exchange import Exchange
 from relay.proxy.health import DOWN
 from relay.proxy.ledger import Ledger
+from relay.stream import dialect
 from relay.stream import endings as E
 from relay.stream.content_hold import Hold, error_of
 
@@ -226,6 +227,7 @@ class Dispatcher:
             rid,
             app.config.dispatcher.heartbeat_s if rec.stream else 0.0,
             ledger.cors,
+            dialect.from_path(path),  # (until the stream's own events say)
         )
         hold.start()
         last: Retry | None = None

@@ -15,6 +15,7 @@ from relay.http import response_framing as framing
 from relay.http.chunked import LAST_CHUNK, ChunkError, ChunkTracker, frame
 from relay.http.response_head import BadHead, HeadReader, ResponseHead
 from relay.proxy.exchange_state import ExchangeState
+from relay.stream import dialect
 from relay.stream.client_flow import ClientFlow
 from relay.stream.endings import (
     BAD_FRAMING,
@@ -32,7 +33,7 @@ from relay.stream.endings import (
 from relay.stream.fastpath import events_in, learn
 from relay.stream.itl import Gaps
 from relay.stream.sse import SseScanner
-from relay.stream.stall import stall_frame
+from relay.stream.terminal import stall_frame
 from relay.stream.usage import JsonBody
 
 
@@ -244,7 +245,7 @@ class Exchange(ExchangeState):
         if self.kind == framing.CHUNKED:
             self.tracker = ChunkTracker()
         if self.sse:
-            self.scanner = SseScanner(self._first_content)
+            self.scanner = SseScanner(self._first_content, dialect.from_path(self.path))
             self.gaps = Gaps()
         elif p.json:  # a whole JSON body: keep it (bounded) to read usage
             self.scanner = self.body_copy = JsonBody()
@@ -314,17 +315,14 @@ class Exchange(ExchangeState):
             self.client_keep_alive = False
         else:
             sc = self.scanner
-            payload = (
-                b""
-                if isinstance(sc, SseScanner) and sc.done_seen
-                else stall_frame(
-                    self.path,
-                    self.model,
-                    reason,
-                    self.stall_elapsed,
-                    self.upstream_name,
-                    int(time.time()),
-                )
+            payload = stall_frame(  # b"" after the stream's own end
+                sc if isinstance(sc, SseScanner) else None,
+                dialect.from_path(self.path),
+                self.model,
+                reason,
+                self.stall_elapsed,
+                self.upstream_name,
+                int(time.time()),
             )
             tail, delimited = framing.closing_bytes(self.kind, self.mode, self.tracker, payload)
             self.client_keep_alive &= delimited

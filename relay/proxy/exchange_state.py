@@ -164,6 +164,8 @@ class ExchangeState:
 
     def _held(self, hold: Hold, out: bytes) -> None:
         sc = self.scanner
+        if isinstance(sc, SseScanner):
+            hold.dialect = sc.dialect  # (what the stream's events say it speaks)
         took = hold.take(out, self.first_content_at is not None, sc is not None and sc.error_first)
         if took == OPENED:
             self._opened()
@@ -191,6 +193,7 @@ class ExchangeState:
             self.hold is None
             and self.outcome is None
             and isinstance(sc, SseScanner)
+            and sc.shortcut
             and sc.content_events > 0
             and not sc.pending
             and tr is not None

@@ -112,7 +112,7 @@ def _tokens(rec: Record, ex: Exchange, ledger: Ledger) -> Usage | None:
         if ex.outcome == E.DONE and ledger.completions <= 1:
             exact = ex.body_copy.usage()
     elif isinstance(scanner, SseScanner):
-        exact = stream_usage(scanner.meta) if scanner.meta else None
+        exact = stream_usage(scanner.meta, scanner.meta_first) if scanner.meta else None
         approx = scanner.content_events
     if (
         exact is not None

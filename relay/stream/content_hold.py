@@ -13,8 +13,10 @@ request. One Hold per request, fed by each exchange in turn, says where that sta
   (`feed`): comment blocks go out at once while no event is held, other events are held
   until the first content event; the relay frames the chunks itself (`chunked`) or, for an
   HTTP/1.0 client, the body ends by closing. A failure that would have been an HTTP error
-  becomes one in-band `data: {"error": ...}` event, `[DONE]` and a clean end (`fail`);
-  the next candidate's events continue the same response (`retry`).
+  becomes one in-band error in the stream's API shape and a clean end (`fail`,
+  `terminal.error_events`: chat's `{"error": ...}` and `[DONE]`, Anthropic's `event: error`,
+  a Responses `error` event); the next candidate's events continue the same response
+  (`retry`).
 - OPEN: content (or anything that is not a comment) has reached the client: nothing is
   swapped any more. The exchange then writes to the client directly.
 
@@ -28,13 +30,14 @@ from collections.abc import Callable
 
 import msgspec
 
-from relay.errors import UpstreamErrorFields, error_event, reason_phrase
+from relay.errors import UpstreamErrorFields, reason_phrase
 from relay.http.chunked import LAST_CHUNK, frame
 from relay.http.fields import HeaderPairs
 from relay.http.response_framing import payload_of
 from relay.http.to_client import client_response, with_cors
+from relay.stream import dialect as D
 from relay.stream.sse import event_json
-from relay.stream.stall import DONE_EVENT
+from relay.stream.terminal import error_events
 
 WAITING, COMMITTED, OPEN = 0, 1, 2
 HELD, OPENED, ERROR = 0, 1, 2  # what `take` made of body bytes
@@ -69,6 +72,7 @@ class Hold:
         "beats",
         "chunked",
         "client",
+        "dialect",
         "extra",
         "first_out",
         "head",
@@ -88,9 +92,16 @@ class Hold:
     )
 
     def __init__(
-        self, loop, client, request_id: bytes, interval: float = 0.0, extra: HeaderPairs = ()
+        self,
+        loop,
+        client,
+        request_id: bytes,
+        interval: float = 0.0,
+        extra: HeaderPairs = (),
+        dialect: str = D.CHAT,
     ) -> None:
         self.loop = loop
+        self.dialect = dialect  # the API the stream speaks (the path's, then its events')
         self.client = client  # ClientConn: .transport, .http11, .wants_keep_alive, .gone
         self.request_id = request_id
         self.interval = interval  # heartbeat_s; 0 = never commit early
@@ -294,10 +305,10 @@ class Hold:
             self.release()
 
     def fail(self, message: str, type_: str, code: str | None) -> bool:
-        """End the committed response with one in-band error event, `[DONE]` and a clean end;
-        True when the client connection may stay open."""
+        """End the committed response with one in-band error in its API's shape and a clean
+        end; True when the client connection may stay open."""
         self.parts, self.size, self.pending = [], 0, b""
-        self._out(error_event(message, type_, code) + DONE_EVENT)
+        self._out(error_events(self.dialect, message, type_, code))
         if self.chunked:
             self._write(LAST_CHUNK)
         self.state = OPEN
@@ -305,11 +316,14 @@ class Hold:
         return self.chunked and self.client.wants_keep_alive
 
     def error(self) -> UpstreamErrorFields | None:
-        """The `error` object of the first held event (an upstream's `{"error": ...}`)."""
-        if not self.parts:
-            return None
-        body = event_json(self.parts[0].lstrip(b"\n").split(b"\n\n", 1)[0])
-        return error_of(body) if body else None
+        """The error of the first held error event: an upstream's `{"error": ...}`,
+        Anthropic's `event: error`, a Responses `error` or `response.failed`."""
+        for ev in b"".join(self.parts).replace(b"\r\n", b"\n").split(b"\n\n"):
+            body = event_json(ev.lstrip(b"\n"))
+            fields = error_of(body) if body else None
+            if fields is not None:
+                return fields
+        return None
 
     # ---- between candidates ------------------------------------------------------------
     def retry(self) -> None:
@@ -321,12 +335,26 @@ class Hold:
 
 
 def error_of(body: bytes) -> UpstreamErrorFields | None:
-    """`{"error": {...}}` (or `{"error": "text"}`) -> its string fields, else None."""
+    """`{"error": {...}}` (or `{"error": "text"}`; Anthropic's `{"type":"error","error":...}`
+    too), a Responses `{"type":"error","code":..,"message":..}` or `response.failed` (its
+    `response.error`) -> its string fields, else None."""
     try:
         doc = msgspec.json.decode(body)
     except msgspec.DecodeError:
         return None
-    err = doc.get("error") if isinstance(doc, dict) else None
+    if not isinstance(doc, dict):
+        return None
+    if doc.get("type") == "error" and "error" not in doc:  # Responses' error event
+        message, code = doc.get("message"), doc.get("code")
+        return UpstreamErrorFields(
+            message if isinstance(message, str) and message else None,
+            None,
+            code if isinstance(code, str) and code else None,
+        )
+    if doc.get("type") == "response.failed" and isinstance(doc.get("response"), dict):
+        err = doc["response"].get("error")
+    else:
+        err = doc.get("error")
     if isinstance(err, str):
         return UpstreamErrorFields(message=err or None)
     if not isinstance(err, dict):

@@ -1,9 +1,15 @@
 """Incremental scanner for Server-Sent-Event bodies passing through the relay.
 
 It never changes a byte; it only watches. Per event it decides whether the event carries
-generated content (a token), whether it is the terminal `data: [DONE]`, whether it is an
-`{"error": ...}` object, and keeps the last event that carries `usage` (not null) or `timings` so the
-exact figures can be read once at the end. Events are cut at blank lines, so a marker split
+generated content (a token, in the API's own terms: `stream.dialect`), whether it ends the
+stream (`data: [DONE]`, Anthropic's `message_stop`, a Responses `response.completed` /
+`.incomplete` / `.failed`), whether it is an error before any content (an `{"error": ...}`
+first event, Anthropic's `event: error`, a Responses `error` / `response.failed`), and keeps
+the first and the last events that carry `usage` (not null) or `timings` so the exact
+figures can be read once at the end (Anthropic's prompt figure is in the first,
+`message_start`; the cumulative output in the last, `message_delta`). On Anthropic and
+Responses streams it follows what a terminal frame must close: whether the message or
+response was started, the content blocks left open, the `response.created` event. Events are cut at blank lines, so a marker split
 across two reads is seen whole: the unfinished tail of one read waits for the next (up to
 1 MiB; a larger event is relayed unscanned), and is searched for its end only in the new
 bytes, so scanning stays linear however an event is split.
@@ -11,18 +17,22 @@ bytes, so scanning stays linear however an event is split.
 
 from __future__ import annotations
 
-# A value that starts with a quote and is not the empty string: `"content":"x`.
-_CONTENT_MARKERS = (b'"content":"', b'"text":"', b'"reasoning_content":"', b'"arguments":"')
+import msgspec
+
+from relay.stream import dialect as D
+
 _MAX_PENDING = 1 << 20  # an event larger than this is not scanned (still relayed)
-_MAX_META = 64 * 1024
+# (a Responses `response.completed` repeats the whole output and the request's instructions
+# and tools: its usage is kept whatever its size up to the scanner's bound)
+_MAX_META = _MAX_PENDING
 # Two raw bytes that make a blank line (an event's end) however the lines end: LF LF, CR CR,
 # LF CR (CRLF CRLF holds it; a lone CR and a lone LF end a line each, and CRLF once).
 _RAW_ENDS = (b"\n\n", b"\r\r", b"\n\r")
 
 
-def carries_content(event: bytes) -> bool:
+def carries_content(event: bytes, markers: tuple[bytes, ...] = D.MARKERS) -> bool:
     """True when the event holds at least one non-empty generated string."""
-    for marker in _CONTENT_MARKERS:
+    for marker in markers:
         i = event.find(marker)
         while i >= 0:
             j = i + len(marker)
@@ -78,27 +88,64 @@ def content_event_at(data: bytes, start: int, end: int) -> int:
     return 0
 
 
+class _Block(msgspec.Struct):
+    type: str = ""
+
+
+class _BlockStart(msgspec.Struct):
+    index: int = 0
+    content_block: _Block = msgspec.field(default_factory=_Block)
+
+
+_block_start = msgspec.json.Decoder(_BlockStart)
+_ENDS = (b"response.completed", b"response.incomplete", b"response.failed")
+
+
 class SseScanner:
     __slots__ = (
+        "blocks",
         "content_events",
+        "delta_seen",
+        "dialect",
         "done_seen",
         "error_first",
         "first_event",
+        "head_event",
+        "last_event",
+        "markers",
         "meta",
+        "meta_first",
         "on_first_content",
         "oversized",
         "pending",
+        "shortcut",
+        "started",
     )
 
-    def __init__(self, on_first_content=None) -> None:
+    def __init__(self, on_first_content=None, dialect: str = D.CHAT) -> None:
         self.content_events = 0  # events that carried generated content
         self.pending: bytes | bytearray = b""  # unfinished event text
-        self.done_seen = False  # `data: [DONE]` went by
-        self.error_first = False  # the first event was an `{"error": ...}` object
+        self.done_seen = False  # the stream's own end went by ([DONE], message_stop, ...)
+        self.error_first = False  # an error event came before any content
         self.meta = b""  # last event carrying usage/timings
+        self.meta_first = b""  # the first one
         self.oversized = False
         self.on_first_content = on_first_content  # called once, at the first content event
         self.first_event = True
+        self.started = False  # MESSAGES: message_start went by; RESPONSES: response.created
+        self.blocks: dict[int, str] = {}  # MESSAGES: the open content blocks' types, by index
+        self.delta_seen = False  # MESSAGES: message_delta (the stop reason) went by
+        self.head_event = b""  # RESPONSES: the response.created event
+        self.last_event = b""  # RESPONSES: the last event (its sequence_number goes on)
+        self.use(dialect)
+
+    def use(self, dialect: str) -> None:
+        """Read the stream as `dialect` speaks (the path's guess, or what its events say)."""
+        self.dialect = dialect
+        self.markers = D.RESPONSES_MARKERS if dialect == D.RESPONSES else D.MARKERS
+        # `content_event_at` (and the fast path it teaches) knows the `content` / `text`
+        # markers only: a Responses `.done` event holds the whole text as `"text":"`
+        self.shortcut = dialect != D.RESPONSES
 
     def feed_span(self, data: bytes, start: int, end: int) -> None:
         """Scan data[start:end] without copying it when it is one whole content event.
@@ -106,7 +153,12 @@ class SseScanner:
         That is the usual read (one token per read); anything else - several events, a
         partial one, a meta or [DONE] event - takes the general path.
         """
-        if not self.pending and not self.first_event and content_event_at(data, start, end):
+        if (
+            self.shortcut
+            and not self.pending
+            and not self.first_event
+            and content_event_at(data, start, end)
+        ):
             self.content_events += 1
             if self.content_events == 1 and self.on_first_content is not None:
                 self.on_first_content()
@@ -172,8 +224,15 @@ class SseScanner:
         # event: the error a first event may be comes after it
         if self.first_event and (ev[0] != 0x3A or b"\n" in ev):
             self.first_event = False
-            self.error_first = ev.startswith(b'data: {"error"')
-        if carries_content(ev):
+            self.error_first = ev.startswith(b'data: {"error"') or D.event_name(ev) == b"error"
+            api = D.recognise(ev)
+            if api is not None and api != self.dialect:
+                self.use(api)
+        if self.dialect == D.MESSAGES:
+            self._message_event(ev)
+        elif self.dialect == D.RESPONSES:
+            self._response_event(ev)
+        if carries_content(ev, self.markers):
             self.content_events += 1
             if self.content_events == 1 and self.on_first_content is not None:
                 self.on_first_content()
@@ -181,6 +240,53 @@ class SseScanner:
             self.done_seen = True
         if len(ev) <= _MAX_META and is_meta(ev):
             self.meta = ev
+            if not self.meta_first:
+                self.meta_first = ev
+
+    def _message_event(self, ev: bytes) -> None:
+        """Anthropic's lifecycle: what a terminal frame must close."""
+        name = D.event_name(ev)
+        if name == b"content_block_delta":
+            return  # (the usual event: nothing to follow)
+        if name == b"message_start":
+            self.started = True
+        elif name == b"content_block_start":
+            body = event_json(ev)
+            try:
+                start = _block_start.decode(body) if body else _BlockStart()
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                start = _BlockStart()
+            self.blocks[start.index] = start.content_block.type
+        elif name == b"content_block_stop":
+            body = event_json(ev)
+            try:
+                self.blocks.pop(_block_start.decode(body).index if body else -1, None)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.blocks.clear()
+        elif name == b"message_delta":
+            self.delta_seen = True
+        elif name == b"message_stop":
+            self.done_seen = True
+        elif name == b"error":  # (Anthropic's streamed error ends the stream)
+            self.done_seen = True
+            self.error_first = not self.content_events
+
+    def _response_event(self, ev: bytes) -> None:
+        """OpenAI Responses' lifecycle: the response a terminal frame must end."""
+        self.last_event = ev
+        name = D.event_name(ev)
+        if name.endswith(b".delta"):
+            return  # (the usual event)
+        if name == b"response.created":
+            self.started = True
+            self.head_event = ev
+        elif name in _ENDS:
+            self.done_seen = True
+            if name == b"response.failed" and not self.content_events:
+                self.error_first = True
+        elif name == b"error":
+            self.done_seen = True
+            self.error_first = not self.content_events
 
 
 def event_json(event: bytes) -> bytes | None:

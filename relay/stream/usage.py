@@ -1,8 +1,17 @@
-"""Exact token figures read from what the upstream said (usage / timings), once per request."""
+"""Exact token figures read from what the upstream said (usage / timings), once per request.
+
+Every API's spelling: OpenAI's `usage.prompt_tokens` / `completion_tokens`; Anthropic's
+`usage.input_tokens` (plus `cache_read_input_tokens` and `cache_creation_input_tokens`, which
+it counts apart: the prompt figure is all three) and `output_tokens`, at the top of a body or
+a `message_delta`, under `message` in `message_start`; OpenAI Responses' `input_tokens` /
+`output_tokens`, at the top of a body or under `response` in `response.completed`; then
+llama-server's `timings` and native `/completion` figures.
+"""
 
 from __future__ import annotations
 
 import msgspec
+import msgspec.structs
 
 from relay.stream.sse import event_json
 
@@ -10,8 +19,28 @@ from relay.stream.sse import event_json
 class _Usage(msgspec.Struct):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    input_tokens: int | None = None  # Anthropic, Responses
+    output_tokens: int | None = None
+    cache_read_input_tokens: int | None = None  # Anthropic: not in its input_tokens
+    cache_creation_input_tokens: int | None = None
     decoding_speed_tps: float | None = None
     kv_token_occupancy_rate_percentage: float | None = None
+
+    def prompt(self) -> int | None:
+        if self.prompt_tokens is not None:
+            return self.prompt_tokens
+        if self.input_tokens is None:
+            return None
+        return (
+            self.input_tokens
+            + (self.cache_read_input_tokens or 0)
+            + (self.cache_creation_input_tokens or 0)
+        )
+
+    def completion(self) -> int | None:
+        if self.completion_tokens is not None:
+            return self.completion_tokens
+        return self.output_tokens
 
 
 class _Timings(msgspec.Struct):
@@ -23,9 +52,16 @@ class _Timings(msgspec.Struct):
     predicted_per_second: float | None = None
 
 
+class _Inner(msgspec.Struct):  # Anthropic's `message`, Responses' `response`
+    usage: _Usage | None = None
+    timings: _Timings | None = None
+
+
 class _Meta(msgspec.Struct):
     usage: _Usage | None = None
     timings: _Timings | None = None
+    message: _Inner | None = None
+    response: _Inner | None = None
     # llama-server's native /completion
     tokens_predicted: int | None = None
     tokens_evaluated: int | None = None
@@ -41,6 +77,20 @@ class Usage(msgspec.Struct, frozen=True):
     prompt_ms: float | None = None
     prompt_per_second: float | None = None
     predicted_per_second: float | None = None
+
+    def _replace_tokens(self, other: Usage) -> Usage:
+        """These figures, a token count missing here taken from `other`."""
+        return msgspec.structs.replace(
+            self,
+            prompt_tokens=self.prompt_tokens
+            if self.prompt_tokens is not None
+            else other.prompt_tokens,
+            completion_tokens=(
+                self.completion_tokens
+                if self.completion_tokens is not None
+                else other.completion_tokens
+            ),
+        )
 
 
 _decoder = msgspec.json.Decoder(_Meta)
@@ -60,19 +110,22 @@ def exact_usage(doc: bytes) -> Usage | None:
         return None
     prompt = completion = None
     tps = kv = None
-    if meta.usage is not None:
-        prompt = meta.usage.prompt_tokens
-        completion = meta.usage.completion_tokens
-        tps = meta.usage.decoding_speed_tps
-        kv = meta.usage.kv_token_occupancy_rate_percentage
+    inner = meta.response or meta.message
+    usage = meta.usage or (inner.usage if inner is not None else None)
+    timings = meta.timings or (inner.timings if inner is not None else None)
+    if usage is not None:
+        prompt = usage.prompt()
+        completion = usage.completion()
+        tps = usage.decoding_speed_tps
+        kv = usage.kv_token_occupancy_rate_percentage
     timed: tuple = ()
-    if meta.timings is not None:
-        t = meta.timings
+    if timings is not None:
+        t = timings
         timed = (t.prompt_ms, t.prompt_per_second, t.predicted_per_second)
         if completion is None:
-            completion = meta.timings.predicted_n
-        if prompt is None and meta.timings.prompt_n is not None:
-            prompt = meta.timings.prompt_n + (meta.timings.cache_n or 0)
+            completion = t.predicted_n
+        if prompt is None and t.prompt_n is not None:
+            prompt = t.prompt_n + (t.cache_n or 0)
     if completion is None:
         completion = meta.tokens_predicted
     if prompt is None:
@@ -82,10 +135,23 @@ def exact_usage(doc: bytes) -> Usage | None:
     return Usage(prompt, completion, tps, kv, *timed)
 
 
-def stream_usage(meta_event: bytes) -> Usage | None:
-    """Usage from the last SSE event that carried usage/timings."""
+def stream_usage(meta_event: bytes, first_event: bytes = b"") -> Usage | None:
+    """Usage from the last SSE event that carried usage/timings; a figure it lacks from the
+    first such event (Anthropic tells the prompt in `message_start` only)."""
     body = event_json(meta_event) if meta_event else None
-    return exact_usage(body) if body else None
+    last = exact_usage(body) if body else None
+    if (
+        first_event
+        and first_event is not meta_event
+        and (last is None or last.prompt_tokens is None or last.completion_tokens is None)
+    ):
+        body = event_json(first_event)
+        first = exact_usage(body) if body else None
+        if first is not None:
+            if last is None:
+                return first
+            return last._replace_tokens(first)
+    return last
 
 
 class JsonBody:

@@ -137,8 +137,10 @@ class LlamaServer:
         extra_args: tuple[str, ...] = (),
         health_timeout: float = HEALTH_TIMEOUT_S,
         router_models: tuple[str, ...] = (),
+        model: dict | None = None,
     ):
         self.want = binary
+        self.model = dict(model or {})  # write_tiny_model's options (n_ctx_train, ends_turn)
         self.extra_args = tuple(extra_args)
         # router mode (--models-dir): one tiny model per name, loaded on first use
         self.router_models = tuple(router_models)
@@ -185,7 +187,7 @@ class LlamaServer:
             for name in self.router_models:
                 write_tiny_model(self.dir / "models" / f"{name}.gguf")
         else:
-            write_tiny_model(self.model_path)
+            write_tiny_model(self.model_path, **self.model)
         failures: list[str] = []
         for _attempt in range(3):  # a new port if another process grabbed ours
             err = self._try_start(binary)

@@ -131,18 +131,26 @@ def build_vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def build_weights(tokens: list[str]) -> tuple[np.ndarray, np.ndarray]:
+# The agents' variant (`write_tiny_model(..., ends_turn=True)`): "." ends the answer, so a chat
+# turn is "Hello from a tiny llama." and a stop (an agent's turn ends, `end_turn`).
+AGENT_NEXT = {**NEXT, ".": "</s>"}
+AGENT_TEXT = "Hello from a tiny llama."
+
+
+def build_weights(
+    tokens: list[str], transitions: dict[str, str] = NEXT
+) -> tuple[np.ndarray, np.ndarray]:
     """Return (token_embd [n_vocab, n_embd], output [n_vocab, n_embd]) implementing NEXT."""
     import numpy as np
 
     index = {t: i for i, t in enumerate(tokens)}
-    targets = [DEFAULT_NEXT] + sorted(set(NEXT.values()) - {DEFAULT_NEXT})
+    targets = [DEFAULT_NEXT] + sorted(set(transitions.values()) - {DEFAULT_NEXT})
     assert len(targets) <= N_EMBD
     class_of_target = {t: k for k, t in enumerate(targets)}
     n_vocab = len(tokens)
     embd = np.zeros((n_vocab, N_EMBD), dtype=np.float32)
     embd[:, class_of_target[DEFAULT_NEXT]] = 1.0
-    for src, dst in NEXT.items():
+    for src, dst in transitions.items():
         row = index[src]
         embd[row, :] = 0.0
         embd[row, class_of_target[dst]] = 1.0
@@ -154,19 +162,23 @@ def build_weights(tokens: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return embd, output
 
 
-def write_tiny_model(path: str | Path) -> None:
-    """Write the tiny deterministic model (see the module docstring) to ``path``."""
+def write_tiny_model(
+    path: str | Path, n_ctx_train: int = N_CTX_TRAIN, ends_turn: bool = False
+) -> None:
+    """Write the tiny deterministic model (see the module docstring) to ``path``; a larger
+    ``n_ctx_train`` lets a server hold long prompts (an agent's system prompt and tools),
+    `ends_turn` makes "." end the answer (`AGENT_NEXT`)."""
     import numpy as np
     from gguf import GGUFWriter, LlamaFileType
 
     tokens, scores, types = build_vocab()
-    embd, output = build_weights(tokens)
+    embd, output = build_weights(tokens, AGENT_NEXT if ends_turn else NEXT)
     n_vocab = len(tokens)
     head_dim = N_EMBD // N_HEAD
 
     w = GGUFWriter(str(path), "llama")
     w.add_name("tiny-deterministic-llama")
-    w.add_context_length(N_CTX_TRAIN)
+    w.add_context_length(n_ctx_train)
     w.add_embedding_length(N_EMBD)
     w.add_block_count(N_LAYER)
     w.add_feed_forward_length(N_FF)

@@ -434,13 +434,13 @@ def test_close_with_after_done_adds_nothing():
 
 
 def test_close_with_stall_frame_ends_half_sent_line():
-    from relay.stream.stall import stall_frame
+    from relay.stream.terminal import stall_frame
 
     ev = b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'
     t = ChunkTracker()
     body = frame(ev) + frame(ev)
     fwd, _payloads = t.feed(body[: len(frame(ev)) + 20])  # inside the second chunk's data line
-    sf = stall_frame("/v1/chat/completions", "m", "idle", 1.5, "llm", 1)
+    sf = stall_frame(None, "chat", "m", "idle", 1.5, "llm", 1)
     content = valid_complete(fwd + t.close_with(sf))
     # SSE view: every event is whole; [DONE] is the last event and appears once
     events = [e for e in content.split(b"\n\n") if e.strip(b"\n")]

@@ -270,12 +270,16 @@ def test_meta_keeps_last_usage_or_timings_event():
     assert s.meta == second
 
 
-def test_meta_ignores_oversized_event():
+def test_meta_keeps_a_large_event_and_ignores_an_oversized_one():
+    # a Responses `response.completed` repeats the output, instructions and tools: 70 KB
     s = SseScanner()
     small = b'data: {"usage":{"completion_tokens":2}}'
     big = b'data: {"usage":{"completion_tokens":3},"pad":"' + b"x" * 70000 + b'"}'
     s.feed(small + b"\n\n" + big + b"\n\n")
-    assert s.meta == small and s.content_events == 0
+    assert s.meta == big and s.meta_first == small and s.content_events == 0
+    huge = b'data: {"usage":{"completion_tokens":4},"pad":"' + b"x" * (1 << 20) + b'"}'
+    s.feed(huge + b"\n\n")
+    assert s.meta == big
 
 
 def test_oversized_pending_event_given_up():
@@ -525,4 +529,4 @@ def test_an_event_under_the_bound_in_many_reads_is_scanned_whole():
     s = SseScanner()
     for i in range(0, len(ev), 1000):
         s.feed(ev[i : i + 1000])
-    assert s.content_events == 1 and not s.oversized and s.pending == b"" and s.meta == b""
+    assert s.content_events == 1 and not s.oversized and s.pending == b"" and s.meta == ev[:-2]

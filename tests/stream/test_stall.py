@@ -10,11 +10,20 @@ import socket
 
 import pytest
 
-from relay.stream.stall import DONE_EVENT, StallPolicy, stall_frame, stall_notice
+from relay.stream import dialect
+from relay.stream.stall import StallPolicy
+from relay.stream.terminal import DONE_EVENT, stall_notice
+from relay.stream.terminal import stall_frame as _stall_frame
 from tests.support import httpc
 from tests.support.fakeup import Scripted
 from tests.support.helpers import rows_of, wait_for
 from tests.support.sockets import slow_client
+
+
+def stall_frame(path, *args):
+    """The frame of a stream nothing was scanned of, in the shape of the path's API."""
+    return _stall_frame(None, dialect.from_path(path), *args)
+
 
 INF = float("inf")
 
@@ -121,7 +130,7 @@ def test_chat_shape_exact(path):
     assert stall_frame(path, "llm-7b", "idle", 300.0, "llm", 1700000000) == CHAT_EXPECTED
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/completion"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/completions"])
 def test_legacy_shape_exact(path):
     assert stall_frame(path, "llm-7b", "total", 12.345, "gpu-1", 1700000000) == LEGACY_EXPECTED
 
@@ -134,7 +143,7 @@ def _event(frame: bytes) -> dict:
     return json.loads(body)
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/completion"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/completions"])
 @pytest.mark.parametrize("reason", ["total", "idle", "read"])
 def test_frame_structure(path, reason):
     frame = stall_frame(path, 'm"\u00e9', reason, 1.5, "up", 42)
@@ -309,7 +318,16 @@ async def test_legacy_completions_shape(make_relay, sim):
     assert choice["finish_reason"] == "length"
 
 
-async def test_native_completion_gets_done_only_after_a_stall_frame(make_relay, sim):
+def test_native_shape_exact():
+    # llama-server's native /completion ends with `"stop":true`, never `[DONE]`
+    assert stall_frame("/completion", "m", "idle", 2.0, "llm", 1) == (
+        b'\n\ndata: {"content":"\\n\\n[relay] stall guard: idle after 2.0s","stop":true,'
+        b'"stop_type":"limit","x_relay_stall":{"reason":"idle","elapsed_s":2.0,"upstream":"llm"}}'
+        b"\n\n"
+    )
+
+
+async def test_native_completion_never_gets_done(make_relay, sim):
     app = await make_relay(stream_idle_timeout_s=0.2, stream_total_timeout_s=0)
     ok = await httpc.fetch(
         app.port, "POST", "/completion", {"prompt": "Say hi", "n_predict": 3, "stream": True}
@@ -321,7 +339,10 @@ async def test_native_completion_gets_done_only_after_a_stall_frame(make_relay, 
         "/completion",
         {"prompt": "Say hi", "n_predict": 9, "stream": True, "sim": {"stall_after": 1}},
     )
-    assert synthetic(stalled)["object"] == "text_completion"
+    assert b"[DONE]" not in stalled.body and stalled.complete
+    last = json.loads(stalled.body.rstrip(b"\n").rsplit(b"\n\n", 1)[1][len(b"data: ") :])
+    assert last["stop"] is True and last["stop_type"] == "limit"
+    assert last["x_relay_stall"]["reason"] == "idle"
 
 
 async def test_non_sse_body_is_cut_with_nothing_injected(make_relay, sim):
