@@ -259,3 +259,46 @@ async def test_a_token_budget_is_charged_the_servers_figures(make_relay):
     assert [(r["prompt_tokens"], r["completion_tokens"], r["tokens_source"]) for r in rows[:2]] == [
         (15, 8, "exact")
     ] * 2
+
+
+# ---- the simulator's own streams (relay/sim: the pinned llama-server's shapes) -------------
+SIM_TOOLS = [
+    {
+        "name": "get_weather",
+        "description": "weather",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+]
+
+
+async def test_anthropic_sdk_on_a_stalling_simulator(make_relay):
+    app = await make_relay(stream_idle_timeout_s=0.3, stream_total_timeout_s=0)
+    client = aclient(app.port)
+    sim = {"sim": {"tokens": 20, "interval_ms": 5, "stall_after": 4}}
+    async with client.messages.stream(**MESSAGES_REQ, extra_body=sim) as stream:
+        final = await stream.get_final_message()
+    assert (
+        final.stop_reason == "max_tokens" and "[relay] stall guard: idle" in final.content[0].text
+    )
+    # a tool call cut in its input: the input is left as far as it came, no text in it
+    tool = {"sim": {"tool_call": {"pieces": 6}, "interval_ms": 5, "stall_after": 4}}
+    req = {**MESSAGES_REQ, "max_tokens": 64, "tools": SIM_TOOLS}
+    async with client.messages.stream(**req, extra_body=tool) as stream:
+        final = await stream.get_final_message()
+    assert final.stop_reason == "max_tokens"
+    assert [b.type for b in final.content] == ["tool_use"]
+    rows = await rows_of(app, 2)
+    assert [(r["ok"], r["error_code"]) for r in rows] == [(0, "stream_stall_idle")] * 2
+
+
+async def test_openai_responses_on_a_stalling_simulator(make_relay):
+    app = await make_relay(stream_idle_timeout_s=0.3, stream_total_timeout_s=0)
+    sim = {"sim": {"tokens": 20, "interval_ms": 5, "stall_after": 4}}
+    stream = await oclient(app.port).responses.create(stream=True, **RESPONSES_REQ, extra_body=sim)
+    kinds = [event.type async for event in stream]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
+    assert "response.completed" not in kinds
+    raw = await httpc.fetch(
+        app.port, "POST", "/v1/responses", {**RESPONSES_REQ, "stream": True, **sim}
+    )
+    assert b"[DONE]" not in raw.body and raw.body.endswith(b"\n\n") and raw.complete
