@@ -10,13 +10,15 @@
   parses any body as JSON; one that is not a JSON object is refused there (400
   `invalid_json`). Nesting too deep for the decoder is invalid JSON too, not a relay error.
   A field the relay decides on named twice is refused (`body_fields`): the upstream's parser
-  could read the other one. `n` and `best_of` are read as the servers that honour them read
-  them (`4`, `4.0`, `"4"`); a count they would not read as a whole number is refused.
+  could read the other one. `n`, `best_of` and llama-server's `n_cmpl` are read as the servers
+  that honour them read them (`4`, `4.0`, `"4"`); a count they would not read as a whole
+  number is refused.
 - `completion_limit` / `estimate_tokens`: the most tokens the upstream may generate per
   prompt is the largest of the limit fields this path's API honours (llama-server reads
   `n_predict` before `max_tokens`; a field another API names is ignored, so it limits
   nothing); none, or a negative one, is unbounded. The reservation is that limit times the
-  prompts (`"prompt": [p1 ... pN]`) times the choices (`n`, or `best_of` when larger).
+  prompts (`"prompt": [p1 ... pN]`) times the choices (the largest of `n`, `best_of`,
+  `n_cmpl`).
 - `with_limit`: when a token budget applies, an unbounded request is capped by writing the
   cap into the limit fields of the path's API (never a field it does not know), so the
   reservation is what the upstream honours.
@@ -25,6 +27,7 @@
 from __future__ import annotations
 
 import bisect
+import re
 
 import msgspec
 import msgspec.structs
@@ -41,7 +44,9 @@ from relay.policy import body_fields as B
 # completion tokens (embeddings, rerank). Every route here takes a JSON object.
 _OPENAI = ("n_predict", "max_tokens", "max_completion_tokens")
 _NATIVE = ("n_predict", "max_tokens")
-_RESPONSES = ("max_output_tokens",)
+# llama-server's Responses route reads n_predict, then max_completion_tokens, then
+# max_output_tokens, then max_tokens (seen on the pinned build): the largest is reserved
+_RESPONSES = ("n_predict", "max_completion_tokens", "max_output_tokens", "max_tokens")
 _MESSAGES = ("max_tokens",)
 PATH_LIMITS: dict[str, tuple[str, ...]] = {
     "/v1/chat/completions": _OPENAI,
@@ -122,7 +127,7 @@ class Peek(msgspec.Struct):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     max_output_tokens: int | None = None
-    choices: int = 1  # completions per prompt: OpenAI's `n`, or `best_of` when larger
+    choices: int = 1  # completions per prompt: `n`, `best_of` or llama-server's `n_cmpl`
     prompt: msgspec.Raw = msgspec.Raw()  # as sent (`prompt_count`)
     spans: dict[str, tuple[int, int]] = msgspec.field(default_factory=dict)
 
@@ -131,6 +136,7 @@ _str = msgspec.json.Decoder(str | None)
 _bool = msgspec.json.Decoder(bool | None)
 _int = msgspec.json.Decoder(int | None)
 _any = msgspec.json.Decoder()
+_NUMBER = re.compile(r"[+-]?[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]{1,3})?")  # (no `_`, no inf)
 
 
 def head_check(
@@ -204,7 +210,7 @@ def peek_body(method: bytes, headers, body: bytes, llm: bool) -> Peek:
         max_tokens=_typed(_int, members, "max_tokens"),
         max_completion_tokens=_typed(_int, members, "max_completion_tokens"),
         max_output_tokens=_typed(_int, members, "max_output_tokens"),
-        choices=max(_count(members, "n"), _count(members, "best_of")),
+        choices=max(_count(members, "n"), _count(members, "best_of"), _count(members, "n_cmpl")),
         prompt=members.prompt,
         spans=spans,
     )
@@ -227,14 +233,14 @@ def _count(members: B.Members, name: str) -> int:
     raw = getattr(members, name)
     if not raw:
         return 1
-    value = _any.decode(raw)
+    try:
+        value = _any.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):  # 1e400: out of range
+        raise _bad_field(name, "expected a whole number") from None
     if value is None:
         return 1
     if isinstance(value, str):
-        try:
-            value = float(value.strip())
-        except ValueError:
-            value = None
+        value = float(value) if _NUMBER.fullmatch(value.strip()) else None
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool):

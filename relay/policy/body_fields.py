@@ -14,7 +14,8 @@ Bounded work for any body the relay accepts (`max_body_bytes`), each step one C-
   name whose quoted spelling occurs once in the whole body, in a body with no escaped letter
   anywhere, is named once (its one occurrence is the member). Only a body where a name may
   repeat (a nested member or a value of that spelling, an escape) is walked member by member
-  at the top level, each value skipped by msgspec; that walk stops at `MAX_MEMBERS` members
+  at the top level, each name and value skipped by msgspec in C (what follows a value is
+  "trailing" to it: the offset msgspec names is where it ends); the walk stops at `MAX_MEMBERS` members
   (`TooManyMembers`: no API request has a thousand parameters).
 
 `splice` rewrites (the name an upstream knows a model by, a token cap) in place: a member's
@@ -38,6 +39,7 @@ DECIDING = (
     "max_output_tokens",
     "n",
     "best_of",
+    "n_cmpl",
     "prompt",
 )
 MAX_MEMBERS = 1024  # top-level members walked when a deciding name may occur twice
@@ -56,6 +58,7 @@ class Members(msgspec.Struct):
     max_output_tokens: Raw = Raw()
     n: Raw = Raw()
     best_of: Raw = Raw()
+    n_cmpl: Raw = Raw()  # llama-server's own count of choices
     prompt: Raw = Raw()
 
 
@@ -78,7 +81,6 @@ _NAMES = frozenset(name.encode() for name in DECIDING)
 # `\u0041`-`\u007f`: the only escapes that unescape to a letter, digit or `_` of a name
 _ESCAPED_LETTER = re.compile(rb"\\u00[4-7][0-9a-fA-F]")
 _WS = re.compile(rb"[ \t\r\n]*")
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 _SCALAR = re.compile(rb"[-+0-9.eE]+|true|false|null")
 _TRAILING = re.compile(r"trailing characters \(byte (\d+)\)")
 
@@ -131,12 +133,12 @@ def walk(body: bytes) -> dict[str, Span]:
     if body[i : i + 1] == b"}":
         return spans
     for _ in range(MAX_MEMBERS):
-        m = _STRING.match(body, i)
-        if m is None:
+        if body[i : i + 1] != b'"':
             raise msgspec.DecodeError(f"a member name expected at byte {i}")
-        token = m.group()
+        end = value_end(body, i)
+        token = body[i:end]
         name = msgspec.json.decode(token).encode() if b"\\" in token else token[1:-1]
-        i = _colon(body, m.end())
+        i = _colon(body, end)
         end = value_end(body, i)
         if name in _NAMES:
             key = name.decode()
@@ -153,17 +155,17 @@ def walk(body: bytes) -> dict[str, Span]:
 def value_end(body: bytes, i: int) -> int:
     """Where the JSON value starting at `i` ends (the body goes on after it)."""
     first = body[i : i + 1]
-    if first == b'"':
-        m = _STRING.match(body, i)
-    elif first in (b"{", b"["):
+    if first in (b'"', b"{", b"["):
         try:  # msgspec skips the value in C; what follows it is "trailing"
             _raw.decode(memoryview(body)[i:])
         except msgspec.DecodeError as exc:
             t = _TRAILING.search(str(exc))
             if t is not None:
                 at = i + int(t.group(1)) - 1  # msgspec counts past the trailing byte
-                if body[at : at + 1] in (b",", b"}"):
-                    return len(body[:at].rstrip(b" \t\r\n"))
+                if body[at : at + 1] in (b",", b"}", b":"):
+                    while at > i and body[at - 1] in b" \t\r\n":  # (no copy of the body)
+                        at -= 1
+                    return at
         raise msgspec.DecodeError(f"a value expected at byte {i}")
     else:
         m = _SCALAR.match(body, i)

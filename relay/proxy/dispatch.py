@@ -179,6 +179,9 @@ class Dispatcher:
             if rec.key_id is None:
                 raise RelayError("invalid_api_key", "missing or unknown API key")
         slot_path = A.generates(req.method, path)  # any POST but a known cheap route
+        large = len(req.body) > A.LARGE_BODY  # the other streams' turn between body passes
+        if large:
+            await asyncio.sleep(0)
         peek = A.peek_body(req.method, req.headers, req.body, A.json_route(path))
         rec.model, rec.stream = bounded(peek.model, A.MAX_ECHO), bool(peek.stream)
         ledger.model = peek.model  # the public name, whole (model_map looks it up)
@@ -192,7 +195,7 @@ class Dispatcher:
                 "model_not_found", f"no upstream serves model {rec.model!r}", {"model": rec.model}
             ) from None
         rec.upstream_requested = candidates[0]
-        if len(req.body) > A.LARGE_BODY:  # the other streams' turn between body passes
+        if large:
             await asyncio.sleep(0)
         cap = app.config.budget.default_max_tokens
         prompt_est, completion_est, completions = A.estimates(req.body, peek, cap, path)

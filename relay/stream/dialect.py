@@ -56,15 +56,21 @@ def from_path(path: str) -> str:
 
 
 def event_name(ev: bytes) -> bytes:
-    """The `event:` field of an event (its first line), or its JSON `"type"`, or b""."""
+    """The `event:` field of an event (its first line as servers write it, or a line after an
+    `id:` or `retry:` one), else the `"type"` its data names first, else b""."""
     if ev.startswith(b"event:"):
-        nl = ev.find(b"\n")
-        return ev[6 : nl if nl >= 0 else len(ev)].strip()
-    i = ev.find(b'"type":"', 0, 64)
-    if i >= 0:
-        j = ev.find(b'"', i + 8)
-        return ev[i + 8 : j] if j > 0 else b""
-    return b""
+        start = 6
+    else:
+        start = ev.find(b"\nevent:") + 8
+        if start < 8:
+            data = ev.find(b"data:")
+            i = ev.find(b'"type":"', data, data + 72) if data >= 0 else -1
+            if i < 0:
+                return b""
+            j = ev.find(b'"', i + 8)
+            return ev[i + 8 : j] if j > 0 else b""
+    nl = ev.find(b"\n", start)
+    return ev[start : nl if nl >= 0 else len(ev)].strip()
 
 
 def recognise(ev: bytes) -> str | None:

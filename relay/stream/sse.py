@@ -118,6 +118,7 @@ class SseScanner:
         "on_first_content",
         "oversized",
         "pending",
+        "recognised",
         "shortcut",
         "started",
     )
@@ -132,6 +133,7 @@ class SseScanner:
         self.oversized = False
         self.on_first_content = on_first_content  # called once, at the first content event
         self.first_event = True
+        self.recognised = False  # an event named the stream's API (`dialect.recognise`)
         self.started = False  # MESSAGES: message_start went by; RESPONSES: response.created
         self.blocks: dict[int, str] = {}  # MESSAGES: the open content blocks' types, by index
         self.delta_seen = False  # MESSAGES: message_delta (the stop reason) went by
@@ -225,9 +227,12 @@ class SseScanner:
         if self.first_event and (ev[0] != 0x3A or b"\n" in ev):
             self.first_event = False
             self.error_first = ev.startswith(b'data: {"error"') or D.event_name(ev) == b"error"
+        if not self.recognised:  # (until an event names its API: the first, as a rule)
             api = D.recognise(ev)
-            if api is not None and api != self.dialect:
-                self.use(api)
+            if api is not None:
+                self.recognised = True
+                if api != self.dialect:
+                    self.use(api)
         if self.dialect == D.MESSAGES:
             self._message_event(ev)
         elif self.dialect == D.RESPONSES:

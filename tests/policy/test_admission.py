@@ -105,7 +105,11 @@ def test_completion_limit_is_the_largest_field_or_unbounded(fields, limit):
         ("/completion", {"max_completion_tokens": 5}, None),
         ("/completion", {"max_tokens": 5}, 5),
         ("/infill", {"n_predict": 6}, 6),
-        ("/v1/responses", {"max_tokens": 5}, None),
+        # llama-server's Responses route reads all four (n_predict first): the largest
+        ("/v1/responses", {"max_tokens": 5}, 5),
+        ("/v1/responses", {"max_output_tokens": 3, "n_predict": 12}, 12),
+        ("/v1/responses", {"max_output_tokens": 3, "max_completion_tokens": 1500}, 1500),
+        ("/v1/responses", {"max_output_tokens": 3, "n_predict": -1}, None),
         ("/responses", {"max_output_tokens": 5}, 5),
         ("/v1/messages", {"max_tokens": 7, "n_predict": 3}, 7),
         ("/v1/messages", {"max_output_tokens": 7}, None),
@@ -160,6 +164,10 @@ def test_reservation_multiplies_limit_prompts_and_choices():
         ({"best_of": 4, "n": 2}, 4),
         ({"best_of": "3", "n": 5}, 5),
         ({"n": 10**12}, A.MAX_CHOICES),
+        ({"n": 10**400}, A.MAX_CHOICES),
+        # llama-server's own count of choices
+        ({"n_cmpl": 4}, 4),
+        ({"n_cmpl": 2, "n": 3}, 3),
     ],
 )
 def test_choices_read_as_the_servers_read_them(fields, choices):
@@ -178,11 +186,20 @@ def test_choices_read_as_the_servers_read_them(fields, choices):
         {"best_of": {"a": 4}},
         {"n": "inf"},
         {"n": "nan"},
+        {"n": "4_0"},
+        {"n_cmpl": "two"},
     ],
 )
 def test_choices_no_server_reads_as_a_count_are_refused(fields):
     with pytest.raises(RelayError) as exc:
         peek(**fields)
+    assert exc.value.code == "bad_request" and exc.value.status == 400
+
+
+@pytest.mark.parametrize("raw", [b"1e400", b"-1e400", b"1e309"])
+def test_a_count_out_of_any_range_is_a_400_not_a_crash(raw):
+    with pytest.raises(RelayError) as exc:
+        A.peek_body(b"POST", [], b'{"max_tokens":3,"n":' + raw + b"}", True)
     assert exc.value.code == "bad_request" and exc.value.status == 400
 
 
@@ -204,7 +221,12 @@ def test_choices_no_server_reads_as_a_count_are_refused(fields):
         (CHAT, b'{"max_tokens":null}', b'{"max_tokens":64}'),
         # a field of another API is left alone, the path's own field added
         (CHAT, b'{"max_output_tokens":5}', b'{"max_output_tokens":5,"max_tokens":64}'),
-        ("/v1/responses", b'{"max_tokens":5}', b'{"max_tokens":5,"max_output_tokens":64}'),
+        ("/v1/responses", b'{"input":"x"}', b'{"input":"x","max_output_tokens":64}'),
+        (
+            "/v1/responses",
+            b'{"max_output_tokens":3,"n_predict":-1}',
+            b'{"max_output_tokens":64,"n_predict":64}',
+        ),
         ("/v1/messages", b'{"messages":[]}', b'{"messages":[],"max_tokens":64}'),
         ("/completion", b'{"prompt":"}"}', b'{"prompt":"}","n_predict":64}'),
         # whitespace, an empty object, nested objects, strings holding braces

@@ -162,6 +162,20 @@ HEAVY = [
     # the same members with a nested `model`: the walk the gate sends it to stops early
     pytest.param(CHAT, many_members(780_000)[:-1] + b',"x":{"model":1}}', id="780k-members-walked"),
     pytest.param("/v1/completions", many_prompts(1_900_000), id="1.9M-prompts"),
+    # an escaped name sends it to the walk, past a value of 4 million escapes
+    pytest.param(
+        CHAT, b'{"\\u006dodel":"gpt-4o","x":"' + b"\\n" * 3_900_000 + b'"}', id="walked-escapes"
+    ),
+    # a Messages body as an agent sends it: a 7 MB system prompt, a tool with a `model` field
+    pytest.param(
+        "/v1/messages",
+        b'{"model":"gpt-4o","max_tokens":5,"system":"'
+        + b"code = 1; // comment\\n" * 320_000
+        + b'","tools":[{"name":"t","input_schema":{"properties":{"model":{}}}}],'
+        + MESSAGES
+        + b"}",
+        id="agent-body",
+    ),
     pytest.param(
         "/v1/completions",
         b'{"model":"gpt-4o","prompt":[' + b",".join([b"[]"] * 2_600_000) + b"]}",
@@ -207,3 +221,25 @@ async def test_no_body_stalls_another_stream(make_relay, sim, recorder, path, bo
     await stream
     assert resp.status in (200, 400), resp.body
     assert max(gaps[before:]) < STALL_BOUND, f"worst gap {max(gaps[before:]):.3f} s"
+
+
+async def test_responses_limits_are_the_fields_llama_server_reads(make_relay, recorder):
+    # it reads n_predict, max_completion_tokens, max_output_tokens, max_tokens on /v1/responses
+    app = await make_relay(upstreams=mapped(recorder.url), keys=[key(tokens_per_day=2000)])
+    path = "/v1/responses"
+    body = b'{"model":"a","input":"Hi","max_output_tokens":3,"n_predict":-1}'
+    assert (await post(app.port, path, body, bearer())).status == 200
+    [got] = recorder.bodies  # the cap is written over every limit the body names
+    assert got == b'{"model":"cheap-model","input":"Hi","max_output_tokens":1024,"n_predict":1024}'
+    over = b'{"model":"a","input":"Hi","max_output_tokens":3,"max_completion_tokens":1500}'
+    resp = await post(app.port, path, over, bearer())
+    assert (resp.status, error_of(resp)["code"]) == (429, "budget_exceeded")
+    assert len(recorder.bodies) == 1
+
+
+@pytest.mark.parametrize("member", [b'"n":1e400', b'"best_of":-1e400', b'"n_cmpl":1e999'])
+async def test_a_count_out_of_range_is_refused_not_a_crash(make_relay, recorder, member):
+    app = await make_relay(upstreams=mapped(recorder.url))
+    resp = await post(app.port, CHAT, b'{"model":"a",' + MESSAGES + b"," + member + b"}")
+    assert (resp.status, error_of(resp)["code"]) == (400, "bad_request")
+    assert recorder.bodies == []

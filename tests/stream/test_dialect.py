@@ -387,8 +387,18 @@ def test_in_band_errors_in_each_apis_shape():
         (b'data: {"choices":[{"text":"a"}],"object":"text_completion"}', D.TEXT),
         (b'data: {"index":0,"content":"a","tokens":[],"stop":false}', D.NATIVE),
         (b": ping", None),
+        (b"id: 7\nevent: message_start\ndata: {}", D.MESSAGES),
+        (b"retry: 100\nevent: response.created\ndata: {}", D.RESPONSES),
+        (b"id: " + b"x" * 60 + b'\ndata: {"type":"response.created","response":{}}', D.RESPONSES),
         (b'data: {"error":{"message":"x"}}', None),
     ],
 )
 def test_recognise(ev, api):
     assert D.recognise(ev) == api
+
+
+def test_a_retry_event_first_does_not_hide_the_api():
+    # the first event names no API: the next one that does decides
+    body = b"retry: 1000\n\n" + responses_stream("a b") + responses_end("a b", 6)
+    s = scan(body)
+    assert s.dialect == D.RESPONSES and s.content_events == 2
