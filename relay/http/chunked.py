@@ -156,9 +156,10 @@ class ChunkTracker:
     def close_with(self, payload: bytes) -> bytes:
         """Bytes that end the body cleanly from where the client stands, carrying `payload`.
 
-        Inside a chunk the owed bytes are filled first: with the payload itself, padded in
-        front with newlines when the payload is shorter (blank lines are ignored by SSE
-        parsers; the first one ends a half-sent line). Held-back bytes are dropped.
+        Inside a chunk the owed bytes are filled first: with the payload itself, padded
+        with newlines when the payload is shorter, after the payload's first blank line (what
+        comes before it finishes a half-sent event; more blank lines are ignored by SSE
+        parsers). Held-back bytes are dropped.
         """
         if self.state == DONE:
             return b""  # the body is already whole: nothing may follow it
@@ -166,7 +167,10 @@ class ChunkTracker:
         if self.state == DATA:
             owed = self.remaining
             if owed >= len(payload):
-                out.append(b"\n" * (owed - len(payload)) + payload + b"\r\n")
+                at = payload.find(b"\n\n")
+                at = at + 2 if at >= 0 else 0  # (no blank line: the padding goes first)
+                pad = b"\n" * (owed - len(payload))
+                out.append(payload[:at] + pad + payload[at:] + b"\r\n")
                 payload = b""
             else:
                 out.append(payload[:owed] + b"\r\n")

@@ -1,7 +1,8 @@
 """The frames the relay itself ends a stream with, in the stream's own API (`stream.dialect`).
 
-- `stall_frame`: the stall guard cut a stream the client has seen content of. It ends as its
-  API ends a stream cut short, with the relay's `x_relay_stall {reason, elapsed_s, upstream}`
+- `stall_frame`: the stall guard cut a stream the client has seen content of. An event the
+  upstream left half sent is finished first (`half_event`: so it parses), then the stream
+  ends as its API ends a stream cut short, with the relay's `x_relay_stall {reason, elapsed_s, upstream}`
   extension, so each SDK ends cleanly and can tell:
   - CHAT / TEXT: a `finish_reason: "length"` chunk holding the notice, then `data: [DONE]`;
   - NATIVE (`/completion`): a `"stop":true,"stop_type":"limit"` event, no `[DONE]`;
@@ -25,6 +26,7 @@ import msgspec
 
 from relay.errors import error_event
 from relay.stream import dialect as D
+from relay.stream.half_event import close_event
 from relay.stream.sse import SseScanner, event_json
 
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -65,21 +67,25 @@ def stall_frame(
     upstream: str,
     created: int,
 ) -> bytes:
-    """`\\n\\n` (ending a line the upstream left half sent), then the API's end of a stream
-    cut short; b"" when the stream's own end already went out."""
+    """The end of the event the upstream left half sent (`half_event`; a blank line when it
+    left none), then the API's end of a stream cut short; b"" when the stream's own end
+    already went out."""
+    lead = b"\n\n"
     if scanner is not None:
         if scanner.done_seen:
             return b""
         dialect = scanner.dialect
+        if scanner.pending:
+            lead = close_event(scanner.pending)
     info = _stall_info(reason, elapsed_s, upstream)
     text = stall_notice(reason, elapsed_s)
     if dialect == D.MESSAGES:
-        return b"\n\n" + _messages_end(scanner, text, info)
+        return lead + _messages_end(scanner, text, info)
     if dialect == D.RESPONSES:
-        return b"\n\n" + _responses_end(scanner, text, info)
+        return lead + _responses_end(scanner, text, info)
     if dialect == D.NATIVE:
         doc = {"content": text, "stop": True, "stop_type": "limit", "x_relay_stall": info}
-        return b"\n\ndata: " + _encode(doc) + b"\n\n"
+        return lead + b"data: " + _encode(doc) + b"\n\n"
     head = {"id": "relay-stall-guard"}
     if dialect == D.TEXT:
         choice: dict = {"index": 0, "text": text, "finish_reason": "length"}
@@ -92,7 +98,7 @@ def stall_frame(
         }
         head["object"] = "chat.completion.chunk"
     doc = {**head, "created": created, "model": model, "choices": [choice], "x_relay_stall": info}
-    return b"\n\ndata: " + _encode(doc) + b"\n\n" + DONE_EVENT
+    return lead + b"data: " + _encode(doc) + b"\n\n" + DONE_EVENT
 
 
 def _messages_end(scanner: SseScanner | None, text: str, info: dict) -> bytes:

@@ -302,3 +302,21 @@ async def test_openai_responses_on_a_stalling_simulator(make_relay):
         app.port, "POST", "/v1/responses", {**RESPONSES_REQ, "stream": True, **sim}
     )
     assert b"[DONE]" not in raw.body and raw.body.endswith(b"\n\n") and raw.complete
+
+
+@pytest.mark.parametrize("knob", ["stall_mid_line", "stall_mid_chunk"])
+async def test_a_stall_in_the_middle_of_an_event_still_ends_cleanly(make_relay, knob):
+    # the half event is finished so that it parses: no SDK fails on half a JSON line
+    app = await make_relay(stream_idle_timeout_s=0.3, stream_total_timeout_s=0)
+    sim = {"sim": {"tokens": 20, "interval_ms": 5, "stall_after": 3, knob: True}}
+    async with aclient(app.port).messages.stream(**MESSAGES_REQ, extra_body=sim) as stream:
+        final = await stream.get_final_message()
+    assert final.stop_reason == "max_tokens" and "[relay] stall guard" in final.content[0].text
+    chat = await oclient(app.port).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], stream=True, extra_body=sim
+    )
+    pieces = [c.choices[0].delta.content async for c in chat if c.choices]
+    assert "[relay] stall guard" in pieces[-1]
+    stream = await oclient(app.port).responses.create(stream=True, **RESPONSES_REQ, extra_body=sim)
+    kinds = [event.type async for event in stream]
+    assert kinds[-1] == "response.incomplete"

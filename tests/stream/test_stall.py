@@ -17,6 +17,7 @@ from relay.stream.terminal import stall_frame as _stall_frame
 from tests.support import httpc
 from tests.support.fakeup import Scripted
 from tests.support.helpers import rows_of, wait_for
+from tests.support.httpc import sim_text
 from tests.support.sockets import slow_client
 
 
@@ -265,19 +266,30 @@ async def test_idle_beats_total_when_it_comes_first(make_relay, sim):
     assert synthetic(resp)["x_relay_stall"]["reason"] == "idle"
 
 
+def parsed_events(body: bytes) -> list:
+    """Every event's data as JSON ([DONE] as is): an SDK's view, failing as one would."""
+    out = []
+    for ev in body.split(b"\n\n"):
+        for line in ev.split(b"\n"):
+            if line.startswith(b"data: "):
+                data = line[6:]
+                out.append(data if data == b"[DONE]" else json.loads(data))
+    return out
+
+
 async def test_stall_in_the_middle_of_a_data_line(make_relay, sim):
     app = await make_relay(stream_idle_timeout_s=0.2, stream_total_timeout_s=0)
     resp = await httpc.fetch(
         app.port, "POST", "/v1/chat/completions", httpc.chat(9, stall_after=2, stall_mid_line=True)
     )
     body = resp.body
-    # the half line is followed by the blank line, then the synthetic event
-    cut = body.index(b'\n\ndata: {"id":"relay-stall-guard"')
-    before = body[:cut]
-    half = before[before.rindex(b"\n\n") + 2 :]
-    assert half.startswith(b"data: {") and not half.endswith(b"}")
+    # the half line is finished so that it parses (the text as far as it came), then the
+    # synthetic event: every event is JSON an SDK reads
+    events = parsed_events(body)
+    assert events[-1] == b"[DONE]" and events[-2]["x_relay_stall"]["reason"] == "idle"
+    half = events[-3]
+    assert half["choices"][0]["delta"]["content"] in sim_text(3)
     assert resp.complete
-    assert synthetic(resp)["x_relay_stall"]["reason"] == "idle"
 
 
 async def test_stall_in_the_middle_of_a_chunk(make_relay, sim):
@@ -291,10 +303,12 @@ async def test_stall_in_the_middle_of_a_chunk(make_relay, sim):
     assert frame["x_relay_stall"]["reason"] == "idle"
     body = resp.body
     cut = body.index(b'data: {"id":"relay-stall-guard"')
-    # half an event, then only newlines (padding + the blank line) before the synthetic one
+    # the half event finished (it parses), then only newlines (the padding of the owed
+    # chunk bytes) before the synthetic one
     head = body[:cut].rstrip(b"\n")
-    assert head.endswith(b"}") is False and body[len(head) : cut].strip(b"\n") == b""
+    assert head.endswith(b"}") and body[len(head) : cut].strip(b"\n") == b""
     assert body[len(head) : cut].count(b"\n") >= 2
+    assert parsed_events(body)[-1] == b"[DONE]"
 
 
 async def test_legacy_completions_shape(make_relay, sim):
