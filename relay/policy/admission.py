@@ -129,7 +129,7 @@ class Peek(msgspec.Struct):
     max_output_tokens: int | None = None
     choices: int = 1  # completions per prompt: `n`, `best_of` or llama-server's `n_cmpl`
     prompt: msgspec.Raw = msgspec.Raw()  # as sent (`prompt_count`)
-    spans: dict[str, tuple[int, int]] = msgspec.field(default_factory=dict)
+    members: B.Members = msgspec.field(default_factory=B.Members)  # each as sent
 
 
 _str = msgspec.json.Decoder(str | None)
@@ -196,23 +196,30 @@ def peek_body(method: bytes, headers, body: bytes, llm: bool) -> Peek:
             return Peek()
         raise _invalid("nested too deeply") from None
     try:
-        spans = B.locate(body, members)
+        B.check(body, members)
     except B.Ambiguous as exc:
         raise _invalid(str(exc)) from None
     except B.TooManyMembers as exc:
         raise RelayError("bad_request", f"request body not read: {exc}") from None
     except msgspec.DecodeError as exc:
         raise _invalid(str(exc)) from None
-    return Peek(
-        model=_typed(_str, members, "model"),
-        stream=_typed(_bool, members, "stream"),
-        n_predict=_typed(_int, members, "n_predict"),
-        max_tokens=_typed(_int, members, "max_tokens"),
-        max_completion_tokens=_typed(_int, members, "max_completion_tokens"),
-        max_output_tokens=_typed(_int, members, "max_output_tokens"),
-        choices=max(_count(members, "n"), _count(members, "best_of"), _count(members, "n_cmpl")),
-        prompt=members.prompt,
-        spans=spans,
+    m = members
+    return Peek(  # (a member absent, the usual case, costs a test, not a call)
+        model=_typed(_str, m, "model") if m.model else None,
+        stream=_typed(_bool, m, "stream") if m.stream else None,
+        n_predict=_typed(_int, m, "n_predict") if m.n_predict else None,
+        max_tokens=_typed(_int, m, "max_tokens") if m.max_tokens else None,
+        max_completion_tokens=(
+            _typed(_int, m, "max_completion_tokens") if m.max_completion_tokens else None
+        ),
+        max_output_tokens=_typed(_int, m, "max_output_tokens") if m.max_output_tokens else None,
+        choices=(
+            max(_count(m, "n"), _count(m, "best_of"), _count(m, "n_cmpl"))
+            if m.n or m.best_of or m.n_cmpl
+            else 1
+        ),
+        prompt=m.prompt,
+        members=m,
     )
 
 
@@ -328,12 +335,10 @@ _OWN_LIMIT = {
 }
 
 
-def with_limit(
-    body: bytes, peek: Peek, limit: int, path: str
-) -> tuple[bytes, dict[str, tuple[int, int]]]:
+def with_limit(body: bytes, peek: Peek, limit: int, path: str) -> bytes:
     """The body with `limit` written into every limit field of this path's API the request
     carries, or into the one field its API reads when it carries none, so the upstream
-    cannot generate more; and the spans of the deciding members in it.
+    cannot generate more.
 
     Only fields the path's API knows are written: a hosted API refuses a field it does not
     know (OpenAI answers 400 to `n_predict`). Only called for a body `peek_body` accepted as
@@ -342,11 +347,12 @@ def with_limit(
     once, so what the relay reserved on is what any parser reads.
     """
     fields = PATH_LIMITS.get(path, _OPENAI)
-    present = [f for f in fields if f in peek.spans]  # `null` too: a member all the same
     value = b"%d" % limit
     try:
+        spans = B.locate(body, peek.members)
+        present = [f for f in fields if f in spans]  # `null` too: a member all the same
         return B.splice(
-            body, peek.spans, dict.fromkeys(present or [_OWN_LIMIT.get(path, "max_tokens")], value)
-        )
+            body, spans, dict.fromkeys(present or [_OWN_LIMIT.get(path, "max_tokens")], value)
+        )[0]
     except msgspec.DecodeError:
         raise _invalid("cannot apply the token limit") from None

@@ -29,6 +29,7 @@ import re
 
 import msgspec
 from msgspec import Raw
+from msgspec.structs import astuple
 
 DECIDING = (
     "model",
@@ -81,6 +82,7 @@ _NAMES = frozenset(name.encode() for name in DECIDING)
 # `\u0041`-`\u007f`: the only escapes that unescape to a letter, digit or `_` of a name
 _ESCAPED_LETTER = re.compile(rb"\\u00[4-7][0-9a-fA-F]")
 _WS = re.compile(rb"[ \t\r\n]*")
+_WS_BYTES = (b" ", b"\t", b"\r", b"\n")
 _SCALAR = re.compile(rb"[-+0-9.eE]+|true|false|null")
 _TRAILING = re.compile(r"trailing characters \(byte (\d+)\)")
 
@@ -92,7 +94,32 @@ def read(body: bytes) -> Members:
 
 
 def present(members: Members) -> list[str]:
-    return [name for name in DECIDING if getattr(members, name)]
+    return [name for name, raw in zip(DECIDING, astuple(members), strict=True) if raw]
+
+
+def model_span(body: bytes) -> Span | None:
+    """Where the top-level `model` string's value lies in `body` (a JSON object the relay
+    accepted: its members named once), None when it names no model string."""
+    members = read(body)
+    if not members.model or memoryview(members.model)[:1] != b'"':
+        return None
+    return locate(body, members).get("model")
+
+
+def _named_once(body: bytes, names: list[str]) -> bool:
+    """Whether the bytes alone tell that each of `names` is named once: its quoted spelling
+    occurs once, and no escaped letter could spell it otherwise."""
+    return (b"\\u00" not in body or _ESCAPED_LETTER.search(body) is None) and all(
+        body.count(_TOKENS[name]) == 1 for name in names
+    )
+
+
+def check(body: bytes, members: Members) -> None:
+    """Raises Ambiguous naming a deciding member `body` sends more than once (the members
+    `read` found in it), TooManyMembers when that cannot be told within MAX_MEMBERS."""
+    names = present(members)
+    if names and not _named_once(body, names):
+        walk(body)
 
 
 def locate(body: bytes, members: Members) -> dict[str, Span]:
@@ -101,12 +128,14 @@ def locate(body: bytes, members: Members) -> dict[str, Span]:
     names = present(members)
     if not names:
         return {}
-    if _ESCAPED_LETTER.search(body) is None and all(
-        body.count(_TOKENS[name]) == 1 for name in names
-    ):
+    if _named_once(body, names):
         spans = {}
         for name in names:
-            i = _colon(body, body.find(_TOKENS[name]) + len(_TOKENS[name]))
+            i = body.find(_TOKENS[name]) + len(_TOKENS[name])
+            if body[i : i + 1] == b":" and body[i + 1 : i + 2] not in _WS_BYTES:
+                i += 1  # (compact JSON, as clients send it)
+            else:
+                i = _colon(body, i)
             spans[name] = (i, i + len(getattr(members, name)))
         return spans
     return walk(body)

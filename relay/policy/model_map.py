@@ -15,9 +15,10 @@ import msgspec
 from relay.policy import body_fields
 
 
-def with_model(body: bytes, span: tuple[int, int] | None, name: str) -> bytes:
-    """`body` with the top-level `model` string at `span` set to `name` (JSON-escaped); the
-    body as is when it names no model string (`span` None)."""
+def with_model(body: bytes, name: str) -> bytes:
+    """`body` (a JSON object the relay accepted) with its top-level `model` string set to
+    `name` (JSON-escaped); the body as is when it names no model string."""
+    span = body_fields.model_span(body)
     if span is None:
         return body
     return body_fields.splice(body, {"model": span}, {"model": msgspec.json.encode(name)})[0]

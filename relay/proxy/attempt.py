@@ -72,7 +72,7 @@ def request_to(app, up, req, rid: bytes, ledger: Ledger) -> bytes:
     body = req.body
     name = served_name(up.cfg.model_map, ledger.model)
     if name is not None:  # this upstream knows the model by another name
-        body = with_model(body, ledger.model_at, name)
+        body = with_model(body, name)
     # the caller's credential is the upstream's to check unless the relay checked it
     # (API keys, or its admin key on an admin call) or sends its own
     auth = app.auth

@@ -199,7 +199,6 @@ class Dispatcher:
             await asyncio.sleep(0)
         cap = app.config.budget.default_max_tokens
         prompt_est, completion_est, completions = A.estimates(req.body, peek, cap, path)
-        spans = peek.spans
         if (
             A.json_route(path)
             and rec.key_id is not None
@@ -207,9 +206,7 @@ class Dispatcher:
             and app.budgets.limits_tokens(rec.key_id)
         ):
             # the upstream must honour what is reserved
-            req.body, spans = A.with_limit(req.body, peek, cap, path)
-        if peek.model is not None:
-            ledger.model_at = spans.get("model")  # where model_map writes an upstream's name
+            req.body = A.with_limit(req.body, peek, cap, path)
         ledger.generates = slot_path
         ledger.completion_est = completion_est
         ledger.completions = completions

@@ -39,7 +39,6 @@ class Ledger:
         "generates",
         "hold",
         "model",
-        "model_at",
         "prompt_est",
         "reservation",
         "slot",
@@ -50,7 +49,6 @@ class Ledger:
         self.cors = cors
         self.admin = False
         self.model: str | None = None
-        self.model_at: tuple[int, int] | None = None  # the model string's span in the body
         self.generates = False
         self.prompt_est = 0
         self.completion_est = 0

@@ -10,21 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from relay.policy import body_fields
-from relay.policy.model_map import served_name
-from relay.policy.model_map import with_model as _with_model
+from relay.policy.model_map import served_name, with_model
 
 
 def model_spans(body: bytes) -> list[tuple[int, int]]:
     """The model member's span, as the relay finds it for a body it accepted."""
     spans = body_fields.locate(body, body_fields.read(body))
     return [spans["model"]] if "model" in spans else []
-
-
-def with_model(body: bytes, name: str) -> bytes:
-    [span] = model_spans(body) or [None]
-    if span is not None and body[span[0]] != 0x22:
-        span = None  # (the relay rewrites a model string only: Peek.model is a string)
-    return _with_model(body, span, name)
 
 
 def test_plain_body():
