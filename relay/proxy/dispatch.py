@@ -326,7 +326,7 @@ class Dispatcher:
         rec.upstream_served = up.name
         rec.status = ex.status
         keep_alive = ex.client_keep_alive
-        if ex.outcome == E.DONE:
+        if ex.outcome == E.DONE and not ex.whole:  # (whole: the client read to its end)
             drain = await client.drained(self.app.config.dispatcher.write_timeout_s)
             if drain != "drained":  # the response never reached the client whole
                 rec.outcome = E.CLIENT_SLOW if drain == "timeout" else E.CLIENT_GONE

@@ -361,13 +361,17 @@ class Exchange(ExchangeState):
             self.head_reader = None
 
     def client_gone(self) -> None:
-        """The client closed or reset: close the upstream socket at once."""
+        """The client closed or reset: close the upstream socket at once. A client that
+        leaves once the stream's own end event reached it ([DONE], message_stop,
+        response.completed: SDKs stop reading there) had the whole response: done."""
         self.conn.abort()
         self.client_keep_alive = False
         if self._head_failed(ClientGone()):
             self.head_reader = None
         if self.outcome is None and self.head_at:
-            self._end(CLIENT_GONE)
+            sc = self.scanner
+            self.whole = self.hold is None and isinstance(sc, SseScanner) and sc.done_seen
+            self._end(DONE if self.whole else CLIENT_GONE)
 
     def shutdown(self) -> None:
         if self.outcome is not None:

@@ -42,7 +42,7 @@ class ExchangeState:
         "head_resp", "hold", "kind", "last_read", "loop", "method", "mode", "model", "on_content",
         "open_fut", "outcome", "path", "policy", "remaining", "request_id", "scanner", "shape",
         "sse", "stall_elapsed", "stall_reason", "status", "timer", "tracker",
-        "upstream_keep_alive", "upstream_name", "write_timeout_s",
+        "upstream_keep_alive", "upstream_name", "whole", "write_timeout_s",
     )
     # fmt: on
 
@@ -101,6 +101,7 @@ class ExchangeState:
         self.gaps: Gaps | None = None  # SSE: gaps between content events (stream.itl)
         self.bytes_out = 0
         self.outcome: str | None = None
+        self.whole = False  # the client left once the stream's own end event reached it
         self.stall_reason: str | None = None
         self.stall_elapsed = 0.0
         self.timer: int | None = None  # the stall guard's deadline in `deadlines`

@@ -320,3 +320,46 @@ async def test_a_stall_in_the_middle_of_an_event_still_ends_cleanly(make_relay, 
     stream = await oclient(app.port).responses.create(stream=True, **RESPONSES_REQ, extra_body=sim)
     kinds = [event.type async for event in stream]
     assert kinds[-1] == "response.incomplete"
+
+
+@pytest.mark.parametrize(
+    "name,end",
+    [
+        ("responses_stream.http", b"event: response.completed"),
+        ("messages_stream.http", b"event: message_stop"),
+    ],
+)
+async def test_a_client_that_leaves_after_the_streams_own_end_had_it_whole(make_relay, name, end):
+    # Codex stops reading at response.completed; the upstream's last chunk comes later
+    head, chunks = replay_parts(name)
+    gate = asyncio.Event()
+
+    async def script(up, index, reader, writer):
+        await up.read_request(reader)
+        writer.write(head + b"".join(chunks[:-1]))  # all but the terminating chunk
+        await writer.drain()
+        await gate.wait()
+
+    up = await upstream(script)
+    app = await make_relay(up.url)
+    path = "/v1/messages" if name.startswith("messages") else "/v1/responses"
+    body = MESSAGES_REQ if name.startswith("messages") else RESPONSES_REQ
+    reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
+    writer.write(httpc.build_request("POST", path, {**body, "stream": True}))
+    got = b""
+    while end not in got or not got.endswith(b"\n\n\r\n"):
+        got += await asyncio.wait_for(reader.read(65536), 5)
+    writer.close()  # as the SDK does, before the upstream's own last chunk
+    [row] = await rows_of(app, 1)
+    gate.set()
+    assert (row["ok"], row["error_code"], row["client_closed"]) == (1, None, 0)
+    assert row["tokens_source"] == "exact"
+    # leaving before the end is still a client that left
+    up2 = await upstream(replayer(name, stop_after=3))
+    app2 = await make_relay(up2.url)
+    reader, writer = await asyncio.open_connection("127.0.0.1", app2.port)
+    writer.write(httpc.build_request("POST", path, {**body, "stream": True}))
+    await asyncio.wait_for(reader.read(65536), 5)
+    writer.close()
+    [row] = await rows_of(app2, 1)
+    assert (row["ok"], row["error_code"], row["client_closed"]) == (0, "client_closed", 1)
