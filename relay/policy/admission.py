@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import re
 
 import msgspec
@@ -271,15 +272,20 @@ def completion_limit(peek: Peek, path: str) -> int | None:
 
 
 MAX_PROMPTS = 16384  # prompts in one request's `"prompt": [...]` (more: refused)
-# The first MAX_PROMPTS + 1 items of an array as sent; msgspec skips the rest in C, so a
-# list of millions costs what its bytes cost to scan, never an object each.
-_first_items = msgspec.json.Decoder(
-    msgspec.defstruct(
-        "FirstItems",
-        [(f"i{k}", msgspec.Raw, msgspec.Raw()) for k in range(MAX_PROMPTS + 1)],
-        array_like=True,
+
+
+@functools.cache
+def _first_items() -> msgspec.json.Decoder:
+    """The first MAX_PROMPTS + 1 items of an array as sent; msgspec skips the rest in C, so
+    a list of millions costs what its bytes cost to scan, never an object each. (Made on
+    first use, once: ~25 ms, which start-up and `relay report` need not pay.)"""
+    return msgspec.json.Decoder(
+        msgspec.defstruct(
+            "FirstItems",
+            [(f"i{k}", msgspec.Raw, msgspec.Raw()) for k in range(MAX_PROMPTS + 1)],
+            array_like=True,
+        )
     )
-)
 
 
 def prompt_count(peek: Peek) -> int:
@@ -294,7 +300,7 @@ def prompt_count(peek: Peek) -> int:
     if b'"' not in raw and b"{" not in raw and raw.find(b"[", 1) < 0:
         return 1  # numbers only: token ids, one prompt
     try:
-        items = msgspec.structs.astuple(_first_items.decode(raw))
+        items = msgspec.structs.astuple(_first_items().decode(raw))
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return 1
     if items[MAX_PROMPTS]:  # (a flat list of ids of any length is one prompt, above)
