@@ -271,7 +271,7 @@ def completion_limit(peek: Peek, path: str) -> int | None:
     return max(asked)
 
 
-MAX_PROMPTS = 16384  # prompts in one request's `"prompt": [...]` (more: refused)
+MAX_PROMPTS = 16384  # prompts counted in one request's `"prompt": [...]` (more: at least)
 
 
 @functools.cache
@@ -292,8 +292,8 @@ def prompt_count(peek: Peek) -> int:
     """How many prompts a request carries: `"prompt": [p1 ... pN]` (strings, token lists or
     multimodal objects) is N, each generating up to the limit; a flat list of token ids, or
     of ids mixed with strings (llama-server's one-prompt forms), is one. A list of more than
-    MAX_PROMPTS items that is not all ids is refused (400): counting it would cost an
-    object per item, and a reservation the relay cannot count is not what is served."""
+    MAX_PROMPTS items that is not all ids counts as MAX_PROMPTS + 1 (at least that many:
+    counting it would cost an object per item; `uncounted` tells it apart)."""
     raw = bytes(peek.prompt)
     if not raw.startswith(b"["):
         return 1
@@ -304,12 +304,18 @@ def prompt_count(peek: Peek) -> int:
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return 1
     if items[MAX_PROMPTS]:  # (a flat list of ids of any length is one prompt, above)
-        raise RelayError("bad_request", f"more than {MAX_PROMPTS} prompts in one request")
+        return MAX_PROMPTS + 1
     n = bisect.bisect_left(items, True, key=lambda item: not item)  # the items sent
     kinds = {bytes(item)[:1] for item in items[:n]}
     if not kinds & {b"[", b"{", b'"'} or (not kinds & {b"[", b"{"} and kinds - {b'"'}):
         return 1  # token ids, or ids mixed with strings: one prompt (llama-server's rule)
     return max(1, n)
+
+
+def uncounted(peek: Peek) -> bool:
+    """More prompts than MAX_PROMPTS: a token budget cannot reserve them as served (the
+    dispatcher refuses such a request, 400, for a key with a token limit)."""
+    return prompt_count(peek) > MAX_PROMPTS
 
 
 def choices(peek: Peek) -> int:

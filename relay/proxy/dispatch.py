@@ -199,12 +199,14 @@ class Dispatcher:
             await asyncio.sleep(0)
         cap = app.config.budget.default_max_tokens
         prompt_est, completion_est, completions = A.estimates(req.body, peek, cap, path)
-        if (
-            A.json_route(path)
-            and rec.key_id is not None
-            and A.completion_limit(peek, path) is None
-            and app.budgets.limits_tokens(rec.key_id)
-        ):
+        budgeted = rec.key_id is not None and app.budgets.limits_tokens(rec.key_id)
+        if budgeted and completions > A.MAX_PROMPTS and A.uncounted(peek):
+            raise RelayError(
+                "bad_request",
+                f"more than {A.MAX_PROMPTS} prompts in one request: a token budget cannot "
+                "reserve them",
+            )
+        if budgeted and A.json_route(path) and A.completion_limit(peek, path) is None:
             # the upstream must honour what is reserved
             req.body = A.with_limit(req.body, peek, cap, path)
         ledger.generates = slot_path

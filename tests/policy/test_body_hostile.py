@@ -11,9 +11,11 @@ import time
 import pytest
 
 from relay.config import UpstreamConfig
+from relay.policy import admission as A
 from tests.support import httpc
 from tests.support.fakeup import Scripted
 from tests.support.helpers import error_of, rows_of, wait_for
+from tests.support.keys import OTHER_SECRET as OTHER
 from tests.support.keys import bearer, key
 
 CHAT = "/v1/chat/completions"
@@ -243,3 +245,16 @@ async def test_a_count_out_of_range_is_refused_not_a_crash(make_relay, recorder,
     resp = await post(app.port, CHAT, b'{"model":"a",' + MESSAGES + b"," + member + b"}")
     assert (resp.status, error_of(resp)["code"]) == (400, "bad_request")
     assert recorder.bodies == []
+
+
+async def test_a_prompt_list_past_the_count_is_served_but_not_reserved(make_relay, recorder):
+    # counted up to MAX_PROMPTS (msgspec skips the rest in C): forwarded as any request, but a
+    # token budget cannot reserve what it cannot count
+    body = many_prompts(A.MAX_PROMPTS + 1)
+    app = await make_relay(
+        upstreams=mapped(recorder.url), keys=[key(), key("b", OTHER, tokens_per_day=10**9)]
+    )
+    assert (await post(app.port, "/v1/completions", body, bearer())).status == 200
+    resp = await post(app.port, "/v1/completions", body, bearer(OTHER))
+    assert (resp.status, error_of(resp)["code"]) == (400, "bad_request")
+    assert "prompts" in error_of(resp)["message"] and len(recorder.bodies) == 1
