@@ -10,8 +10,8 @@ ms from the moment the dispatcher took the request (its head and body read):
   write buffer on a completed response), NULL when no response was given;
 - `tpot_ms`: (e2e - ttft) / (output tokens - 1), vLLM's TPOT (AIPerf/GenAI-Perf call it ITL),
   NULL below 2 output tokens or when the tokens were not counted (a reservation charged);
-- `itl_p50_ms`, `itl_p99_ms`, `itl_max_ms`: the gaps between consecutive content events on the
-  event loop's clock, from `stream.itl`'s buckets (p50/p99 to within 6.25%, max exact);
+- `itl_p50_ms`, `itl_p99_ms`, `itl_max_ms`: the gaps between consecutive content events, one
+  `perf_counter` reading per read, from `stream.itl`'s buckets (p50/p99 within 2%, max exact);
 - `prompt_ms`, `prompt_per_second`, `predicted_per_second`: the upstream's own `timings`.
 """
 

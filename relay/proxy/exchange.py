@@ -10,6 +10,7 @@ output and its one way out, `_end(outcome)`, are `proxy.exchange_state`'s.
 from __future__ import annotations
 
 import time
+from time import perf_counter as _perf
 
 from relay.http import response_framing as framing
 from relay.http.chunked import LAST_CHUNK, ChunkError, ChunkTracker, frame
@@ -51,7 +52,8 @@ class Exchange(ExchangeState):
             else:  # head parsed, body not started yet: keep for start_body
                 self._leftover += data
             return
-        now = self.last_read = self.loop.time()
+        self.last_read = self.loop.time()  # (the deadlines' clock)
+        now = _perf()  # when the bytes were read, to the microsecond (`stream.itl`)
         if self.fast:  # the usual read, whole token events: see `stream.fastpath`
             shape = self.shape
             n = events_in(data, shape) if shape is not None else 0

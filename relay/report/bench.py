@@ -11,7 +11,7 @@ Pure: rows in (dicts of the `request` table), groups out. Definitions follow vLL
 - ITL: every gap between content events of every request, pooled (vLLM's ITL; AIPerf and
   GenAI-Perf call this figure's per-request mean "ITL" and vLLM's TPOT "inter token
   latency"): from the rows' gap buckets (`itl_hist`), each gap read as its bucket's midpoint
-  (within 6.25%);
+  (within 2%);
 - duration: the window asked for (`--since` up to now, or `--from`..`--to`); request
   throughput = completed requests / duration, output throughput = their completion tokens /
   duration; goodput = completed requests meeting every given SLO / duration (vLLM's

@@ -1,16 +1,20 @@
 """Gaps between the content events of one stream (inter-token latency, ITL), kept bounded.
 
-The body path adds one gap per content event from the loop-clock reading it already took for
-the read (`Exchange.last_read`): inline in the fast path, a subtraction, two compares with the
-last gap's bucket and a count when it falls in it again (the usual case); `Gaps.add`
-otherwise: the bucket before it is kept likewise (a paced stream's gaps off uvloop's
-millisecond clock, 19/20/21 ms, straddle a bucket edge: swapping the two costs a read 2.4-2.9k
-fewer instructions than finding the bucket again), any other gap a `frexp` and a dict
-increment. Nothing grows with the stream: gaps land in log-linear buckets, 8 per
-octave (a bucket is at most 12.5% wide, its midpoint within 6.25% of any gap in it), held in a
-dict of the buckets actually hit (a steady stream hits a handful; every bucket from 1 us to a
-day is under 300). Gaps of exactly 0 (several events in one read, or one loop-clock tick:
-uvloop's clock moves in whole milliseconds) are counted apart.
+The body path adds one gap per content event from one high-resolution clock reading per read
+(`time.perf_counter`, taken when the bytes are read: the loop's clock, which uvloop keeps in
+whole milliseconds and reads once a turn, stays for the deadlines): inline in the fast path,
+a subtraction, two compares with the last gap's bucket and a count when it falls in it again
+(the usual case); `Gaps.add` otherwise: the bucket before it is kept likewise (a paced
+stream's gaps straddle a bucket edge: swapping the two costs a read fewer instructions than
+finding the bucket again), any other gap a `frexp` and a dict increment. Nothing grows with
+the stream: gaps land in log-linear buckets, `SUB` (32) per octave (a bucket is at most 3.1%
+wide, its midpoint within 1.6% of any gap in it, so a quantile read as a midpoint is within
+2% of the exact one), held in a dict of the buckets actually hit (a steady stream hits a few;
+every bucket from 1 us to a day is under 1200). Gaps of exactly 0 (several events in one
+read: a client sees them at once) are counted apart.
+
+Encoded rows say `o32` first; rows written before (8 buckets per octave, no marker) are read
+into the finer buckets at their buckets' midpoints (`decode`).
 
 `quantile` and `encode` run once, at settlement. `merge`/`decode` pool several streams'
 buckets (`relay report` pools every gap of every request, as vLLM's ITL does).
@@ -39,7 +43,7 @@ class Gaps:
 
     def __init__(self) -> None:
         self.buckets: dict[int, int] = {}
-        self.last = 0.0  # loop time of the last content event
+        self.last = 0.0  # perf_counter of the read that held the last content event
         self.max = 0.0
         self.zeros = 0
         # The bucket of the last gap, [lo, hi), and gaps counted into it since (`run`, not yet
@@ -48,9 +52,8 @@ class Gaps:
         self.lo = self.hi = 0.0
         self.key = 0
         self.run = 0
-        # The bucket before it, likewise: a paced stream's gaps, read off a millisecond clock
-        # (uvloop's), jitter across a bucket edge (19, 20, 21 ms: [18, 20) and [20, 22)), and
-        # `add` then swaps the two instead of finding the bucket again.
+        # The bucket before it, likewise: a paced stream's gaps jitter across a bucket edge
+        # (19.9, 20.1 ms), and `add` then swaps the two instead of finding the bucket again.
         self.lo2 = self.hi2 = 0.0
         self.key2 = 0
         self.run2 = 0
@@ -68,7 +71,7 @@ class Gaps:
                 self.run, self.run2 = self.run2 + 1, self.run
             else:
                 m, e = _frexp(g)
-                k = (e << 3) + int(m * 16.0)  # int(m*16) is 8..15: key = 8(e+1) + sub-bucket
+                k = (e << 5) + int(m * 64.0)  # int(m*64) is 32..63: key = 32(e+1) + sub-bucket
                 if self.run2:  # the older bucket's run goes to the dict; the last one is older
                     b = self.buckets
                     b[self.key2] = b.get(self.key2, 0) + self.run2
@@ -119,10 +122,27 @@ class Gaps:
         return encode(self.buckets, self.zeros) if self.count else None
 
 
+SUB = 32  # buckets per octave
+MARK = "o32"  # the first word of an encoded row in these buckets
+
+
 def bucket_bounds(k: int) -> tuple[float, float]:
+    sub = k & 31
+    e = (k >> 5) - 1
+    return ldexp((32 + sub) / 64.0, e), ldexp((33 + sub) / 64.0, e)
+
+
+def key_of(g: float) -> int:
+    """The bucket of a gap of `g` > 0 seconds."""
+    m, e = frexp(g)
+    return (e << 5) + int(m * 64.0)
+
+
+def _old_key(k: int) -> int:
+    """A bucket of the rows written with 8 per octave, as the bucket of its midpoint."""
     sub = k & 7
     e = (k >> 3) - 1
-    return ldexp((8 + sub) / 16.0, e), ldexp((9 + sub) / 16.0, e)
+    return key_of(ldexp((17 + 2 * sub) / 32.0, e))
 
 
 _BOUNDS: dict[int, tuple[float, float]] = {}  # bucket_bounds by key (a few hundred at most)
@@ -155,20 +175,25 @@ def quantile_of(
 
 
 def encode(buckets: dict[int, int], zeros: int) -> str:
-    return " ".join([f"z{zeros}", *(f"{k}:{buckets[k]}" for k in sorted(buckets))])
+    return " ".join([MARK, f"z{zeros}", *(f"{k}:{buckets[k]}" for k in sorted(buckets))])
 
 
 def decode(text: str | None, into: dict[int, int] | None = None) -> tuple[dict[int, int], int]:
-    """(buckets, zeros) of an `encode`d text, added into `into` when given; bad text: empty."""
+    """(buckets, zeros) of an `encode`d text, added into `into` when given; bad text: empty.
+    A text without the `o32` mark is a row of 8 buckets per octave: each of its buckets is
+    read as the finer bucket of its midpoint."""
     out = {} if into is None else into
     zeros = 0
-    for part in (text or "").split():
+    parts = (text or "").split()
+    fine = bool(parts) and parts[0] == MARK
+    for part in parts[1:] if fine else parts:
         try:
             if part.startswith("z"):
                 zeros += int(part[1:])
             else:
                 k, c = part.split(":")
-                out[int(k)] = out.get(int(k), 0) + int(c)
+                key = int(k) if fine else _old_key(int(k))
+                out[key] = out.get(key, 0) + int(c)
         except ValueError:
             continue
     return out, zeros

@@ -222,8 +222,7 @@ def test_a_run_in_the_last_bucket_counts_as_add_would():
 
 
 def test_gaps_jittering_across_a_bucket_edge_count_as_one_bucket_per_gap():
-    """A paced stream read off a millisecond clock has gaps of 19, 20, 21 ms, on both sides of
-    a bucket edge: `add` keeps the last two buckets' runs (stream.itl) and the histogram
+    """A paced stream has gaps of 19, 20, 21 ms, on both sides of a bucket edge: `add` keeps the last two buckets' runs (stream.itl) and the histogram
     must still be every gap in the bucket frexp puts it in, whenever it is read."""
     import random
     from math import frexp
@@ -245,7 +244,7 @@ def test_gaps_jittering_across_a_bucket_edge_count_as_one_bucket_per_gap():
             h.add(g)
             if g > 0.0:
                 m, e = frexp(g)
-                k = (e << 3) + int(m * 16.0)
+                k = (e << 5) + int(m * 64.0)  # 32 buckets per octave
                 ref[k] = ref.get(k, 0) + 1
             else:
                 zeros += 1

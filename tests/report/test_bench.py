@@ -35,7 +35,8 @@ ROWS = [  # model, upstream, key, ok, ttft, tpot, e2e, tokens, itl_hist
     ("a", "u2", "k2", 0, 50.0, None, 60.0, 3, None),  # failed: not in the figures
     ("b", "u1", "k1", 1, 1000.0, None, 1000.0, 1, None),  # one token: no TPOT
 ]
-MID_10MS = (10 / 16 + 11 / 16) / 2 * 2**-6 * 1000  # the 10 ms gaps' bucket midpoint, ms
+# 10 ms = 0.64 * 2**-6 s: with 32 buckets an octave its bucket is [40/64, 41/64) * 2**-6 s
+MID_10MS = (40 / 64 + 41 / 64) / 2 * 2**-6 * 1000  # the 10 ms gaps' bucket midpoint, ms
 MID_20MS = 2 * MID_10MS
 
 

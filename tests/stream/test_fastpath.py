@@ -447,6 +447,7 @@ def _run(body: bytes, reads: list[int], gaps: list[float], fast: bool, monkeypat
     else:
         monkeypatch.setattr(X, "learn", lambda data: None)
     clock, out = _Clock(), []
+    monkeypatch.setattr(X, "_perf", clock.time)  # (the gaps' clock, read once a read)
     ex = _exchange(clock, out)
     pos = 0
     for cut, g in zip(reads, gaps):
