@@ -93,9 +93,7 @@ class Record:
 
 LOG_FIELDS = tuple(f.name for f in fields(Record) if f.name not in ("ts", "itl_hist"))
 ROW_FIELDS = tuple(
-    f.name
-    for f in fields(Record)
-    if f.name not in ("method", "outcome", "client_addr", "user_agent")
+    f.name for f in fields(Record) if f.name not in ("outcome", "client_addr", "user_agent")
 )
 _row_values = attrgetter(*ROW_FIELDS)
 _log_values = attrgetter(*LOG_FIELDS)

@@ -3,6 +3,9 @@
 Pure: rows in (dicts of the `request` table), groups out. Definitions follow vLLM's
 `vllm bench serve` (docs/benchmarking.md):
 
+- only requests that generate enter it: the relay's own endpoints, `GET /health`,
+  `/v1/models`, `/props`, tokenize and the other routes that generate nothing
+  (`admission.generates`) are left out unless asked for (`--all`);
 - only successful requests (`ok = 1`) enter the latency figures and throughputs, as vLLM
   counts only completed requests;
 - TTFT (`ttft_ms`), TPOT (`tpot_ms` = (E2EL - TTFT) / (output tokens - 1)), E2EL (`e2e_ms`):
@@ -12,9 +15,10 @@ Pure: rows in (dicts of the `request` table), groups out. Definitions follow vLL
   GenAI-Perf call this figure's per-request mean "ITL" and vLLM's TPOT "inter token
   latency"): from the rows' gap buckets (`itl_hist`), each gap read as its bucket's midpoint
   (within 2%);
-- duration: the window asked for (`--since` up to now, or `--from`..`--to`); request
-  throughput = completed requests / duration, output throughput = their completion tokens /
-  duration; goodput = completed requests meeting every given SLO / duration (vLLM's
+- duration: the span of the group's requests in the window asked for (`--since` up to now,
+  or `--from`..`--to`), from the first one's start to the last one's end, as a benchmark
+  client times its run (`window_s`: the window itself); request throughput = completed
+  requests / duration, output throughput = their completion tokens / duration; goodput = completed requests meeting every given SLO / duration (vLLM's
   `--goodput ttft:..,tpot:..,e2el:..`; a request of one token has TPOT 0 there and here; a
   request with no TTFT, not streamed, does not meet a TTFT SLO).
 """
@@ -26,6 +30,7 @@ import io
 import math
 import re
 
+from relay.policy.admission import generates
 from relay.stream import itl as G
 
 BY = {"model": "model", "upstream": "upstream_served", "key": "key_id"}
@@ -43,6 +48,9 @@ READ_COLUMNS = (
     "completion_tokens",
     "prompt_tokens",
     "tokens_source",
+    "method",
+    "path",
+    "total_ms",
 )
 SLO_NAMES = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2e_ms"}
 FIGURES = ("ttft", "tpot", "itl", "e2el")
@@ -114,10 +122,28 @@ def meets(row: dict, slo: dict[str, float]) -> bool:
     return True
 
 
+def generating(row: dict) -> bool:
+    """A request that can make the upstream generate (a row that does not say: kept)."""
+    method, path = row.get("method"), row.get("path")
+    if not method or path is None:
+        return True
+    return generates(method.encode(), path)
+
+
+def span(rows: list[dict]) -> float:
+    """Seconds from the first request's start to the last one's end (0 with none)."""
+    if not rows:
+        return 0.0
+    first = min(r["ts"] for r in rows)
+    last = max(r["ts"] + (r.get("total_ms") or 0.0) / 1000.0 for r in rows)
+    return max(0.0, last - first)
+
+
 def summarize(
-    rows: list[dict], duration_s: float, slo: dict[str, float] | None, group: str | None
+    rows: list[dict], window_s: float, slo: dict[str, float] | None, group: str | None
 ) -> dict:
     done = [r for r in rows if r.get("ok")]
+    duration_s = span(rows) if rows and all("ts" in r for r in rows) else window_s
     out_tokens = sum(
         r.get("completion_tokens") or 0 for r in done if r.get("tokens_source") != "reserved"
     )  # a reservation is no count
@@ -127,6 +153,7 @@ def summarize(
         "completed": len(done),
         "failed": len(rows) - len(done),
         "duration_s": duration_s,
+        "window_s": window_s,
         "request_throughput": len(done) / duration_s if duration_s > 0 else None,
         "output_throughput": out_tokens / duration_s if duration_s > 0 else None,
         "output_tokens": out_tokens,
@@ -143,9 +170,16 @@ def summarize(
 
 
 def bench(
-    rows: list[dict], by: str, duration_s: float, slo: dict[str, float] | None = None
+    rows: list[dict],
+    by: str,
+    duration_s: float,
+    slo: dict[str, float] | None = None,
+    everything: bool = False,
 ) -> tuple[list[dict], dict]:
-    """(one summary per group, ordered by name; the summary of all rows)."""
+    """(one summary per group, ordered by name; the summary of all rows): the requests that
+    generate, or `everything`. `duration_s`: the window."""
+    if not everything:
+        rows = [r for r in rows if generating(r)]
     col = BY[by]
     groups: dict = {}
     for r in rows:

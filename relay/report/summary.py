@@ -211,6 +211,11 @@ def _parser() -> argparse.ArgumentParser:
         "--slo", help="goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2el=10s (a bare number is ms)"
     )
     b.add_argument("--csv", action="store_true", help="print CSV (one line per group, then TOTAL)")
+    b.add_argument(
+        "--all",
+        action="store_true",
+        help="also the requests that generate nothing (/health, /v1/models, tokenize, admin)",
+    )
     return p
 
 
@@ -261,7 +266,7 @@ def bench_main(args, parser) -> int:
     if start is None:  # all rows: the window is the rows' own span
         start = min((r["ts"] for r in rows), default=end)
     by = args.by or "model"
-    groups, total = benchview.bench(rows, by, end - start, slo)
+    groups, total = benchview.bench(rows, by, end - start, slo, args.all)
     if args.json:
         print(
             json.dumps(
@@ -294,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     if why is not None:
         print(f"relay report: {why}", file=sys.stderr)
         return 2
-    if args.bench or args.by or args.from_ts or args.to_ts or args.slo or args.csv:
+    if args.bench or args.by or args.from_ts or args.to_ts or args.slo or args.csv or args.all:
         return bench_main(args, parser)
     since_ts = None if since_s is None else time.time() - since_s
     try:

@@ -24,7 +24,7 @@ COLUMN_TYPES: tuple[tuple[str, str], ...] = (
 ADDED = (
     ("first_byte_ms", "REAL"), ("e2e_ms", "REAL"), ("tpot_ms", "REAL"), ("itl_p50_ms", "REAL"),
     ("itl_p99_ms", "REAL"), ("itl_max_ms", "REAL"), ("itl_hist", "TEXT"), ("prompt_ms", "REAL"),
-    ("prompt_per_second", "REAL"), ("predicted_per_second", "REAL"),
+    ("prompt_per_second", "REAL"), ("predicted_per_second", "REAL"), ("method", "TEXT"),
 )  # fmt: skip
 COLUMN_TYPES += ADDED
 COLUMNS = tuple(c for c, _ in COLUMN_TYPES)

@@ -102,8 +102,11 @@ def test_figures_by_model(db, capsys):
     assert out["by"] == "model" and (out["from"], out["to"]) == (T0, T0 + 100)
     a, b = out["groups"]
     assert (a["group"], a["requests"], a["completed"], a["failed"]) == ("a", 5, 4, 1)
-    assert a["duration_s"] == 100.0
-    assert a["request_throughput"] == 4 / 100 and a["output_throughput"] == 44 / 100
+    # over the span of its requests: the first starts at T0 + 10, the last (60 ms) ends at
+    # T0 + 14.06; the window is 100 s
+    assert a["duration_s"] == pytest.approx(4.06) and a["window_s"] == 100.0
+    assert a["request_throughput"] == pytest.approx(4 / 4.06)
+    assert a["output_throughput"] == pytest.approx(44 / 4.06)
     # linear interpolation between closest ranks: p90 of 4 values sits at 2.7
     assert a["ttft"] == {
         "mean": 250.0,
@@ -129,7 +132,7 @@ def test_figures_by_model(db, capsys):
         "n": 20,
     }
     # goodput: TTFT <= 300 ms and TPOT <= 25 ms: the first two requests
-    assert (a["good"], a["goodput"]) == (2, 0.02)
+    assert (a["good"], a["goodput"]) == (2, pytest.approx(2 / 4.06))
     assert (b["group"], b["completed"], b["good"]) == ("b", 1, 0)  # TTFT 1000 ms
     assert b["tpot"] == {"mean": None, "p50": None, "p90": None, "p99": None, "n": 0}
     total = out["total"]
@@ -188,7 +191,7 @@ def test_by_upstream_and_key_and_csv(db, capsys):
     assert [r["group"] for r in rows] == ["k1", "k2", "TOTAL"]
     assert rows[0]["completed"] == "3" and rows[0]["good"] == "3"  # e2e 200, 400, 1000
     assert float(rows[1]["ttft_mean_ms"]) == 350.0 and rows[1]["itl_p50_ms"] == ""
-    assert float(rows[2]["goodput"]) == 5 / 100
+    assert float(rows[2]["goodput"]) == pytest.approx(5 / 6.0)  # T0 + 10 .. T0 + 15 + 1 s
 
 
 def test_table_and_iso_window(db, capsys):
@@ -203,8 +206,8 @@ def test_table_and_iso_window(db, capsys):
         "--bench",
     )
     assert "from 2026-09-21 14:13:20 UTC to 2026-09-21 14:15:00 UTC" in text
-    assert "== model a: 4 completed, 1 failed, over 100.0 s" in text
-    assert "request throughput 0.040 req/s, output 0.44 tok/s" in text
+    assert "== model a: 4 completed, 1 failed, over 4.1 s" in text
+    assert "request throughput 0.985 req/s, output 10.84 tok/s" in text
     assert "   TTFT      250.0    250.0    370.0    397.0" in text
 
 
@@ -237,3 +240,45 @@ def test_bad_flags(db, capsys):
         "tpot": 50.0,
         "e2el": 2000.0,
     }
+
+
+def test_requests_that_generate_nothing_are_left_out_unless_asked(tmp_path, capsys):
+    path = str(tmp_path / "relay.db")
+    store = Store(path, retention_days=0)
+    store.start()
+    for i, (method, route, ttft) in enumerate(
+        [
+            ("POST", "/v1/chat/completions", 100.0),
+            ("POST", "/v1/messages", 300.0),
+            ("GET", "/health", None),
+            ("GET", "/v1/models", None),
+            ("POST", "/tokenize", None),
+            ("GET", "/api/ui/state", None),
+        ]
+    ):
+        store.put(
+            {
+                "ts": T0 + 10 + i,
+                "request_id": f"g{i}",
+                "model": "m",
+                "method": method,
+                "path": route,
+                "ok": 1,
+                "ttft_ms": ttft,
+                "e2e_ms": 500.0,
+                "total_ms": 500.0,
+                "completion_tokens": 5 if ttft else None,
+                "status": 200,
+            }
+        )
+    store.close()
+    window = ["--db", path, "--from", str(T0), "--to", str(T0 + 100), "--json"]
+    total = json.loads(run(capsys, *window))["total"]
+    # the two generating requests, over their own span: T0 + 10 .. T0 + 11.5
+    assert (total["requests"], total["completed"]) == (2, 2)
+    assert total["duration_s"] == pytest.approx(1.5)
+    assert total["request_throughput"] == pytest.approx(2 / 1.5)
+    assert total["ttft"]["mean"] == 200.0
+    every = json.loads(run(capsys, *window, "--all"))["total"]
+    assert (every["requests"], every["completed"]) == (6, 6)
+    assert every["duration_s"] == pytest.approx(5.5)
