@@ -14,41 +14,20 @@ pieces; its ``content_block_start`` has no ``input``. Pure byte builders.
 
 from __future__ import annotations
 
-import random
-import string
-
 import msgspec
 
 from relay.sim.tinymodel import gen_text, token_text
-from relay.sim.wire import chunk, jdump
-
-_ALNUM = string.ascii_letters + string.digits
-
-
-def rand32() -> str:
-    return "".join(random.choices(_ALNUM, k=32))
-
-
-def _text_of(content) -> int:
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
-    return 0
+from relay.sim.wire import PiecedFrames, jdump, rand32, sse, text_chars
 
 
 def prompt_chars(body: dict) -> int:
     """Characters of the prompt: the system text and every message's text."""
-    total = _text_of(body.get("system"))
+    total = text_chars(body.get("system"))
     msgs = body.get("messages")
     for m in msgs if isinstance(msgs, list) else ():
         if isinstance(m, dict):
-            total += _text_of(m.get("content"))
+            total += text_chars(m.get("content"))
     return total
-
-
-def sse(name: bytes, data: bytes) -> bytes:
-    return b"event: " + name + b"\ndata: " + data + b"\n\n"
 
 
 def _usage(prompt_n: int, output_n: int) -> dict:
@@ -61,7 +40,7 @@ def stop_reason(finish: str, tool: bool) -> str:
     return "tool_use" if tool else "end_turn"
 
 
-class MessagesFrames:
+class MessagesFrames(PiecedFrames):
     """One /v1/messages stream: ``text_n`` text tokens, then the tool call's argument pieces."""
 
     __slots__ = ("_cache", "_pre", "id", "model", "pieces", "prompt_n", "text_n", "tool", "tool_id")
@@ -101,9 +80,6 @@ class MessagesFrames:
         }
         return sse(b"message_start", jdump({"type": "message_start", "message": msg}))
 
-    def _is_text(self, i: int) -> bool:
-        return self.text_n is None or i < self.text_n
-
     def event(self, i: int) -> bytes:
         if self._is_text(i):
             ev = self._pre + jdump(token_text(i, True)) + b"}}\n\n"
@@ -132,15 +108,6 @@ class MessagesFrames:
             start = {"type": "content_block_start", "index": index, "content_block": block}
             ev = sse(b"content_block_start", jdump(start)) + ev
         return ev
-
-    def chunk(self, i: int) -> bytes:
-        if not self._is_text(i):
-            return chunk(self.event(i))
-        key = -1 if i == 0 else i % 6
-        c = self._cache.get(key)
-        if c is None:
-            c = self._cache[key] = chunk(self.event(i))
-        return c
 
     def final_events(
         self, n: int, predicted_n: int, finish: str, tm: dict, stop_word: str | None

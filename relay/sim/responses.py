@@ -15,44 +15,24 @@ The non-streamed body has its keys sorted at the top and in message items. Pure 
 
 from __future__ import annotations
 
-import random
-import string
 import time
 
 from relay.sim.tinymodel import gen_text, token_text
-from relay.sim.wire import chunk, jdump
-
-_ALNUM = string.ascii_letters + string.digits
-
-
-def rand32() -> str:
-    return "".join(random.choices(_ALNUM, k=32))
-
-
-def _text_of(content) -> int:
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
-    return 0
+from relay.sim.wire import PiecedFrames, jdump, rand32, sse, text_chars
 
 
 def prompt_chars(body: dict) -> int:
     """Characters of the prompt: the instructions and the input's text."""
-    total = _text_of(body.get("instructions"))
+    total = text_chars(body.get("instructions"))
     inp = body.get("input")
     if not isinstance(inp, list):
-        return total + _text_of(inp)
+        return total + text_chars(inp)
     for item in inp:
         if isinstance(item, dict):
-            total += _text_of(item.get("content")) + _text_of(item.get("output"))
+            total += text_chars(item.get("content")) + text_chars(item.get("output"))
         elif isinstance(item, str):
             total += len(item)
     return total
-
-
-def sse(name: bytes, data: bytes) -> bytes:
-    return b"event: " + name + b"\ndata: " + data + b"\n\n"
 
 
 def usage(prompt_n: int, output_n: int) -> dict:
@@ -79,7 +59,7 @@ def _fc_item(fid: str, arguments: str, name: str) -> dict:
     }
 
 
-class ResponsesFrames:
+class ResponsesFrames(PiecedFrames):
     """One /v1/responses stream: ``text_n`` text tokens, then the function call's pieces."""
 
     __slots__ = (
@@ -132,9 +112,6 @@ class ResponsesFrames:
             b"response.created", jdump({"type": "response.created", "response": head})
         ) + sse(b"response.in_progress", jdump(prog))
 
-    def _is_text(self, i: int) -> bool:
-        return self.text_n is None or i < self.text_n
-
     def event(self, i: int) -> bytes:
         if self._is_text(i):
             ev = self._pre + jdump(token_text(i, True)) + b"}\n\n"
@@ -179,15 +156,6 @@ class ResponsesFrames:
             added = {"type": "response.output_item.added", "item": call}
             ev = sse(b"response.output_item.added", jdump(added)) + ev
         return ev
-
-    def chunk(self, i: int) -> bytes:
-        if not self._is_text(i):
-            return chunk(self.event(i))
-        key = -1 if i == 0 else i % 6
-        c = self._cache.get(key)
-        if c is None:
-            c = self._cache[key] = chunk(self.event(i))
-        return c
 
     def final_events(
         self, n: int, predicted_n: int, finish: str, tm: dict, stop_word: str | None

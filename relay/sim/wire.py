@@ -1,5 +1,8 @@
 """What every simulator response is made of: the head, chunked framing, fixed events, errors.
 
+Also what the Anthropic Messages and OpenAI Responses builders share: named SSE events,
+llama-server's 32-character ids, the prompt's text length, and `PiecedFrames`.
+
 Pure byte builders in llama-server's wire shape (see the captures in the shared fixtures):
 its header set and order, HTTP chunk framing, the fixed SSE events (``[DONE]``, the error
 event), and its error JSON (key order code, message, type).
@@ -7,6 +10,8 @@ event), and its error JSON (key order code, message, type).
 
 from __future__ import annotations
 
+import random
+import string
 from http import HTTPStatus
 
 import msgspec
@@ -98,3 +103,50 @@ def error_body(code: int, message: str | None = None, type_: str | None = None) 
 SSE_HEAD = head(200, SSE_CT, sse=True)  # a chunked event stream on a kept-alive connection
 NOT_FOUND_BODY = b'{"error":{"message":"File Not Found","type":"not_found_error","code":404}}'
 ERROR_EVENT = b'data: {"error":{"code":500,"message":"simulated","type":"server_error"}}\n\n'
+
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def rand32() -> str:
+    """An id's random part as llama-server writes it: 32 letters and digits."""
+    return "".join(random.choices(_ALNUM, k=32))
+
+
+def text_chars(content) -> int:
+    """Characters of a message's text: a string, or the `text` of its parts."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+    return 0
+
+
+def sse(name: bytes, data: bytes) -> bytes:
+    """A named SSE event: ``event: NAME`` then ``data: DATA``."""
+    return b"event: " + name + b"\ndata: " + data + b"\n\n"
+
+
+class PiecedFrames:
+    """A stream of `text_n` text tokens (None: text only), then a tool call's argument
+    pieces; its subclasses build `event(i)` and keep `_cache` and `text_n`. The text tokens'
+    chunks repeat every six tokens (the tiny model's cycle), so each is framed once."""
+
+    __slots__ = ()
+    _cache: dict[int, bytes]
+    text_n: int | None
+
+    def event(self, i: int) -> bytes:
+        raise NotImplementedError
+
+    def _is_text(self, i: int) -> bool:
+        return self.text_n is None or i < self.text_n
+
+    def chunk(self, i: int) -> bytes:
+        if not self._is_text(i):
+            return chunk(self.event(i))
+        key = -1 if i == 0 else i % 6
+        c = self._cache.get(key)
+        if c is None:
+            c = self._cache[key] = chunk(self.event(i))
+        return c
