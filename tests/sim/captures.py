@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
-from tests.support.sim_client import events, hval, parse_head
+from tests.support.api_captures import CAPTURES
+from tests.support.sim_client import events, hval, parse_chunks, parse_head
 
-CAPTURES = Path(__file__).resolve().parents[1] / "support" / "captures"
 SEP = b"======== RESPONSE (raw bytes) ========\n"
 # values that differ from run to run, or between the tiny model and the simulator's token
 # count (a token per 4 prompt characters, no prompt cache): only their type must match
@@ -45,19 +44,6 @@ class Capture:
     raw: bytes  # the whole response as read
 
 
-def parse_chunks(data: bytes) -> list[bytes]:
-    out, pos = [], 0
-    while True:
-        nl = data.index(b"\r\n", pos)
-        size = int(data[pos:nl], 16)
-        if size == 0:
-            assert data[nl:] == b"\r\n\r\n"
-            return out
-        out.append(data[nl + 2 : nl + 2 + size])
-        assert data[nl + 2 + size : nl + 4 + size] == b"\r\n"
-        pos = nl + 4 + size
-
-
 def capture(name: str) -> Capture:
     raw = (CAPTURES / f"{name}.http").read_bytes()
     reqpart, resp = raw.split(b"\n" + SEP, 1)
@@ -70,7 +56,7 @@ def capture(name: str) -> Capture:
     head, rest = resp.split(b"\r\n\r\n", 1)
     status, headers = parse_head(head)
     if hval(headers, b"transfer-encoding") == b"chunked":
-        return Capture(path, body, status, headers, parse_chunks(rest), b"", resp)
+        return Capture(path, body, status, headers, parse_chunks(rest, whole=True), b"", resp)
     assert len(rest) == int(hval(headers, b"content-length"))
     return Capture(path, body, status, headers, None, rest, resp)
 

@@ -22,6 +22,7 @@ from tests.support.sim_client import (
     T,
     events,
     hval,
+    parse_chunks,
     parse_head,
     req_bytes,
     stream,
@@ -32,19 +33,6 @@ from tests.support.sim_client import (
 
 def hnames(headers) -> list[bytes]:
     return [k for k, _ in headers]
-
-
-def parse_chunks(data: bytes) -> list[bytes]:
-    out, pos = [], 0
-    while True:
-        nl = data.index(b"\r\n", pos)
-        size = int(data[pos:nl], 16)
-        if size == 0:
-            assert data[nl : nl + 4] == b"\r\n\r\n"
-            return out
-        out.append(data[nl + 2 : nl + 2 + size])
-        assert data[nl + 2 + size : nl + 4 + size] == b"\r\n"
-        pos = nl + 4 + size
 
 
 def fixture(name: str):

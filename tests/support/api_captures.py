@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.support.fakeup import response_of
+from tests.support.sim_client import parse_chunks
 
 CAPTURES = Path(__file__).resolve().parent / "captures"
 
@@ -31,4 +32,4 @@ def body_of(name: str) -> bytes:
     head, parts = replay_parts(name)
     if b"chunked" not in head.lower():
         return parts[0]
-    return b"".join(c[c.index(b"\r\n") + 2 : -2] for c in parts)
+    return b"".join(parse_chunks(b"".join(parts), whole=True))

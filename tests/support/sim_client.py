@@ -97,3 +97,21 @@ async def stream(sim, path, body):
     await c.send("POST", path, body)
     status, headers = await c.head()
     return c, status, headers
+
+
+def parse_chunks(data: bytes, whole: bool = False) -> list[bytes]:
+    """The payloads of a chunked body, each chunk's framing checked; `whole`: nothing may
+    follow the last chunk."""
+    out, pos = [], 0
+    while True:
+        nl = data.index(b"\r\n", pos)
+        size = int(data[pos:nl], 16)
+        if size == 0:
+            if whole:
+                assert data[nl:] == b"\r\n\r\n"
+            else:
+                assert data[nl : nl + 4] == b"\r\n\r\n"
+            return out
+        out.append(data[nl + 2 : nl + 2 + size])
+        assert data[nl + 2 + size : nl + 4 + size] == b"\r\n"
+        pos = nl + 4 + size
