@@ -129,7 +129,6 @@ class Peek(msgspec.Struct):
     max_completion_tokens: int | None = None
     max_output_tokens: int | None = None
     choices: int = 1  # completions per prompt: `n`, `best_of` or llama-server's `n_cmpl`
-    prompt: msgspec.Raw = msgspec.Raw()  # as sent (`prompt_count`)
     members: B.Members = msgspec.field(default_factory=B.Members)  # each as sent
 
 
@@ -219,7 +218,6 @@ def peek_body(method: bytes, headers, body: bytes, llm: bool) -> Peek:
             if m.n or m.best_of or m.n_cmpl
             else 1
         ),
-        prompt=m.prompt,
         members=m,
     )
 
@@ -293,8 +291,8 @@ def prompt_count(peek: Peek) -> int:
     multimodal objects) is N, each generating up to the limit; a flat list of token ids, or
     of ids mixed with strings (llama-server's one-prompt forms), is one. A list of more than
     MAX_PROMPTS items that is not all ids counts as MAX_PROMPTS + 1 (at least that many:
-    counting it would cost an object per item; `uncounted` tells it apart)."""
-    raw = bytes(peek.prompt)
+    counting it would cost an object per item)."""
+    raw = bytes(peek.members.prompt)
     if not raw.startswith(b"["):
         return 1
     if b'"' not in raw and b"{" not in raw and raw.find(b"[", 1) < 0:
@@ -312,12 +310,6 @@ def prompt_count(peek: Peek) -> int:
     return max(1, n)
 
 
-def uncounted(peek: Peek) -> bool:
-    """More prompts than MAX_PROMPTS: a token budget cannot reserve them as served (the
-    dispatcher refuses such a request, 400, for a key with a token limit)."""
-    return prompt_count(peek) > MAX_PROMPTS
-
-
 def choices(peek: Peek) -> int:
     """Completions per prompt (`Peek.choices`: OpenAI's `n`, or `best_of` when larger)."""
     return peek.choices
@@ -329,12 +321,14 @@ def estimate_tokens(body: bytes, peek: Peek, default_max: int, path: str) -> tup
     return estimates(body, peek, default_max, path)[:2]
 
 
-def estimates(body: bytes, peek: Peek, default_max: int, path: str) -> tuple[int, int, int]:
-    """`estimate_tokens` and the number of completions (prompts x choices) it counted."""
+def estimates(body: bytes, peek: Peek, default_max: int, path: str) -> tuple[int, int, int, int]:
+    """`estimate_tokens`, the number of completions (prompts x choices) it counted, and the
+    prompts (more than MAX_PROMPTS: a count a token budget cannot reserve on)."""
     limit = completion_limit(peek, path)
     per = default_max if limit is None else limit
-    completions = prompt_count(peek) * choices(peek)
-    return len(body) // 4, per * completions, completions
+    prompts = prompt_count(peek)
+    completions = prompts * choices(peek)
+    return len(body) // 4, per * completions, completions, prompts
 
 
 # The limit field each API names when a request gives none (llama-server's native endpoints

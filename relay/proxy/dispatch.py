@@ -198,9 +198,9 @@ class Dispatcher:
         if large:
             await asyncio.sleep(0)
         cap = app.config.budget.default_max_tokens
-        prompt_est, completion_est, completions = A.estimates(req.body, peek, cap, path)
+        prompt_est, completion_est, completions, prompts = A.estimates(req.body, peek, cap, path)
         budgeted = rec.key_id is not None and app.budgets.limits_tokens(rec.key_id)
-        if budgeted and completions > A.MAX_PROMPTS and A.uncounted(peek):
+        if budgeted and prompts > A.MAX_PROMPTS:  # (counted up to there: at least that many)
             raise RelayError(
                 "bad_request",
                 f"more than {A.MAX_PROMPTS} prompts in one request: a token budget cannot "

@@ -25,7 +25,6 @@ the `delta` string of the `*.delta` events (`output_text`, `reasoning_text`,
 from __future__ import annotations
 
 CHAT, TEXT, NATIVE, MESSAGES, RESPONSES = "chat", "text", "native", "messages", "responses"
-WITH_DONE = (CHAT, TEXT)  # the APIs whose streams end with `data: [DONE]`
 
 # A value that starts with a quote and is not the empty string: `"content":"x`.
 MARKERS = (

@@ -330,10 +330,8 @@ def test_body_bytes_bound():
 def test_prompt_lists_are_counted_up_to_max_prompts():
     many = ["p"] * A.MAX_PROMPTS
     assert A.prompt_count(peek(prompt=many)) == A.MAX_PROMPTS
-    assert not A.uncounted(peek(prompt=many))
     assert A.prompt_count(peek(prompt=[[1, 2]] * 3 + [{"prompt_string": "x"}])) == 4
     for over in (many + ["p"], [[1]] * (A.MAX_PROMPTS + 5)):
         assert A.prompt_count(peek(prompt=over)) == A.MAX_PROMPTS + 1  # at least
-        assert A.uncounted(peek(prompt=over))
     # a flat list of token ids is one prompt, however long
     assert A.prompt_count(peek(prompt=list(range(A.MAX_PROMPTS * 3)))) == 1
