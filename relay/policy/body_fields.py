@@ -82,7 +82,7 @@ _NAMES = frozenset(name.encode() for name in DECIDING)
 # `\u0041`-`\u007f`: the only escapes that unescape to a letter, digit or `_` of a name
 _ESCAPED_LETTER = re.compile(rb"\\u00[4-7][0-9a-fA-F]")
 _WS = re.compile(rb"[ \t\r\n]*")
-_WS_BYTES = (b" ", b"\t", b"\r", b"\n")
+_BLANK = b" \t\r\n"  # JSON's whitespace
 _SCALAR = re.compile(rb"[-+0-9.eE]+|true|false|null")
 _TRAILING = re.compile(r"trailing characters \(byte (\d+)\)")
 
@@ -132,7 +132,7 @@ def locate(body: bytes, members: Members) -> dict[str, Span]:
         spans = {}
         for name in names:
             i = body.find(_TOKENS[name]) + len(_TOKENS[name])
-            if body[i : i + 1] == b":" and body[i + 1 : i + 2] not in _WS_BYTES:
+            if body[i : i + 1] == b":" and body[i + 1 : i + 2] not in _BLANK:
                 i += 1  # (compact JSON, as clients send it)
             else:
                 i = _colon(body, i)
@@ -192,7 +192,7 @@ def value_end(body: bytes, i: int) -> int:
             if t is not None:
                 at = i + int(t.group(1)) - 1  # msgspec counts past the trailing byte
                 if body[at : at + 1] in (b",", b"}", b":"):
-                    while at > i and body[at - 1] in b" \t\r\n":  # (no copy of the body)
+                    while at > i and body[at - 1] in _BLANK:  # (no copy of the body)
                         at -= 1
                     return at
         raise msgspec.DecodeError(f"a value expected at byte {i}")
@@ -226,8 +226,8 @@ def splice(
         parts += (view[pos:start], values[name])
         pos = end
     if added:
-        close = len(body.rstrip(b" \t\r\n")) - 1  # the closing brace
-        last = len(body[:close].rstrip(b" \t\r\n"))
+        close = len(body.rstrip(_BLANK)) - 1  # the closing brace
+        last = len(body[:close].rstrip(_BLANK))
         if close < 1 or body[close] != 0x7D or last < 1:
             raise msgspec.DecodeError("not a JSON object")
         parts.append(view[pos:last])
