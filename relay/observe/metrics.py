@@ -57,8 +57,9 @@ class UpstreamMetrics:
         self._ttft: deque[tuple[float, float]] = deque(maxlen=ttft_window)  # (at, seconds)
         self._ttft_max_age_s = ttft_max_age_s
         self.tokens_total = 0
-        self.requests_total = 0
+        self.requests_total = 0  # requests that generate (`ui_state.generating`) only
         self.requests_failed = 0
+        self.other_requests_total = 0  # the others: GET /health, /v1/models, /props, tokenize...
         self.failures_by_code: dict[str, int] = {}
         self.stall_trips: dict[str, int] = dict.fromkeys(STALL_REASONS, 0)
         self.queue_wait_seconds_total = 0.0
@@ -73,7 +74,8 @@ class UpstreamMetrics:
     def observe_timings(
         self, ttft_s: float | None, tpot_s: float | None, e2e_s: float | None
     ) -> None:
-        """One settled request's latencies, into the histograms (None: not measured)."""
+        """One settled request's latencies, into the histograms (None: not measured): of a
+        request that generates only (the others are `other_request_done`'s)."""
         if ttft_s is not None:
             self.ttft_hist.observe(ttft_s)
         if tpot_s is not None:
@@ -144,6 +146,10 @@ class UpstreamMetrics:
             code = error_code or "unknown"
             self.failures_by_code[code] = self.failures_by_code.get(code, 0) + 1
 
+    def other_request_done(self) -> None:
+        """A request that generates nothing: counted apart, in no latency figure."""
+        self.other_requests_total += 1
+
     def stall(self, reason: str) -> None:
         self.stall_trips[reason] = self.stall_trips.get(reason, 0) + 1
 
@@ -167,6 +173,7 @@ class UpstreamMetrics:
             "ttft_avg_seconds": avg,
             "requests_total": self.requests_total,
             "requests_failed": self.requests_failed,
+            "other_requests_total": self.other_requests_total,
             "tokens_total": self.tokens_total,
             "stall_trips": dict(self.stall_trips),
             "queue_wait_seconds_total": self.queue_wait_seconds_total,
@@ -279,8 +286,13 @@ class Registry:
         tps = F("relay_tokens_per_second", "gauge", "Streamed tokens per second, sliding window.")
         ttft = F("relay_ttft_seconds", "gauge", "Last time to first token.")
         ttft_avg = F("relay_ttft_avg_seconds", "gauge", "Mean time to first token, window.")
-        requests = F("relay_requests_total", "counter", "Requests finished on the upstream.")
-        failed = F("relay_requests_failed_total", "counter", "Failed requests by error code.")
+        requests = F("relay_requests_total", "counter", "Requests that generate, finished.")
+        failed = F("relay_requests_failed_total", "counter", "Failed ones of those, by code.")
+        other = F(
+            "relay_other_requests_total",
+            "counter",
+            "Requests that generate nothing (/health, /v1/models, /props, tokenize...).",
+        )
         tokens = F("relay_tokens_total", "counter", "Tokens streamed.")
         stalls = F("relay_stall_trips_total", "counter", "Stall guard trips by reason.")
         qwait = F("relay_queue_wait_seconds", "histogram", "Time requests waited for a slot.")
@@ -297,7 +309,7 @@ class Registry:
         e2e_h = F(
             "relay_e2e_request_latency_seconds",
             "histogram",
-            "Request in to last byte out, per served request.",
+            "Request in to last byte out, per served request that generates.",
         )
         key_req = F("relay_key_requests_total", "counter", "Requests per API key.")
         key_tok = F("relay_key_tokens_total", "counter", "Tokens per API key, by kind.")
@@ -323,6 +335,7 @@ class Registry:
             ttft.add(snap["ttft_seconds"], upstream=u)
             ttft_avg.add(snap["ttft_avg_seconds"], upstream=u)
             requests.add(m.requests_total, upstream=u)
+            other.add(m.other_requests_total, upstream=u)
             for code, n in sorted(m.failures_by_code.items()):
                 failed.add(n, upstream=u, code=code)
             tokens.add(m.tokens_total, upstream=u)
@@ -352,6 +365,7 @@ class Registry:
             ttft_avg,
             requests,
             failed,
+            other,
             tokens,
             stalls,
             qwait,

@@ -1,4 +1,5 @@
-"""The operator page: `GET /ui` and its files, packaged with relay (no build step, no CDN).
+"""The operator page: `GET /ui` and its files, packaged with relay (no build step, no CDN;
+its chart library, uPlot, is a vendored file served from here too).
 
 The files hold no data: every figure comes from `GET /api/ui/state` (observe.ui_state),
 an admin endpoint like the rest of `/api/*`, which the page's script polls once a second,
@@ -21,6 +22,9 @@ PAGES = {
     "/ui/": ("index.html", b"text/html; charset=utf-8"),
     "/ui/app.js": ("app.js", b"text/javascript; charset=utf-8"),
     "/ui/app.css": ("app.css", b"text/css; charset=utf-8"),
+    # uPlot, the chart library, vendored unchanged (static/uPlot.LICENSE.txt: MIT)
+    "/ui/uplot.min.js": ("uplot.min.js", b"text/javascript; charset=utf-8"),
+    "/ui/uplot.min.css": ("uplot.min.css", b"text/css; charset=utf-8"),
 }
 STATE_PATH = "/api/ui/state"
 AUTH_PATH = "/ui/auth"  # {"admin_key": bool}: whether the page must ask for the admin key

@@ -1,8 +1,20 @@
 """What the operator page (`GET /ui`) shows, kept off the body path.
 
-- `Recent`: the last requests, a bounded ring fed once per request at settlement.
-- `Trend`: per upstream, tokens/s and mean TTFT sampled every `step_s` by the relay's existing
-  once-a-second token sampler (never by a stream), `points` samples kept (6 minutes).
+- `generating(rec)`: whether a settled request could make its upstream generate
+  (`admission.generates` on its method and path, the rule `relay report --bench` uses too).
+  The page's request counts, latency figures and charts are of those; the others (`GET
+  /health`, `/v1/models`, `/props`, tokenize, ...) are kept apart and shown on request.
+- `Recent`: the last requests, bounded rings fed once per request at settlement (the ones that
+  generate, and apart the last others).
+- `Trend`: per upstream, model and kind (generating or not), the figures a benchmark shows,
+  one point per `step_s` (5 s), `points` kept (72: 6 minutes): completed requests/s, error
+  rate, TTFT p50/p99, TPOT mean, ITL p99 (every gap pooled), E2E p50, output tokens/s. Fed
+  once per request at settlement (`add`); a point is closed by the relay's once-a-second
+  sampler (`sample`), never by a stream. Definitions as in `relay report --bench`: latencies
+  and throughputs over completed (`ok`) requests; a request's tokens are spread over its
+  decode span (first token to last byte), so a long stream does not land in one step.
+  Bounded: `SERIES_MAX` series, `KEEP_MAX` latencies per series and step (a uniform sample);
+  `encoded()` is its JSON, built again only when a point changes, not at each poll.
 - `state(app, ...)`: the JSON document of `/api/ui/state`, built only when someone asks.
 
 Pure apart from reading the app's objects: tested without sockets.
@@ -10,9 +22,33 @@ Pure apart from reading the app's objects: tested without sockets.
 
 from __future__ import annotations
 
+import math
+import random
 from collections import deque
 
-RECENT_MAX = 100
+import msgspec
+
+from relay.observe.record import RESERVED
+from relay.policy.admission import generates
+from relay.stream import itl as G
+
+RECENT_MAX = 100  # requests that generate, newest kept
+OTHER_MAX = 20  # requests that generate nothing, kept apart (shown with `all`)
+PATH_CHARS = 120  # of a row's path, on the page
+SERIES_MAX = 16  # (upstream, model, kind) series charted; a request of one more is counted only
+KEEP_MAX = 256  # completed requests per series and step whose latencies are kept (a reservoir)
+
+# One point's figures, in this order in the document (`trend.series[i][figure]`).
+FIGURES = ("req_s", "err_pct", "ttft_p50", "ttft_p99", "tpot", "itl_p99", "e2e_p50", "tok_s")
+_TOK = FIGURES.index("tok_s")
+_IDLE = (0.0, None, None, None, None, None, None, 0.0)  # a step in which nothing settled
+
+
+def generating(rec) -> bool:
+    """Whether a settled request could make its upstream generate; one with no method (refused
+    before its head was read) is counted as one, as `relay report --bench` does."""
+    method = rec.method
+    return not method or generates(method.encode("latin-1", "replace"), rec.path)
 
 
 def tokens_per_s(completion_tokens, ttft_ms, e2e_ms) -> float | None:
@@ -24,18 +60,22 @@ def tokens_per_s(completion_tokens, ttft_ms, e2e_ms) -> float | None:
 
 
 class Recent:
-    def __init__(self, size: int = RECENT_MAX) -> None:
+    def __init__(self, size: int = RECENT_MAX, other_size: int = OTHER_MAX) -> None:
         self.ring: deque[tuple] = deque(maxlen=size)
+        self.other: deque[tuple] = deque(maxlen=other_size)
 
     def add(self, rec) -> None:
         """One settled request (a `Record`): a tuple, turned into a dict only when read."""
-        self.ring.append(
+        path = rec.path
+        (self.ring if generating(rec) else self.other).append(
             (
                 rec.ts,
                 rec.request_id,
                 rec.key_id,
                 rec.model,
                 rec.upstream_served or rec.upstream_requested,
+                rec.method,
+                path if len(path) <= PATH_CHARS else path[:PATH_CHARS] + "…",
                 rec.status,
                 rec.ttft_ms,
                 rec.e2e_ms,
@@ -46,12 +86,25 @@ class Recent:
             )
         )
 
-    def rows(self) -> list[dict]:
-        """Newest first."""
+    def rows(self, other: bool = False) -> list[dict]:
+        """Newest first: the requests that generate, or (`other`) those that do not."""
         out = []
-        for ts, rid, key, model, up, status, ttft, e2e, tokens, outcome, code, ok in reversed(
-            self.ring
-        ):
+        for (
+            ts,
+            rid,
+            key,
+            model,
+            up,
+            method,
+            path,
+            status,
+            ttft,
+            e2e,
+            tokens,
+            outcome,
+            code,
+            ok,
+        ) in reversed(self.other if other else self.ring):
             out.append(
                 {
                     "ts": ts,
@@ -59,8 +112,11 @@ class Recent:
                     "key": key,
                     "model": model,
                     "upstream": up,
+                    "method": method,
+                    "path": path,
                     "status": status,
                     "ttft_ms": ttft,
+                    "e2e_ms": e2e,
                     "tokens_per_s": tokens_per_s(tokens, ttft, e2e),
                     "tokens": tokens,
                     "outcome": outcome if ok or not code else code,
@@ -70,33 +126,177 @@ class Recent:
         return out
 
 
+def percentile(values: list[float], p: float, digits: int = 3) -> float | None:
+    """`values` sorted: linear interpolation between closest ranks (numpy's default, which
+    `relay report --bench` uses too), rounded to `digits`."""
+    if not values:
+        return None
+    pos = (len(values) - 1) * p / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(values) - 1)
+    return round(values[lo] + (values[hi] - values[lo]) * (pos - lo), digits)
+
+
+class _Step:
+    """One series' requests settled in the open step."""
+
+    __slots__ = ("buckets", "failed", "kept", "n", "ok_n", "tokens", "zeros")
+
+    def __init__(self) -> None:
+        self.n = 0  # settled
+        self.failed = 0
+        self.ok_n = 0  # completed
+        self.kept: list[tuple] = []  # (ttft, tpot, e2e) of up to KEEP_MAX completed
+        self.buckets: dict[int, int] = {}  # every gap of every completed stream (stream.itl)
+        self.zeros = 0
+        self.tokens = 0.0  # output tokens decoded during the step (spread, `Trend._spread`)
+
+    def point(self, interval: float) -> tuple:
+        kept = self.kept
+        ttft = sorted(k[0] for k in kept if k[0] is not None)
+        tpot = [k[1] for k in kept if k[1] is not None]
+        e2e = sorted(k[2] for k in kept if k[2] is not None)
+        itl = G.quantile_of(self.buckets, self.zeros, 0.99)
+        return (  # (rounded for the page: a chart needs no more, the document stays small)
+            round(self.ok_n / interval, 3),
+            round(100.0 * self.failed / self.n, 1) if self.n else None,
+            percentile(ttft, 50, 1),
+            percentile(ttft, 99, 1),
+            round(sum(tpot) / len(tpot), 2) if tpot else None,
+            None if itl is None else round(itl * 1000, 2),
+            percentile(e2e, 50, 1),
+            round(self.tokens / interval, 1),
+        )
+
+
+class _Series:
+    __slots__ = ("cols", "idle", "step")
+
+    def __init__(self, points: int, filled: int) -> None:
+        # one column per figure, as long as `Trend.times` (idle before the series began)
+        self.cols = tuple(deque([v] * filled, maxlen=points) for v in _IDLE)
+        self.step = _Step()
+        self.idle = 0  # closed steps in a row with nothing settled
+
+
 class Trend:
-    def __init__(self, step_s: float = 5.0, points: int = 72) -> None:
+    def __init__(self, step_s: float = 5.0, points: int = 72, series_max: int = SERIES_MAX) -> None:
         self.step_s = step_s
         self.points = points
-        self.series: dict[str, deque] = {}
+        self.series_max = series_max
+        self.times: deque[float] = deque(maxlen=points)  # wall time at each point's end
+        self.series: dict[tuple[str, str | None, bool], _Series] = {}
+        self.untracked = 0  # requests of series beyond `series_max`, not charted
         self.next_at = 0.0
+        self._random = random.Random()
+        self._encoded: msgspec.Raw | None = None  # `doc()` as JSON until the points change
 
-    def sample(self, wall: float, now: float, registry) -> None:
-        """Called every second; keeps one point per `step_s` per upstream."""
+    def add(self, rec, generates: bool) -> None:
+        """One request settled on (or failed at) an upstream."""
+        up = rec.upstream_served or rec.upstream_requested
+        if up is None:
+            return
+        key = (up, rec.model, generates)
+        s = self.series.get(key)
+        if s is None:
+            self._encoded = None
+            if len(self.series) >= self.series_max:
+                self.untracked += 1
+                return
+            s = self.series[key] = _Series(self.points, len(self.times))
+        st = s.step
+        st.n += 1
+        if not rec.ok:
+            st.failed += 1
+            return
+        st.ok_n += 1
+        if rec.itl_hist:  # pooled as it comes (a few µs): a point costs no decoding
+            st.zeros += G.decode(rec.itl_hist, st.buckets)[1]
+        item = (rec.ttft_ms, rec.tpot_ms, rec.e2e_ms)
+        if len(st.kept) < KEEP_MAX:
+            st.kept.append(item)
+        else:  # a uniform sample of the step's requests
+            j = self._random.randrange(st.ok_n)
+            if j < KEEP_MAX:
+                st.kept[j] = item
+        tokens = rec.completion_tokens
+        if tokens and rec.tokens_source != RESERVED:  # (a reservation is no count)
+            self._spread(s, tokens, rec)
+
+    def _spread(self, s: _Series, tokens: int, rec) -> None:
+        """The request's output tokens over its decode span, from its first token (its start
+        when not streamed) to its last byte: the part before the open step goes into the
+        points already closed, as tokens/s of each."""
+        end = rec.ts + (rec.total_ms or 0.0) / 1000.0
+        start = rec.ts + (rec.ttft_ms or 0.0) / 1000.0
+        times = self.times
+        if end <= start or not times or start >= times[-1]:
+            s.step.tokens += tokens
+            return
+        rate = tokens / (end - start)
+        s.step.tokens += rate * max(0.0, end - times[-1])
+        self._encoded = None
+        col = s.cols[_TOK]
+        for i in range(len(times) - 1, -1, -1):
+            hi = times[i]
+            lo = times[i - 1] if i else hi - self.step_s
+            overlap = min(end, hi) - max(start, lo)
+            if overlap > 0 and hi > lo:
+                col[i] = round(col[i] + rate * overlap / (hi - lo), 1)
+            if lo <= start:
+                break
+
+    def sample(self, wall: float, now: float, registry=None) -> None:
+        """Called every second (`now`, `registry`: unused, the figures come from settled
+        requests); closes one point per `step_s` for every series."""
         if wall < self.next_at:
             return
         self.next_at = wall + self.step_s
-        for m in registry:
-            s = self.series.get(m.name)
-            if s is None:
-                s = self.series[m.name] = deque(maxlen=self.points)
-            _, ttft_avg = m.ttft(now)
-            s.append(
-                (
-                    round(wall, 3),
-                    round(m.tokens_per_sec(now), 3),
-                    None if ttft_avg is None else round(ttft_avg * 1000, 3),
-                )
-            )
+        self._encoded = None
+        times = self.times
+        interval = wall - times[-1] if times else self.step_s
+        if not 0 < interval < 3 * self.step_s:  # (a clock step, or the sampler held up)
+            interval = self.step_s
+        times.append(round(wall, 3))
+        for key, s in list(self.series.items()):
+            st = s.step
+            if st.n:  # (tokens come with a request)
+                s.idle = 0
+                point = st.point(interval)
+                s.step = _Step()
+            else:
+                s.idle += 1
+                if s.idle >= self.points:  # nothing in the whole window: dropped
+                    del self.series[key]
+                    continue
+                point = _IDLE
+            for col, v in zip(s.cols, point):
+                col.append(v)
 
-    def of(self, name: str) -> list[list]:
-        return [list(p) for p in self.series.get(name, ())]
+    def doc(self) -> dict:
+        """The series for the page: a shared time axis, one column per figure."""
+        series = []
+        for (up, model, gen), s in sorted(
+            self.series.items(), key=lambda kv: (not kv[0][2], kv[0][0], kv[0][1] or "")
+        ):
+            row: dict = {"upstream": up, "model": model, "generating": gen}
+            for name, col in zip(FIGURES, s.cols):
+                row[name] = list(col)
+            series.append(row)
+        return {
+            "step_s": self.step_s,
+            "window_s": self.step_s * self.points,
+            "times": list(self.times),
+            "series": series,
+            "untracked": self.untracked,
+        }
+
+    def encoded(self) -> msgspec.Raw:
+        """`doc()` as JSON, built again only after the points changed (a poll a second, a
+        point per 5 s)."""
+        if self._encoded is None:
+            self._encoded = msgspec.Raw(msgspec.json.encode(self.doc()))
+        return self._encoded
 
 
 def budgets(config_keys, usage_of) -> list[dict]:
@@ -128,36 +328,39 @@ def budgets(config_keys, usage_of) -> list[dict]:
 
 
 def state(app, wall: float, now: float) -> dict:
+    """Everything the page shows. The requests that generate nothing come apart (`recent_other`,
+    `other_requests_total`, series with `generating` false): the page leaves them out of its
+    counts, latency figures and charts unless asked (`/ui?all=1`, or its toggle)."""
     ups = []
     for up in app.upstreams.values():
         up.refresh_metrics()
         snap = up.metrics.snapshot(now)
         ups.append(
             {
-                **{
-                    k: snap[k]
-                    for k in (
-                        "name",
-                        "state",
-                        "parallel",
-                        "in_flight",
-                        "queued",
-                        "tokens_per_sec",
-                        "ttft_avg_seconds",
-                        "requests_total",
-                        "requests_failed",
-                        "tokens_total",
-                        "stall_trips",
-                    )
-                },
-                "trend": app.ui_trend.of(up.name),
+                k: snap[k]
+                for k in (
+                    "name",
+                    "state",
+                    "parallel",
+                    "in_flight",
+                    "queued",
+                    "tokens_per_sec",
+                    "ttft_avg_seconds",
+                    "requests_total",
+                    "requests_failed",
+                    "other_requests_total",
+                    "tokens_total",
+                    "stall_trips",
+                )
             }
         )
+    recent = app.ui_recent
     return {
         "now": wall,
-        "step_s": app.ui_trend.step_s,
         "upstreams": ups,
-        "recent": app.ui_recent.rows(),
+        "trend": app.ui_trend.encoded(),
+        "recent": recent.rows(),
+        "recent_other": recent.rows(other=True),
         "budgets": budgets(app.config.key, lambda k: app.budgets.usage(k, wall)),
         "rows_dropped": app.store.rows_dropped,
     }

@@ -14,6 +14,7 @@ from relay.errors import RelayError
 from relay.http.request_path import bounded, route_path
 from relay.observe import row_timings as timing
 from relay.observe.record import RESERVED, Record, user_agent
+from relay.observe.ui_state import generating
 from relay.proxy.exchange import Exchange
 from relay.proxy.ledger import Ledger
 from relay.stream import endings as E
@@ -84,15 +85,20 @@ def settle(app, client, rec: Record, ledger: Ledger, t0: float) -> None:
         app.registry.rejected(rec.error_code or "unknown")  # no upstream involved
     else:
         m = served.metrics
-        m.request_done(rec.ok, rec.error_code)
-        ttft, tpot, e2e = rec.ttft_ms, rec.tpot_ms, rec.e2e_ms
-        m.observe_timings(
-            None if ttft is None else ttft / 1000,
-            None if tpot is None else tpot / 1000,
-            None if e2e is None else e2e / 1000,
-        )
+        gen = generating(rec)  # /health, /v1/models, tokenize...: apart, in no latency figure
+        if gen:
+            m.request_done(rec.ok, rec.error_code)
+            ttft, tpot, e2e = rec.ttft_ms, rec.tpot_ms, rec.e2e_ms
+            m.observe_timings(
+                None if ttft is None else ttft / 1000,
+                None if tpot is None else tpot / 1000,
+                None if e2e is None else e2e / 1000,
+            )
+        else:
+            m.other_request_done()
         if ex is not None and ex.outcome == E.STALL and ex.stall_reason is not None:
             m.stall(ex.stall_reason)
+        app.ui_trend.add(rec, gen)
     if rec.key_id is not None:
         app.registry.key_used(rec.key_id, rec.prompt_tokens, rec.completion_tokens)
     app.ui_recent.add(rec)

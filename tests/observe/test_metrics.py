@@ -130,6 +130,14 @@ def test_requests_and_failures_by_code():
     assert snap["requests_total"] == 6
     assert snap["requests_failed"] == 4
     assert snap["failures_by_code"] == {"upstream_timeout": 2, "bad_gateway": 1, "unknown": 1}
+    assert snap["other_requests_total"] == 0
+    m.other_request_done()  # one that generates nothing: counted apart, never failed
+    snap = m.snapshot(0.0)
+    assert (snap["requests_total"], snap["requests_failed"], snap["other_requests_total"]) == (
+        6,
+        4,
+        1,
+    )
 
 
 def test_stall_reasons_and_queue_wait():
@@ -176,6 +184,8 @@ def two_upstreams() -> Registry:
     a.observe_ttft(0.25, 6.0)
     a.request_done(True, None)
     a.request_done(False, "upstream_timeout")
+    a.other_request_done()  # a GET /health, say: apart
+    a.other_request_done()
     a.stall("total")
     a.observe_queue_wait(1.5)
     a.set_flm(33.25, 40.0)
@@ -212,6 +222,7 @@ def test_json_shape():
         "ttft_avg_seconds": 0.375,
         "requests_total": 2,
         "requests_failed": 1,
+        "other_requests_total": 2,
         "tokens_total": 95,
         "stall_trips": {"total": 1, "idle": 0, "read": 0},
         "queue_wait_seconds_total": 1.5,
@@ -281,6 +292,13 @@ def test_prometheus_families_and_values():
             ("relay_requests_total", lab(upstream=B)): 1,
         },
     )
+    assert fams["relay_other_requests"] == (
+        "counter",
+        {
+            ("relay_other_requests_total", lab(upstream=A)): 2,
+            ("relay_other_requests_total", lab(upstream=B)): 0,
+        },
+    )
     assert fams["relay_requests_failed"] == (
         "counter",
         {
@@ -333,7 +351,7 @@ def test_prometheus_families_and_values():
             ("relay_requests_rejected_total", lab(code="401")): 1,
         },
     )
-    assert len(fams) == 22
+    assert len(fams) == 23
 
 
 def test_prometheus_text_layout():
@@ -354,7 +372,7 @@ def test_prometheus_text_layout():
             assert name in (current, current + "_sum", current + "_count", current + "_bucket"), (
                 line
             )
-    assert len(helps) == len(set(helps)) == len(types) == len(set(types)) == 22
+    assert len(helps) == len(set(helps)) == len(types) == len(set(types)) == 23
     assert 'relay_tokens_total{upstream="gpu0"} 95\n' in text  # ints as ints
     assert 'relay_tokens_per_second{upstream="gpu0"} 5.0\n' in text  # floats via repr
     for name in types:

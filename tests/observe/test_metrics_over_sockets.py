@@ -99,6 +99,46 @@ async def test_request_and_token_counters_equal_what_the_simulator_sent(make_rel
     assert not [k for k in prom if k[0] == "relay_requests_failed_total"]
 
 
+async def test_requests_that_generate_nothing_are_counted_apart(make_relay, sim):
+    """GET /health, GET /v1/models (forwarded: no upstream lists its models) and POST /tokenize
+    move `relay_other_requests_total`, never `relay_requests_total` or a latency histogram."""
+    app = await make_relay()
+    for method, path, body in (
+        ("GET", "/health", None),
+        ("GET", "/v1/models", None),
+        ("GET", "/health", None),
+        ("POST", "/tokenize", {"content": "hello"}),
+    ):
+        resp = await httpc.fetch(app.port, method, path, body)
+        assert resp.status == 200, path
+    assert {r.path for r in sim.requests} == {"/health", "/v1/models", "/tokenize"}  # forwarded
+    resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(3))  # and one that generates
+    assert resp.status == 200 and resp.complete
+    resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(2, stream=False))
+    assert resp.status == 200
+    got = await settled(app, 6)
+    assert [r["path"] for r in got].count("/health") == 2
+    prom = await prometheus(app)
+    assert prom[("relay_requests_total", up())] == 2
+    assert prom[("relay_other_requests_total", up())] == 4
+    assert prom[("relay_time_to_first_token_seconds_count", up())] == 1  # the stream
+    assert prom[("relay_e2e_request_latency_seconds_count", up())] == 2
+    assert prom[("relay_time_per_output_token_seconds_count", up())] == 1
+    snap = await snapshot(app)
+    assert (snap["requests_total"], snap["other_requests_total"]) == (2, 4)
+    # the page's state: the same split
+    doc = (await httpc.fetch(app.port, "GET", "/api/ui/state")).json()
+    [u] = doc["upstreams"]
+    assert (u["requests_total"], u["other_requests_total"]) == (2, 4)
+    assert [r["path"] for r in doc["recent"]] == [CHAT, CHAT]
+    assert sorted(r["path"] for r in doc["recent_other"]) == [
+        "/health",
+        "/health",
+        "/tokenize",
+        "/v1/models",
+    ]
+
+
 async def test_stall_trips_by_reason_and_the_stall_event_is_no_token(make_relay, sim):
     app = await make_relay(stream_idle_timeout_s=0.2, stream_total_timeout_s=0)
     resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(30, stall_after=3))

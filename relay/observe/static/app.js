@@ -1,13 +1,19 @@
-// relay operator page: polls /api/ui/state once a second and draws it. No framework, no CDN.
+// relay operator page: polls /api/ui/state once a second and draws it. No framework, no CDN:
+// the charts are uPlot's (uplot.min.js, vendored, served by the relay).
 // The admin key, when the relay has one, is typed into the page and sent as a header; it is
 // kept in this variable only (not in a URL, not in storage).
+// Requests that generate nothing (GET /health, /v1/models, /props, tokenize...) come apart in
+// the state and are left out of the counts, latency figures and charts unless asked for:
+// the toggle, or /ui?all=1.
 "use strict";
 
 const POLL_MS = 1000;
-const SVG = "http://www.w3.org/2000/svg";
+const RECENT_MAX = 100;
 let adminKey = null;
 let timer = null;
 let seen = new Set();
+let lastState = null;
+let showAll = new URLSearchParams(location.search).get("all") === "1";
 
 const $ = (id) => document.getElementById(id);
 
@@ -35,6 +41,16 @@ function hms(ts) {
   const d = new Date(ts * 1000);
   return d.toLocaleTimeString([], {hour12: false});
 }
+
+// ---- what is shown ---------------------------------------------------------------------
+$("showall").checked = showAll;
+$("showall").addEventListener("change", () => {
+  showAll = $("showall").checked;
+  const url = new URL(location.href);
+  if (showAll) url.searchParams.set("all", "1"); else url.searchParams.delete("all");
+  history.replaceState(null, "", url);
+  if (lastState) render(lastState);
+});
 
 // ---- key prompt ------------------------------------------------------------------------
 function askKey(message) {
@@ -103,9 +119,15 @@ async function start() {
 
 // ---- drawing ---------------------------------------------------------------------------
 function render(state) {
+  lastState = state;
   renderUpstreams(state);
-  renderRecent(state.recent);
+  renderCharts(state.trend, state.now);
+  renderRecent(showAll ? merged(state.recent, state.recent_other) : state.recent);
   renderBudgets(state.budgets);
+}
+
+function merged(rows, other) {
+  return rows.concat(other).sort((a, b) => b.ts - a.ts).slice(0, RECENT_MAX);
 }
 
 function fact(label, value, note) {
@@ -114,44 +136,13 @@ function fact(label, value, note) {
   return box;
 }
 
-function chart(kind, label, unit, points, index, span, now, digits) {
-  const w = 300, h = 46, pad = 2;
-  const values = points.filter((p) => p[index] !== null);
-  const last = values.length ? values[values.length - 1][index] : null;
-  const box = el("div", {class: "chart " + kind},
-    el("div", {class: "label"}, el("span", {}, label),
-       el("span", {}, last === null ? "–" : fmt(last, digits) + " " + unit)));
-  const svg = document.createElementNS(SVG, "svg");
-  svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
-  svg.setAttribute("preserveAspectRatio", "none");
-  if (values.length < 2) {
-    const t = document.createElementNS(SVG, "text");
-    t.setAttribute("x", 6); t.setAttribute("y", 28);
-    t.textContent = "collecting…";
-    svg.append(t);
-  } else {
-    const max = Math.max(...values.map((p) => p[index])) || 1;
-    const x = (t) => pad + (w - 2 * pad) * Math.max(0, 1 - (now - t) / span);
-    const y = (v) => h - pad - (h - 2 * pad) * (v / max);
-    const pts = values.map((p) => `${x(p[0]).toFixed(1)},${y(p[index]).toFixed(1)}`);
-    const area = document.createElementNS(SVG, "polygon");
-    area.setAttribute("points", `${x(values[0][0]).toFixed(1)},${h} ${pts.join(" ")} ` +
-                      `${x(values[values.length - 1][0]).toFixed(1)},${h}`);
-    const line = document.createElementNS(SVG, "polyline");
-    line.setAttribute("points", pts.join(" "));
-    line.setAttribute("vector-effect", "non-scaling-stroke");
-    svg.append(area, line);
-    box.firstChild.lastChild.append(el("span", {class: "peak"}, " · max " + fmt(max, digits)));
-  }
-  box.append(svg);
-  return box;
-}
-
 function renderUpstreams(state) {
   const box = $("upstreams");
-  const span = state.step_s * 72;
+  let hidden = 0;
   const cards = state.upstreams.map((u) => {
     const trips = u.stall_trips;
+    const other = u.other_requests_total || 0;
+    hidden += other;
     const card = el("div", {class: "card", "data-upstream": u.name},
       el("h3", {}, u.name, el("span", {class: "badge " + u.state, "data-role": "state"}, u.state)),
       el("div", {class: "facts"},
@@ -159,29 +150,135 @@ function renderUpstreams(state) {
         fact("queue", u.queued),
         fact("tokens/s", fmt(u.tokens_per_sec, 1)),
         fact("TTFT avg", u.ttft_avg_seconds === null ? "–" : fmt(u.ttft_avg_seconds * 1000) + " ms"),
-        fact("requests", u.requests_total, u.requests_failed ? `${u.requests_failed} failed` : ""),
+        el("div", {class: "fact", "data-role": "requests"},
+           el("span", {}, "requests"), el("b", {}, showAll ? u.requests_total + other : u.requests_total),
+           el("small", {}, [u.requests_failed ? `${u.requests_failed} failed` : "",
+                            showAll && other ? `incl. ${other} generating nothing` : ""].filter(Boolean).join(" · "))),
         fact("stall trips", trips.total + trips.idle + trips.read,
-             `total ${trips.total} · idle ${trips.idle} · read ${trips.read}`)),
-      chart("tps", "tokens/s, last 6 min", "tok/s", u.trend, 1, span, state.now, 1),
-      chart("ttft", "TTFT (mean of the last minute), last 6 min", "ms", u.trend, 2, span, state.now, 0));
+             `total ${trips.total} · idle ${trips.idle} · read ${trips.read}`)));
     return card;
   });
   box.replaceChildren(...cards);
+  $("hidden").textContent = !showAll && hidden
+    ? `(not counted: ${hidden} ${hidden === 1 ? "request that generates" : "requests that generate"} nothing)` : "";
 }
 
+// ---- charts (uPlot) ----------------------------------------------------------------------
+const COLORS = ["#2f6fdf", "#8e44ad", "#1a7f4b", "#b7791f", "#c0392b", "#16a085", "#d35400", "#34495e"];
+// lines: [figure in the state, line label, dashed]; streamed: a figure of streams only (no
+// series of requests that generate nothing)
+const CHARTS = [
+  {id: "ttft", title: "TTFT p50 / p99", unit: "ms", streamed: true,
+   lines: [["ttft_p50", "p50", false], ["ttft_p99", "p99", true]]},
+  {id: "tpot", title: "TPOT mean / ITL p99", unit: "ms", streamed: true,
+   lines: [["tpot", "TPOT", false], ["itl_p99", "ITL p99", true]]},
+  {id: "e2e", title: "E2E p50", unit: "ms", lines: [["e2e_p50", "", false]]},
+  {id: "err", title: "Error rate", unit: "%", lines: [["err_pct", "", false]]},
+  {id: "rps", title: "Completed requests", unit: "req/s", lines: [["req_s", "", false]]},
+  {id: "tps", title: "Output tokens", unit: "tok/s", lines: [["tok_s", "", false]]},
+];
+const CHART_H = 190;
+const charts = new Map();  // id -> {u, key, box}
+let xRange = [0, 1];
+
+function seriesName(s) {
+  return `${s.upstream} · ${s.model ?? "–"}` + (s.generating ? "" : " (generates nothing)");
+}
+
+function minutes(seconds) {
+  return seconds % 60 ? `${seconds} s` : `${seconds / 60} min`;
+}
+
+function renderCharts(trend, now) {
+  const area = $("charts");
+  const shown = trend.series.filter((s) => showAll || s.generating);
+  const span = minutes(trend.window_s);
+  $("window").textContent = `(last ${span}, a point per ${trend.step_s} s` +
+    (trend.untracked ? `; ${trend.untracked} requests of further series not charted)` : ")");
+  if (!shown.length || !trend.times.length) {
+    for (const c of charts.values()) c.u.destroy();
+    charts.clear();
+    area.replaceChildren(el("p", {class: "empty"}, `no requests in the last ${span}`));
+    return;
+  }
+  if (!charts.size) area.replaceChildren();
+  xRange = [now - trend.window_s, now];
+  const all = shown.map((s, i) => ({s, name: seriesName(s), color: COLORS[i % COLORS.length]}));
+  for (const spec of CHARTS) {
+    const lines = spec.streamed ? all.filter((x) => x.s.generating) : all;
+    const data = [trend.times];
+    for (const {s} of lines) for (const [fig] of spec.lines) data.push(s[fig]);
+    const key = lines.map((x) => x.name + x.color).join("\n");
+    let c = charts.get(spec.id);
+    if (c && c.key !== key) { c.u.destroy(); charts.delete(spec.id); c = null; }
+    if (!c) {
+      let box = area.querySelector(`[data-chart="${spec.id}"]`);
+      if (!box) { box = el("div", {class: "chart", "data-chart": spec.id}); area.append(box); }
+      c = {key, box, u: new uPlot(chartOptions(spec, lines, span, box), data, box)};
+      charts.set(spec.id, c);
+    } else {
+      c.u.setData(data);
+    }
+    let points = 0;
+    for (let i = 1; i < data.length; i++) for (const v of data[i]) if (v !== null) points++;
+    c.box.dataset.points = points;
+  }
+}
+
+function chartOptions(spec, lines, span, box) {
+  const series = [{}];
+  lines.forEach(({name, color}) => {
+    for (const [, label, dashed] of spec.lines) {
+      series.push({
+        label: label ? `${name} ${label}` : name,
+        stroke: color,
+        width: 1.6,
+        dash: dashed ? [6, 4] : undefined,
+        spanGaps: spec.unit === "ms",  // a latency is not measured in an idle step
+        points: {size: 4},
+        value: (u, v) => v === null || v === undefined ? "–" : `${+v.toFixed(2)} ${spec.unit}`,
+      });
+    }
+  });
+  return {
+    title: `${spec.title} (${spec.unit}), last ${span}`,
+    width: Math.max(280, box.clientWidth - 10),
+    height: CHART_H,
+    scales: {
+      x: {time: true, auto: false, range: () => xRange},
+      y: {range: (u, lo, hi) => [0, hi > 0 ? hi * 1.1 : 1]},
+    },
+    axes: [{}, {label: spec.unit, size: 56, labelSize: 18}],
+    series,
+    legend: {live: true},
+  };
+}
+
+let resizing = null;
+window.addEventListener("resize", () => {
+  clearTimeout(resizing);
+  resizing = setTimeout(() => {
+    for (const c of charts.values()) c.u.setSize({width: Math.max(280, c.box.clientWidth - 10), height: CHART_H});
+  }, 150);
+});
+
+// ---- tables ------------------------------------------------------------------------------
 function renderRecent(rows) {
   const body = $("recent").tBodies[0];
   $("recentcount").textContent = rows.length ? `(last ${rows.length})` : "";
   if (!rows.length) {
-    body.replaceChildren(el("tr", {}, el("td", {colspan: 9, class: "empty"}, "no requests yet")));
+    body.replaceChildren(el("tr", {}, el("td", {colspan: 11, class: "empty"}, "no requests yet")));
     return;
   }
   const fresh = new Set();
   body.replaceChildren(...rows.map((r) => {
     const tr = el("tr", {"data-request-id": r.request_id},
       el("td", {}, hms(r.ts)), el("td", {}, r.key || "–"), el("td", {}, r.model || "–"),
-      el("td", {}, r.upstream || "–"), el("td", {class: "num"}, r.status ?? "–"),
-      el("td", {class: "num"}, fmt(r.ttft_ms)), el("td", {class: "num"}, fmt(r.tokens_per_s, 1)),
+      el("td", {}, r.upstream || "–"),
+      el("td", {class: "path", title: `${r.method} ${r.path}`}, `${r.method || "–"} ${r.path || ""}`),
+      el("td", {class: "num"}, r.status ?? "–"),
+      el("td", {class: "num"}, fmt(r.ttft_ms)), el("td", {class: "num"}, fmt(r.e2e_ms)),
+      el("td", {class: "num"}, fmt(r.tokens_per_s, 1)),
       el("td", {class: "num"}, r.tokens ?? "–"),
       el("td", {class: r.ok ? "ok" : "bad"}, r.outcome || "–"));
     if (seen.size && !seen.has(r.request_id)) tr.className = "fresh";
