@@ -23,7 +23,9 @@ from bench.upstreams import RealUpstream, SimUpstream
 
 HOST = "127.0.0.1"
 # relay_ui: the relay with its operator page open (bench/ui_poll.py polls /api/ui/state 1/s)
-TARGETS = ("direct", "relay", "nginx", "baseline", "relay_ui")
+TARGETS = ("direct", "relay", "nginx", "baseline", "relay_ui", "relay_otel")
+# relay_otel: the relay with OpenTelemetry on through the standard OTEL_* variables, exporting
+# spans and metrics over OTLP/HTTP to a local sink (bench/otlp_sink.py; docs/otel.md)
 
 
 def scenarios(a) -> dict[str, dict]:
@@ -106,7 +108,16 @@ def start_proxy(target: str, up, logdir: Path, a) -> procs.Proc | None:
         return None
     port = procs.free_port(HOST)
     pki = getattr(up, "pki", None)
-    if target in ("relay", "baseline", "relay_ui"):
+    sink = None
+    if target == "relay_otel":  # the collector first: the relay's exporter posts to it
+        sink_port = procs.free_port(HOST)
+        sink = procs.Proc(
+            "otlp_sink",
+            [sys.executable, "-m", "bench.otlp_sink", "--port", str(sink_port)],
+            logdir,
+        )
+        time.sleep(0.3)
+    if target in ("relay", "baseline", "relay_ui", "relay_otel"):
         # The upstream is in the generated config (with parallel = 4096), so
         # no --upstream here: the relay refuses both.
         conf = relay_conf.write(up.url, logdir, a.relay_config, str(pki.ca) if pki else None)
@@ -123,6 +134,12 @@ def start_proxy(target: str, up, logdir: Path, a) -> procs.Proc | None:
             str(port),
         ]
         env = {"PYTHONPATH": str(a.baseline_dir)} if target == "baseline" else None
+        if sink is not None:
+            env = {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{HOST}:{sink_port}",
+                "OTEL_METRIC_EXPORT_INTERVAL": "5000",
+                "OTEL_BSP_SCHEDULE_DELAY": "1000",
+            }
         p = procs.Proc(target, argv, logdir, env=env)
     else:
         tmp = logdir / "nginx"
@@ -132,7 +149,7 @@ def start_proxy(target: str, up, logdir: Path, a) -> procs.Proc | None:
         p = procs.Proc("nginx", nginx.argv(tmp, conf), logdir)
     p.port = port
     p.wait_http(HOST, port, "/health")
-    p.poller = None
+    p.poller = sink  # (stopped with the proxy; relay_ui's is the page's poller)
     if target == "relay_ui":
         p.poller = procs.Proc(
             "ui_poll",
@@ -207,9 +224,16 @@ def measure(scenario: str, sc: dict, target: str, up, logdir: Path, a) -> dict:
     finally:
         if proxy:
             if getattr(proxy, "poller", None) is not None:
-                row["ui_polls"] = proxy.poller.out_path.read_text().count("status 200")
-                proxy.poller.stop()
+                polled = proxy.poller.out_path.read_text()
+                if proxy.name == "relay_otel":
+                    row["otlp_exports"] = polled.count("export ")
+                else:
+                    row["ui_polls"] = polled.count("status 200")
+                if proxy.name != "relay_otel":
+                    proxy.poller.stop()
             proxy.stop()
+            if proxy.name == "relay_otel":  # (the sink takes the relay's last export)
+                proxy.poller.stop()
     if target == "nginx":
         row["nginx_upstream_errors"] = nginx.upstream_errors(logdir / "nginx")
     return row

@@ -266,7 +266,9 @@ def render(rows, scs, names, targets, a, upstream_kind) -> str:
                 f"{_pct(g['client_cpu'])} | {_pct(g['other_cpu'])} | {_f(g['wall'], 1)} |"
             )
     out.append("")
-    for name, who in [(n, t) for n in names for t in ("relay", "relay_ui", "baseline")]:
+    for name, who in [
+        (n, t) for n in names for t in ("relay", "relay_ui", "relay_otel", "baseline")
+    ]:
         r, n = aggs.get((name, who)), aggs.get((name, "nginx"))
         if (
             r
@@ -280,6 +282,7 @@ def render(rows, scs, names, targets, a, upstream_kind) -> str:
             label = {
                 "relay": "relay",
                 "relay_ui": "relay with the operator page open (polled 1/s)",
+                "relay_otel": "relay with OpenTelemetry on (OTLP/HTTP to a local sink)",
             }.get(who, f"baseline relay ({a.baseline or 'HEAD'})")
             out.append(
                 f"**{'Key ratio' if name == 'paced' else 'Ratio'} ({name}): {label} CPU per event "

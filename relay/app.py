@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 from relay import reload
 from relay.config import Config, ConfigError
 from relay.errors import shutting_down
+from relay.observe import otel_start
 from relay.observe.log import Log
 from relay.observe.metrics import Registry
 from relay.observe.ui_state import Recent, Trend
@@ -59,6 +61,7 @@ class App:
         self.dispatcher = Dispatcher(self)
         self.ui_recent = Recent()  # the operator page's figures (observe.ui_state)
         self.ui_trend = Trend()
+        self.otel = None  # OpenTelemetry (observe.otel), when [otel] or OTEL_* say: at start
         self.loop: asyncio.AbstractEventLoop | None = None
         self.deadlines: Deadlines | None = None
         self.server: asyncio.AbstractServer | None = None
@@ -75,6 +78,10 @@ class App:
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
+        # (without the `otel` extra, [otel] fails here, before anything is bound or opened)
+        self.otel = otel_start.start(
+            self.config.otel, self.log, lambda: list(self.registry), os.environ
+        )
         self.deadlines = Deadlines(self.loop)  # every stream's stall guard, on one loop timer
         s = self.config.server
         # bind first: a relay that cannot listen (the address is in use: another relay?)
@@ -199,6 +206,8 @@ class App:
             await asyncio.wait(late, timeout=2.0)
             pending |= late
         await self.store.aclose()
+        if self.otel is not None:  # the last spans and points, waited a bounded time
+            await self.otel.aclose()
         self.log.event(
             "relay_stopped",
             unfinished=len([t for t in pending if not t.done()]),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from typing import Annotated
+from typing import Annotated, Literal
 from urllib.parse import parse_qsl, urlsplit
 
 import msgspec
@@ -104,6 +104,39 @@ class StoreConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     reservation_ttl_s: Annotated[float, Meta(ge=0.05, le=86400.0)] = 30.0
 
 
+class OtelConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    """`[otel]`: OpenTelemetry over OTLP (docs/otel.md, the `otel` extra). Each key is its
+    standard OTEL_* environment variable's, which gives what the file leaves unset."""
+
+    disabled: bool = False  # OTEL_SDK_DISABLED
+    endpoint: str | None = None  # OTEL_EXPORTER_OTLP_ENDPOINT (the signals' paths appended)
+    traces_endpoint: str | None = None  # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (as it is)
+    metrics_endpoint: str | None = None  # OTEL_EXPORTER_OTLP_METRICS_ENDPOINT (as it is)
+    protocol: Literal["http/protobuf", "grpc"] | None = None  # OTEL_EXPORTER_OTLP_PROTOCOL
+    timeout_ms: Annotated[int, Meta(ge=1, le=600_000)] | None = None  # ..._OTLP_TIMEOUT
+    service_name: str | None = None  # OTEL_SERVICE_NAME (default "relay")
+    resource_attributes: dict[str, str] = msgspec.field(default_factory=dict)
+    traces_sampler: (
+        Literal[
+            "always_on",
+            "always_off",
+            "traceidratio",
+            "parentbased_always_on",
+            "parentbased_always_off",
+            "parentbased_traceidratio",
+        ]
+        | None
+    ) = None  # OTEL_TRACES_SAMPLER
+    traces_sampler_arg: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    metric_export_interval_ms: Annotated[int, Meta(ge=1, le=86_400_000)] | None = None
+    bsp_schedule_delay_ms: Annotated[int, Meta(ge=1, le=86_400_000)] | None = None
+    bsp_max_queue_size: Annotated[int, Meta(ge=1, le=1_000_000)] | None = None
+    traces: bool = True  # false: OTEL_TRACES_EXPORTER=none
+    metrics: bool = True  # false: OTEL_METRICS_EXPORTER=none
+    # gen_ai.provider.name; unset: the API's (openai, anthropic; llama.cpp's own routes)
+    provider_name: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
+
+
 class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     dispatcher: DispatcherConfig = msgspec.field(default_factory=DispatcherConfig)
@@ -112,6 +145,7 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     store: StoreConfig = msgspec.field(default_factory=StoreConfig)
     budget: BudgetConfig = msgspec.field(default_factory=BudgetConfig)
     admin_key_sha256: Annotated[str, Meta(pattern="^[0-9a-fA-F]{64}$")] | None = None
+    otel: OtelConfig | None = None  # [otel]: OpenTelemetry on (the environment can also say so)
 
 
 class ConfigError(ValueError):

@@ -131,6 +131,7 @@ def prepare(app, new: Config) -> _Plan:
         ("store.path", old.store.path, new.store.path),
         ("store.url", old.store.url, new.store.url),
         ("store.spill_path", old.store.spill_path, new.store.spill_path),
+        ("otel", old.otel, new.otel),
     ):
         if a != b:
             raise ConfigError(f"{what}: changing it needs a restart ({a!r} -> {b!r})")

@@ -55,6 +55,8 @@ CREDENTIALS = frozenset({b"authorization", b"x-api-key"})
 # Never forwarded upstream: the relay sets these itself.
 _NOT_UPSTREAM = HOP_BY_HOP | {b"host", b"content-length", b"x-request-id", b"expect"}
 IDENTITY = (b"Accept-Encoding", b"identity")
+# W3C trace context: the relay's own replaces the client's when OpenTelemetry is on
+TRACE_CONTEXT = frozenset({b"traceparent", b"tracestate"})
 # (matched whole, with fullmatch: `$` would let a final "\n" through)
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")
@@ -117,6 +119,7 @@ def upstream_request_headers(
     auth: tuple[bytes, bytes] | None,
     static: HeaderPairs = (),
     pass_credentials: bool = False,
+    trace: HeaderPairs = (),
 ) -> Headers:
     """The request headers sent upstream (the body goes with Content-Length).
 
@@ -124,6 +127,8 @@ def upstream_request_headers(
     checks no keys and sends no credential of its own: the upstream checks them).
     `static`: the upstream's configured headers, which replace the client's of those names;
     `auth`: the upstream's own key, with which none of the client's credentials cross.
+    `trace`: the relay's W3C trace context (OpenTelemetry on), which replaces the client's
+    `traceparent` / `tracestate` (off, the client's cross as any header does).
     """
     drop = _NOT_UPSTREAM | connection_tokens(client)
     if not pass_credentials:
@@ -132,11 +137,14 @@ def upstream_request_headers(
         drop = drop | CLIENT_CREDENTIALS | {auth[0].lower()}
     if static:
         drop = drop | {k.lower() for k, _ in static}
+    if trace:
+        drop = drop | TRACE_CONTEXT
     out = [(b"Host", host)]
     out += [kv for kv, low in zip(client, lower_names(client)) if low not in drop]
     out.extend(static)
     if auth is not None:
         out.append(auth)
+    out.extend(trace)
     out.append((b"X-Request-Id", request_id))
     out.append((b"Content-Length", b"%d" % body_len))
     return out

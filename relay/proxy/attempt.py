@@ -85,6 +85,7 @@ def request_to(app, up, req, rid: bytes, ledger: Ledger) -> bytes:
         up.auth,
         up.static,
         pass_credentials=not mine and up.auth is None,
+        trace=ledger.trace.headers if ledger.trace is not None else (),
     )
     return request_bytes(req.method, target, head, body)
 

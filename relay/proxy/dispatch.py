@@ -174,6 +174,8 @@ class Dispatcher:
         self, client, req, rid: bytes, rec: Record, ledger: Ledger, t0: float, path: str
     ) -> bool | None:
         app = self.app
+        if app.otel is not None:  # the span starts with the request (ends in settlement)
+            ledger.trace = app.otel.begin(req.headers, rec)
         if app.auth.enabled and not ledger.admin:
             rec.key_id = req.key_id or app.auth.identify(req.headers)
             if rec.key_id is None:
@@ -185,6 +187,8 @@ class Dispatcher:
         peek = A.peek_body(req.method, req.headers, req.body, A.json_route(path))
         rec.model, rec.stream = bounded(peek.model, A.MAX_ECHO), bool(peek.stream)
         ledger.model = peek.model  # the public name, whole (model_map looks it up)
+        if ledger.trace is not None:
+            ledger.trace.max_tokens = A.completion_limit(peek, path)
         # the request keeps the upstreams it was routed among: a reload (SIGHUP) that removes
         # a fallback meanwhile must not leave a candidate with no upstream behind its name
         upstreams = app.upstreams
@@ -246,6 +250,8 @@ class Dispatcher:
                 ledger.release_slot()
                 if more:  # the attempt failed on this upstream: its metrics say so
                     up.metrics.request_done(False, retry.err.code)
+                    if ledger.trace is not None:
+                        ledger.trace.fallback(name, candidates[i + 1], retry.err.code)
                     app.log.event(
                         "fallback",
                         request_id=rec.request_id,

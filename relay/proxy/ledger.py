@@ -11,7 +11,8 @@ on every exit path. It holds:
   of completions it asks for (`completions`: prompts x choices);
 - what served it: the upstream (`up`, kept here because a reload may remove it from the
   relay's list meanwhile), the last `exchange` and the request's `hold` (before the first
-  content event), and the CORS headers every answer of this request carries (`cors`).
+  content event), and the CORS headers every answer of this request carries (`cors`);
+- its OpenTelemetry span (`trace`, when that is on: ended at settlement).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (annotations only: the ledger imports no behaviour)
     from relay.http.fields import Headers
+    from relay.observe.otel import Trace
     from relay.policy.budget import Reservation
     from relay.proxy.exchange import Exchange
     from relay.proxy.slots import Slot
@@ -42,6 +44,7 @@ class Ledger:
         "prompt_est",
         "reservation",
         "slot",
+        "trace",
         "up",
     )
 
@@ -59,6 +62,7 @@ class Ledger:
         self.up: Upstream | None = None
         self.exchange: Exchange | None = None
         self.hold: Hold | None = None
+        self.trace: Trace | None = None  # its OpenTelemetry span, when that is on
 
     def release_slot(self) -> None:
         """Give the slot back (between candidates, and at settlement): at most once."""

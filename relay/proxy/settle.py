@@ -15,6 +15,7 @@ from relay.http.request_path import bounded, route_path
 from relay.observe import row_timings as timing
 from relay.observe.record import RESERVED, Record, user_agent
 from relay.observe.ui_state import generating
+from relay.proxy import telemetry
 from relay.proxy.exchange import Exchange
 from relay.proxy.ledger import Ledger
 from relay.stream import endings as E
@@ -101,6 +102,8 @@ def settle(app, client, rec: Record, ledger: Ledger, t0: float) -> None:
         app.ui_trend.add(rec, gen)
     if rec.key_id is not None:
         app.registry.key_used(rec.key_id, rec.prompt_tokens, rec.completion_tokens)
+    if app.otel is not None:  # OpenTelemetry on: the span ends, the metric points (once)
+        telemetry.settled(app, rec, ledger, t0)
     app.ui_recent.add(rec)
     app.store.put_record(rec, ledger.admission)  # the row replaces it, in one commit
     app.log.record("access", rec.log_fields())
@@ -165,6 +168,8 @@ def rejected(dispatcher, client, err: RelayError) -> None:
     if head is not None:  # the answer carries the CORS headers too (client.py writes it)
         err.headers = err.headers + app.cors.headers(head.headers.raw_items())
     app.registry.rejected(err.code)
+    if app.otel is not None:  # its span begins and ends here
+        app.otel.rejected(rec, head.headers.raw_items() if head is not None else ())
     app.ui_recent.add(rec)
     app.store.put_record(rec)
     app.log.record("access", rec.log_fields())

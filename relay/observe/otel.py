@@ -1,0 +1,332 @@
+"""OpenTelemetry for the relay: one span per request and the GenAI metrics, over OTLP.
+
+Imported only when OpenTelemetry is on (`otel_env.start`); it needs the `otel` extra.
+
+- A request's span is started when the relay takes the request on (`begin`: its start is
+  the request's, its parent the client's W3C `traceparent` when valid, else a new trace;
+  `tracestate` is kept), so its ids are known before any upstream is contacted: the
+  upstream gets a `traceparent` naming this span (and the `tracestate`), and joins the trace.
+  A fallback is an event on it when it happens. Everything else is set from the row at
+  settlement (`settled`), which ends the span with an explicit end time: settlement runs
+  once per request on every exit path, so the span ends exactly once (the row's rule).
+  Nothing is done per relayed event.
+- Metric points are recorded at settlement from the row (`otel_attrs` names them); the
+  slots and the queue are observed by the metric reader's thread.
+- Export never blocks the event loop: spans go to the SDK's batch processor (a bounded
+  queue, a worker thread), metrics to a periodic reader's thread. A span the queue has no
+  room for, or one whose export failed (the collector down, too slow), is counted in
+  `relay.otel.spans_dropped` (and in the `otel_stopped` line). The SDK's own warnings
+  become `otel_sdk` JSON lines, the same message at most once a minute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from relay.http.fields import lower_names, values_of
+from relay.observe import otel_attrs as A
+from relay.observe.otel_env import Settings
+from relay.observe.otel_export import (
+    CountingExporter,
+    CountingProcessor,
+    bridge,
+    metric_exporter,
+    sampler,
+    span_exporter,
+)
+from relay.observe.record import Record
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+SHUTDOWN_S = 5.0  # the most the relay's stop waits for the last export
+_DEFAULT_BATCH = 512
+
+
+class Trace:
+    """One request's span, and the trace headers the upstream gets."""
+
+    __slots__ = ("headers", "max_tokens", "span")
+
+    def __init__(self, span, headers: list[tuple[bytes, bytes]]) -> None:
+        self.span = span
+        self.headers = headers
+        self.max_tokens: int | None = None  # gen_ai.request.max_tokens, when the body says
+
+    def fallback(self, upstream: str, next_upstream: str, reason: str) -> None:
+        self.span.add_event(
+            "relay.fallback",
+            {
+                "relay.upstream": upstream,
+                "relay.fallback.next": next_upstream,
+                "error.type": reason,
+            },
+        )
+
+
+class Telemetry:
+    def __init__(self, s: Settings, log, upstreams: Callable[[], Iterable]) -> None:
+        self.settings = s
+        self.log = log
+        self._upstreams = upstreams  # the UpstreamMetrics now (read by the reader's thread)
+        bridge.log = log
+        resource = Resource.create(s.resource)
+        self._tracer = None
+        self._traces: TracerProvider | None = None
+        self._processor: CountingProcessor | None = None
+        self._exporter: CountingExporter | None = None
+        if s.traces:
+            self._exporter = CountingExporter(span_exporter(s))
+            queue = s.bsp_max_queue_size
+            self._processor = CountingProcessor(
+                self._exporter,
+                max_queue_size=queue,
+                schedule_delay_millis=s.bsp_schedule_delay_ms,
+                max_export_batch_size=min(queue, _DEFAULT_BATCH) if queue else None,
+            )
+            self._traces = TracerProvider(
+                resource=resource, sampler=sampler(s), shutdown_on_exit=False
+            )
+            self._traces.add_span_processor(self._processor)
+            self._tracer = self._traces.get_tracer("relay")
+        self._metrics: MeterProvider | None = None
+        if s.metrics:
+            reader = PeriodicExportingMetricReader(
+                metric_exporter(s), export_interval_millis=s.metric_export_interval_ms
+            )
+            self._metrics = MeterProvider(
+                resource=resource, metric_readers=[reader], shutdown_on_exit=False
+            )
+            self._instruments(self._metrics.get_meter("relay"))
+        log.event(
+            "otel_started",
+            traces=s.traces,
+            metrics=s.metrics,
+            protocol=s.traces_protocol if s.traces else s.metrics_protocol,
+            configured=s.configured,
+        )
+
+    def _instruments(self, m) -> None:
+        h = m.create_histogram
+        self._duration = h(
+            "gen_ai.server.request.duration",
+            unit="s",
+            description="Generative AI server request duration such as time-to-last byte or "
+            "last output token.",
+            explicit_bucket_boundaries_advisory=A.DURATION_BUCKETS,
+        )
+        self._ttft = h(
+            "gen_ai.server.time_to_first_token",
+            unit="s",
+            description="Time to generate first token for successful responses.",
+            explicit_bucket_boundaries_advisory=A.TTFT_BUCKETS,
+        )
+        self._tpot = h(
+            "gen_ai.server.time_per_output_token",
+            unit="s",
+            description="Time per output token generated after the first token for "
+            "successful responses.",
+            explicit_bucket_boundaries_advisory=A.TPOT_BUCKETS,
+        )
+        self._tokens = h(
+            "gen_ai.client.token.usage",
+            unit="{token}",
+            description="Number of input and output tokens used (charged).",
+            explicit_bucket_boundaries_advisory=A.TOKEN_BUCKETS,
+        )
+        self._queue = h(
+            "relay.queue.duration",
+            unit="s",
+            description="Time a request waited for one of its upstream's slots.",
+            explicit_bucket_boundaries_advisory=A.QUEUE_BUCKETS,
+        )
+        self._stalls = m.create_counter(
+            "relay.stall.trips", unit="{trip}", description="Streams the stall guard cut."
+        )
+        m.create_observable_gauge(
+            "relay.slots.in_flight",
+            [self._observe("in_flight")],
+            unit="{request}",
+            description="Requests on the upstream now.",
+        )
+        m.create_observable_gauge(
+            "relay.slots.parallel",
+            [self._observe("parallel")],
+            unit="{slot}",
+            description="The upstream's configured parallel slots.",
+        )
+        m.create_observable_gauge(
+            "relay.queue.waiting",
+            [self._observe("queued")],
+            unit="{request}",
+            description="Requests waiting for one of the upstream's slots.",
+        )
+        m.create_observable_counter(
+            "relay.otel.spans_dropped",
+            [lambda _o: [Observation(self.spans_dropped)]],
+            unit="{span}",
+            description="Spans not exported: no room in the queue, or the export failed.",
+        )
+
+    def _observe(self, field: str):
+        def callback(_options: CallbackOptions) -> list[Observation]:
+            try:
+                ups = list(self._upstreams())
+            except RuntimeError:  # (a reload swapped the upstreams meanwhile)
+                return []
+            return [Observation(getattr(u, field), {"relay.upstream.name": u.name}) for u in ups]
+
+        return callback
+
+    @property
+    def spans_dropped(self) -> int:
+        p, e = self._processor, self._exporter
+        return (p.dropped if p is not None else 0) + (e.failed if e is not None else 0)
+
+    # ---- one request ----------------------------------------------------------------------
+    def begin(self, headers, rec: Record) -> Trace | None:
+        """The request's span, started at its start (None: traces are off)."""
+        if self._tracer is None:
+            return None
+        ctx = None
+        lows = lower_names(headers)
+        parents = values_of(headers, lows, b"traceparent")
+        if len(parents) == 1:  # (more than one: invalid, W3C says; a new trace)
+            carrier = {"traceparent": parents[0].decode("latin-1")}
+            states = values_of(headers, lows, b"tracestate")
+            if states:
+                carrier["tracestate"] = b",".join(states).decode("latin-1")
+            ctx = _PROPAGATOR.extract(carrier)
+        span = self._tracer.start_span(
+            "relay", context=ctx, kind=SpanKind.SERVER, start_time=int(rec.ts * 1e9)
+        )
+        sc = span.get_span_context()
+        out = [(b"traceparent", b"00-%032x-%016x-%02x" % (sc.trace_id, sc.span_id, sc.trace_flags))]
+        if sc.trace_state:
+            out.append((b"tracestate", sc.trace_state.to_header().encode("latin-1")))
+        return Trace(span, out)
+
+    def settled(
+        self,
+        rec: Record,
+        trace: Trace | None,
+        upstream: str | None = None,
+        server: tuple[str, int] | None = None,
+        doc: bytes | None = None,
+        stall: tuple[str, float] | None = None,
+        beats: int = 0,
+        first_out_ns: int | None = None,
+    ) -> None:
+        """The request is settled (its row is complete): end its span and record its
+        metric points. Called once per request, by settlement only."""
+        end_ns = time.time_ns()
+        if trace is None and self._tracer is not None:  # (settled before `begin`: a relay
+            trace = self.begin((), rec)  # endpoint's refusal) one span per row all the same
+        model, reasons = A.response_facts(doc)
+        if stall is not None and not reasons:
+            reasons = ("length",)  # (the stall guard's own last event says so)
+        provider = self.settings.provider_name
+        if trace is not None:
+            span = trace.span
+            if beats and first_out_ns is not None:
+                span.add_event(
+                    "relay.heartbeat", {"relay.heartbeat.count": beats}, timestamp=first_out_ns
+                )
+            if stall is not None:
+                span.add_event(
+                    "relay.stall",
+                    {
+                        "relay.stall.reason": stall[0],
+                        "relay.stall.elapsed_s": stall[1],
+                        "relay.upstream": upstream or "",
+                    },
+                    timestamp=end_ns,
+                )
+            span.update_name(A.span_name(rec))
+            span.set_attributes(
+                A.span_attributes(rec, provider, model, reasons, server, trace.max_tokens)
+            )
+            if not rec.ok:
+                span.set_status(Status(StatusCode.ERROR, rec.error_code or rec.outcome))
+            span.end(end_time=end_ns)
+        if self._metrics is None:
+            return
+        op = A.operation(rec.path)
+        if op is not None:
+            attrs = A.metric_attributes(rec, op, provider, model, server)
+            err = A.error_type(rec)
+            total_s = (rec.total_ms or 0.0) / 1000
+            self._duration.record(total_s, attrs if err is None else {**attrs, "error.type": err})
+            if rec.ok and rec.ttft_ms is not None:
+                self._ttft.record(rec.ttft_ms / 1000, attrs)
+            if rec.ok and rec.tpot_ms is not None:
+                self._tpot.record(rec.tpot_ms / 1000, attrs)
+            if rec.prompt_tokens is not None:
+                self._tokens.record(rec.prompt_tokens, {**attrs, "gen_ai.token.type": "input"})
+            if rec.completion_tokens is not None:
+                self._tokens.record(rec.completion_tokens, {**attrs, "gen_ai.token.type": "output"})
+        if upstream is not None:
+            if rec.queue_ms is not None:
+                self._queue.record(rec.queue_ms / 1000, {"relay.upstream.name": upstream})
+            if stall is not None:
+                self._stalls.add(
+                    1, {"relay.upstream.name": upstream, "relay.stall.reason": stall[0]}
+                )
+
+    def rejected(self, rec: Record, headers) -> None:
+        """A request refused before it was read whole: its span begins and ends here."""
+        self.settled(rec, self.begin(headers, rec))
+
+    # ---- the end ---------------------------------------------------------------------------
+    def flush(self, timeout_s: float = SHUTDOWN_S) -> None:
+        """Export what is pending now (blocking: tests, and the stop's last step)."""
+        ms = int(timeout_s * 1000)
+        if self._traces is not None:
+            self._traces.force_flush(ms)
+        if self._metrics is not None:
+            self._metrics.force_flush(ms)
+
+    def shutdown(self, timeout_s: float = SHUTDOWN_S) -> None:
+        ms = int(timeout_s * 1000)
+        if self._processor is not None:
+            self._processor.shutdown_within(ms)  # (the provider's own waits 30 s)
+        if self._traces is not None:
+            self._traces.shutdown()
+        if self._metrics is not None:
+            self._metrics.shutdown(timeout_millis=ms)
+
+    async def aclose(self, timeout_s: float = SHUTDOWN_S) -> None:
+        """Flush and shut down in a thread of its own, waited `timeout_s` at most: a
+        collector that is down or slow never holds the relay's exit longer."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def finished() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        def run() -> None:
+            try:
+                self.shutdown(timeout_s)
+            except Exception:  # (the SDK's: never the relay's stop)
+                pass
+            try:
+                loop.call_soon_threadsafe(finished)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
+
+        threading.Thread(target=run, name="relay-otel-shutdown", daemon=True).start()
+        try:
+            await asyncio.wait_for(done, timeout_s + 1.0)
+        except TimeoutError:
+            pass
+        self.log.event("otel_stopped", spans_dropped=self.spans_dropped)

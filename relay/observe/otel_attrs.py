@@ -1,0 +1,208 @@
+"""What a request's row says in the OpenTelemetry GenAI semantic conventions (pure).
+
+Names, units and bucket boundaries are the conventions' (docs/gen-ai/gen-ai-metrics.md and
+gen-ai-spans.md of open-telemetry/semantic-conventions-genai, status Development): the
+model-server metrics `gen_ai.server.request.duration`, `gen_ai.server.time_to_first_token`,
+`gen_ai.server.time_per_output_token` and the token histogram `gen_ai.client.token.usage`
+(`gen_ai.token.type` input / output); the relay's own under `relay.`.
+
+The operation comes from the request's path: chat completions, Anthropic Messages and
+OpenAI Responses are `chat` (the Responses API told by `openai.api.type`, as openai.md
+says), the legacy and llama-server completions `text_completion`, embeddings `embeddings`;
+another path is no GenAI operation (its span is named by its method, and it has no gen_ai
+metric points). The provider is the API's flavour (`openai`, `anthropic`; `llama.cpp` for
+llama-server's own routes) unless `[otel].provider_name` says.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from relay.observe.record import Record
+
+# Explicit bucket boundaries the conventions recommend.
+DURATION_BUCKETS = (
+    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+)  # fmt: skip
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+)  # fmt: skip
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+TOKEN_BUCKETS = (
+    1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864,
+)  # fmt: skip
+# the relay's queue wait (slot), as its Prometheus histogram: 1 ms - 300 s
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+CHAT, TEXT, EMBEDDINGS = "chat", "text_completion", "embeddings"
+OPENAI, ANTHROPIC, LLAMA_CPP = "openai", "anthropic", "llama.cpp"
+
+# normalised path -> (gen_ai.operation.name, gen_ai.provider.name, openai.api.type)
+OPERATIONS: dict[str, tuple[str, str, str | None]] = {
+    "/v1/chat/completions": (CHAT, OPENAI, "chat_completions"),
+    "/chat/completions": (CHAT, OPENAI, "chat_completions"),
+    "/v1/responses": (CHAT, OPENAI, "responses"),
+    "/responses": (CHAT, OPENAI, "responses"),
+    "/v1/messages": (CHAT, ANTHROPIC, None),
+    "/messages": (CHAT, ANTHROPIC, None),
+    "/v1/completions": (TEXT, OPENAI, None),
+    "/completions": (TEXT, OPENAI, None),
+    "/completion": (TEXT, LLAMA_CPP, None),
+    "/infill": (TEXT, LLAMA_CPP, None),
+    "/v1/embeddings": (EMBEDDINGS, OPENAI, None),
+    "/embeddings": (EMBEDDINGS, OPENAI, None),
+    "/embedding": (EMBEDDINGS, LLAMA_CPP, None),
+}
+
+
+def operation(path: str) -> tuple[str, str, str | None] | None:
+    return OPERATIONS.get(path)
+
+
+def span_name(rec: Record) -> str:
+    """`{gen_ai.operation.name} {gen_ai.request.model}`; the method alone off GenAI routes."""
+    op = OPERATIONS.get(rec.path)
+    if op is None:
+        return rec.method or "HTTP"
+    return f"{op[0]} {rec.model}" if rec.model else op[0]
+
+
+def error_type(rec: Record) -> str | None:
+    """`error.type`: the row's error code (the relay's, `upstream_<status>`, ...)."""
+    if rec.ok:
+        return None
+    return rec.error_code or "_OTHER"
+
+
+# ---- what the response said: its model and finish reasons -----------------------------------
+class _Choice(msgspec.Struct):
+    finish_reason: str | None = None
+
+
+class _Delta(msgspec.Struct):  # Anthropic's message_delta
+    stop_reason: str | None = None
+
+
+class _Inner(msgspec.Struct):  # Anthropic's `message`, Responses' `response`
+    model: str | None = None
+    stop_reason: str | None = None
+    status: str | None = None
+
+
+class _Doc(msgspec.Struct):
+    model: str | None = None
+    choices: list[_Choice] | None = None
+    stop_reason: str | None = None  # Anthropic, non-streamed
+    delta: _Delta | None = None
+    message: _Inner | None = None
+    response: _Inner | None = None
+    stop_type: str | None = None  # llama-server's native /completion: eos, limit, word
+
+
+_decode = msgspec.json.Decoder(_Doc).decode
+
+
+def response_facts(doc: bytes | None) -> tuple[str | None, tuple[str, ...]]:
+    """(the response's model, its finish reasons) from a JSON document: a whole body, or the
+    last event a stream's scanner kept (llama-server's final chunk: the finish reason and
+    the timings together). (None, ()) when it says neither or is no JSON."""
+    if not doc:
+        return None, ()
+    try:
+        d = _decode(doc)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None, ()
+    inner = d.response or d.message
+    model = d.model or (inner.model if inner is not None else None)
+    reasons: tuple[str, ...] = ()
+    if d.choices:
+        reasons = tuple(c.finish_reason for c in d.choices if c.finish_reason)
+    elif d.delta is not None and d.delta.stop_reason:
+        reasons = (d.delta.stop_reason,)
+    elif d.stop_reason:
+        reasons = (d.stop_reason,)
+    elif inner is not None and (inner.stop_reason or inner.status):
+        reasons = (inner.stop_reason or inner.status or "",)
+    elif d.stop_type:
+        reasons = (d.stop_type,)
+    return model, reasons
+
+
+# ---- attributes ---------------------------------------------------------------------------
+def metric_attributes(
+    rec: Record,
+    op: tuple[str, str, str | None],
+    provider: str | None,
+    response_model: str | None,
+    server: tuple[str, int] | None,
+) -> dict:
+    """The attributes every gen_ai metric point of this request carries (error.type added
+    by the caller where the metric takes it)."""
+    attrs: dict = {
+        "gen_ai.operation.name": op[0],
+        "gen_ai.provider.name": provider or op[1],
+    }
+    if rec.model:
+        attrs["gen_ai.request.model"] = rec.model
+    if response_model:
+        attrs["gen_ai.response.model"] = response_model
+    if server is not None:
+        attrs["server.address"], attrs["server.port"] = server
+    return attrs
+
+
+def span_attributes(
+    rec: Record,
+    provider: str | None,
+    response_model: str | None,
+    finish_reasons: tuple[str, ...],
+    server: tuple[str, int] | None,
+    max_tokens: int | None,
+) -> dict:
+    """The span's attributes at settlement, from the row."""
+    op = OPERATIONS.get(rec.path)
+    a: dict = {}
+    if op is not None:
+        a.update(metric_attributes(rec, op, provider, response_model, server))
+        if op[2] is not None:
+            a["openai.api.type"] = op[2]
+        a["gen_ai.request.stream"] = rec.stream
+        if max_tokens is not None and max_tokens > 0:
+            a["gen_ai.request.max_tokens"] = max_tokens
+        if finish_reasons:
+            a["gen_ai.response.finish_reasons"] = finish_reasons
+        if rec.prompt_tokens is not None:
+            a["gen_ai.usage.input_tokens"] = rec.prompt_tokens
+        if rec.completion_tokens is not None:
+            a["gen_ai.usage.output_tokens"] = rec.completion_tokens
+        if rec.ttft_ms is not None and rec.stream:
+            a["gen_ai.response.time_to_first_chunk"] = rec.ttft_ms / 1000
+    elif server is not None:
+        a["server.address"], a["server.port"] = server
+    a["http.request.method"] = rec.method
+    a["url.path"] = rec.path
+    if rec.status is not None:
+        a["http.response.status_code"] = rec.status
+    err = error_type(rec)
+    if err is not None:
+        a["error.type"] = err
+    if rec.client_addr:
+        a["client.address"] = rec.client_addr
+    a["relay.request_id"] = rec.request_id
+    if rec.key_id is not None:
+        a["relay.key_id"] = rec.key_id
+    if rec.upstream_requested is not None:
+        a["relay.upstream.requested"] = rec.upstream_requested
+    if rec.upstream_served is not None:
+        a["relay.upstream.served"] = rec.upstream_served
+    a["relay.fallback.attempts"] = rec.fallback_attempts
+    if rec.outcome is not None:
+        a["relay.outcome"] = rec.outcome
+    if rec.tokens_source is not None:
+        a["relay.tokens.source"] = rec.tokens_source
+    if rec.queue_ms is not None:
+        a["relay.queue.duration"] = rec.queue_ms / 1000
+    if rec.tpot_ms is not None:
+        a["relay.time_per_output_token"] = rec.tpot_ms / 1000
+    a["relay.client_closed"] = rec.client_closed
+    return a
