@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from relay import reload
 from relay.config import Config, ConfigError
@@ -27,6 +29,25 @@ from relay.stream.deadlines import Deadlines
 from relay.stream.stall import StallPolicy
 
 
+def run(coro) -> int:
+    """Run the relay's main coroutine on uvloop when it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def worker_count(setting: int | str) -> int:
+    """`[server].workers`: a number, or "auto" (the cores this process may run on)."""
+    if setting == "auto":
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # (not Linux)
+            return max(1, os.cpu_count() or 1)
+    return int(setting)
+
+
 def make_store(config: Config, log: Log):
     """SQLite (`[store].path`), or PostgreSQL shared by several relays (`[store].url`)."""
     if config.store.url is None:
@@ -37,6 +58,8 @@ def make_store(config: Config, log: Log):
 
 
 class App:
+    listening_event = "relay_listening"
+
     def __init__(self, config: Config, log: Log | None = None) -> None:
         if not config.upstream:
             raise ConfigError("upstream: at least one [[upstream]] is required")
@@ -46,25 +69,24 @@ class App:
         self.policy = StallPolicy(
             d.stream_idle_timeout_s, d.stream_total_timeout_s, d.direct_read_timeout_s
         )
-        self.upstreams = {
-            u.name: Upstream(u, d.upstream_keepalive_s, d.prewarm, d.connect_timeout_s)
-            for u in config.upstream
-        }
+        self.upstreams = {u.name: self.new_upstream(u, d) for u in config.upstream}
         self.router = Router(config.upstream)
         self.auth = Auth(config.key, config.admin_key_sha256)
         self.cors = Cors(config.server.cors_origins)
-        self.budgets = Budgets(config.key)
+        self.budgets = self.make_budgets(config)
         self.registry = Registry()
         for up in self.upstreams.values():
             self.registry.add(up.metrics)
-        self.store = make_store(config, self.log)
+        self.store = self.make_store(config)
         self.dispatcher = Dispatcher(self)
         self.ui_recent = Recent()  # the operator page's figures (observe.ui_state)
         self.ui_trend = Trend()
         self.otel = None  # OpenTelemetry (observe.otel), when [otel] or OTEL_* say: at start
+        # a worker process answers the relay's own views from its parent (relay.workers)
+        self.remote_view: Callable[..., Awaitable[None]] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.deadlines: Deadlines | None = None
-        self.server: asyncio.AbstractServer | None = None
+        self.server: Any = None  # (App.listen's: an asyncio.Server, or a parent's listener)
         self.clients: set[ClientConn] = set()
         self.tasks: set[asyncio.Task] = set()
         self.background: list[asyncio.Task] = []
@@ -74,6 +96,33 @@ class App:
         self._reloading = asyncio.Lock()  # one reload at a time (reload_async)
         self._closed = asyncio.Event()  # set when a client connection is lost
         self.port = 0
+
+    # ---- what a worker process (relay.workers) holds in another way ----------------------
+    def new_upstream(self, cfg, d) -> Upstream:
+        """An upstream as this process holds it (at start and for a reload)."""
+        return Upstream(cfg, d.upstream_keepalive_s, d.prewarm, d.connect_timeout_s)
+
+    def make_budgets(self, config: Config) -> Budgets:
+        return Budgets(config.key)
+
+    def make_store(self, config: Config):
+        return make_store(config, self.log)
+
+    async def listen(self) -> asyncio.Server:
+        """The listening server, not serving yet."""
+        s = self.config.server
+        assert self.loop is not None
+        return await self.loop.create_server(
+            lambda: ClientConn(self),
+            s.host,
+            s.port,
+            backlog=4096,
+            reuse_address=True,
+            start_serving=False,
+        )
+
+    def probed(self, up: Upstream) -> None:
+        """An upstream's probe result is in (`up.health`): a parent tells its workers."""
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -86,14 +135,7 @@ class App:
         s = self.config.server
         # bind first: a relay that cannot listen (the address is in use: another relay?)
         # fails before it touches the database; serving starts once budgets are rebuilt
-        self.server = await self.loop.create_server(
-            lambda: ClientConn(self),
-            s.host,
-            s.port,
-            backlog=4096,
-            reuse_address=True,
-            start_serving=False,
-        )
+        self.server = await self.listen()
         self.port = self.server.sockets[0].getsockname()[1]
         try:
             self.store.start()  # the database's lock, then recovery (StoreLocked: in use)
@@ -108,7 +150,7 @@ class App:
         self.background.append(self.loop.create_task(self._sample_tokens()))
         self.background.append(self.loop.create_task(self.store.maintain(self)))
         self.log.event(
-            "relay_listening", host=s.host, port=self.port, upstreams=list(self.upstreams)
+            self.listening_event, host=s.host, port=self.port, upstreams=list(self.upstreams)
         )
         for up in self.upstreams.values():
             if up.target.tls and not up.cfg.verify:
@@ -300,6 +342,7 @@ class App:
                 self.log.event(
                     "upstream_state", upstream=up.name, state=up.state, was=before, status=status
                 )
+            self.probed(up)
             try:
                 await asyncio.wait_for(
                     wake.wait(), up.health.probe_delay(d.health_interval_s, d.down_probe_interval_s)

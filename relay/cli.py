@@ -11,6 +11,7 @@ import signal
 import sqlite3
 import sys
 
+from relay.app import run
 from relay.config import ConfigError, load_config, parse_config
 
 
@@ -26,6 +27,18 @@ def _serve_parser(sub) -> None:
     p.add_argument(
         "--demo", action="store_true", help="run in front of the built-in llama-server simulator"
     )
+    p.add_argument(
+        "--workers",
+        help="worker processes (overrides [server].workers; a number or auto: the cores the "
+        "relay may use); slots, queues, budgets, rows and metrics stay relay-wide",
+    )
+
+
+def _count(text: str):
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"--workers: a number or auto, not {text!r}") from None
 
 
 def build_config(args, sim_url: str | None = None):
@@ -35,6 +48,8 @@ def build_config(args, sim_url: str | None = None):
         server["host"] = args.host
     if args.port is not None:
         server["port"] = args.port
+    if getattr(args, "workers", None) is not None:
+        server["workers"] = args.workers if args.workers == "auto" else _count(args.workers)
     url = sim_url or args.upstream
     if url:
         if data.get("upstream"):
@@ -48,7 +63,7 @@ def build_config(args, sim_url: str | None = None):
 
 
 async def _serve(args) -> int:
-    from relay.app import App
+    from relay.app import App, worker_count
     from relay.observe.log import Log
 
     log = Log()
@@ -68,7 +83,15 @@ async def _serve(args) -> int:
         sim_url = f"http://127.0.0.1:{sim.port}"
         log.event("demo_simulator", url=sim_url)
     try:
-        app = App(build_config(args, sim_url), log)
+        config = build_config(args, sim_url)
+        workers = worker_count(config.server.workers)
+        if workers > 1:
+            from relay.workers.parent import ParentApp
+
+            log.shared()  # (its lines whole beside the workers')
+            app: App = ParentApp(config, log, workers)
+        else:
+            app = App(config, log)
         await app.start()
     except (ConfigError, OSError, sqlite3.Error) as exc:
         what = f"store.path {app.config.store.path!r}: " if isinstance(exc, sqlite3.Error) else ""
@@ -123,14 +146,6 @@ async def reload_config(app, args, sim_url: str | None, log) -> None:
         log.event("config_reload_failed", reason=str(exc), config=args.config)
         return
     log.event("config_reloaded", config=args.config, **summary)
-
-
-def run(coro) -> int:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 def main(argv: list[str] | None = None) -> int:

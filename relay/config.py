@@ -36,6 +36,9 @@ class ServerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     drain_timeout_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 30.0
     # browser origins allowed to call the relay ("*" = any); empty = no CORS answers
     cors_origins: list[Annotated[str, Meta(min_length=1)]] = msgspec.field(default_factory=list)
+    # worker processes serving the one listen address ("auto": the cores the process may
+    # use); slots, queues, budgets, health, rows and metrics stay relay-wide (relay.workers)
+    workers: Annotated[int, Meta(ge=1, le=512)] | Literal["auto"] = 1
 
 
 class DispatcherConfig(Struct, forbid_unknown_fields=True, kw_only=True):

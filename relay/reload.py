@@ -35,7 +35,6 @@ from relay.policy.cors import Cors
 from relay.policy.keys import Auth
 from relay.policy.routing import Router
 from relay.proxy.upstreams import (
-    Upstream,
     upstream_auth,
     upstream_keepalive,
     upstream_tls,
@@ -132,6 +131,7 @@ def prepare(app, new: Config) -> _Plan:
         ("store.url", old.store.url, new.store.url),
         ("store.spill_path", old.store.spill_path, new.store.spill_path),
         ("otel", old.otel, new.otel),
+        ("server.workers", old.server.workers, new.server.workers),
     ):
         if a != b:
             raise ConfigError(f"{what}: changing it needs a restart ({a!r} -> {b!r})")
@@ -147,7 +147,7 @@ def prepare(app, new: Config) -> _Plan:
             in_place.append((cur, cfg, upstream_auth(cfg), upstream_tls(cfg, cur.target)))
             ups[cfg.name] = cur
             continue
-        up = Upstream(cfg, d.upstream_keepalive_s, d.prewarm, d.connect_timeout_s)
+        up = app.new_upstream(cfg, d)
         if cur is not None:
             up.metrics = cur.metrics  # same name: its counters carry on
             up.metrics.parallel = cfg.parallel

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import threading
 import time
@@ -27,6 +28,11 @@ class Log:
         self._pending: list[bytes] = []
         self._timer: asyncio.TimerHandle | None = None
         self._lock = threading.Lock()
+
+    def shared(self) -> None:
+        """Several processes write to this stderr: lines go out whole (`shared_stderr`)."""
+        if self._sink is None:
+            self._sink = shared_stderr
 
     def event(self, event: str, **fields) -> None:
         self.record(event, fields)
@@ -68,6 +74,22 @@ class Log:
 
     def of(self, event: str) -> list[dict]:
         return [r for r in (self.lines or []) if r["event"] == event]
+
+
+PIPE_BUF = 4096  # POSIX: a write of at most this many bytes to a pipe is never interleaved
+
+
+def shared_stderr(data: bytes) -> None:
+    """A sink for processes writing to one stderr (relay.workers): whole lines, written in
+    groups of at most PIPE_BUF bytes, so no other process's line lands inside one."""
+    start = 0
+    while start < len(data):
+        end = start + PIPE_BUF
+        if end < len(data):
+            cut = data.rfind(b"\n", start, end)
+            end = cut + 1 if cut >= start else data.find(b"\n", end) + 1 or len(data)
+        os.write(2, data[start:end])
+        start = end
 
 
 def quiet() -> Log:

@@ -88,7 +88,10 @@ class Dispatcher:
                 if not client.gone:
                     client.transport.write(app.cors.preflight(req.headers, rid, keep_alive))
                 return
-            if endpoints.answer(app, client, req, rid, ledger):
+            answered = endpoints.answer(app, client, req, rid, ledger)
+            if answered:
+                if answered is not True:  # (a worker asks its parent for the relay's figures)
+                    await answered
                 return
             keep_alive = await self._serve(client, req, rid, rec, ledger, t0, path)
             if keep_alive is None:  # the body streams to the client: wait for its end here,

@@ -20,11 +20,13 @@ from relay.policy.routing import model_list
 from relay.proxy.ledger import Ledger
 
 PROMETHEUS_TEXT = b"text/plain; version=0.0.4; charset=utf-8"
+JSON = b"application/json"
 
 
-def answer(app, client, req, rid: bytes, ledger: Ledger) -> bool:
-    """Answer the request if it is one of the relay's own endpoints (True); raise RelayError
-    for a refused admin call; False when it goes upstream."""
+def answer(app, client, req, rid: bytes, ledger: Ledger):
+    """Answer the request if it is one of the relay's own endpoints (True, or in a worker
+    process an awaitable that answers it); raise RelayError for a refused admin call; False
+    when it goes upstream."""
     cors = ledger.cors
     path = req.path  # normalised and bounded (it is echoed in a 404)
     if ui_page.is_page(path):
@@ -39,7 +41,11 @@ def answer(app, client, req, rid: bytes, ledger: Ledger) -> bool:
             raise RelayError(*refused)
         ledger.admin = True  # an admin call: no API key needed on top
     if relay_admin:
-        _relay_admin(app, client, req, rid, cors, path)
+        remote = app.remote_view  # a worker process: the whole relay's figures are its parent's
+        if remote is not None:
+            return remote(client, req, rid, cors, path)  # (awaited by the dispatcher)
+        status, body, ctype, extra = admin_view(app, path, req.target)
+        client.respond(status, body, rid, req.keep_alive, cors + extra, content_type=ctype)
         return True
     if path in ("/v1/models", "/models") and req.method == b"GET" and app.router.models:
         if app.auth.enabled and app.auth.identify(req.headers) is None:
@@ -49,7 +55,9 @@ def answer(app, client, req, rid: bytes, ledger: Ledger) -> bool:
     return False
 
 
-def _relay_admin(app, client, req, rid: bytes, cors, path: str) -> None:
+def admin_view(app, path: str, target: bytes) -> tuple[int, bytes, bytes, list]:
+    """One of the relay's own views of `app`'s figures: (status, body, content type, extra
+    headers); RelayError `not_found` for another path. `target`: the request's, query kept."""
     now = time.monotonic()
     for up in app.upstreams.values():
         up.refresh_metrics()
@@ -58,12 +66,10 @@ def _relay_admin(app, client, req, rid: bytes, cors, path: str) -> None:
     registry.rows_pending = app.store.pending
     registry.rows_spilled = getattr(app.store, "spilled", None)
     if path == "/metrics":
-        body = registry.prometheus(now)
-        client.respond(200, body, rid, req.keep_alive, cors, content_type=PROMETHEUS_TEXT)
-    elif path == "/api/slots/metrics":
-        client.respond(200, registry.json(now), rid, req.keep_alive, cors)
-    elif path == ui_page.STATE_PATH:
+        return 200, registry.prometheus(now), PROMETHEUS_TEXT, []
+    if path == "/api/slots/metrics":
+        return 200, registry.json(now), JSON, []
+    if path == ui_page.STATE_PATH:
         body = msgspec.json.encode(ui_state.state(app, time.time(), now))
-        client.respond(200, body, rid, req.keep_alive, cors + ui_page.NO_STORE)
-    else:
-        raise RelayError("not_found", f"no such endpoint {path}")
+        return 200, body, JSON, list(ui_page.NO_STORE)
+    raise RelayError("not_found", f"no such endpoint {path}")

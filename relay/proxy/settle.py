@@ -79,8 +79,7 @@ def settle(app, client, rec: Record, ledger: Ledger, t0: float) -> None:
         rec.error_code = f"upstream_{rec.status}"
     res = ledger.reservation
     if res is not None:
-        used = 1 if rec.upstream_served is not None else 0
-        app.budgets.settle(res, used, rec.total_tokens if used else 0, time.time())
+        app.budgets.settle(res, *charge(rec), time.time())
     served = ledger.up or app.upstreams.get(rec.upstream_requested or "")
     if rec.error_code in ADMISSION_CODES or served is None:
         app.registry.rejected(rec.error_code or "unknown")  # no upstream involved
@@ -107,6 +106,14 @@ def settle(app, client, rec: Record, ledger: Ledger, t0: float) -> None:
     app.ui_recent.add(rec)
     app.store.put_record(rec, ledger.admission)  # the row replaces it, in one commit
     app.log.record("access", rec.log_fields())
+
+
+def charge(rec: Record) -> tuple[int, int]:
+    """What a settled request costs its key's budget: (requests, tokens), nothing unless an
+    upstream served it."""
+    if rec.upstream_served is None:
+        return 0, 0
+    return 1, rec.total_tokens
 
 
 def _tokens(rec: Record, ex: Exchange, ledger: Ledger) -> Usage | None:
