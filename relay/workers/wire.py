@@ -1,0 +1,51 @@
+"""The messages between the parent and its workers: one Unix socket per worker (a socketpair
+made before the worker starts), each message a 4-byte big-endian length and a msgpack array
+`[kind, *fields]`.
+
+Worker -> parent (`id`: the worker's own number for the exchange, echoed in the answer):
+  ["slot", id, upstream, timeout_s]                 -> ["slot", id, "ok" | "busy" | "closed", why]
+  ["unslot", id]            the waiter left (a granted slot is given back)
+  ["free", id]              a granted slot is released
+  ["admit", id, record values, prompt, completion]  -> ["admit", id, "ok" | "exceeded" |
+                            "not_durable", details]   (a keyed request's budget and record)
+  ["row", record values, admission id | None]       a settled request's row (never awaited)
+  ["down", upstream, error] a request found the upstream down: the parent probes it now
+  ["view", id, path, target]                        -> ["view", id, status, body, type, headers]
+  ["figures", id, pickled Registry]                 the answer to the parent's ["figures", id]
+  ["reloaded", id, error | None]                    the answer to ["reload", id, config]
+Parent -> worker:
+  ["config", config]        the first message: the configuration to run
+  ["health", upstream, probe, error]                the probe's verdict, on every change
+  ["figures", id]           "send your metrics" (pickled: both ends are this same program)
+  ["reload", id, config]    switch to this configuration (already applied by the parent)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import msgspec
+
+_LEN = struct.Struct(">I")
+MAX_MESSAGE = 64 << 20  # a view of many upstreams and keys stays far below
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder().decode
+
+
+def frame(message: list) -> bytes:
+    body = _encode(message)
+    return _LEN.pack(len(body)) + body
+
+
+async def read(reader: asyncio.StreamReader) -> list | None:
+    """The next message, or None at the end of the stream (the other process is gone)."""
+    try:
+        head = await reader.readexactly(4)
+        (n,) = _LEN.unpack(head)
+        if n > MAX_MESSAGE:
+            raise ValueError(f"message of {n} bytes")
+        return _decode(await reader.readexactly(n))
+    except asyncio.IncompleteReadError:
+        return None

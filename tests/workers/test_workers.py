@@ -1,0 +1,428 @@
+"""`relay serve --workers N` over real sockets and real processes: whatever worker a request
+lands on, slots, queues, budgets, rows, health and metrics are the whole relay's, as with one
+process; a worker killed with -9 is replaced and what it held is given back; the parent
+killed with -9 leaves no worker behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sqlite3
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from relay.sim.server import Simulator
+from tests.app.test_signals import Tail
+from tests.support import httpc
+from tests.support.keys import SECRET, sha
+from tests.support.processes import kill, start, wait_listening
+
+CHAT = "/v1/chat/completions"
+pytestmark = pytest.mark.timeout(120)
+
+
+class CountingSim(Simulator):
+    """A simulator that remembers the most generations it ran at once."""
+
+    peak = 0
+    _active = 0
+
+    @property
+    def active_generations(self) -> int:  # type: ignore[override]
+        return self._active
+
+    @active_generations.setter
+    def active_generations(self, n: int) -> None:
+        self._active = n
+        self.peak = max(self.peak, n)
+
+
+def _config(path, db: str, port: int, *, parallel=8, queue=64, key_limit=None, extra="", up2=None):
+    text = (
+        f'[server]\nport = 0\ndrain_timeout_s = 20\n[store]\npath = "{db}"\n'
+        "[dispatcher]\npool_timeout_s = 30\nhealth_interval_s = 0.2\n"
+        f"{extra}"
+        f'[[upstream]]\nname = "llm"\nurl = "http://127.0.0.1:{port}"\n'
+        f"parallel = {parallel}\nqueue = {queue}\n"
+    )
+    if up2 is not None:
+        text += (
+            f'[[upstream]]\nname = "second"\nurl = "http://127.0.0.1:{up2}"\n'
+            'models = ["other"]\n'
+        )
+    if key_limit is not None:
+        text += f'[[key]]\nid = "alpha"\nsha256 = "{sha(SECRET)}"\nrequests_per_day = {key_limit}\n'
+    path.write_text(text)
+
+
+def _rows(db: str) -> list[dict]:
+    conn = sqlite3.connect(db)
+    conn.row_factory = sqlite3.Row
+    try:
+        return [dict(r) for r in conn.execute("SELECT * FROM request ORDER BY rowid")]
+    finally:
+        conn.close()
+
+
+async def _serve(tmp_path, workers: int, sim_port: int, **cfg):
+    path, db = tmp_path / "relay.toml", str(tmp_path / "relay.db")
+    _config(path, db, sim_port, **cfg)
+    proc = await start("serve", "--config", str(path), "--workers", str(workers))
+    port, seen = await wait_listening(proc)
+    pids = next(r["pids"] for r in seen if r["event"] == "workers_serving")
+    assert len(pids) == workers
+    return proc, port, db, path, Tail(proc), pids
+
+
+async def _stop(proc) -> int:
+    proc.send_signal(signal.SIGTERM)
+    return await asyncio.wait_for(proc.wait(), 40)
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise KeyError(name)
+
+
+async def _metrics(port: int) -> str:
+    resp = await httpc.fetch(port, "GET", "/metrics")
+    assert resp.status == 200
+    return resp.body.decode()
+
+
+def _served_by(proc_pids: list[int]) -> None:
+    for pid in proc_pids:
+        os.kill(pid, 0)  # (each is alive)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+async def test_a_daily_limit_admits_exactly_k_across_workers(tmp_path, workers):
+    sim = Simulator()
+    await sim.start()
+    proc, port, db, _, _, _ = await _serve(tmp_path, workers, sim.port, key_limit=10)
+    try:
+        auth = {"Authorization": f"Bearer {SECRET}"}
+        results = await asyncio.gather(
+            *(httpc.fetch(port, "POST", CHAT, httpc.chat(2, stream=False), auth) for _ in range(300))
+        )
+        statuses = sorted(r.status for r in results)
+        assert statuses.count(200) == 10 and statuses.count(429) == 290
+        assert len([r for r in sim.requests if r.path == CHAT]) == 10
+        text = await _metrics(port)
+        assert _metric(text, "relay_requests_total", upstream="llm") == 10
+        assert _metric(text, "relay_requests_rejected_total", code="budget_exceeded") == 290
+        assert _metric(text, "relay_key_requests_total", key="alpha") == 300
+        assert await _stop(proc) == 0
+        rows = _rows(db)
+        assert len(rows) == 300  # one row per request, in the one store
+        assert sorted(r["status"] for r in rows) == statuses
+        assert len({r["request_id"] for r in rows}) == 300
+    finally:
+        await kill(proc)
+        await sim.stop()
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+async def test_parallel_is_relay_wide(tmp_path, workers):
+    sim = CountingSim()
+    await sim.start()
+    proc, port, db, _, _, _ = await _serve(tmp_path, workers, sim.port, parallel=2, queue=100)
+    try:
+        results = await asyncio.gather(
+            *(
+                httpc.fetch(port, "POST", CHAT, httpc.chat(4, interval_ms=15))
+                for _ in range(30)
+            )
+        )
+        assert [r.status for r in results] == [200] * 30
+        assert all(r.data_events()[-1] == "[DONE]" for r in results)
+        assert sim.peak == 2  # never 3 generations at once, whichever worker took them
+        text = await _metrics(port)
+        assert _metric(text, "relay_requests_total", upstream="llm") == 30
+        assert _metric(text, "relay_slots_in_flight", upstream="llm") == 0
+        assert _metric(text, "relay_queue_waiting", upstream="llm") == 0
+        assert await _stop(proc) == 0
+        assert len(_rows(db)) == 30
+    finally:
+        await kill(proc)
+        await sim.stop()
+
+
+async def test_waiting_requests_are_served_in_arrival_order(tmp_path):
+    sim = Simulator()
+    await sim.start()
+    proc, port, _, _, _, _ = await _serve(tmp_path, 3, sim.port, parallel=1, queue=20)
+    try:
+        holder = asyncio.create_task(
+            httpc.fetch(port, "POST", CHAT, httpc.chat(30, interval_ms=20))
+        )
+        while not any(r.path == CHAT for r in sim.requests):
+            await asyncio.sleep(0.01)
+        waiting = []
+        for i in range(8):  # each on a new connection: the kernel picks the worker
+            body = httpc.chat(1, stream=False)
+            body["messages"][0]["content"] = f"order {i}"
+            waiting.append(asyncio.create_task(httpc.fetch(port, "POST", CHAT, body)))
+            deadline = time.monotonic() + 5
+            while True:  # queued relay-wide before the next one is sent
+                q = _metric(await _metrics(port), "relay_queue_waiting", upstream="llm")
+                if q == i + 1:
+                    break
+                assert time.monotonic() < deadline, f"request {i} never queued ({q})"
+                await asyncio.sleep(0.01)
+        assert (await holder).status == 200
+        assert [r.status for r in await asyncio.gather(*waiting)] == [200] * 8
+        order = [
+            r.json["messages"][0]["content"]
+            for r in sim.requests
+            if r.path == CHAT and r.json["messages"][0]["content"].startswith("order")
+        ]
+        assert order == [f"order {i}" for i in range(8)]
+    finally:
+        await kill(proc)
+        await sim.stop()
+
+
+async def test_queue_full_is_503_across_workers(tmp_path):
+    sim = Simulator()
+    await sim.start()
+    proc, port, _, _, _, _ = await _serve(tmp_path, 2, sim.port, parallel=1, queue=2)
+    try:
+        results = await asyncio.gather(
+            *(httpc.fetch(port, "POST", CHAT, httpc.chat(10, interval_ms=20)) for _ in range(8))
+        )
+        statuses = sorted(r.status for r in results)
+        assert statuses == [200, 200, 200, 503, 503, 503, 503, 503]  # 1 serving + 2 queued
+        busy = [r for r in results if r.status == 503]
+        assert all(r.header("retry-after") for r in busy)
+        assert {r.json()["error"]["code"] for r in busy} == {"upstream_busy"}
+    finally:
+        await kill(proc)
+        await sim.stop()
+
+
+async def test_sighup_switches_every_worker_or_none(tmp_path):
+    sim_a, sim_b = Simulator(), Simulator()
+    await sim_a.start()
+    await sim_b.start()
+    proc, port, db, path, log, _ = await _serve(tmp_path, 3, sim_a.port)
+    try:
+        body = httpc.chat(1, stream=False, model="other")
+        before = await asyncio.gather(*(httpc.fetch(port, "POST", CHAT, body) for _ in range(12)))
+        assert {r.status for r in before} == {200}  # (one upstream: it serves every model)
+        _config(path, db, sim_a.port, up2=sim_b.port)
+        mark = len(log.lines)
+        proc.send_signal(signal.SIGHUP)
+        rec = await log.wait("config_reloaded", mark)
+        assert rec["added"] == ["second"]
+        after = await asyncio.gather(*(httpc.fetch(port, "POST", CHAT, body) for _ in range(24)))
+        assert {r.status for r in after} == {200}
+        assert len([r for r in sim_b.requests if r.path == CHAT]) == 24  # every worker sees it
+        # a bad file: refused, every worker keeps serving the running configuration
+        path.write_text(path.read_text() + "[server\n")
+        mark = len(log.lines)
+        proc.send_signal(signal.SIGHUP)
+        await log.wait("config_reload_failed", mark)
+        again = await asyncio.gather(*(httpc.fetch(port, "POST", CHAT, body) for _ in range(12)))
+        assert {r.status for r in again} == {200}
+        assert len([r for r in sim_b.requests if r.path == CHAT]) == 36
+        # removed again: no worker sends there any more
+        _config(path, db, sim_a.port)
+        mark = len(log.lines)
+        proc.send_signal(signal.SIGHUP)
+        rec = await log.wait("config_reloaded", mark)
+        assert rec["removed"] == ["second"]
+        last = await asyncio.gather(*(httpc.fetch(port, "POST", CHAT, body) for _ in range(12)))
+        assert {r.status for r in last} == {200}
+        assert len([r for r in sim_b.requests if r.path == CHAT]) == 36
+        assert not [e for e in log.lines if e["event"] == "worker_reload_failed"]
+    finally:
+        await kill(proc)
+        await sim_a.stop()
+        await sim_b.stop()
+
+
+async def _stream(port: int, headers: dict, tokens: int = 60):
+    """A stream read to its end, or until the relay's connection breaks: (status, events,
+    whole)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(
+            httpc.build_request("POST", CHAT, httpc.chat(tokens, interval_ms=25), headers)
+        )
+        head = await asyncio.wait_for(httpc.read_head(reader), 10)
+        try:
+            await asyncio.wait_for(httpc.read_body(reader, head), 30)
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+            pass
+        return head
+    finally:
+        writer.close()
+
+
+async def test_a_worker_killed_mid_stream_is_replaced_and_gives_back_what_it_held(tmp_path):
+    sim = Simulator()
+    await sim.start()
+    proc, port, db, _, log, pids = await _serve(tmp_path, 2, sim.port, parallel=6, key_limit=100)
+    try:
+        auth = {"Authorization": f"Bearer {SECRET}"}
+        before = _metric(await _metrics(port), "relay_requests_total", upstream="llm")
+        streams = [asyncio.create_task(_stream(port, auth)) for _ in range(6)]
+        while len([r for r in sim.requests if r.path == CHAT]) < 6:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # every stream is under way
+        victim = pids[0]
+        mark = len(log.lines)
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        restarted = await log.wait("worker_restarted", mark, timeout=5)
+        assert time.monotonic() - killed_at < 1.5 and restarted["pid"] != victim
+        lost = next(e for e in log.lines[mark:] if e["event"] == "worker_lost")
+        results = await asyncio.gather(*streams)
+        whole = [r for r in results if r.complete]
+        cut = [r for r in results if not r.complete]
+        assert len(whole) + len(cut) == 6 and lost["crash_rows"] == len(cut)
+        for r in whole:  # the other worker's streams are untouched, byte-exact
+            text = "".join(
+                e["choices"][0]["delta"].get("content") or ""
+                for e in r.data_events()
+                if e != "[DONE]" and e["choices"]
+            )
+            assert text == httpc.sim_text(60)
+        # every slot is back: 6 more at once are all served at once
+        t0 = time.monotonic()
+        again = await asyncio.gather(
+            *(httpc.fetch(port, "POST", CHAT, httpc.chat(2, stream=False), auth) for _ in range(6))
+        )
+        assert [r.status for r in again] == [200] * 6 and time.monotonic() - t0 < 5
+        text = await _metrics(port)
+        assert _metric(text, "relay_slots_in_flight", upstream="llm") == 0
+        assert _metric(text, "relay_requests_total", upstream="llm") >= before + len(whole) + 6
+        assert await _stop(proc) == 0
+        rows = _rows(db)
+        crashed = [r for r in rows if r["error_code"] == "relay_crashed"]
+        assert len(crashed) == len(cut) and len(rows) == 12
+        assert all(r["tokens_source"] == "reserved" for r in crashed)
+        # the budget charged them: 12 requests used of 100 (restart rebuilds it from the rows)
+    finally:
+        await kill(proc)
+        await sim.stop()
+
+
+async def test_the_parent_killed_leaves_no_worker_and_frees_the_port(tmp_path):
+    sim = Simulator()
+    await sim.start()
+    proc, port, _, _, _, pids = await _serve(tmp_path, 3, sim.port)
+    try:
+        stream = asyncio.create_task(_stream(port, {}, tokens=200))
+        while not any(r.path == CHAT for r in sim.requests):
+            await asyncio.sleep(0.01)
+        proc.kill()
+        await proc.wait()
+        deadline = time.monotonic() + 1.0
+        alive = list(pids)
+        while alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+            alive = [p for p in alive if _alive(p)]
+        assert alive == []
+        await asyncio.wait_for(stream, 5)  # (cut)
+        with socket.socket() as s:  # nothing holds the port: a new relay could listen there
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+            s.listen()
+    finally:
+        await kill(proc)
+        await sim.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def test_sigterm_drains_every_worker_and_flushes_the_rows(tmp_path):
+    sim = Simulator()
+    await sim.start()
+    proc, port, db, _, log, _ = await _serve(tmp_path, 2, sim.port)
+    try:
+        streams = [asyncio.create_task(_stream(port, {}, tokens=20)) for _ in range(4)]
+        while len([r for r in sim.requests if r.path == CHAT]) < 4:
+            await asyncio.sleep(0.01)
+        assert await _stop(proc) == 0
+        results = await asyncio.gather(*streams)
+        assert all(r.complete and r.data_events()[-1] == "[DONE]" for r in results)
+        rows = _rows(db)
+        assert len(rows) == 4 and all(r["ok"] == 1 for r in rows)
+        assert any(e["event"] == "relay_stopped" and e.get("rows_written") == 4 for e in log.lines)
+    finally:
+        await kill(proc)
+        await sim.stop()
+
+
+async def test_metrics_are_the_whole_relay_whichever_worker_answers(tmp_path):
+    sim = Simulator()
+    await sim.start()
+    proc, port, _, _, log, pids = await _serve(tmp_path, 3, sim.port)
+    try:
+        await asyncio.gather(
+            *(httpc.fetch(port, "POST", CHAT, httpc.chat(3, stream=False)) for _ in range(40))
+        )
+        for _ in range(6):  # each scrape on a new connection: any worker answers it
+            text = await _metrics(port)
+            assert _metric(text, "relay_requests_total", upstream="llm") == 40
+            assert _metric(text, "relay_tokens_total", upstream="llm") == 120
+            e2e = _metric(text, "relay_e2e_request_latency_seconds_count", upstream="llm")
+            assert e2e == 40
+        slots = (await httpc.fetch(port, "GET", "/api/slots/metrics")).json()
+        assert slots["llm"]["requests_total"] == 40
+        state = (await httpc.fetch(port, "GET", "/api/ui/state")).json()
+        assert len(state["recent"]) == 40
+        # a worker killed: the counters do not go back, the next requests add up
+        await asyncio.sleep(1.2)  # (the parent has every worker's figures of the last second)
+        mark = len(log.lines)
+        os.kill(pids[1], signal.SIGKILL)
+        await log.wait("worker_restarted", mark, timeout=5)
+        text = await _metrics(port)
+        assert _metric(text, "relay_requests_total", upstream="llm") == 40
+        await asyncio.gather(
+            *(httpc.fetch(port, "POST", CHAT, httpc.chat(3, stream=False)) for _ in range(10))
+        )
+        assert _metric(await _metrics(port), "relay_requests_total", upstream="llm") == 50
+    finally:
+        await kill(proc)
+        await sim.stop()
+
+
+async def test_one_health_probe_per_upstream_and_every_worker_told(tmp_path):
+    sim = Simulator()
+    await sim.start()
+    proc, port, _, _, _, _ = await _serve(tmp_path, 3, sim.port)
+    try:
+        await asyncio.sleep(1.0)
+        probes = [r for r in sim.requests if r.path == "/health"]
+        # health_interval_s = 0.2 over ~1 s (and the start): one prober, not three
+        assert 3 <= len(probes) <= 8
+        await sim.stop()  # the upstream goes away: every worker fails fast
+        await asyncio.sleep(0.6)
+        results = await asyncio.gather(
+            *(httpc.fetch(port, "POST", CHAT, httpc.chat(2, stream=False)) for _ in range(9))
+        )
+        assert {r.status for r in results} == {502}
+        assert {r.json()["error"]["code"] for r in results} == {"upstream_unavailable"}
+        # failed fast on the probe's verdict, which every worker was told
+        assert all("is down" in r.json()["error"]["message"] for r in results)
+        text = await _metrics(port)
+        assert _metric(text, "relay_upstream_up", upstream="llm") == 0
+    finally:
+        await kill(proc)
+        await sim.stop()
