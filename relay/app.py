@@ -58,7 +58,7 @@ def make_store(config: Config, log: Log):
 
 
 class App:
-    listening_event = "relay_listening"
+    role = "relay"  # its log events' prefix: relay_listening, relay_draining, relay_stopped
 
     def __init__(self, config: Config, log: Log | None = None) -> None:
         if not config.upstream:
@@ -150,7 +150,7 @@ class App:
         self.background.append(self.loop.create_task(self._sample_tokens()))
         self.background.append(self.loop.create_task(self.store.maintain(self)))
         self.log.event(
-            self.listening_event, host=s.host, port=self.port, upstreams=list(self.upstreams)
+            f"{self.role}_listening", host=s.host, port=self.port, upstreams=list(self.upstreams)
         )
         for up in self.upstreams.values():
             if up.target.tls and not up.cfg.verify:
@@ -219,7 +219,7 @@ class App:
         for up in self.all_upstreams():
             up.slots.close()  # queued requests are answered 503 shutting_down now
         pending = self._live_tasks()
-        self.log.event("relay_draining", in_flight=len(pending), timeout_s=drain_timeout_s)
+        self.log.event(f"{self.role}_draining", in_flight=len(pending), timeout_s=drain_timeout_s)
         pending = await self._drain_wait(pending, drain_timeout_s)
         for client in list(self.clients):
             if client.exchange is not None:
@@ -251,7 +251,7 @@ class App:
         if self.otel is not None:  # the last spans and points, waited a bounded time
             await self.otel.aclose()
         self.log.event(
-            "relay_stopped",
+            f"{self.role}_stopped",
             unfinished=len([t for t in pending if not t.done()]),
             rows_written=self.store.rows_written,
             rows_dropped=self.store.rows_dropped,

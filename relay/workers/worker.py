@@ -231,7 +231,7 @@ class RemoteStore:
 
 
 class WorkerApp(App):
-    listening_event = "worker_serving"
+    role = "worker"  # worker_listening, worker_draining, worker_stopped
 
     def __init__(self, config: Config, log: Log, link: Link, sock: socket.socket) -> None:
         self.link, self.sock = link, sock

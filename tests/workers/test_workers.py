@@ -51,8 +51,7 @@ def _config(path, db: str, port: int, *, parallel=8, queue=64, key_limit=None, e
     )
     if up2 is not None:
         text += (
-            f'[[upstream]]\nname = "second"\nurl = "http://127.0.0.1:{up2}"\n'
-            'models = ["other"]\n'
+            f'[[upstream]]\nname = "second"\nurl = "http://127.0.0.1:{up2}"\nmodels = ["other"]\n'
         )
     if key_limit is not None:
         text += f'[[key]]\nid = "alpha"\nsha256 = "{sha(SECRET)}"\nrequests_per_day = {key_limit}\n'
@@ -110,7 +109,10 @@ async def test_a_daily_limit_admits_exactly_k_across_workers(tmp_path, workers):
     try:
         auth = {"Authorization": f"Bearer {SECRET}"}
         results = await asyncio.gather(
-            *(httpc.fetch(port, "POST", CHAT, httpc.chat(2, stream=False), auth) for _ in range(300))
+            *(
+                httpc.fetch(port, "POST", CHAT, httpc.chat(2, stream=False), auth)
+                for _ in range(300)
+            )
         )
         statuses = sorted(r.status for r in results)
         assert statuses.count(200) == 10 and statuses.count(429) == 290
@@ -136,10 +138,7 @@ async def test_parallel_is_relay_wide(tmp_path, workers):
     proc, port, db, _, _, _ = await _serve(tmp_path, workers, sim.port, parallel=2, queue=100)
     try:
         results = await asyncio.gather(
-            *(
-                httpc.fetch(port, "POST", CHAT, httpc.chat(4, interval_ms=15))
-                for _ in range(30)
-            )
+            *(httpc.fetch(port, "POST", CHAT, httpc.chat(4, interval_ms=15)) for _ in range(30))
         )
         assert [r.status for r in results] == [200] * 30
         assert all(r.data_events()[-1] == "[DONE]" for r in results)
@@ -254,9 +253,7 @@ async def _stream(port: int, headers: dict, tokens: int = 60):
     whole)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
-        writer.write(
-            httpc.build_request("POST", CHAT, httpc.chat(tokens, interval_ms=25), headers)
-        )
+        writer.write(httpc.build_request("POST", CHAT, httpc.chat(tokens, interval_ms=25), headers))
         head = await asyncio.wait_for(httpc.read_head(reader), 10)
         try:
             await asyncio.wait_for(httpc.read_body(reader, head), 30)
@@ -387,13 +384,15 @@ async def test_metrics_are_the_whole_relay_whichever_worker_answers(tmp_path):
         assert slots["llm"]["requests_total"] == 40
         state = (await httpc.fetch(port, "GET", "/api/ui/state")).json()
         assert len(state["recent"]) == 40
-        # a worker killed: the counters do not go back, the next requests add up
-        await asyncio.sleep(1.2)  # (the parent has every worker's figures of the last second)
-        mark = len(log.lines)
-        os.kill(pids[1], signal.SIGKILL)
-        await log.wait("worker_restarted", mark, timeout=5)
-        text = await _metrics(port)
-        assert _metric(text, "relay_requests_total", upstream="llm") == 40
+        # every worker killed in turn (whichever served what): the counters do not go back
+        for pid in pids:
+            await asyncio.sleep(1.2)  # (the parent has every worker's figures of the last second)
+            mark = len(log.lines)
+            os.kill(pid, signal.SIGKILL)
+            await log.wait("worker_restarted", mark, timeout=5)
+            text = await _metrics(port)
+            assert _metric(text, "relay_requests_total", upstream="llm") == 40
+            assert _metric(text, "relay_e2e_request_latency_seconds_count", upstream="llm") == 40
         await asyncio.gather(
             *(httpc.fetch(port, "POST", CHAT, httpc.chat(3, stream=False)) for _ in range(10))
         )
@@ -423,6 +422,29 @@ async def test_one_health_probe_per_upstream_and_every_worker_told(tmp_path):
         assert all("is down" in r.json()["error"]["message"] for r in results)
         text = await _metrics(port)
         assert _metric(text, "relay_upstream_up", upstream="llm") == 0
+    finally:
+        await kill(proc)
+        await sim.stop()
+
+
+async def test_a_second_sigterm_ends_every_drain_at_once_rows_still_flushed(tmp_path):
+    sim = Simulator()
+    await sim.start()
+    proc, port, db, _, log, _ = await _serve(tmp_path, 2, sim.port)
+    try:
+        streams = [asyncio.create_task(_stream(port, {}, tokens=400)) for _ in range(3)]
+        while len([r for r in sim.requests if r.path == CHAT]) < 3:
+            await asyncio.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        await log.wait("relay_draining")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        assert time.monotonic() - t0 < 5  # (the streams had 10 s left: cut, not waited for)
+        results = await asyncio.gather(*streams)
+        assert not any(r.complete for r in results)
+        rows = _rows(db)
+        assert len(rows) == 3 and all(r["ok"] == 0 for r in rows)
     finally:
         await kill(proc)
         await sim.stop()
