@@ -89,6 +89,8 @@ async def admit(
     """A keyed request's reservation and admission record, as `Dispatcher._admit`."""
     rec = Record(*values)
     assert rec.key_id is not None
+    if w.gone:  # (it died since it asked: nothing to hold for it)
+        return
     try:
         res = app.budgets.reserve(rec.key_id, prompt + completion, time.time())
     except BudgetExceeded as exc:

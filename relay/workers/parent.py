@@ -42,8 +42,13 @@ from relay.proxy.endpoints import JSON, admin_view
 from relay.workers import holdings, wire
 from relay.workers.holdings import Worker
 
+START_WAIT_S = 30.0  # a worker that does not serve by then fails the relay's start
 FIGURES_WAIT_S = 1.0  # a worker that does not answer in time: its last figures are used
 RESTART_BACKOFF_S = 1.0  # a worker that dies within this of its start waits this long
+
+
+class WorkersFailed(OSError):
+    """The workers could not be started (the relay does not start)."""
 
 
 class _Listener:
@@ -80,9 +85,25 @@ class ParentApp(App):
         return _Listener(self, sock)
 
     async def spawn_all(self) -> None:
-        for i in range(self.n):
-            await self.spawn(i)
-        await asyncio.gather(*(w.ready.wait() for w in self.workers.values()))
+        """Start every worker; each must serve (`ready`) or the start fails, none left."""
+        started = [await self.spawn(i) for i in range(self.n)]
+        try:
+            for w in started:
+                ready = asyncio.ensure_future(w.ready.wait())
+                ended = asyncio.ensure_future(w.proc.wait())
+                done, _ = await asyncio.wait(
+                    {ready, ended}, timeout=START_WAIT_S, return_when=asyncio.FIRST_COMPLETED
+                )
+                ready.cancel()
+                ended.cancel()
+                if not w.ready.is_set():
+                    why = f"exit code {w.proc.returncode}" if ended in done else "no answer"
+                    raise WorkersFailed(f"worker {w.index} did not start ({why})")
+        except BaseException:
+            self.draining = True  # (no restart)
+            for w in started:
+                _signal(w, signal.SIGKILL)
+            raise
         self.log.event(
             "workers_serving", workers=self.n, pids=[w.pid for w in self.workers.values()]
         )

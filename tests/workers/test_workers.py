@@ -448,3 +448,23 @@ async def test_a_second_sigterm_ends_every_drain_at_once_rows_still_flushed(tmp_
     finally:
         await kill(proc)
         await sim.stop()
+
+
+async def test_workers_that_cannot_start_fail_the_start_and_leave_nothing(tmp_path):
+    broken = tmp_path / "site"
+    broken.mkdir()
+    (broken / "sitecustomize.py").write_text(
+        "import os, sys\nif 'relay.workers.worker' in sys.orig_argv:\n    os._exit(7)\n"
+    )
+    path, db = tmp_path / "relay.toml", str(tmp_path / "relay.db")
+    _config(path, db, 9)
+    proc = await start(
+        "serve", "--config", str(path), "--workers", "2", env={"PYTHONPATH": str(broken)}
+    )
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), 40)
+        assert proc.returncode == 2
+        failed = [line for line in err.decode().splitlines() if "relay_start_failed" in line]
+        assert failed and "worker 0 did not start (exit code 7)" in failed[0]
+    finally:
+        await kill(proc)
