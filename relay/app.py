@@ -121,6 +121,14 @@ class App:
             start_serving=False,
         )
 
+    def gauged(self) -> list:
+        """The upstreams' live gauges (slots, queue, state), as OpenTelemetry's reader reads
+        them from its thread."""
+        ups = list(self.upstreams.values())
+        for up in ups:
+            up.refresh_metrics()
+        return [up.metrics for up in ups]
+
     def probed(self, up: Upstream) -> None:
         """An upstream's probe result is in (`up.health`): a parent tells its workers."""
 
@@ -128,9 +136,7 @@ class App:
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         # (without the `otel` extra, [otel] fails here, before anything is bound or opened)
-        self.otel = otel_start.start(
-            self.config.otel, self.log, lambda: list(self.registry), os.environ
-        )
+        self.otel = otel_start.start(self.config.otel, self.log, self.gauged, os.environ)
         self.deadlines = Deadlines(self.loop)  # every stream's stall guard, on one loop timer
         s = self.config.server
         # bind first: a relay that cannot listen (the address is in use: another relay?)
@@ -316,6 +322,15 @@ class App:
         cancelled before its first step still ends, and leaves the set)."""
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+    def keep(self, rec, admission=None, trend: bool | None = None) -> None:
+        """A settled request's row: into the page's recent rows and its trend (`trend`: whether
+        it generates; None: no upstream was involved), and into the store (replacing its
+        admission record). A worker process sends it to its parent, which keeps it here."""
+        if trend is not None:
+            self.ui_trend.add(rec, trend)
+        self.ui_recent.add(rec)
+        self.store.put_record(rec, admission)
 
     def rejected(self, client: ClientConn, err) -> None:
         """A request refused before it was read whole (400/408/413/431): a row all the same."""

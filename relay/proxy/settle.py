@@ -14,7 +14,6 @@ from relay.errors import RelayError
 from relay.http.request_path import bounded, route_path
 from relay.observe import row_timings as timing
 from relay.observe.record import RESERVED, Record, user_agent
-from relay.observe.ui_state import generating
 from relay.proxy import telemetry
 from relay.proxy.exchange import Exchange
 from relay.proxy.ledger import Ledger
@@ -81,11 +80,13 @@ def settle(app, client, rec: Record, ledger: Ledger, t0: float) -> None:
     if res is not None:
         app.budgets.settle(res, *charge(rec), time.time())
     served = ledger.up or app.upstreams.get(rec.upstream_requested or "")
+    trend = None  # the page's trend takes the requests an upstream was involved in
     if rec.error_code in ADMISSION_CODES or served is None:
         app.registry.rejected(rec.error_code or "unknown")  # no upstream involved
     else:
         m = served.metrics
-        gen = generating(rec)  # /health, /v1/models, tokenize...: apart, in no latency figure
+        # /health, /v1/models, tokenize...: apart, in no latency figure
+        gen = trend = ledger.generates
         if gen:
             m.request_done(rec.ok, rec.error_code)
             ttft, tpot, e2e = rec.ttft_ms, rec.tpot_ms, rec.e2e_ms
@@ -98,13 +99,11 @@ def settle(app, client, rec: Record, ledger: Ledger, t0: float) -> None:
             m.other_request_done()
         if ex is not None and ex.outcome == E.STALL and ex.stall_reason is not None:
             m.stall(ex.stall_reason)
-        app.ui_trend.add(rec, gen)
     if rec.key_id is not None:
         app.registry.key_used(rec.key_id, rec.prompt_tokens, rec.completion_tokens)
     if app.otel is not None:  # OpenTelemetry on: the span ends, the metric points (once)
         telemetry.settled(app, rec, ledger, t0)
-    app.ui_recent.add(rec)
-    app.store.put_record(rec, ledger.admission)  # the row replaces it, in one commit
+    app.keep(rec, ledger.admission, trend)  # the row replaces the admission, in one commit
     app.log.record("access", rec.log_fields())
 
 
@@ -177,6 +176,5 @@ def rejected(dispatcher, client, err: RelayError) -> None:
     app.registry.rejected(err.code)
     if app.otel is not None:  # its span begins and ends here
         app.otel.rejected(rec, head.headers.raw_items() if head is not None else ())
-    app.ui_recent.add(rec)
-    app.store.put_record(rec)
+    app.keep(rec)
     app.log.record("access", rec.log_fields())

@@ -117,15 +117,14 @@ async def admit(
     w.send(["admit", i, "ok", None])
 
 
-def row(app, w: Worker, values: list, worker_admission) -> None:
-    """A settled request's row: its reservation replaced with what it used, the row in
-    the store (replacing its admission record), the page's recent rows."""
+def row(app, w: Worker, values: list, worker_admission, trend: bool | None) -> None:
+    """A settled request's row: its reservation replaced with what it used, then kept as one
+    process keeps it (`App.keep`: the page's figures, the store)."""
     rec = Record(*values)
     adm = w.admissions.pop(worker_admission, None) if worker_admission is not None else None
     if adm is not None:
         app.budgets.settle(adm.res, *charge(rec), time.time())
-    app.ui_recent.add(rec)
-    app.store.put_record(rec, adm.record_id if adm is not None else None)
+    app.keep(rec, adm.record_id if adm is not None else None, trend)
 
 
 def give_back(app, w: Worker) -> int:
@@ -146,8 +145,7 @@ def give_back(app, w: Worker) -> int:
         rec.prompt_tokens, rec.completion_tokens = adm.prompt, adm.completion
         rec.tokens_source = RESERVED
         app.budgets.settle(adm.res, 1, adm.prompt + adm.completion, now)
-        app.ui_recent.add(rec)
-        app.store.put_record(rec, adm.record_id)
+        app.keep(rec, adm.record_id)
     crashed = len(w.admissions)
     w.admissions.clear()
     for fut in w.answers.values():

@@ -8,7 +8,7 @@ Worker -> parent (`id`: the worker's own number for the exchange, echoed in the 
   ["free", id]              a granted slot is released
   ["admit", id, record values, prompt, completion]  -> ["admit", id, "ok" | "exceeded" |
                             "not_durable", details]   (a keyed request's budget and record)
-  ["row", record values, admission id | None]       a settled request's row (never awaited)
+  ["row", record values, admission id | None, trend] a settled request's row (never awaited)
   ["down", upstream, error] a request found the upstream down: the parent probes it now
   ["view", id, path, target]                        -> ["view", id, status, body, type, headers]
   ["figures", id, pickled Registry]                 the answer to the parent's ["figures", id]

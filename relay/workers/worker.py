@@ -7,7 +7,7 @@ The per-event path is this process's alone; what crosses to the parent is per re
   relay-wide;
 - a keyed request's budget and admission record (`RemoteStore.admit`): one round trip,
   the parent reserving in its `Budgets` and writing the record, as one process does;
-- the row (`RemoteStore.put_record`): a message, never awaited;
+- the row (`WorkerApp.keep`): a message, never awaited;
 - the relay's own views (`/metrics`, `/api/slots/metrics`, `/api/ui/state`): answered by
   the parent from every worker's figures.
 The parent probes the upstreams and tells every worker each verdict. A worker whose parent
@@ -207,12 +207,6 @@ class RemoteStore:
         if answer != "ok":
             raise RuntimeError(details)
 
-    def put_record(self, rec, admission_id=None) -> None:
-        self.link.send(["row", record_values(rec), admission_id])
-
-    def put(self, row: dict) -> None:
-        self.put_record(Record(**row))
-
     def usage_read(self, windows: list) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         fut.set_result([(0, 0) for _ in windows])  # (the parent rebuilds its budgets)
@@ -256,6 +250,13 @@ class WorkerApp(App):
         return await self.loop.create_server(
             lambda: ClientConn(self), sock=self.sock, backlog=4096, start_serving=False
         )
+
+    def keep(self, rec, admission=None, trend: bool | None = None) -> None:
+        """The row goes to the parent, which keeps it (App.keep) and charges its key."""
+        self.link.send(["row", record_values(rec), admission, trend])
+
+    def gauged(self) -> list:
+        return []  # (the relay-wide slots and queues are the parent's to report)
 
     def start_probes(self) -> None:
         """The parent probes, once for the relay (`told("health")`)."""
