@@ -39,7 +39,8 @@ class Record:
     client_closed: bool = False
     # benchmark timings (observe.row_timings), ms measured at the relay on the client side
     first_byte_ms: float | None = None
-    e2e_ms: float | None = None
+    e2e_ms: float | None = None  # to the end of the response
+    last_content_ms: float | None = None  # to the read holding the last content event
     tpot_ms: float | None = None
     itl_p50_ms: float | None = None
     itl_p99_ms: float | None = None

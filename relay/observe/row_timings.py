@@ -7,9 +7,13 @@ ms from the moment the dispatcher took the request (its head and body read):
   2xx the head is held until the first content event, so it is then about `ttft_ms`);
 - `ttft_ms`: the first content-bearing event (set by the dispatcher, as before);
 - `e2e_ms`: the last byte of the response out (settlement follows the drain of the client's
-  write buffer on a completed response), NULL when no response was given;
-- `tpot_ms`: (e2e - ttft) / (output tokens - 1), vLLM's TPOT (AIPerf/GenAI-Perf call it ITL),
-  NULL below 2 output tokens or when the tokens were not counted (a reservation charged);
+  write buffer on a completed response), NULL when no response was given: E2EL to the end of
+  the response;
+- `last_content_ms`: the read holding the last content event (a stream with content only):
+  E2EL to the last content event, AIPerf's `request_latency` and vLLM's `latency`;
+- `tpot_ms`: (last content - ttft) / (output tokens - 1), vLLM's TPOT (AIPerf/GenAI-Perf call
+  it ITL), (e2e - ttft) for a response without content events; NULL below 2 output tokens or
+  when the tokens were not counted (a reservation charged);
 - `itl_p50_ms`, `itl_p99_ms`, `itl_max_ms`: the gaps between consecutive content events, one
   `perf_counter` reading per read, from `stream.itl`'s buckets (p50/p99 within 2%, max exact);
 - `prompt_ms`, `prompt_per_second`, `predicted_per_second`: the upstream's own `timings`.
@@ -46,11 +50,12 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round3(seconds * 1000)
 
 
-def tpot_ms(e2e_ms: float | None, ttft_ms: float | None, tokens: int | None) -> float | None:
-    """vLLM's time per output token after the first: (E2EL - TTFT) / (tokens - 1)."""
-    if e2e_ms is None or ttft_ms is None or tokens is None or tokens < 2:
+def tpot_ms(end_ms: float | None, ttft_ms: float | None, tokens: int | None) -> float | None:
+    """vLLM's time per output token after the first: (E2EL - TTFT) / (tokens - 1), E2EL to the
+    last content event."""
+    if end_ms is None or ttft_ms is None or tokens is None or tokens < 2:
         return None
-    return round3((e2e_ms - ttft_ms) / (tokens - 1))
+    return round3((end_ms - ttft_ms) / (tokens - 1))
 
 
 def fill(
@@ -62,8 +67,11 @@ def fill(
         rec.first_byte_ms = (
             round3((first_byte_at - t0) * 1000) if first_byte_at is not None else rec.total_ms
         )
+    if gaps is not None and rec.ttft_ms is not None:  # (the first content event was read)
+        rec.last_content_ms = round3((gaps.last - t0) * 1000)
     counted = rec.tokens_source in ("exact", "approx")  # not a reservation charged instead
-    rec.tpot_ms = tpot_ms(rec.e2e_ms, rec.ttft_ms, rec.completion_tokens if counted else None)
+    end = rec.last_content_ms if rec.last_content_ms is not None else rec.e2e_ms
+    rec.tpot_ms = tpot_ms(end, rec.ttft_ms, rec.completion_tokens if counted else None)
     if gaps is not None and gaps.count:
         rec.itl_p50_ms = _ms(gaps.quantile(0.5))
         rec.itl_p99_ms = _ms(gaps.quantile(0.99))

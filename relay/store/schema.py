@@ -25,6 +25,7 @@ ADDED = (
     ("first_byte_ms", "REAL"), ("e2e_ms", "REAL"), ("tpot_ms", "REAL"), ("itl_p50_ms", "REAL"),
     ("itl_p99_ms", "REAL"), ("itl_max_ms", "REAL"), ("itl_hist", "TEXT"), ("prompt_ms", "REAL"),
     ("prompt_per_second", "REAL"), ("predicted_per_second", "REAL"), ("method", "TEXT"),
+    ("last_content_ms", "REAL"),
 )  # fmt: skip
 COLUMN_TYPES += ADDED
 COLUMNS = tuple(c for c, _ in COLUMN_TYPES)
