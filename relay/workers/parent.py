@@ -24,6 +24,7 @@ are flushed, exit 0; a second signal ends the drains at once.
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
 import signal
 import socket
@@ -125,6 +126,7 @@ class ParentApp(App):
                 str(index),
                 pass_fds=(lfd, theirs.fileno()),
                 start_new_session=True,  # a terminal's Ctrl-C is the parent's to pass on
+                env=worker_environ(os.environ, index),
             )
         finally:
             theirs.close()
@@ -322,6 +324,19 @@ class ParentApp(App):
             rows_dropped=self.store.rows_dropped,
         )
         self.log.flush()
+
+
+def worker_environ(environ, index: int) -> dict:
+    """A worker's environment: the parent's, each process its own OpenTelemetry instance
+    (`service.instance.id`: every worker's metric streams are its own, not one series written
+    by N processes), after what the operator gave (OTEL_RESOURCE_ATTRIBUTES: the last wins)."""
+    env = dict(environ)
+    given = env.get("OTEL_RESOURCE_ATTRIBUTES", "")
+    instance = f"{socket.gethostname()}:{os.getpid()}:worker-{index}"
+    env["OTEL_RESOURCE_ATTRIBUTES"] = (
+        f"{given},service.instance.id={instance}" if given else f"service.instance.id={instance}"
+    )
+    return env
 
 
 def _signal(w: Worker, sig: int) -> None:
