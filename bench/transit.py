@@ -42,7 +42,8 @@ from bench import load as bload
 from bench import nginx, procs, relay_conf, report
 
 HOST = "127.0.0.1"
-TARGETS = ("direct", "relay", "nginx")
+TARGETS = ("direct", "relay", "nginx", "relay_w2", "nginx_w2")
+# relay_w2 / nginx_w2: `relay serve --workers 2` / nginx `worker_processes 2` (issue 24)
 QS = (50.0, 99.0, 99.9)  # transit quantiles
 TTFT_QS = (50.0, 99.0)
 mono = time.monotonic_ns
@@ -670,15 +671,18 @@ def start_proxy(target: str, up: Upstream, logdir: Path, a) -> procs.Proc | None
     if target == "direct":
         return None
     port = procs.free_port(HOST)
-    if target == "relay":
+    if target.startswith("relay"):
         conf = relay_conf.write(up.url, logdir, a.relay_config)
         argv = [sys.executable, "-m", "relay", "serve", "--config", str(conf)]
         argv += ["--host", HOST, "--port", str(port)] + shlex.split(a.relay_args or "")
-        p = procs.Proc("relay", argv, logdir)
+        if target == "relay_w2":
+            argv += ["--workers", "2"]
+        p = procs.Proc(target, argv, logdir)
     else:
         tmp = logdir / "nginx"
-        conf = nginx.write_conf(tmp, HOST, port, up.host, up.port, workers=a.nginx_workers)
-        p = procs.Proc("nginx", nginx.argv(tmp, conf), logdir)
+        workers = 2 if target == "nginx_w2" else a.nginx_workers
+        conf = nginx.write_conf(tmp, HOST, port, up.host, up.port, workers=workers)
+        p = procs.Proc(target, nginx.argv(tmp, conf), logdir)
     p.port = port  # type: ignore[attr-defined]
     p.wait_http(HOST, port, "/health")
     return p
@@ -705,7 +709,7 @@ def wait_quiet(up: Upstream, proxy, limit_pct: float, max_wait_s: float) -> dict
 
 def run_one(target: str, load: int, rep: int, up: Upstream, logdir: Path, a) -> dict:
     row: dict = {"target": target, "load": load, "repeat": rep}
-    if target == "nginx" and not nginx.binary():
+    if target.startswith("nginx") and not nginx.binary():
         return {**row, "skipped": "nginx: not found"}
     proxy = start_proxy(target, up, logdir, a)
     try:
@@ -774,7 +778,7 @@ def run_one(target: str, load: int, rep: int, up: Upstream, logdir: Path, a) -> 
             "other": max(0.0, (b1 - b0) - (u1 - u0) - (p1 - p0) - client_cpu) / wall / 1e4,
         },
     )
-    if target == "nginx":
+    if target.startswith("nginx"):
         row["nginx_upstream_errors"] = nginx.upstream_errors(logdir / "nginx")
     return row
 

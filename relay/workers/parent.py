@@ -199,6 +199,7 @@ class ParentApp(App):
         """A worker's socket ended: it exited (drained) or died. What it held is given back;
         its admitted requests become crash rows; its last figures stay in the relay's."""
         crashed = holdings.give_back(self, w)
+        w.writer.close()
         if w.figures is not None:
             self.base = self._sum([w.figures] if self.base is None else [self.base, w.figures])
         code = await w.proc.wait()
@@ -318,6 +319,8 @@ class ParentApp(App):
         if pending:
             await asyncio.wait(pending, timeout=2.0)
         await self.store.aclose()
+        if self.otel is not None:  # the parent's own gauges, their last export
+            await self.otel.aclose()
         self.log.event(
             "relay_stopped",
             rows_written=self.store.rows_written,
