@@ -47,6 +47,7 @@ class Exchange(ExchangeState):
     # ---- upstream callbacks (UpstreamConn) -----------------------------------------
     def upstream_data(self, data: bytes) -> None:
         if not self.body_started:
+            self.read_at = _perf()  # (a first content event may come with the head)
             if self.head_reader is not None:
                 self._head_data(self.head_reader, data)
             else:  # head parsed, body not started yet: keep for start_body
@@ -75,6 +76,7 @@ class Exchange(ExchangeState):
                 self._write(data)
                 return
         gp, sc = self.gaps, self.scanner
+        self.read_at = now  # (TTFT: the read holding the first content event, as `gaps`)
         if gp is None or sc is None:  # (an SSE stream has both)
             self._body_read(data)
             return
@@ -280,8 +282,9 @@ class Exchange(ExchangeState):
 
     # ---- body ----------------------------------------------------------------------
     def _first_content(self) -> None:
-        # the held head goes out with this read (_emit: one write), then the metrics hear
-        self.first_content_at = time.perf_counter()
+        # the held head goes out with this read (_emit: one write), then the metrics hear; its
+        # time is the read's, as every event of it (`stream.itl`): TTFT <= the last content
+        self.first_content_at = self.read_at
 
     # ---- stall guard -----------------------------------------------------------------
     def _arm(self) -> None:

@@ -40,7 +40,7 @@ class ExchangeState:
         "client_keep_alive", "conn", "counted", "data_received", "deadlines", "done", "fast",
         "first_content_at", "flow", "gaps", "got_bytes", "head_at", "head_fut", "head_reader",
         "head_resp", "hold", "kind", "last_read", "loop", "method", "mode", "model", "on_content",
-        "open_fut", "outcome", "path", "policy", "remaining", "request_id", "scanner", "shape",
+        "open_fut", "outcome", "path", "policy", "read_at", "remaining", "request_id", "scanner", "shape",
         "sse", "stall_elapsed", "stall_reason", "status", "timer", "tracker",
         "upstream_keep_alive", "upstream_name", "whole", "write_timeout_s",
     )
@@ -97,6 +97,7 @@ class ExchangeState:
         self.hold: Hold | None = hold
         self.head_at = 0.0
         self.last_read = 0.0
+        self.read_at = 0.0  # perf_counter of the read being handled (first content's time)
         self.first_content_at: float | None = None
         self.gaps: Gaps | None = None  # SSE: gaps between content events (stream.itl)
         self.bytes_out = 0

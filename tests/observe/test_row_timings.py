@@ -255,3 +255,16 @@ def test_gaps_jittering_across_a_bucket_edge_count_as_one_bucket_per_gap():
         assert G.decode(h.encode()) == (ref, zeros) if ref or zeros else h.encode() is None
         assert h.count == zeros + sum(ref.values())
         assert h.quantile(0.5) == G.quantile_of(ref, zeros, 0.5, h.max)
+
+
+async def test_events_of_one_read_share_its_time_ttft_to_last_content(make_relay):
+    """Every content event of one read is one sample, as a client sees them: TTFT is that
+    read's time, so a stream whose events all came in one read has TTFT = last content and a
+    TPOT of 0 (never below: a later clock reading for the first event made it negative)."""
+    app = await make_relay()
+    body = httpc.chat(6, events_per_chunk=6)
+    resp = await httpc.fetch(app.port, "POST", CHAT, body, headers=rid_header("one-read"))
+    assert resp.status == 200 and resp.complete
+    row = await one_row(app, "one-read")
+    assert row["completion_tokens"] == 6
+    assert row["ttft_ms"] == row["last_content_ms"] and row["tpot_ms"] == 0.0
