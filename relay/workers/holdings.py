@@ -45,10 +45,13 @@ class Worker:
     figures: Registry | None = None  # its last metrics
     gone: bool = False
     pid: int = 0
+    outbox: wire.Outbox | None = None
 
     def send(self, message: list) -> None:
-        if not self.gone and not self.writer.is_closing():
-            self.writer.write(wire.frame(message))
+        if not self.gone:
+            if self.outbox is None:
+                self.outbox = wire.Outbox(self.writer)
+            self.outbox.send(message)
 
 
 async def slot(app, w: Worker, i: int, name: str, timeout: float) -> None:

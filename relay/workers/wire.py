@@ -39,6 +39,29 @@ def frame(message: list) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
+class Outbox:
+    """One end's messages to the other, written together once per loop pass: a request's
+    slot release and its row (or many requests' messages on a busy loop) cost one write."""
+
+    __slots__ = ("_parts", "_writer")
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+        self._parts: list[bytes] = []
+
+    def send(self, message: list) -> None:
+        if self._writer.is_closing():
+            return
+        if not self._parts:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._parts.append(frame(message))
+
+    def flush(self) -> None:
+        parts, self._parts = self._parts, []
+        if parts and not self._writer.is_closing():
+            self._writer.write(b"".join(parts))
+
+
 async def read(reader: asyncio.StreamReader) -> list | None:
     """The next message, or None at the end of the stream (the other process is gone)."""
     try:

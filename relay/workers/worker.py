@@ -56,10 +56,8 @@ class Link:
         self.pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self.app: WorkerApp | None = None
-
-    def send(self, message: list) -> None:
-        if not self.writer.is_closing():
-            self.writer.write(wire.frame(message))
+        self.outbox = wire.Outbox(writer)
+        self.send = self.outbox.send
 
     def ask(self, kind: str, *body) -> tuple[int, asyncio.Future]:
         i = next(self._ids)
@@ -220,6 +218,7 @@ class RemoteStore:
 
     async def aclose(self) -> None:
         writer = self.link.writer
+        self.link.outbox.flush()
         if not writer.is_closing():
             await writer.drain()  # every row is with the parent before this process ends
 

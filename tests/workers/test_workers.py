@@ -9,13 +9,13 @@ import asyncio
 import os
 import signal
 import socket
-import sqlite3
 import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from relay.sim.server import Simulator
+from tests.app.test_shutdown import rows as stored
 from tests.app.test_signals import Tail
 from tests.support import httpc
 from tests.support.keys import SECRET, sha
@@ -56,15 +56,6 @@ def _config(path, db: str, port: int, *, parallel=8, queue=64, key_limit=None, e
     if key_limit is not None:
         text += f'[[key]]\nid = "alpha"\nsha256 = "{sha(SECRET)}"\nrequests_per_day = {key_limit}\n'
     path.write_text(text)
-
-
-def _rows(db: str) -> list[dict]:
-    conn = sqlite3.connect(db)
-    conn.row_factory = sqlite3.Row
-    try:
-        return [dict(r) for r in conn.execute("SELECT * FROM request ORDER BY rowid")]
-    finally:
-        conn.close()
 
 
 async def _serve(tmp_path, workers: int, sim_port: int, **cfg):
@@ -122,7 +113,7 @@ async def test_a_daily_limit_admits_exactly_k_across_workers(tmp_path, workers):
         assert _metric(text, "relay_requests_rejected_total", code="budget_exceeded") == 290
         assert _metric(text, "relay_key_requests_total", key="alpha") == 300
         assert await _stop(proc) == 0
-        rows = _rows(db)
+        rows = stored(db)
         assert len(rows) == 300  # one row per request, in the one store
         assert sorted(r["status"] for r in rows) == statuses
         assert len({r["request_id"] for r in rows}) == 300
@@ -148,7 +139,7 @@ async def test_parallel_is_relay_wide(tmp_path, workers):
         assert _metric(text, "relay_slots_in_flight", upstream="llm") == 0
         assert _metric(text, "relay_queue_waiting", upstream="llm") == 0
         assert await _stop(proc) == 0
-        assert len(_rows(db)) == 30
+        assert len(stored(db)) == 30
     finally:
         await kill(proc)
         await sim.stop()
@@ -303,7 +294,7 @@ async def test_a_worker_killed_mid_stream_is_replaced_and_gives_back_what_it_hel
         assert _metric(text, "relay_slots_in_flight", upstream="llm") == 0
         assert _metric(text, "relay_requests_total", upstream="llm") >= before + len(whole) + 6
         assert await _stop(proc) == 0
-        rows = _rows(db)
+        rows = stored(db)
         crashed = [r for r in rows if r["error_code"] == "relay_crashed"]
         assert len(crashed) == len(cut) and len(rows) == 12
         assert all(r["tokens_source"] == "reserved" for r in crashed)
@@ -316,9 +307,11 @@ async def test_a_worker_killed_mid_stream_is_replaced_and_gives_back_what_it_hel
 async def test_the_parent_killed_leaves_no_worker_and_frees_the_port(tmp_path):
     sim = Simulator()
     await sim.start()
-    proc, port, _, _, _, pids = await _serve(tmp_path, 3, sim.port)
+    proc, port, db, path, _, pids = await _serve(tmp_path, 3, sim.port, key_limit=100)
+    again = None
     try:
-        stream = asyncio.create_task(_stream(port, {}, tokens=200))
+        auth = {"Authorization": f"Bearer {SECRET}"}
+        stream = asyncio.create_task(_stream(port, auth, tokens=200))
         while not any(r.path == CHAT for r in sim.requests):
             await asyncio.sleep(0.01)
         proc.kill()
@@ -334,8 +327,17 @@ async def test_the_parent_killed_leaves_no_worker_and_frees_the_port(tmp_path):
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))
             s.listen()
+        # the next start recovers the stream's admission record as after any crash
+        again = await start("serve", "--config", str(path), "--workers", "2")
+        _, seen = await wait_listening(again)
+        assert [e["rows"] for e in seen if e["event"] == "admissions_recovered"] == [1]
+        assert await _stop(again) == 0
+        crashed = [r for r in stored(db) if r["error_code"] == "relay_crashed"]
+        assert len(crashed) == 1 and crashed[0]["key_id"] == "alpha"
     finally:
         await kill(proc)
+        if again is not None:
+            await kill(again)
         await sim.stop()
 
 
@@ -358,7 +360,7 @@ async def test_sigterm_drains_every_worker_and_flushes_the_rows(tmp_path):
         assert await _stop(proc) == 0
         results = await asyncio.gather(*streams)
         assert all(r.complete and r.data_events()[-1] == "[DONE]" for r in results)
-        rows = _rows(db)
+        rows = stored(db)
         assert len(rows) == 4 and all(r["ok"] == 1 for r in rows)
         assert any(e["event"] == "relay_stopped" and e.get("rows_written") == 4 for e in log.lines)
     finally:
@@ -443,7 +445,7 @@ async def test_a_second_sigterm_ends_every_drain_at_once_rows_still_flushed(tmp_
         assert time.monotonic() - t0 < 5  # (the streams had 10 s left: cut, not waited for)
         results = await asyncio.gather(*streams)
         assert not any(r.complete for r in results)
-        rows = _rows(db)
+        rows = stored(db)
         assert len(rows) == 3 and all(r["ok"] == 0 for r in rows)
     finally:
         await kill(proc)
