@@ -61,6 +61,7 @@ async def make_relay(sim):
         admin_key_sha256: str | None = None,
         parallel: int = 256,
         queue: int = 64,
+        otel=None,
         **fields,
     ) -> App:
         server = {k: v for k, v in fields.items() if k in ServerConfig.__struct_fields__}
@@ -78,6 +79,7 @@ async def make_relay(sim):
             key=list(keys),
             store=StoreConfig(path=store),
             admin_key_sha256=admin_key_sha256,
+            otel=otel,
         )
         app = App(cfg, quiet())
         await app.start()

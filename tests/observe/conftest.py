@@ -8,9 +8,7 @@ import os
 import pytest
 
 from relay.app import App
-from relay.config import Config, DispatcherConfig, OtelConfig, ServerConfig, StoreConfig
-from relay.config import UpstreamConfig as Up
-from relay.observe.log import quiet
+from relay.config import OtelConfig
 
 
 @pytest.fixture
@@ -23,17 +21,15 @@ async def receiver():
 
 
 @pytest.fixture
-async def otel_relay(sim, monkeypatch):
+async def otel_relay(make_relay, monkeypatch):
     """make(receiver | None, upstreams=None, otel=None, **dispatcher fields) -> a started
-    relay whose `[otel]` exports to the receiver (or as `otel` says). No OTEL_* variable of
-    the environment reaches it."""
+    relay (tests/conftest.py's make_relay) whose `[otel]` exports to the receiver (or as `otel`
+    says). No OTEL_* variable of the environment reaches it."""
     for name in list(os.environ):
         if name.startswith("OTEL_"):
             monkeypatch.delenv(name)
-    apps = []
 
     async def make(receiver, upstreams: list | None = None, otel=None, **disp) -> App:
-        disp.setdefault("health_interval_s", 0)
         if otel is None and receiver is not None:
             otel = OtelConfig(
                 endpoint=receiver.endpoint,
@@ -41,18 +37,6 @@ async def otel_relay(sim, monkeypatch):
                 metric_export_interval_ms=3_600_000,  # (the tests flush: otlp_receiver.flushed)
                 timeout_ms=2000,
             )
-        cfg = Config(
-            server=ServerConfig(port=0),
-            dispatcher=DispatcherConfig(**disp),
-            upstream=upstreams or [Up(name="llm", url=sim.url, parallel=64)],
-            store=StoreConfig(path=":memory:"),
-            otel=otel,
-        )
-        app = App(cfg, quiet())
-        await app.start()
-        apps.append(app)
-        return app
+        return await make_relay(upstreams=upstreams, parallel=64, otel=otel, **disp)
 
-    yield make
-    for app in apps:
-        await app.stop(drain_timeout_s=0.5)
+    return make
