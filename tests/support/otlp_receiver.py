@@ -10,11 +10,15 @@ from __future__ import annotations
 import asyncio
 import gzip
 
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+from tests.support.need import need_extra
+
+need_extra("otel", "opentelemetry.proto")  # (skips the tests that use it, naming the extra)
+
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (  # noqa: E402
     ExportMetricsServiceRequest,
     ExportMetricsServiceResponse,
 )
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )

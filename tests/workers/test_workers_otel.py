@@ -6,15 +6,11 @@ from __future__ import annotations
 import asyncio
 import signal
 
-import pytest
-
 from relay.sim.server import Simulator
 from tests.support import httpc
 from tests.support.otlp_receiver import Receiver, attrs
 from tests.support.processes import kill, start, wait_listening
 from tests.workers.test_workers import CHAT, _config
-
-pytest.importorskip("opentelemetry.sdk")
 
 
 async def test_one_span_per_request_and_one_instance_per_process(tmp_path):
