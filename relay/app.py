@@ -39,13 +39,23 @@ def run(coro) -> int:
 
 
 def worker_count(setting: int | str) -> int:
-    """`[server].workers`: a number, or "auto" (the cores this process may run on)."""
-    if setting == "auto":
-        try:
-            return max(1, len(os.sched_getaffinity(0)))
-        except AttributeError:  # (not Linux)
-            return max(1, os.cpu_count() or 1)
-    return int(setting)
+    """`[server].workers`: a number, or "auto": the cores this process may run on (its CPU
+    affinity, and a cgroup's CPU quota when it has one: a container's share, not the host's
+    cores), at most 512."""
+    if setting != "auto":
+        return int(setting)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        cores = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as fh:  # cgroup v2: "<quota> <period>" or "max ..."
+            quota, period = fh.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, -(-int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, min(cores, 512))
 
 
 def make_store(config: Config, log: Log):

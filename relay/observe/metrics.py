@@ -304,7 +304,7 @@ class Registry:
         tpot_h = F(
             "relay_time_per_output_token_seconds",
             "histogram",
-            "(e2e - ttft) / (output tokens - 1), per request (vLLM's TPOT).",
+            "(last content - ttft) / (output tokens - 1), per request (vLLM's TPOT).",
         )
         e2e_h = F(
             "relay_e2e_request_latency_seconds",

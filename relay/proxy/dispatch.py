@@ -252,7 +252,10 @@ class Dispatcher:
                 hold.retry()
                 ledger.release_slot()
                 if more:  # the attempt failed on this upstream: its metrics say so
-                    up.metrics.request_done(False, retry.err.code)
+                    if ledger.generates:
+                        up.metrics.request_done(False, retry.err.code)
+                    else:
+                        up.metrics.other_request_done()
                     if ledger.trace is not None:
                         ledger.trace.fallback(name, candidates[i + 1], retry.err.code)
                     app.log.event(

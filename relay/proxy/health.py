@@ -23,6 +23,7 @@ class Health:
         self.on_down: Callable[[], object] | None = (
             None  # called when a request finds the upstream down (wakes the probe)
         )
+        self.on_up: Callable[[], object] | None = None  # a request got an answer while down
 
     def probe_delay(self, interval_s: float, down_interval_s: float) -> float:
         """Seconds until the next probe: sooner while down, to see it come back."""
@@ -50,6 +51,8 @@ class Health:
     def answered(self) -> None:
         if self.probe == DOWN:
             self.probe, self.last_error = READY, ""
+            if self.on_up is not None:
+                self.on_up()
 
 
 async def probe_once(

@@ -27,6 +27,15 @@ class _Admission:
     rec: Record  # what the record says (a crash row is made of it)
     prompt: int
     completion: int
+    written: asyncio.Future | None = None  # the record's commit (`record`)
+
+    def then(self, keep) -> None:
+        """`keep()` once the record is committed (or refused): a row that replaces it must
+        not reach the store's writer first, or the record would outlive the request."""
+        if self.written is None or self.written.done():
+            keep()
+        else:
+            self.written.add_done_callback(lambda _fut: keep())
 
 
 @dataclass
@@ -86,36 +95,44 @@ def unslot(w: Worker, i: int) -> None:
         slot.release()
 
 
-async def admit(
+def admit(
     app, w: Worker, i: int, worker_id: int, values: list, prompt: int, completion: int
-) -> None:
-    """A keyed request's reservation and admission record, as `Dispatcher._admit`."""
+) -> _Admission | None:
+    """A keyed request's reservation, as `Dispatcher._admit` takes it: here, in the order the
+    worker's messages came (its row, even in the same read, finds it); the admission record's
+    commit is `record`'s, which the caller runs as a task (returned: what to commit)."""
     rec = Record(*values)
     assert rec.key_id is not None
-    if w.gone:  # (it died since it asked: nothing to hold for it)
-        return
     try:
         res = app.budgets.reserve(rec.key_id, prompt + completion, time.time())
     except BudgetExceeded as exc:
         w.send(["admit", i, "exceeded", _exceeded(exc)])
-        return
+        return None
     if res.settled:  # (no limits here: a reload removed them) nothing to hold
         w.send(["admit", i, "ok", None])
-        return
-    record_id = app.store.next_admission_id()
-    w.admissions[worker_id] = _Admission(record_id, res, rec, prompt, completion)
+        return None
+    adm = _Admission(app.store.next_admission_id(), res, rec, prompt, completion)
+    w.admissions[worker_id] = adm
+    return adm
+
+
+async def record(app, w: Worker, i: int, worker_id: int, adm: _Admission) -> None:
+    """Commit the admission record, then answer the worker."""
     try:
-        await app.store.admit(record_id, rec, prompt, completion, ADMIT_WAIT_S, res=res)
+        await app.store.admit(
+            adm.record_id, adm.rec, adm.prompt, adm.completion, ADMIT_WAIT_S, res=adm.res
+        )
     except BudgetExceeded as exc:  # a shared store: spent across the relays
-        w.admissions.pop(worker_id, None)
-        app.budgets.settle(res, 0, 0, time.time())
+        if w.admissions.get(worker_id) is adm:
+            del w.admissions[worker_id]
+        app.budgets.settle(adm.res, 0, 0, time.time())  # (once: a row first settled it)
         w.send(["admit", i, "exceeded", _exceeded(exc)])
         return
     except TimeoutError:
         w.send(["admit", i, "timeout", f"not committed within {ADMIT_WAIT_S}s"])
         return
-    except RuntimeError as exc:
-        w.send(["admit", i, "not_durable", str(exc)[:300]])
+    except Exception as exc:  # RuntimeError (the store fails), or a bug: never no answer
+        w.send(["admit", i, "not_durable", f"{type(exc).__name__}: {exc}"[:300]])
         return
     w.send(["admit", i, "ok", None])
 
@@ -125,9 +142,13 @@ def row(app, w: Worker, values: list, worker_admission, trend: bool | None) -> N
     process keeps it (`App.keep`: the page's figures, the store)."""
     rec = Record(*values)
     adm = w.admissions.pop(worker_admission, None) if worker_admission is not None else None
-    if adm is not None:
-        app.budgets.settle(adm.res, *charge(rec), time.time())
-    app.keep(rec, adm.record_id if adm is not None else None, trend)
+    if adm is None:
+        if rec.key_id is not None:  # a key without limits: charged to windows a reload made
+            app.budgets.settle(unlimited(app, rec), *charge(rec), time.time())
+        app.keep(rec, None, trend)
+        return
+    app.budgets.settle(adm.res, *charge(rec), time.time())
+    adm.then(lambda: app.keep(rec, adm.record_id, trend))
 
 
 def give_back(app, w: Worker) -> int:
@@ -148,13 +169,24 @@ def give_back(app, w: Worker) -> int:
         rec.prompt_tokens, rec.completion_tokens = adm.prompt, adm.completion
         rec.tokens_source = RESERVED
         app.budgets.settle(adm.res, 1, adm.prompt + adm.completion, now)
-        app.keep(rec, adm.record_id)
+        adm.then(lambda rec=rec, adm=adm: app.keep(rec, adm.record_id))
     crashed = len(w.admissions)
     w.admissions.clear()
     for fut in w.answers.values():
         if not fut.done():
             fut.set_result(None)
     return crashed
+
+
+def unlimited(app, rec: Record) -> Reservation:
+    """The reservation a key without limits took in the worker (nothing held), as the
+    parent's budgets know it: the windows a reload created since the request began are
+    charged its use when it settles (`Budgets.settle`), as in one process."""
+    gen = 0
+    for at, generation in app.budget_generations:
+        if at <= rec.ts:
+            gen = generation
+    return Reservation(rec.key_id or "", 0, settled=True, gen=gen, admitted_at=rec.ts)
 
 
 def _exceeded(exc: BudgetExceeded) -> list:

@@ -33,6 +33,7 @@ import time
 
 import msgspec
 
+import relay
 from relay import reload
 from relay.app import App
 from relay.config import Config
@@ -75,6 +76,11 @@ class ParentApp(App):
         self.base: Registry | None = None  # the figures of workers that died
         self._ids = 0
         self._listen_sock: socket.socket | None = None
+        self._gathering: asyncio.Task | None = None
+        self.started = False  # every worker served once: from then on one that dies restarts
+        # (wall time, budgets' generation) after each reload: a keyed row without limits is
+        # charged to the windows made since its request began (holdings.unlimited)
+        self.budget_generations: list[tuple[float, int]] = [(0.0, self.budgets.generation)]
 
     # ---- start -----------------------------------------------------------------------
     async def listen(self):
@@ -87,8 +93,10 @@ class ParentApp(App):
 
     async def spawn_all(self) -> None:
         """Start every worker; each must serve (`ready`) or the start fails, none left."""
-        started = [await self.spawn(i) for i in range(self.n)]
+        started = []
         try:
+            for i in range(self.n):
+                started.append(await self.spawn(i))
             for w in started:
                 ready = asyncio.ensure_future(w.ready.wait())
                 ended = asyncio.ensure_future(w.proc.wait())
@@ -105,6 +113,7 @@ class ParentApp(App):
             for w in started:
                 _signal(w, signal.SIGKILL)
             raise
+        self.started = True
         self.log.event(
             "workers_serving", workers=self.n, pids=[w.pid for w in self.workers.values()]
         )
@@ -116,6 +125,7 @@ class ParentApp(App):
         try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
+                "-P",  # (not the working directory first: the parent's code, `worker_environ`)
                 "-m",
                 "relay.workers.worker",
                 "--listen-fd",
@@ -166,13 +176,19 @@ class ParentApp(App):
                 elif kind == "unslot":
                     holdings.unslot(w, body[0])
                 elif kind == "admit":
-                    self._task(holdings.admit(self, w, *body))
+                    adm = holdings.admit(self, w, *body)  # (before the next message: its row)
+                    if adm is not None:
+                        adm.written = self._task(holdings.record(self, w, body[0], body[1], adm))
                 elif kind == "view":
                     self._task(self._view(w, *body))
-                elif kind == "down":
-                    up = self.upstreams.get(body[0])
+                elif kind in ("down", "up"):  # what a request found: one health, every
+                    up = self.upstreams.get(body[0])  # worker told (as one process's Health)
                     if up is not None:
-                        up.health.connect_failed(body[1])
+                        if kind == "down":
+                            up.health.connect_failed(body[1])
+                        else:
+                            up.health.answered()
+                        self.probed(up)
                 elif kind in ("figures", "reloaded"):
                     fut = w.answers.pop(body[0], None)
                     if fut is not None and not fut.done():
@@ -182,37 +198,48 @@ class ParentApp(App):
         finally:
             await self._lost(w)
 
-    def _task(self, coro) -> None:
+    def _task(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        return task
 
     async def _view(self, w: Worker, i: int, path: str, target: bytes) -> None:
-        await self.gather()
         try:
+            await self.gather()
             status, body, ctype, extra = admin_view(self, path, target)
         except RelayError as err:
             status, body, ctype, extra = err.status, err.body(), JSON, list(err.headers)
+        except Exception as exc:  # a bug: the worker's client still gets an answer
+            self.log.event("internal_error", error=f"{type(exc).__name__}: {exc}"[:300])
+            bug = RelayError("internal_error", "internal relay error")
+            status, body, ctype, extra = bug.status, bug.body(), JSON, []
         w.send(["view", i, status, body, ctype, [list(h) for h in extra]])
 
     async def _lost(self, w: Worker) -> None:
         """A worker's socket ended: it exited (drained) or died. What it held is given back;
         its admitted requests become crash rows; its last figures stay in the relay's."""
+        if self.workers.get(w.index) is w:  # (first: no figure of it is summed twice)
+            del self.workers[w.index]
         crashed = holdings.give_back(self, w)
         w.writer.close()
         if w.figures is not None:
             self.base = self._sum([w.figures] if self.base is None else [self.base, w.figures])
         code = await w.proc.wait()
-        if self.workers.get(w.index) is w:
-            del self.workers[w.index]
-        if self.draining:
+        if self.draining or not self.started:
             return
         self.log.event("worker_lost", worker=w.index, pid=w.pid, exit_code=code, crash_rows=crashed)
-        if time.monotonic() - w.started < RESTART_BACKOFF_S:
-            await asyncio.sleep(RESTART_BACKOFF_S)  # (one that cannot start: not in a loop)
-        if not self.draining:
-            new = await self.spawn(w.index)
+        delay = RESTART_BACKOFF_S if time.monotonic() - w.started < RESTART_BACKOFF_S else 0.0
+        while not self.draining:
+            await asyncio.sleep(delay)  # (one that cannot start is not restarted in a loop)
+            try:
+                new = await self.spawn(w.index)
+            except OSError as exc:  # (out of descriptors, no fork): again, a second later
+                self.log.event("worker_restart_failed", worker=w.index, error=str(exc)[:300])
+                delay = RESTART_BACKOFF_S
+                continue
             self.log.event("worker_restarted", worker=w.index, pid=new.pid)
+            return
 
     # ---- the whole relay's figures ---------------------------------------------------
     def _sum(self, parts: list[Registry]) -> Registry:
@@ -223,7 +250,13 @@ class ParentApp(App):
 
     async def gather(self) -> None:
         """Every live worker's figures, added up into this process's registry (the parent's
-        own slots and health give the live gauges: `Upstream.refresh_metrics`)."""
+        own slots and health give the live gauges: `Upstream.refresh_metrics`). Views asked
+        for meanwhile share the one gathering under way."""
+        if self._gathering is None or self._gathering.done():
+            self._gathering = asyncio.get_running_loop().create_task(self._gather())
+        await asyncio.shield(self._gathering)
+
+    async def _gather(self) -> None:
         loop = asyncio.get_running_loop()
         asked = []
         for w in list(self.workers.values()):
@@ -237,11 +270,11 @@ class ParentApp(App):
         if asked:
             await asyncio.wait([f for _, f in asked], timeout=FIGURES_WAIT_S)
         for w, fut in asked:
-            if fut.done() and fut.result() is not None:
+            if fut.done() and fut.result() is not None and not w.gone:
                 w.figures = pickle.loads(fut.result())
-        parts = [w.figures for w in self.workers.values() if w.figures is not None]
-        if self.base is not None:
-            parts.append(self.base)
+        # the dead workers' first, the live ones' after: a last-seen figure is a live one's
+        parts = [] if self.base is None else [self.base]
+        parts += [w.figures for w in self.workers.values() if w.figures is not None]
         registry = metrics_merge.merged(
             parts, {up.name: up.cfg.parallel for up in self.upstreams.values()}
         )
@@ -264,6 +297,7 @@ class ParentApp(App):
         then every worker does; a worker that cannot is restarted on the new one."""
         async with self._reloading:
             summary = await reload.apply_async(self, config)
+            self.budget_generations.append((time.time(), self.budgets.generation))
             raw = msgspec.msgpack.encode(config)
             loop = asyncio.get_running_loop()
             asked = []
@@ -279,13 +313,14 @@ class ParentApp(App):
                 error = fut.result() if fut.done() else "no answer within 10 s"
                 if error is not None and not w.gone:
                     self.log.event("worker_reload_failed", worker=w.index, error=str(error))
-                    w.proc.kill()  # restarted on the configuration it could not take
+                    # it drains (its streams finish) and is restarted on the new configuration
+                    w.send(["drain"])
             return summary
 
     def hurry(self) -> None:
         super().hurry()
         for w in self.workers.values():
-            _signal(w, signal.SIGTERM)  # (a worker's second signal ends its drain)
+            w.send(["hurry"])  # (a message: a signal to every process of the tree is one drain)
 
     async def stop(self, drain_timeout_s: float | None = None) -> None:
         if drain_timeout_s is None:
@@ -298,7 +333,7 @@ class ParentApp(App):
         workers = list(self.workers.values())
         self.log.event("relay_draining", workers=len(workers), timeout_s=drain_timeout_s)
         for w in workers:
-            _signal(w, signal.SIGTERM)
+            w.send(["drain"])
         readers = set(self.readers)
         if readers:  # each ends once its worker's last rows are in
             _, late = await asyncio.wait(readers, timeout=drain_timeout_s + 15.0)
@@ -330,10 +365,15 @@ class ParentApp(App):
 
 
 def worker_environ(environ, index: int) -> dict:
-    """A worker's environment: the parent's, each process its own OpenTelemetry instance
-    (`service.instance.id`: every worker's metric streams are its own, not one series written
-    by N processes), after what the operator gave (OTEL_RESOURCE_ATTRIBUTES: the last wins)."""
+    """A worker's environment: the parent's; the folder the parent's `relay` came from first
+    on its path (the worker runs with -P: the same code, never a module of the working
+    directory); each process its own OpenTelemetry instance (`service.instance.id`: every
+    worker's metric streams are its own, not one series written by N processes), after what
+    the operator gave (OTEL_RESOURCE_ATTRIBUTES: the last wins)."""
     env = dict(environ)
+    home = os.path.dirname(os.path.dirname(os.path.abspath(relay.__file__)))
+    path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = home + (os.pathsep + path if path else "")
     given = env.get("OTEL_RESOURCE_ATTRIBUTES", "")
     instance = f"{socket.gethostname()}:{os.getpid()}:worker-{index}"
     env["OTEL_RESOURCE_ATTRIBUTES"] = (

@@ -3,21 +3,25 @@ made before the worker starts), each message a 4-byte big-endian length and a ms
 `[kind, *fields]`.
 
 Worker -> parent (`id`: the worker's own number for the exchange, echoed in the answer):
+  ["ready", pid, index]     it serves
   ["slot", id, upstream, timeout_s]                 -> ["slot", id, "ok" | "busy" | "closed", why]
   ["unslot", id]            the waiter left (a granted slot is given back)
   ["free", id]              a granted slot is released
-  ["admit", id, record values, prompt, completion]  -> ["admit", id, "ok" | "exceeded" |
-                            "not_durable", details]   (a keyed request's budget and record)
+  ["admit", id, admission id, record values, prompt, completion]
+                            -> ["admit", id, "ok" | "exceeded" | "timeout" | "not_durable",
+                            details]   (a keyed request's reservation and admission record)
   ["row", record values, admission id | None, trend] a settled request's row (never awaited)
-  ["down", upstream, error] a request found the upstream down: the parent probes it now
+  ["down", upstream, error] / ["up", upstream]      what a request found: the parent's health
+                            follows and every worker is told ("health")
   ["view", id, path, target]                        -> ["view", id, status, body, type, headers]
   ["figures", id, pickled Registry]                 the answer to the parent's ["figures", id]
   ["reloaded", id, error | None]                    the answer to ["reload", id, config]
 Parent -> worker:
   ["config", config]        the first message: the configuration to run
-  ["health", upstream, probe, error]                the probe's verdict, on every change
+  ["health", upstream, probe, error]                after every probe and every report
   ["figures", id]           "send your metrics" (pickled: both ends are this same program)
   ["reload", id, config]    switch to this configuration (already applied by the parent)
+  ["drain"] / ["hurry"]     stop as SIGTERM does / end the drain now (a second signal)
 """
 
 from __future__ import annotations

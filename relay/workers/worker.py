@@ -33,19 +33,21 @@ from operator import attrgetter
 
 import msgspec
 
-from relay import reload
 from relay.app import App, run
 from relay.config import Config, ConfigError
+from relay.errors import RelayError
 from relay.observe.log import Log, shared_stderr
 from relay.observe.record import Record
 from relay.policy.budget import BudgetExceeded, Budgets, Reservation
 from relay.proxy.client import ClientConn
+from relay.proxy.dispatch import ADMIT_WAIT_S
 from relay.proxy.slots import Busy, SlotsClosed
 from relay.workers import wire
 
 RECORD_FIELDS = tuple(f.name for f in fields(Record))
 record_values = attrgetter(*RECORD_FIELDS)  # a Record's fields in order: Record(*values)
 PARENT_GONE_EXIT = 3
+ANSWER_GRACE_S = 10.0  # past its own bound, a parent that has not answered is not answering
 
 
 class Link:
@@ -70,18 +72,30 @@ class Link:
         self.pending.pop(i, None)
 
     async def run(self) -> None:
-        """Read the parent's messages until it is gone; then this process ends at once."""
-        while True:
-            message = await wire.read(self.reader)
-            if message is None:
-                os._exit(PARENT_GONE_EXIT)  # its streams cannot settle anywhere now
-            kind, body = message[0], message[1:]
-            if kind in ("slot", "admit", "view"):
-                fut = self.pending.pop(body[0], None)
-                if fut is not None and not fut.done():
-                    fut.set_result(body[1:])
-            elif self.app is not None:
-                self.app.told(kind, body)
+        """Read the parent's messages until it is gone; then this process ends at once (a
+        worker that cannot hear its parent must not go on taking connections)."""
+        try:
+            while True:
+                message = await wire.read(self.reader)
+                if message is None:
+                    break
+                kind, body = message[0], message[1:]
+                if kind in ("slot", "admit", "view"):
+                    fut = self.pending.pop(body[0], None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(body[1:])
+                elif self.app is not None:
+                    try:
+                        self.app.told(kind, body)
+                    except Exception as exc:  # a bug: said, and the link goes on
+                        self.app.log.event(
+                            "internal_error", error=f"{type(exc).__name__}: {exc}"[:300]
+                        )
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            pass
+        os._exit(PARENT_GONE_EXIT)  # its streams cannot settle anywhere now
 
 
 class RemoteSlot:
@@ -127,7 +141,10 @@ class RemoteSlots:
         i, fut = self.link.ask("slot", self.name, timeout)
         self.waiters.add(fut)
         try:
-            answer, why = await fut
+            try:  # (the parent answers within `timeout`; beyond, it is not answering)
+                answer, why = await asyncio.wait_for(fut, timeout + ANSWER_GRACE_S)
+            except TimeoutError:
+                answer, why = "busy", "the relay's slots did not answer"
         except BaseException:  # cancelled, or closed here: a slot granted meanwhile goes back
             self.link.forget(i)
             self.link.send(["unslot", i])
@@ -194,7 +211,7 @@ class RemoteStore:
             "admit", admission_id, record_values(rec), prompt_tokens, completion_tokens
         )
         try:
-            answer, details = await fut
+            answer, details = await asyncio.wait_for(fut, ADMIT_WAIT_S + ANSWER_GRACE_S)
         finally:
             self.link.forget(i)
         if answer == "exceeded":
@@ -230,12 +247,15 @@ class WorkerApp(App):
         self.link, self.sock = link, sock
         super().__init__(config, log)
         self.remote_view = self._view
+        self.stopping = asyncio.Event()  # set: drain and exit (`_main`)
 
     def new_upstream(self, cfg, d):
         up = super().new_upstream(cfg, d)
         up.slots = RemoteSlots(self.link, cfg.name, cfg.parallel, cfg.queue)
-        # a request that finds it down tells the parent, which probes it now
+        # a request that finds it down tells the parent (which probes it now), and one that
+        # gets an answer from it again, that it is up
         up.health.on_down = lambda up=up: self.link.send(["down", up.name, up.health.last_error])
+        up.health.on_up = lambda up=up: self.link.send(["up", up.name])
         return up
 
     def make_budgets(self, config: Config) -> Budgets:
@@ -266,7 +286,10 @@ class WorkerApp(App):
     async def _view(self, client, req, rid: bytes, cors, path: str) -> None:
         i, fut = self.link.ask("view", path, req.target)
         try:
-            status, body, ctype, extra = await fut
+            status, body, ctype, extra = await asyncio.wait_for(fut, ANSWER_GRACE_S)
+        except TimeoutError:
+            err = RelayError("server_busy", "the relay's figures did not come in time")
+            status, body, ctype, extra = err.status, err.body(), b"application/json", []
         finally:
             self.link.forget(i)
         headers = [(bytes(k), bytes(v)) for k, v in extra]
@@ -281,6 +304,11 @@ class WorkerApp(App):
                 up.health.probe, up.health.last_error = probe, error
         elif kind == "figures":
             self.link.send(["figures", body[0], pickle.dumps(self.figures())])
+        elif kind == "drain":  # SIGTERM to the parent (or the whole tree: one drain)
+            self.stopping.set()
+        elif kind == "hurry":  # a second one: the drain ends now
+            self.hurry()
+            self.stopping.set()
         elif kind == "reload":
             i, raw = body
             try:
@@ -293,8 +321,20 @@ class WorkerApp(App):
         """This worker's metrics, for the parent to add up (observe.metrics_merge)."""
         return self.registry
 
-    def reload(self, config: Config) -> dict:
-        return reload.apply(self, config)
+
+def _close_inherited(keep: set[int]) -> None:
+    """Close the descriptors this process inherited but the two it was given (the parent's
+    launcher may have left some open without close-on-exec)."""
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    for fd in fds:
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def _die_with_parent() -> None:
@@ -325,14 +365,10 @@ async def _main(listen_fd: int, link_fd: int, index: int) -> int:
     config = msgspec.msgpack.decode(first[1], type=Config)
     app = WorkerApp(config, log, link, sock)
     link.app = app
-    stop = asyncio.Event()
-
-    def on_stop() -> None:
-        if stop.is_set():  # the parent's second signal: end the drain now
-            app.hurry()
-        stop.set()
-
-    loop.add_signal_handler(signal.SIGTERM, on_stop)
+    stop = app.stopping
+    # SIGTERM here (sent to every process of the tree, as systemd does): drain, never hurry;
+    # the parent's "drain" and "hurry" messages say the rest (`told`)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
     for sig in (signal.SIGINT, signal.SIGHUP):  # the parent's to act on
         loop.add_signal_handler(sig, lambda: None)
     await app.start()
@@ -352,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--index", type=int, default=0)
     args = p.parse_args(argv)
     _die_with_parent()
+    _close_inherited({args.listen_fd, args.link_fd})
     if os.getppid() == 1:  # the parent died before the line above
         return PARENT_GONE_EXIT
     return run(_main(args.listen_fd, args.link_fd, args.index))

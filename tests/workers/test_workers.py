@@ -41,11 +41,12 @@ class CountingSim(Simulator):
         self.peak = max(self.peak, n)
 
 
-def _config(path, db: str, port: int, *, parallel=8, queue=64, key_limit=None, extra="", up2=None):
+def _config(
+    path, db: str, port: int, *, parallel=8, queue=64, key_limit=None, up2=None, health=0.2
+):
     text = (
         f'[server]\nport = 0\ndrain_timeout_s = 20\n[store]\npath = "{db}"\n'
-        "[dispatcher]\npool_timeout_s = 30\nhealth_interval_s = 0.2\n"
-        f"{extra}"
+        f"[dispatcher]\npool_timeout_s = 30\nhealth_interval_s = {health}\n"
         f'[[upstream]]\nname = "llm"\nurl = "http://127.0.0.1:{port}"\n'
         f"parallel = {parallel}\nqueue = {queue}\n"
     )
@@ -470,3 +471,50 @@ async def test_workers_that_cannot_start_fail_the_start_and_leave_nothing(tmp_pa
         assert failed and "worker 0 did not start (exit code 7)" in failed[0]
     finally:
         await kill(proc)
+
+
+async def test_sigterm_to_every_process_of_the_tree_is_one_drain(tmp_path):
+    """systemd (KillMode=control-group) and `pkill` signal the parent and every worker at
+    once: that is one drain, not a drain and a hurry; the streams finish whole."""
+    sim = Simulator()
+    await sim.start()
+    proc, port, db, _, _, pids = await _serve(tmp_path, 2, sim.port)
+    try:
+        streams = [asyncio.create_task(_stream(port, {}, tokens=12)) for _ in range(4)]
+        while len([r for r in sim.requests if r.path == CHAT]) < 4:
+            await asyncio.sleep(0.01)
+        for pid in [proc.pid, *pids]:
+            os.kill(pid, signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 40) == 0
+        results = await asyncio.gather(*streams)
+        assert all(r.complete and r.data_events()[-1] == "[DONE]" for r in results)
+        assert len(stored(db)) == 4
+    finally:
+        await kill(proc)
+        await sim.stop()
+
+
+async def test_without_probes_a_down_upstream_is_up_again_in_the_figures(tmp_path):
+    """health_interval_s = 0: a worker that found the upstream down, then got an answer from
+    it, says so: the relay's figures follow (no probe would)."""
+    sim = Simulator()
+    await sim.start()
+    sim_port = sim.port
+    await sim.stop()
+    proc, port, _, _, _, _ = await _serve(tmp_path, 2, sim_port, health=0)
+    try:
+        failed = await asyncio.gather(
+            *(httpc.fetch(port, "POST", CHAT, httpc.chat(1, stream=False)) for _ in range(4))
+        )
+        assert {r.status for r in failed} == {502}
+        assert _metric(await _metrics(port), "relay_upstream_up", upstream="llm") == 0
+        sim = Simulator(port=sim_port)
+        await sim.start()
+        ok = await asyncio.gather(
+            *(httpc.fetch(port, "POST", CHAT, httpc.chat(1, stream=False)) for _ in range(8))
+        )
+        assert {r.status for r in ok} == {200}
+        assert _metric(await _metrics(port), "relay_upstream_up", upstream="llm") == 1
+    finally:
+        await kill(proc)
+        await sim.stop()

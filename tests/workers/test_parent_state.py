@@ -1,0 +1,114 @@
+"""The parent's side of the workers' messages, driven in this process with a stand-in worker
+(a reader fed with frames, a process that does not exit): the order of a worker's messages
+is the order they count in, and a worker that is gone is counted once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from relay.config import parse_config
+from relay.observe.log import quiet
+from relay.observe.metrics import Registry, UpstreamMetrics
+from relay.observe.record import Record
+from relay.workers import wire
+from relay.workers.holdings import Worker
+from relay.workers.parent import ParentApp
+from relay.workers.worker import record_values
+
+
+class _Proc:
+    def __init__(self) -> None:
+        self.exited = asyncio.Event()
+        self.returncode: int | None = None
+        self.pid = 1
+
+    async def wait(self) -> int:
+        await self.exited.wait()
+        self.returncode = -9
+        return -9
+
+
+class _Writer:
+    def close(self) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return True  # (what the parent answers is not read here)
+
+
+def _parent(tmp_path, **cfg) -> ParentApp:
+    config = parse_config(
+        {
+            "server": {"port": 0},
+            "store": {"path": str(tmp_path / "relay.db")},
+            "upstream": [{"name": "llm", "url": "http://127.0.0.1:9", "parallel": 4}],
+            **cfg,
+        }
+    )
+    app = ParentApp(config, quiet(), 2)
+    app.loop = asyncio.get_running_loop()
+    return app
+
+
+async def test_a_row_right_behind_its_admission_settles_it(tmp_path):
+    """The client left during the admission round trip: the row follows the admit at once,
+    in one read. The reservation is taken before the row is read, and the row settles it:
+    nothing held, no crash row later."""
+    app = _parent(tmp_path, key=[{"id": "alpha", "sha256": "0" * 64, "requests_per_day": 3}])
+    app.store.start()
+    try:
+        w = Worker(0, _Proc(), _Writer(), time.monotonic())
+        rec = Record(time.time(), "r1", "/v1/chat/completions", "POST", key_id="alpha")
+        gone = Record(*record_values(rec))
+        gone.outcome = gone.error_code = "client_gone"
+        reader = asyncio.StreamReader()
+        reader.feed_data(
+            wire.frame(["admit", 7, 1, list(record_values(rec)), 10, 20])
+            + wire.frame(["row", list(record_values(gone)), 1, True])
+        )
+        reader.feed_eof()
+        app.draining = True  # (the stand-in's end is not a crash to restart)
+        w.proc.exited.set()
+        await asyncio.wait_for(app._serve_worker(w, reader), 5)
+        assert w.admissions == {}
+        usage = app.budgets.usage("alpha", time.time())["daily"]
+        assert (usage["reserved_requests"], usage["requests"]) == (0, 0)  # not served: free
+        pending = {t for t in app.tasks if not t.done()}
+        if pending:
+            await asyncio.wait(pending, timeout=5)
+    finally:
+        await app.store.aclose()
+    rows = app.store.query("SELECT request_id, error_code FROM request")
+    assert [(r["request_id"], r["error_code"]) for r in rows] == [("r1", "client_gone")]
+    assert app.store.query("SELECT count(*) AS n FROM admission")[0]["n"] == 0
+
+
+def _figures(requests: int, flm: float | None = None) -> Registry:
+    reg = Registry()
+    m = UpstreamMetrics("llm", 4)
+    for _ in range(requests):
+        m.request_done(True, None)
+    m.set_flm(flm, None)
+    reg.add(m)
+    return reg
+
+
+async def test_a_lost_worker_is_summed_once_and_live_figures_win(tmp_path):
+    app = _parent(tmp_path)
+    app.draining = True  # (no restart here)
+    dead = Worker(0, _Proc(), _Writer(), time.monotonic())
+    dead.figures = _figures(7, flm=11.0)
+    live = Worker(1, _Proc(), _Writer(), time.monotonic())
+    live.figures = _figures(5, flm=99.0)
+    app.workers = {0: dead, 1: live}
+    lost = asyncio.create_task(app._lost(dead))
+    await asyncio.sleep(0)  # (it waits for the process to be reaped)
+    await app.gather()  # (no live worker answers: `ready` is not set, their figures stand)
+    m = app.registry.get("llm")
+    assert m.requests_total == 12  # the dead one's 7 once (in the base), the live one's 5
+    assert m.decoding_speed_tps == 99.0  # a live worker's last-seen figure, not the dead one's
+    dead.proc.exited.set()
+    await lost
+    await app.gather()
+    assert app.registry.get("llm").requests_total == 12
