@@ -11,7 +11,7 @@ from relay.config import parse_config
 from relay.observe.log import quiet
 from relay.observe.metrics import Registry, UpstreamMetrics
 from relay.observe.record import Record
-from relay.workers import wire
+from relay.workers import holdings, wire
 from relay.workers.holdings import Worker
 from relay.workers.parent import ParentApp
 from relay.workers.worker import record_values
@@ -112,3 +112,28 @@ async def test_a_lost_worker_is_summed_once_and_live_figures_win(tmp_path):
     await lost
     await app.gather()
     assert app.registry.get("llm").requests_total == 12
+
+
+async def test_a_key_given_limits_by_a_reload_is_charged_what_was_in_flight(tmp_path):
+    """As in one process: a request of a key without limits, in flight when a reload gives the
+    key a daily limit, is charged to the new window when its row comes (the window was
+    rebuilt from the rows committed before)."""
+    from relay.config import KeyConfig
+
+    app = _parent(tmp_path, key=[{"id": "alpha", "sha256": "0" * 64}])
+    w = Worker(0, _Proc(), _Writer(), time.monotonic())
+    began = time.time()
+    rec = Record(began, "r1", "/v1/chat/completions", "POST", key_id="alpha")
+    rec.upstream_served, rec.status, rec.ok = "llm", 200, True
+    rec.prompt_tokens, rec.completion_tokens = 3, 4
+    limited = [KeyConfig(id="alpha", sha256="0" * 64, requests_per_day=5)]
+    app.budgets.reload(limited, {("alpha", "daily"): (0, 0)}, time.time())
+    app.budget_generations.append((time.time(), app.budgets.generation))
+    holdings.row(app, w, list(record_values(rec)), None, True)
+    usage = app.budgets.usage("alpha", time.time())["daily"]
+    assert (usage["requests"], usage["tokens"]) == (1, 7)
+    # a request that began after the reload was reserved (and charged) under it: not again
+    later = Record(time.time() + 1, "r2", "/v1/chat/completions", "POST", key_id="alpha")
+    later.upstream_served = "llm"
+    holdings.row(app, w, list(record_values(later)), None, True)
+    assert app.budgets.usage("alpha", time.time())["daily"]["requests"] == 1
