@@ -84,9 +84,19 @@ class ParentApp(App):
 
     # ---- start -----------------------------------------------------------------------
     async def listen(self):
+        """One listening socket for every worker: the host's first address (a name is
+        resolved as one process resolves it); "" or "::" is every interface, IPv4 and IPv6."""
         s = self.config.server
-        family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
-        sock = socket.create_server((s.host, s.port), family=family, backlog=4096)
+        if s.host in ("", "::") and socket.has_dualstack_ipv6():
+            sock = socket.create_server(
+                ("", s.port), family=socket.AF_INET6, backlog=4096, dualstack_ipv6=True
+            )
+        else:
+            info = await asyncio.get_running_loop().getaddrinfo(
+                s.host or None, s.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )
+            family, addr = info[0][0], info[0][4]
+            sock = socket.create_server(addr[:2], family=family, backlog=4096)
         sock.setblocking(False)
         self._listen_sock = sock
         return _Listener(self, sock)

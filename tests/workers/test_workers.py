@@ -518,3 +518,19 @@ async def test_without_probes_a_down_upstream_is_up_again_in_the_figures(tmp_pat
     finally:
         await kill(proc)
         await sim.stop()
+
+
+async def test_an_address_in_use_fails_the_start_with_workers_too(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        path, db = tmp_path / "relay.toml", str(tmp_path / "relay.db")
+        _config(path, db, 9)
+        proc = await start("serve", "--config", str(path), "--workers", "2", "--port", str(port))
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), 40)
+            assert proc.returncode == 2
+            assert b"relay_start_failed" in err and b"workers_serving" not in err
+        finally:
+            await kill(proc)
