@@ -41,7 +41,7 @@ async def take_slot(app, up, rec: Record, ledger: Ledger) -> None:
     d = app.config.dispatcher
     q0 = time.perf_counter()
     try:
-        ledger.slot = await up.slots.acquire(d.pool_timeout_s)
+        ledger.slot = await up.slots.acquire(d.pool_timeout_s, ledger.admission)
     except SlotsClosed:  # the relay began draining while this request queued
         raise shutting_down() from None
     except Busy as exc:

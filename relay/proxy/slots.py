@@ -66,7 +66,9 @@ class SlotPool:
     def queued(self) -> int:
         return len(self.waiters)
 
-    async def acquire(self, timeout: float) -> Slot:
+    async def acquire(self, timeout: float, admission=None) -> Slot:
+        """A slot within `timeout` (Busy, SlotsClosed). `admission`: the request's admission
+        record, by which a worker process finds the slot asked for with it (relay.workers)."""
         if self.closed:
             raise SlotsClosed()
         if self.in_flight < self.parallel and not self.waiters:

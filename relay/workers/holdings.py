@@ -28,6 +28,7 @@ class _Admission:
     prompt: int
     completion: int
     written: asyncio.Future | None = None  # the record's commit (`record`)
+    slot: int | None = None  # the slot asked for with it (its exchange id), until the row
 
     def then(self, keep) -> None:
         """`keep()` once the record is committed (or refused): a row that replaces it must
@@ -50,6 +51,7 @@ class Worker:
     waiting: dict[int, asyncio.Task] = field(default_factory=dict)  # slot requests
     held: dict[int, Slot] = field(default_factory=dict)  # slots granted
     admissions: dict[int, _Admission] = field(default_factory=dict)  # by the worker's id
+    unclaimed: dict[int, int] = field(default_factory=dict)  # admission id -> slot asked with it
     answers: dict[int, asyncio.Future] = field(default_factory=dict)  # figures, reloads
     figures: Registry | None = None  # its last metrics
     gone: bool = False
@@ -96,11 +98,20 @@ def unslot(w: Worker, i: int) -> None:
 
 
 def admit(
-    app, w: Worker, i: int, worker_id: int, values: list, prompt: int, completion: int
+    app,
+    w: Worker,
+    i: int,
+    worker_id: int,
+    values: list,
+    prompt: int,
+    completion: int,
+    ahead: list | None = None,
 ) -> _Admission | None:
     """A keyed request's reservation, as `Dispatcher._admit` takes it: here, in the order the
     worker's messages came (its row, even in the same read, finds it); the admission record's
-    commit is `record`'s, which the caller runs as a task (returned: what to commit)."""
+    commit is `record`'s, which the caller runs as a task (returned: what to commit).
+    `ahead` [upstream, timeout, slot id]: the request takes a slot there, asked for at once
+    (admitted: one round trip for both; refused: none is taken)."""
     rec = Record(*values)
     assert rec.key_id is not None
     try:
@@ -108,10 +119,18 @@ def admit(
     except BudgetExceeded as exc:
         w.send(["admit", i, "exceeded", _exceeded(exc)])
         return None
+    slot_id = None
+    if ahead is not None:
+        name, timeout, slot_id = ahead
+        w.waiting[slot_id] = asyncio.get_running_loop().create_task(
+            slot(app, w, slot_id, name, timeout)
+        )
     if res.settled:  # (no limits here: a reload removed them) nothing to hold
         w.send(["admit", i, "ok", None])
+        if slot_id is not None:
+            w.unclaimed[worker_id] = slot_id
         return None
-    adm = _Admission(app.store.next_admission_id(), res, rec, prompt, completion)
+    adm = _Admission(app.store.next_admission_id(), res, rec, prompt, completion, slot=slot_id)
     w.admissions[worker_id] = adm
     return adm
 
@@ -125,6 +144,8 @@ async def record(app, w: Worker, i: int, worker_id: int, adm: _Admission) -> Non
     except BudgetExceeded as exc:  # a shared store: spent across the relays
         if w.admissions.get(worker_id) is adm:
             del w.admissions[worker_id]
+        if adm.slot is not None:  # (the worker takes no slot for a refused request)
+            unslot(w, adm.slot)
         app.budgets.settle(adm.res, 0, 0, time.time())  # (once: a row first settled it)
         w.send(["admit", i, "exceeded", _exceeded(exc)])
         return
@@ -142,6 +163,9 @@ def row(app, w: Worker, values: list, worker_admission, trend: bool | None) -> N
     process keeps it (`App.keep`: the page's figures, the store)."""
     rec = Record(*values)
     adm = w.admissions.pop(worker_admission, None) if worker_admission is not None else None
+    ahead = adm.slot if adm is not None else w.unclaimed.pop(worker_admission, None)
+    if ahead is not None:  # asked for with the admission: released already if it was taken
+        unslot(w, ahead)
     if adm is None:
         if rec.key_id is not None:  # a key without limits: charged to windows a reload made
             app.budgets.settle(unlimited(app, rec), *charge(rec), time.time())

@@ -7,7 +7,8 @@ Worker -> parent (`id`: the worker's own number for the exchange, echoed in the 
   ["slot", id, upstream, timeout_s]                 -> ["slot", id, "ok" | "busy" | "closed", why]
   ["unslot", id]            the waiter left (a granted slot is given back)
   ["free", id]              a granted slot is released
-  ["admit", id, admission id, record values, prompt, completion]
+  ["admit", id, admission id, record values, prompt, completion, [upstream, timeout_s,
+   slot id] | None]         (the slot asked for with it: answered as ["slot", slot id, ...])
                             -> ["admit", id, "ok" | "exceeded" | "timeout" | "not_durable",
                             details]   (a keyed request's reservation and admission record)
   ["row", record values, admission id | None, trend] a settled request's row (never awaited)

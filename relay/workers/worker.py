@@ -6,7 +6,8 @@ The per-event path is this process's alone; what crosses to the parent is per re
   when it gives it back; the parent's `SlotPool` keeps `parallel` and the FIFO queue
   relay-wide;
 - a keyed request's budget and admission record (`RemoteStore.admit`): one round trip,
-  the parent reserving in its `Budgets` and writing the record, as one process does;
+  the parent reserving in its `Budgets` and writing the record, as one process does, with
+  the slot of its first upstream asked for in the same message;
 - the row (`WorkerApp.keep`): a message, never awaited;
 - the relay's own views (`/metrics`, `/api/slots/metrics`, `/api/ui/state`): answered by
   the parent from every worker's figures.
@@ -38,6 +39,7 @@ from relay.config import Config, ConfigError
 from relay.errors import RelayError
 from relay.observe.log import Log, shared_stderr
 from relay.observe.record import Record
+from relay.observe.ui_state import generating
 from relay.policy.budget import BudgetExceeded, Budgets, Reservation
 from relay.proxy.client import ClientConn
 from relay.proxy.dispatch import ADMIT_WAIT_S
@@ -60,6 +62,16 @@ class Link:
         self.app: WorkerApp | None = None
         self.outbox = wire.Outbox(writer)
         self.send = self.outbox.send
+        # slots asked for with a keyed request's admission (one round trip for both), by its
+        # admission id: (upstream, the slot's exchange id, its answer)
+        self.ahead: dict[int, tuple[str, int, asyncio.Future]] = {}
+
+    def ask_later(self) -> tuple[int, asyncio.Future]:
+        """An id and the future of an answer asked for inside another message."""
+        i = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[i] = fut
+        return i, fut
 
     def ask(self, kind: str, *body) -> tuple[int, asyncio.Future]:
         i = next(self._ids)
@@ -135,15 +147,24 @@ class RemoteSlots:
     def resize(self, parallel: int, queue: int) -> None:
         self.parallel, self.queue = parallel, queue  # (the parent's pool is resized there)
 
-    async def acquire(self, timeout: float) -> RemoteSlot:
+    async def acquire(self, timeout: float, admission=None) -> RemoteSlot:
         if self.closed:
             raise SlotsClosed()
-        i, fut = self.link.ask("slot", self.name, timeout)
+        ahead = self.link.ahead.pop(admission, None) if admission is not None else None
+        if ahead is not None and ahead[0] == self.name:
+            _, i, fut = ahead  # asked for with the admission: its answer is on its way, or in
+        else:
+            if ahead is not None:  # (asked on another upstream: given back)
+                self.link.forget(ahead[1])
+                self.link.send(["unslot", ahead[1]])
+            i, fut = self.link.ask("slot", self.name, timeout)
         self.waiters.add(fut)
         try:
             try:  # (the parent answers within `timeout`; beyond, it is not answering)
                 answer, why = await asyncio.wait_for(fut, timeout + ANSWER_GRACE_S)
-            except TimeoutError:
+            except TimeoutError:  # (a grant that comes after all goes back)
+                self.link.forget(i)
+                self.link.send(["unslot", i])
                 answer, why = "busy", "the relay's slots did not answer"
         except BaseException:  # cancelled, or closed here: a slot granted meanwhile goes back
             self.link.forget(i)
@@ -187,13 +208,18 @@ class RemoteStore:
     recovered = 0
     pending = 0
 
-    def __init__(self, link: Link, retention_days: float) -> None:
+    def __init__(self, link: Link, retention_days: float, app=None) -> None:
         self.link = link
         self.retention_days = retention_days
+        self.app = app  # (its configuration's slot wait)
         self._ids = itertools.count(1)
 
     def start(self) -> None:
         pass
+
+    @property
+    def slot_timeout_s(self) -> float:
+        return self.app.config.dispatcher.pool_timeout_s if self.app is not None else 0.0
 
     def next_admission_id(self) -> int:
         return next(self._ids)  # (this worker's: the parent keeps its own for the record)
@@ -207,13 +233,21 @@ class RemoteStore:
         timeout: float | None = None,
         res=None,
     ) -> None:
+        ahead = None  # a request that takes a slot asks for it now: one round trip for both
+        if generating(rec) and rec.upstream_requested is not None:
+            j, answer_fut = self.link.ask_later()
+            ahead = [rec.upstream_requested, self.slot_timeout_s, j]
+            self.link.ahead[admission_id] = (rec.upstream_requested, j, answer_fut)
         i, fut = self.link.ask(
-            "admit", admission_id, record_values(rec), prompt_tokens, completion_tokens
+            "admit", admission_id, record_values(rec), prompt_tokens, completion_tokens, ahead
         )
         try:
             answer, details = await asyncio.wait_for(fut, ADMIT_WAIT_S + ANSWER_GRACE_S)
         finally:
             self.link.forget(i)
+        if answer == "exceeded" and ahead is not None:  # (no slot was taken for it)
+            self.link.ahead.pop(admission_id, None)
+            self.link.forget(ahead[2])
         if answer == "exceeded":
             limit, used, limit_value, resets_at = details
             raise BudgetExceeded(limit, used, limit_value, resets_at, time.time())
@@ -262,7 +296,7 @@ class WorkerApp(App):
         return LooseBudgets(config.key)
 
     def make_store(self, config: Config):
-        return RemoteStore(self.link, config.store.retention_days)
+        return RemoteStore(self.link, config.store.retention_days, self)
 
     async def listen(self) -> asyncio.Server:
         assert self.loop is not None
@@ -271,7 +305,11 @@ class WorkerApp(App):
         )
 
     def keep(self, rec, admission=None, trend: bool | None = None) -> None:
-        """The row goes to the parent, which keeps it (App.keep) and charges its key."""
+        """The row goes to the parent, which keeps it (App.keep) and charges its key (and
+        gives back a slot asked for with the admission that the request did not take)."""
+        ahead = self.link.ahead.pop(admission, None) if admission is not None else None
+        if ahead is not None:
+            self.link.forget(ahead[1])
         self.link.send(["row", record_values(rec), admission, trend])
 
     def gauged(self) -> list:

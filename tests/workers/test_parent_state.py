@@ -137,3 +137,41 @@ async def test_a_key_given_limits_by_a_reload_is_charged_what_was_in_flight(tmp_
     later.upstream_served = "llm"
     holdings.row(app, w, list(record_values(later)), None, True)
     assert app.budgets.usage("alpha", time.time())["daily"]["requests"] == 1
+
+
+async def test_a_keyed_request_s_slot_comes_with_its_admission_and_goes_with_its_row(tmp_path):
+    """One round trip for both: the admit carries the slot it asks for; a slot the request
+    did not take (its first upstream was down, it failed first) goes back with its row."""
+    app = _parent(tmp_path, key=[{"id": "alpha", "sha256": "0" * 64, "requests_per_day": 9}])
+    app.store.start()
+    pool = app.upstreams["llm"].slots
+    try:
+        w = Worker(0, _Proc(), _Writer(), time.monotonic())
+        reader = asyncio.StreamReader()
+        serving = asyncio.create_task(app._serve_worker(w, reader))
+        for adm_id, slot_id, takes in ((1, 11, True), (2, 12, False)):
+            rec = Record(time.time(), f"r{adm_id}", "/v1/chat/completions", "POST", key_id="alpha")
+            rec.upstream_requested = "llm"
+            reader.feed_data(
+                wire.frame(["admit", adm_id, adm_id, list(record_values(rec)), 1, 2,
+                            ["llm", 5.0, slot_id]])
+            )  # fmt: skip
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert pool.in_flight == 1 and slot_id in w.held  # granted with the admission
+            rec.upstream_served = "llm" if takes else None
+            done = [wire.frame(["free", slot_id])] if takes else []  # (released at settle)
+            reader.feed_data(
+                b"".join(done) + wire.frame(["row", list(record_values(rec)), adm_id, True])
+            )
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert pool.in_flight == 0 and w.held == {} and w.admissions == {}
+        usage = app.budgets.usage("alpha", time.time())["daily"]
+        assert (usage["requests"], usage["reserved_requests"]) == (1, 0)
+        reader.feed_eof()
+        app.draining = True
+        w.proc.exited.set()
+        await asyncio.wait_for(serving, 5)
+    finally:
+        await app.store.aclose()
