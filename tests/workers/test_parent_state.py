@@ -14,7 +14,7 @@ from relay.observe.record import Record
 from relay.workers import holdings, wire
 from relay.workers.holdings import Worker
 from relay.workers.parent import ParentApp
-from relay.workers.worker import record_values
+from relay.workers.remote import record_values
 
 
 class _Proc:
@@ -175,3 +175,19 @@ async def test_a_keyed_request_s_slot_comes_with_its_admission_and_goes_with_its
         await asyncio.wait_for(serving, 5)
     finally:
         await app.store.aclose()
+
+
+def test_each_worker_its_own_telemetry_instance_and_the_parent_s_code():
+    from relay.workers.parent import worker_environ
+
+    given = {"OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod", "PYTHONPATH": "/x"}
+    one, two = worker_environ(given, 0), worker_environ(given, 1)
+    a, b = (e["OTEL_RESOURCE_ATTRIBUTES"].split(",") for e in (one, two))
+    assert a[0] == b[0] == "deployment.environment=prod"  # the operator's, first
+    assert a[1].startswith("service.instance.id=") and a[1].endswith(":worker-0")
+    assert b[1].endswith(":worker-1") and a[1] != b[1]
+    import relay
+
+    home = str(__import__("pathlib").Path(relay.__file__).resolve().parent.parent)
+    assert one["PYTHONPATH"].split(":") == [home, "/x"]  # (the worker runs with -P)
+    assert given["PYTHONPATH"] == "/x"  # (the parent's own is left as it was)

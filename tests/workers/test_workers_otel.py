@@ -4,6 +4,7 @@ process its own instance (its metric streams apart), the relay-wide slot gauges 
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 
 from relay.sim.server import Simulator
@@ -38,7 +39,10 @@ async def test_one_span_per_request_and_one_instance_per_process(tmp_path):
         got = sorted(attrs(s.attributes)["relay.request_id"] for s in spans)
         assert got == sorted(ids)  # exactly one span per request
         instances = {r.get("service.instance.id") for r in receiver.resources()}
-        assert len(instances) == 2 and None not in instances  # the two workers, apart
+        # each worker that served is its own instance (which of the two the kernel gave the
+        # connections to is its choice: one may have taken them all)
+        assert 1 <= len(instances) <= 2 and None not in instances
+        assert all(re.fullmatch(r".+:\d+:worker-[01]", i) for i in instances), instances
         points = receiver.points("gen_ai.server.request.duration")
         assert sum(p.count for _a, p in points) >= 1
     finally:
