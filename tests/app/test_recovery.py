@@ -6,7 +6,7 @@ import asyncio
 from relay.proxy.health import DOWN, READY, Health
 from relay.sim.server import Simulator
 from tests.support import httpc
-from tests.support.helpers import closed_port, wait_for
+from tests.support.helpers import closed_port, release, wait_for
 
 CHAT = "/v1/chat/completions"
 
@@ -22,7 +22,7 @@ def test_probe_runs_more_often_while_down():
 
 async def test_down_upstream_serves_within_a_second_of_answering(make_relay):
     port = closed_port()
-    first_sim = Simulator(port=port)
+    first_sim = Simulator(port=release(port))
     await first_sim.start()
     app = await make_relay(url=f"http://127.0.0.1:{port}", health_interval_s=5.0)
     up = app.upstreams["llm"]
@@ -33,7 +33,7 @@ async def test_down_upstream_serves_within_a_second_of_answering(make_relay):
     assert down.status == 502 and up.health.probe == DOWN
     loop = asyncio.get_running_loop()
     results: list[tuple[float, int]] = []
-    sim = Simulator(port=port)
+    sim = Simulator(port=release(port))
 
     async def client():
         while not results or results[-1][1] != 200:
@@ -61,7 +61,7 @@ async def test_down_upstream_is_seen_back_by_the_probe_without_requests(make_rel
     app = await make_relay(url=f"http://127.0.0.1:{port}", health_interval_s=5.0)
     up = app.upstreams["llm"]
     await wait_for(lambda: up.health.probe == DOWN)
-    sim = Simulator(port=port)
+    sim = Simulator(port=release(port))
     await sim.start()
     try:
         loop = asyncio.get_running_loop()

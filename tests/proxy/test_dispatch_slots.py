@@ -11,7 +11,14 @@ import pytest
 from relay.config import UpstreamConfig
 from relay.sim.server import Simulator
 from tests.support import httpc
-from tests.support.helpers import closed_port, error_of, rows, slots_metrics, wait_for
+from tests.support.helpers import (
+    closed_port,
+    error_of,
+    release,
+    rows,
+    slots_metrics,
+    wait_for,
+)
 from tests.support.sockets import slow_client
 
 CHAT = "/v1/chat/completions"
@@ -398,7 +405,7 @@ async def test_down_upstream_fails_fast_with_502_and_recovers(make_relay):
         None,
     )
 
-    back = Simulator(port=port)
+    back = Simulator(port=release(port))
     await back.start()
     try:
         await until_state(app, "llm", "ready")
@@ -453,7 +460,7 @@ async def test_connect_failure_marks_down_without_a_probe(make_relay):
     resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(3))
     assert resp.status == 502 and error_of(resp)["code"] == "upstream_unavailable"
     assert (await slots_metrics(app))["llm"]["state"] == "down"
-    back = Simulator(port=port)
+    back = Simulator(port=release(port))
     await back.start()
     try:  # no probe: the next request tries, and an answer brings the upstream back
         resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(2))

@@ -40,12 +40,25 @@ async def settled(read, quiet: float = 0.15, timeout: float = 5.0):
     return last
 
 
+_HELD: dict[int, socket.socket] = {}  # the closed ports' sockets, kept until released
+
+
 def closed_port() -> int:
-    """A port where nothing listens (bound, then released): a connect to it is refused."""
+    """A port where nothing listens: a connect to it is refused. It stays bound (never
+    listening) until `release`, so no server started meanwhile (the relay under test itself,
+    binding port 0) can be given it, which would turn a dead upstream into a live one."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-    s.close()
+    _HELD[port] = s
+    return port
+
+
+def release(port: int) -> int:
+    """A `closed_port` given back, for a server the test starts on it now."""
+    s = _HELD.pop(port, None)
+    if s is not None:
+        s.close()
     return port
 
 
