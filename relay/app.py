@@ -132,8 +132,9 @@ class App:
         )
 
     def gauged(self) -> list:
-        """The upstreams' live gauges (slots, queue, state), as OpenTelemetry's reader reads
-        them from its thread."""
+        """The upstreams' metrics with their live gauges (slots, queue, state) refreshed: for
+        the relay's own views (`endpoints.admin_view`) and OpenTelemetry's reader (its
+        thread). A worker has none to give: its parent answers both."""
         ups = list(self.upstreams.values())
         for up in ups:
             up.refresh_metrics()

@@ -92,6 +92,8 @@ class Record:
         return (self.prompt_tokens or 0) + (self.completion_tokens or 0)
 
 
+FIELDS = tuple(f.name for f in fields(Record))
+field_values = attrgetter(*FIELDS)  # every field, in order: Record(*field_values(rec))
 LOG_FIELDS = tuple(f.name for f in fields(Record) if f.name not in ("ts", "itl_hist"))
 ROW_FIELDS = tuple(
     f.name for f in fields(Record) if f.name not in ("outcome", "client_addr", "user_agent")

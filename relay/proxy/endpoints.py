@@ -59,8 +59,7 @@ def admin_view(app, path: str, target: bytes) -> tuple[int, bytes, bytes, list]:
     """One of the relay's own views of `app`'s figures: (status, body, content type, extra
     headers); RelayError `not_found` for another path. `target`: the request's, query kept."""
     now = time.monotonic()
-    for up in app.upstreams.values():
-        up.refresh_metrics()
+    app.gauged()  # (the live gauges: slots, queue, state)
     registry = app.registry
     registry.rows_dropped = app.store.rows_dropped
     registry.rows_pending = app.store.pending

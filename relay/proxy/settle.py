@@ -85,9 +85,8 @@ def settle(app, client, rec: Record, ledger: Ledger, t0: float) -> None:
         app.registry.rejected(rec.error_code or "unknown")  # no upstream involved
     else:
         m = served.metrics
-        # /health, /v1/models, tokenize...: apart, in no latency figure
-        gen = trend = ledger.generates
-        if gen:
+        trend = ledger.generates  # /health, /v1/models, tokenize...: apart, in no latency figure
+        if trend:
             m.request_done(rec.ok, rec.error_code)
             ttft, tpot, e2e = rec.ttft_ms, rec.tpot_ms, rec.e2e_ms
             m.observe_timings(

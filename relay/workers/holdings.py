@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from relay.observe.metrics import Registry
-from relay.observe.record import CRASHED, RESERVED, Record
+from relay.observe.record import CRASHED, Record
 from relay.policy.budget import BudgetExceeded, Reservation
 from relay.proxy.dispatch import ADMIT_WAIT_S
 from relay.proxy.settle import charge
@@ -56,12 +56,13 @@ class Worker:
     figures: Registry | None = None  # its last metrics
     gone: bool = False
     pid: int = 0
-    outbox: wire.Outbox | None = None
+    outbox: wire.Outbox = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.outbox = wire.Outbox(self.writer)
 
     def send(self, message: list) -> None:
         if not self.gone:
-            if self.outbox is None:
-                self.outbox = wire.Outbox(self.writer)
             self.outbox.send(message)
 
 
@@ -190,8 +191,7 @@ def give_back(app, w: Worker) -> int:
         rec = adm.rec
         rec.error_code = rec.outcome = CRASHED
         rec.ok = False
-        rec.prompt_tokens, rec.completion_tokens = adm.prompt, adm.completion
-        rec.tokens_source = RESERVED
+        rec.set_reserved(adm.prompt, adm.completion)
         app.budgets.settle(adm.res, 1, adm.prompt + adm.completion, now)
         adm.then(lambda rec=rec, adm=adm: app.keep(rec, adm.record_id))
     crashed = len(w.admissions)

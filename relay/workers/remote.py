@@ -13,19 +13,15 @@ import concurrent.futures
 import itertools
 import os
 import time
-from dataclasses import fields
-from operator import attrgetter
 from typing import Any
 
-from relay.observe.record import Record
+from relay.observe.record import field_values
 from relay.observe.ui_state import generating
 from relay.policy.budget import BudgetExceeded, Budgets, Reservation
 from relay.proxy.dispatch import ADMIT_WAIT_S
 from relay.proxy.slots import Busy, SlotsClosed
 from relay.workers import wire
 
-RECORD_FIELDS = tuple(f.name for f in fields(Record))
-record_values = attrgetter(*RECORD_FIELDS)  # a Record's fields in order: Record(*values)
 ANSWER_GRACE_S = 10.0  # past its own bound, a parent that has not answered is not answering
 PARENT_GONE_EXIT = 3
 
@@ -52,14 +48,25 @@ class Link:
         return i, fut
 
     def ask(self, kind: str, *body) -> tuple[int, asyncio.Future]:
-        i = next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
-        self.pending[i] = fut
+        i, fut = self.ask_later()
         self.send([kind, i, *body])
         return i, fut
 
     def forget(self, i: int) -> None:
         self.pending.pop(i, None)
+
+    def give_back(self, i: int) -> None:
+        """The slot of exchange `i` is not wanted (granted or not yet): the parent frees it."""
+        self.forget(i)
+        self.send(["unslot", i])
+
+    def drop_ahead(self, admission) -> tuple[str, int, asyncio.Future] | None:
+        """The slot asked for with an admission, no longer awaited here (the parent frees an
+        unclaimed one when the row comes, and takes none for a refused admission)."""
+        ahead = self.ahead.pop(admission, None)
+        if ahead is not None:
+            self.forget(ahead[1])
+        return ahead
 
     async def run(self) -> None:
         """Read the parent's messages until it is gone; then this process ends at once (a
@@ -133,20 +140,17 @@ class RemoteSlots:
             _, i, fut = ahead  # asked for with the admission: its answer is on its way, or in
         else:
             if ahead is not None:  # (asked on another upstream: given back)
-                self.link.forget(ahead[1])
-                self.link.send(["unslot", ahead[1]])
+                self.link.give_back(ahead[1])
             i, fut = self.link.ask("slot", self.name, timeout)
         self.waiters.add(fut)
         try:
             try:  # (the parent answers within `timeout`; beyond, it is not answering)
                 answer, why = await asyncio.wait_for(fut, timeout + ANSWER_GRACE_S)
             except TimeoutError:  # (a grant that comes after all goes back)
-                self.link.forget(i)
-                self.link.send(["unslot", i])
+                self.link.give_back(i)
                 answer, why = "busy", "the relay's slots did not answer"
         except BaseException:  # cancelled, or closed here: a slot granted meanwhile goes back
-            self.link.forget(i)
-            self.link.send(["unslot", i])
+            self.link.give_back(i)
             raise
         finally:
             self.waiters.discard(fut)
@@ -186,18 +190,14 @@ class RemoteStore:
     recovered = 0
     pending = 0
 
-    def __init__(self, link: Link, retention_days: float, app=None) -> None:
+    def __init__(self, link: Link, retention_days: float, app) -> None:
         self.link = link
         self.retention_days = retention_days
-        self.app = app  # (its configuration's slot wait)
+        self.app = app  # the worker: its configuration's slot wait (a reload changes it)
         self._ids = itertools.count(1)
 
     def start(self) -> None:
         pass
-
-    @property
-    def slot_timeout_s(self) -> float:
-        return self.app.config.dispatcher.pool_timeout_s if self.app is not None else 0.0
 
     def next_admission_id(self) -> int:
         return next(self._ids)  # (this worker's: the parent keeps its own for the record)
@@ -214,19 +214,17 @@ class RemoteStore:
         ahead = None  # a request that takes a slot asks for it now: one round trip for both
         if generating(rec) and rec.upstream_requested is not None:
             j, answer_fut = self.link.ask_later()
-            ahead = [rec.upstream_requested, self.slot_timeout_s, j]
+            ahead = [rec.upstream_requested, self.app.config.dispatcher.pool_timeout_s, j]
             self.link.ahead[admission_id] = (rec.upstream_requested, j, answer_fut)
         i, fut = self.link.ask(
-            "admit", admission_id, record_values(rec), prompt_tokens, completion_tokens, ahead
+            "admit", admission_id, field_values(rec), prompt_tokens, completion_tokens, ahead
         )
         try:
             answer, details = await asyncio.wait_for(fut, ADMIT_WAIT_S + ANSWER_GRACE_S)
         finally:
             self.link.forget(i)
-        if answer == "exceeded" and ahead is not None:  # (no slot was taken for it)
-            self.link.ahead.pop(admission_id, None)
-            self.link.forget(ahead[2])
         if answer == "exceeded":
+            self.link.drop_ahead(admission_id)  # (no slot was taken for it)
             limit, used, limit_value, resets_at = details
             raise BudgetExceeded(limit, used, limit_value, resets_at, time.time())
         if answer == "timeout":

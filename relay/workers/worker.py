@@ -33,8 +33,10 @@ from relay.app import App, run
 from relay.config import Config, ConfigError
 from relay.errors import RelayError
 from relay.observe.log import Log, shared_stderr
+from relay.observe.record import field_values
 from relay.policy.budget import Budgets
 from relay.proxy.client import ClientConn
+from relay.proxy.endpoints import JSON
 from relay.workers import wire
 from relay.workers.remote import (
     ANSWER_GRACE_S,
@@ -43,7 +45,6 @@ from relay.workers.remote import (
     LooseBudgets,
     RemoteSlots,
     RemoteStore,
-    record_values,
 )
 
 
@@ -80,10 +81,9 @@ class WorkerApp(App):
     def keep(self, rec, admission=None, trend: bool | None = None) -> None:
         """The row goes to the parent, which keeps it (App.keep) and charges its key (and
         gives back a slot asked for with the admission that the request did not take)."""
-        ahead = self.link.ahead.pop(admission, None) if admission is not None else None
-        if ahead is not None:
-            self.link.forget(ahead[1])
-        self.link.send(["row", record_values(rec), admission, trend])
+        if admission is not None:
+            self.link.drop_ahead(admission)
+        self.link.send(["row", field_values(rec), admission, trend])
 
     def gauged(self) -> list:
         return []  # (the relay-wide slots and queues are the parent's to report)
@@ -100,7 +100,7 @@ class WorkerApp(App):
             status, body, ctype, extra = await asyncio.wait_for(fut, ANSWER_GRACE_S)
         except TimeoutError:
             err = RelayError("server_busy", "the relay's figures did not come in time")
-            status, body, ctype, extra = err.status, err.body(), b"application/json", []
+            status, body, ctype, extra = err.status, err.body(), JSON, []
         finally:
             self.link.forget(i)
         headers = [(bytes(k), bytes(v)) for k, v in extra]
@@ -114,7 +114,7 @@ class WorkerApp(App):
             if up is not None:
                 up.health.probe, up.health.last_error = probe, error
         elif kind == "figures":
-            self.link.send(["figures", body[0], pickle.dumps(self.figures())])
+            self.link.send(["figures", body[0], pickle.dumps(self.registry)])  # (summed there)
         elif kind == "drain":  # SIGTERM to the parent (or the whole tree: one drain)
             self.stopping.set()
         elif kind == "hurry":  # a second one: the drain ends now
@@ -127,10 +127,6 @@ class WorkerApp(App):
                 self.link.send(["reloaded", i, None])
             except ConfigError as exc:
                 self.link.send(["reloaded", i, str(exc)])
-
-    def figures(self):
-        """This worker's metrics, for the parent to add up (observe.metrics_merge)."""
-        return self.registry
 
 
 def _close_inherited(keep: set[int]) -> None:

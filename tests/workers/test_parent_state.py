@@ -10,11 +10,10 @@ import time
 from relay.config import parse_config
 from relay.observe.log import quiet
 from relay.observe.metrics import Registry, UpstreamMetrics
-from relay.observe.record import Record
+from relay.observe.record import Record, field_values
 from relay.workers import holdings, wire
 from relay.workers.holdings import Worker
 from relay.workers.parent import ParentApp
-from relay.workers.remote import record_values
 
 
 class _Proc:
@@ -60,12 +59,12 @@ async def test_a_row_right_behind_its_admission_settles_it(tmp_path):
     try:
         w = Worker(0, _Proc(), _Writer(), time.monotonic())
         rec = Record(time.time(), "r1", "/v1/chat/completions", "POST", key_id="alpha")
-        gone = Record(*record_values(rec))
+        gone = Record(*field_values(rec))
         gone.outcome = gone.error_code = "client_gone"
         reader = asyncio.StreamReader()
         reader.feed_data(
-            wire.frame(["admit", 7, 1, list(record_values(rec)), 10, 20])
-            + wire.frame(["row", list(record_values(gone)), 1, True])
+            wire.frame(["admit", 7, 1, list(field_values(rec)), 10, 20])
+            + wire.frame(["row", list(field_values(gone)), 1, True])
         )
         reader.feed_eof()
         app.draining = True  # (the stand-in's end is not a crash to restart)
@@ -129,13 +128,13 @@ async def test_a_key_given_limits_by_a_reload_is_charged_what_was_in_flight(tmp_
     limited = [KeyConfig(id="alpha", sha256="0" * 64, requests_per_day=5)]
     app.budgets.reload(limited, {("alpha", "daily"): (0, 0)}, time.time())
     app.budget_generations.append((time.time(), app.budgets.generation))
-    holdings.row(app, w, list(record_values(rec)), None, True)
+    holdings.row(app, w, list(field_values(rec)), None, True)
     usage = app.budgets.usage("alpha", time.time())["daily"]
     assert (usage["requests"], usage["tokens"]) == (1, 7)
     # a request that began after the reload was reserved (and charged) under it: not again
     later = Record(time.time() + 1, "r2", "/v1/chat/completions", "POST", key_id="alpha")
     later.upstream_served = "llm"
-    holdings.row(app, w, list(record_values(later)), None, True)
+    holdings.row(app, w, list(field_values(later)), None, True)
     assert app.budgets.usage("alpha", time.time())["daily"]["requests"] == 1
 
 
@@ -153,7 +152,7 @@ async def test_a_keyed_request_s_slot_comes_with_its_admission_and_goes_with_its
             rec = Record(time.time(), f"r{adm_id}", "/v1/chat/completions", "POST", key_id="alpha")
             rec.upstream_requested = "llm"
             reader.feed_data(
-                wire.frame(["admit", adm_id, adm_id, list(record_values(rec)), 1, 2,
+                wire.frame(["admit", adm_id, adm_id, list(field_values(rec)), 1, 2,
                             ["llm", 5.0, slot_id]])
             )  # fmt: skip
             for _ in range(20):
@@ -162,7 +161,7 @@ async def test_a_keyed_request_s_slot_comes_with_its_admission_and_goes_with_its
             rec.upstream_served = "llm" if takes else None
             done = [wire.frame(["free", slot_id])] if takes else []  # (released at settle)
             reader.feed_data(
-                b"".join(done) + wire.frame(["row", list(record_values(rec)), adm_id, True])
+                b"".join(done) + wire.frame(["row", list(field_values(rec)), adm_id, True])
             )
             for _ in range(20):
                 await asyncio.sleep(0)
