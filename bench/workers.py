@@ -29,20 +29,21 @@ TARGETS = ("direct", "relay", "relay_w2", "nginx", "nginx_w2")
 PAIRS = (("relay", "nginx"), ("relay_w2", "nginx_w2"))  # the same worker count
 
 
-def per_event_us(row: dict) -> float | None:
+def proxy_us_per(row: dict, counted: str) -> float | None:
+    """The proxy's CPU (µs) over the run, per `counted` ("content_events", "requests")."""
     cpu = row.get("cpu_pct", {}).get("proxy")
-    n = row.get("content_events")
+    n = row.get(counted)
     if cpu is None or not n:
         return None
     return cpu / 100 * row["wall_s"] * 1e6 / n
+
+
+def per_event_us(row: dict) -> float | None:
+    return proxy_us_per(row, "content_events")
 
 
 def per_request_us(row: dict) -> float | None:
-    cpu = row.get("cpu_pct", {}).get("proxy")
-    n = row.get("requests")
-    if cpu is None or not n:
-        return None
-    return cpu / 100 * row["wall_s"] * 1e6 / n
+    return proxy_us_per(row, "requests")
 
 
 def added_p99_ms(rows: list[dict], row: dict) -> float | None:
