@@ -1,6 +1,6 @@
-"""The package's shape holds: the layer contracts (import-linter), no import circles, no
-module over 400 lines. Each rule is shown able to fail, on a copy of the package with the
-rule broken on purpose."""
+"""The package's shape holds: the layer contracts (import-linter), no import circles, function
+size within ruff's bounds, few end-of-line comments. Each rule is shown able to fail, on a
+copy of the package with the rule broken on purpose."""
 
 from __future__ import annotations
 
@@ -87,15 +87,41 @@ def test_an_import_circle_is_found(copy):
     assert found == [["relay.http.chunked", "relay.http.fields"]]
 
 
-def test_no_module_over_400_lines():
-    assert layout.long_modules() == []
+def ruff_size_rules(root: Path) -> subprocess.CompletedProcess:
+    """ruff's function-size rules (complexity, branches, statements) on the package at `root`,
+    as its pyproject.toml bounds them."""
+    ruff = Path(sys.executable).with_name("ruff")
+    return subprocess.run(
+        [str(ruff), "check", "--select", "C901,PLR0912,PLR0915", "--no-cache", "relay"],
+        cwd=root, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
 
 
-def test_a_long_module_is_found(copy):
-    path = copy / "relay" / "errors.py"
-    n = len(path.read_text().splitlines())
-    append(path, "\n" * (layout.MAX_LINES - n))  # exactly MAX_LINES + 1 lines
-    assert layout.long_modules(copy / "relay") == [("relay.errors", layout.MAX_LINES + 1)]
+def test_functions_are_within_the_size_rules():
+    done = ruff_size_rules(ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_function_over_the_size_rules_is_found(copy):
+    branches = "".join(f"    if x == {i}:\n        return {i}\n" for i in range(20))
+    append(copy / "relay" / "errors.py", f"def _many(x: int) -> int:\n{branches}    return -1")
+    done = ruff_size_rules(copy)
+    assert done.returncode == 1
+    assert "C901" in done.stdout and "PLR0912" in done.stdout and "`_many`" in done.stdout
+
+
+def test_few_end_of_line_comments():
+    assert layout.per_100(layout.eol_comments()) <= layout.MAX_EOL_PER_100
+
+
+def test_end_of_line_comments_are_counted():
+    source = '"""Doc\nstring."""\n# above\nx = 1  # beside\ny = (\n    2  # inside\n)\n'
+    assert layout.comment_counts(source) == (2, 5)
+
+
+def test_many_end_of_line_comments_are_found(copy):
+    append(copy / "relay" / "errors.py", "".join(f"_x{i} = {i}  # why\n" for i in range(2000)))
+    assert layout.per_100(layout.eol_comments(copy / "relay")) > layout.MAX_EOL_PER_100
 
 
 def test_the_layout_script_lists_what_it_finds():
@@ -106,5 +132,6 @@ def test_the_layout_script_lists_what_it_finds():
     assert done.returncode == 0, done.stdout
     assert done.stdout.splitlines() == [
         "import cycles in relay/: 0",
-        f"modules over {layout.MAX_LINES} lines: 0",
+        f"end-of-line comments per 100 code lines: {layout.per_100(layout.eol_comments())}"
+        f" (at most {layout.MAX_EOL_PER_100})",
     ]
