@@ -396,5 +396,5 @@ class App:
         """Pools of upstreams a reload removed are closed once their streams are done."""
         for up in list(self.retired):
             up.pool.close()  # idle connections now; the one a finishing stream frees later
-            if up.slots.in_flight == 0 and not up.slots.waiters:
+            if up.slots.in_flight == 0 and not up.slots.queued:
                 self.retired.remove(up)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from typing import Protocol
+
+from relay.store.admissions import AdmissionId
 
 
 class Busy(Exception):
@@ -21,6 +24,30 @@ class Busy(Exception):
 
 class SlotsClosed(Exception):
     """The relay is shutting down: no slot will be handed out any more."""
+
+
+class SlotLease(Protocol):
+    """One slot held by a request: `release` gives it back, at most once however often it is
+    called."""
+
+    def release(self) -> None: ...
+
+
+class Slots(Protocol):
+    """An upstream's slots as the proxy takes them: the process's own `SlotPool`, or in a
+    worker process the parent's, through the worker's link (relay.workers)."""
+
+    @property
+    def in_flight(self) -> int: ...
+
+    @property
+    def queued(self) -> int: ...
+
+    def close(self) -> None: ...
+
+    def resize(self, parallel: int, queue: int) -> None: ...
+
+    async def acquire(self, timeout: float, admission: AdmissionId | None = None) -> SlotLease: ...
 
 
 class Slot:
@@ -66,7 +93,7 @@ class SlotPool:
     def queued(self) -> int:
         return len(self.waiters)
 
-    async def acquire(self, timeout: float, admission=None) -> Slot:
+    async def acquire(self, timeout: float, admission: AdmissionId | None = None) -> Slot:
         """A slot within `timeout` (Busy, SlotsClosed). `admission`: the request's admission
         record, by which a worker process finds the slot asked for with it (relay.workers)."""
         if self.closed:
