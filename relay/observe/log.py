@@ -7,11 +7,17 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import msgspec
 
 _encode = msgspec.json.Encoder().encode
+
+# One line as a dict (what `lines` keeps): its fields are whatever JSON the event carries.
+Entry = dict[str, object]
+
+# POSIX: a write of at most this many bytes to a pipe is never interleaved with another.
+PIPE_BUF = 4096
 
 
 class Log:
@@ -24,7 +30,8 @@ class Log:
     ) -> None:
         self._sink = sink
         self.flush_s = flush_s
-        self.lines: list[dict] | None = None  # set to a list to keep records (tests)
+        # Set to a list to keep the lines as dicts too (tests read them with `of`).
+        self.lines: list[Entry] | None = None
         self._pending: list[bytes] = []
         self._timer: asyncio.TimerHandle | None = None
         self._lock = threading.Lock()
@@ -34,35 +41,39 @@ class Log:
         if self._sink is None:
             self._sink = shared_stderr
 
-    def event(self, event: str, **fields) -> None:
+    def event(self, event: str, **fields: object) -> None:
         self.record(event, fields)
 
-    def record(self, event: str, fields: dict) -> None:
+    def record(self, event: str, fields: Mapping[str, object]) -> None:
         """`event` with the fields of a dict (not copied once more as keywords)."""
-        record = {"ts": round(time.time(), 3), "event": event}
-        record.update(fields)
-        line = _encode(record) + b"\n"
+        entry: Entry = {"ts": round(time.time(), 3), "event": event}
+        entry.update(fields)
+        line = _encode(entry) + b"\n"
         with self._lock:
             if self.lines is not None:
-                self.lines.append(record)
+                self.lines.append(entry)
             self._pending.append(line)
         if self._timer is None:
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:
-                self.flush(timer=False)
+                self._write_pending()
                 return
             self._timer = loop.call_later(self.flush_s, self.flush)
 
-    def flush(self, timer: bool = True) -> None:
-        if timer:
-            self._timer = None
+    def flush(self) -> None:
+        """Write what is pending: the timer's call, and the relay's last step."""
+        self._timer = None
+        self._write_pending()
+
+    def _write_pending(self) -> None:
         with self._lock:
             data, self._pending = b"".join(self._pending), []
             if data:
                 self._write(data)
 
     def _write(self, data: bytes) -> None:
+        # A closed stderr never stops the relay.
         try:
             if self._sink is not None:
                 self._sink(data)
@@ -70,13 +81,10 @@ class Log:
                 sys.stderr.buffer.write(data)
                 sys.stderr.buffer.flush()
         except (OSError, ValueError):
-            pass  # a closed stderr never stops the relay
+            pass
 
-    def of(self, event: str) -> list[dict]:
+    def of(self, event: str) -> list[Entry]:
         return [r for r in (self.lines or []) if r["event"] == event]
-
-
-PIPE_BUF = 4096  # POSIX: a write of at most this many bytes to a pipe is never interleaved
 
 
 def shared_stderr(data: bytes) -> None:

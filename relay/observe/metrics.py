@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterator
+from enum import StrEnum
+from typing import NotRequired, TypedDict
 
 import msgspec
 
@@ -29,13 +32,49 @@ from relay.observe.prom_histogram import (
     render_into,
 )
 
-STATES = ("ready", "serving", "loading", "down")
+
+class UpstreamState(StrEnum):
+    """An upstream's state, as `relay_upstream_state{state=..}` and the JSON name it."""
+
+    READY = "ready"
+    SERVING = "serving"
+    LOADING = "loading"
+    DOWN = "down"
+
+
+STATES = tuple(UpstreamState)
 STALL_REASONS = ("total", "idle", "read")
+
+
+class Snapshot(TypedDict):
+    """One upstream's figures in the JSON of `/api/slots/metrics`, in this order."""
+
+    name: str
+    state: str
+    parallel: int
+    in_flight: int
+    queued: int
+    tokens_per_sec: float
+    ttft_seconds: float | None
+    ttft_avg_seconds: float | None
+    requests_total: int
+    requests_failed: int
+    other_requests_total: int
+    tokens_total: int
+    stall_trips: dict[str, int]
+    queue_wait_seconds_total: float
+    queue_wait_count: int
+    failures_by_code: dict[str, int]
+    decoding_speed_tps: NotRequired[float]
+    kv_occupancy_pct: NotRequired[float]
 
 
 class UpstreamMetrics:
     """Everything `/metrics` reports about one upstream. The relay sets `state`, `in_flight`
-    and `queued` directly; the rest changes through the methods."""
+    and `queued` directly; the rest changes through the methods.
+
+    `requests_total` counts the requests that generate (`ui_state.generating`) only;
+    `other_requests_total` the others (GET /health, /v1/models, /props, tokenize...)."""
 
     def __init__(
         self,
@@ -49,17 +88,19 @@ class UpstreamMetrics:
             raise ValueError("tps_window_s and ttft_window must be positive")
         self.name = name
         self.parallel = parallel
-        self.state = "ready"
+        self.state: str = UpstreamState.READY
         self.in_flight = 0
         self.queued = 0
         self._buckets_n = max(1, math.ceil(tps_window_s))
-        self._buckets: deque[list[int]] = deque()  # [second, tokens], seconds ascending
-        self._ttft: deque[tuple[float, float]] = deque(maxlen=ttft_window)  # (at, seconds)
+        # The token-rate window: [second, tokens], seconds ascending.
+        self._buckets: deque[list[int]] = deque()
+        # The recent TTFT samples: (at, seconds).
+        self._ttft: deque[tuple[float, float]] = deque(maxlen=ttft_window)
         self._ttft_max_age_s = ttft_max_age_s
         self.tokens_total = 0
-        self.requests_total = 0  # requests that generate (`ui_state.generating`) only
+        self.requests_total = 0
         self.requests_failed = 0
-        self.other_requests_total = 0  # the others: GET /health, /v1/models, /props, tokenize...
+        self.other_requests_total = 0
         self.failures_by_code: dict[str, int] = {}
         self.stall_trips: dict[str, int] = dict.fromkeys(STALL_REASONS, 0)
         self.queue_wait_seconds_total = 0.0
@@ -92,9 +133,11 @@ class UpstreamMetrics:
             return
         second = math.floor(now)
         buckets = self._buckets
+        # A later second opens a bucket; the same second, or (misuse) a clock that went
+        # backwards, finds or inserts its own.
         if not buckets or buckets[-1][0] < second:
             buckets.append([second, n])
-        else:  # same second, or (misuse) a clock that went backwards: find or insert its bucket
+        else:
             for i in range(len(buckets) - 1, -1, -1):
                 if buckets[i][0] == second:
                     buckets[i][1] += n
@@ -160,9 +203,9 @@ class UpstreamMetrics:
         if kv_occupancy_pct is not None and not math.isnan(kv_occupancy_pct):
             self.kv_occupancy_pct = kv_occupancy_pct
 
-    def snapshot(self, now: float) -> dict:
+    def snapshot(self, now: float) -> Snapshot:
         last, avg = self.ttft(now)
-        out = {
+        out: Snapshot = {
             "name": self.name,
             "state": self.state,
             "parallel": self.parallel,
@@ -187,6 +230,63 @@ class UpstreamMetrics:
         return out
 
 
+class Registry:
+    """All upstreams' metrics plus the relay-wide counters.
+
+    `rows_dropped` counts the request rows lost because the store's queue was full. A shared
+    (PostgreSQL) store has rows not yet committed (`rows_pending`) and rows waiting in the
+    spill file (`rows_spilled`); a SQLite store leaves `rows_spilled` None, and neither is
+    shown. `requests_rejected` counts the requests refused before any upstream, by status;
+    `keys` the use of each API key: key id -> [requests, prompt tokens, completion tokens]."""
+
+    def __init__(self) -> None:
+        self._upstreams: dict[str, UpstreamMetrics] = {}
+        self.rows_dropped = 0
+        self.rows_pending = 0
+        self.rows_spilled: int | None = None
+        self.requests_rejected: dict[str, int] = {}
+        self.keys: dict[str, list[int]] = {}
+
+    def key_used(
+        self, key_id: str, prompt_tokens: int | None, completion_tokens: int | None
+    ) -> None:
+        c = self.keys.get(key_id)
+        if c is None:
+            c = self.keys[key_id] = [0, 0, 0]
+        c[0] += 1
+        c[1] += prompt_tokens or 0
+        c[2] += completion_tokens or 0
+
+    def add(self, m: UpstreamMetrics) -> None:
+        if m.name in self._upstreams:
+            raise ValueError(f"duplicate upstream {m.name!r}")
+        self._upstreams[m.name] = m
+
+    def set_upstreams(self, metrics: list[UpstreamMetrics]) -> None:
+        """The upstreams after a config reload (a kept one keeps its counters)."""
+        self._upstreams = {m.name: m for m in metrics}
+
+    def get(self, name: str) -> UpstreamMetrics:
+        return self._upstreams[name]
+
+    def __iter__(self) -> Iterator[UpstreamMetrics]:
+        return iter(self._upstreams.values())
+
+    def rejected(self, code: int | str) -> None:
+        key = str(code)
+        self.requests_rejected[key] = self.requests_rejected.get(key, 0) + 1
+
+    def json(self, now: float) -> bytes:
+        return msgspec.json.encode({m.name: m.snapshot(now) for m in self})
+
+    def prometheus(self, now: float) -> bytes:
+        text = _Exposition(shared_store=self.rows_spilled is not None)
+        for m in self:
+            text.upstream(m, now)
+        text.relay_wide(self)
+        return text.render()
+
+
 # -- Prometheus text format -------------------------------------------------------------------
 def _escape_label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
@@ -205,8 +305,16 @@ def _number(v: int | float) -> str | None:
     return repr(float(v))
 
 
+class _Kind(StrEnum):
+    """A metric family's `# TYPE`."""
+
+    GAUGE = "gauge"
+    COUNTER = "counter"
+    HISTOGRAM = "histogram"
+
+
 class _Family:
-    def __init__(self, name: str, kind: str, help_text: str) -> None:
+    def __init__(self, name: str, kind: _Kind, help_text: str) -> None:
         self.name, self.kind, self.help = name, kind, help_text
         self.lines: list[str] = []
 
@@ -232,165 +340,115 @@ class _Family:
         )
 
 
-class Registry:
-    """All upstreams' metrics plus the relay-wide counters."""
+class _Exposition:
+    """The families of `/metrics`, in the order they are written: the upstreams' figures,
+    then the relay-wide ones; a shared store's rows last."""
 
-    def __init__(self) -> None:
-        self._upstreams: dict[str, UpstreamMetrics] = {}
-        self.rows_dropped = 0  # request rows lost because the log writer's queue was full
-        # a shared (PostgreSQL) store: rows not yet committed, rows waiting in the spill file
-        self.rows_pending = 0
-        self.rows_spilled: int | None = None  # None: a SQLite store (neither is shown)
-        self.requests_rejected: dict[str, int] = {}  # refused before any upstream, by status
-        self.keys: dict[str, list[int]] = {}  # key id -> [requests, prompt, completion tokens]
-
-    def key_used(
-        self, key_id: str, prompt_tokens: int | None, completion_tokens: int | None
-    ) -> None:
-        c = self.keys.get(key_id)
-        if c is None:
-            c = self.keys[key_id] = [0, 0, 0]
-        c[0] += 1
-        c[1] += prompt_tokens or 0
-        c[2] += completion_tokens or 0
-
-    def add(self, m: UpstreamMetrics) -> None:
-        if m.name in self._upstreams:
-            raise ValueError(f"duplicate upstream {m.name!r}")
-        self._upstreams[m.name] = m
-
-    def set_upstreams(self, metrics: list[UpstreamMetrics]) -> None:
-        """The upstreams after a config reload (a kept one keeps its counters)."""
-        self._upstreams = {m.name: m for m in metrics}
-
-    def get(self, name: str) -> UpstreamMetrics:
-        return self._upstreams[name]
-
-    def __iter__(self):
-        return iter(self._upstreams.values())
-
-    def rejected(self, code: int | str) -> None:
-        key = str(code)
-        self.requests_rejected[key] = self.requests_rejected.get(key, 0) + 1
-
-    def json(self, now: float) -> bytes:
-        return msgspec.json.encode({m.name: m.snapshot(now) for m in self})
-
-    def prometheus(self, now: float) -> bytes:
-        F = _Family
-        up = F("relay_upstream_up", "gauge", "1 unless the upstream is down.")
-        state = F("relay_upstream_state", "gauge", "1 for the upstream's current state.")
-        parallel = F("relay_slots_parallel", "gauge", "Configured parallel slots.")
-        in_flight = F("relay_slots_in_flight", "gauge", "Requests currently on the upstream.")
-        queued = F("relay_queue_waiting", "gauge", "Requests waiting for a slot.")
-        tps = F("relay_tokens_per_second", "gauge", "Streamed tokens per second, sliding window.")
-        ttft = F("relay_ttft_seconds", "gauge", "Last time to first token.")
-        ttft_avg = F("relay_ttft_avg_seconds", "gauge", "Mean time to first token, window.")
-        requests = F("relay_requests_total", "counter", "Requests that generate, finished.")
-        failed = F("relay_requests_failed_total", "counter", "Failed ones of those, by code.")
-        other = F(
+    def __init__(self, shared_store: bool) -> None:
+        F, G, C, H = _Family, _Kind.GAUGE, _Kind.COUNTER, _Kind.HISTOGRAM
+        self.up = F("relay_upstream_up", G, "1 unless the upstream is down.")
+        self.state = F("relay_upstream_state", G, "1 for the upstream's current state.")
+        self.parallel = F("relay_slots_parallel", G, "Configured parallel slots.")
+        self.in_flight = F("relay_slots_in_flight", G, "Requests currently on the upstream.")
+        self.queued = F("relay_queue_waiting", G, "Requests waiting for a slot.")
+        self.tps = F("relay_tokens_per_second", G, "Streamed tokens per second, sliding window.")
+        self.ttft = F("relay_ttft_seconds", G, "Last time to first token.")
+        self.ttft_avg = F("relay_ttft_avg_seconds", G, "Mean time to first token, window.")
+        self.requests = F("relay_requests_total", C, "Requests that generate, finished.")
+        self.failed = F("relay_requests_failed_total", C, "Failed ones of those, by code.")
+        self.other = F(
             "relay_other_requests_total",
-            "counter",
+            C,
             "Requests that generate nothing (/health, /v1/models, /props, tokenize...).",
         )
-        tokens = F("relay_tokens_total", "counter", "Tokens streamed.")
-        stalls = F("relay_stall_trips_total", "counter", "Stall guard trips by reason.")
-        qwait = F("relay_queue_wait_seconds", "histogram", "Time requests waited for a slot.")
-        ttft_h = F(
+        self.tokens = F("relay_tokens_total", C, "Tokens streamed.")
+        self.stalls = F("relay_stall_trips_total", C, "Stall guard trips by reason.")
+        self.qwait = F("relay_queue_wait_seconds", H, "Time requests waited for a slot.")
+        self.ttft_h = F(
             "relay_time_to_first_token_seconds",
-            "histogram",
+            H,
             "Time to the first content event, per request.",
         )
-        tpot_h = F(
+        self.tpot_h = F(
             "relay_time_per_output_token_seconds",
-            "histogram",
+            H,
             "(last content - ttft) / (output tokens - 1), per request (vLLM's TPOT).",
         )
-        e2e_h = F(
+        self.e2e_h = F(
             "relay_e2e_request_latency_seconds",
-            "histogram",
+            H,
             "Request in to last byte out, per served request that generates.",
         )
-        key_req = F("relay_key_requests_total", "counter", "Requests per API key.")
-        key_tok = F("relay_key_tokens_total", "counter", "Tokens per API key, by kind.")
-        speed = F("relay_decoding_speed_tps", "gauge", "FLM decoding speed, last seen.")
-        kv = F("relay_kv_occupancy_percent", "gauge", "FLM KV token occupancy, last seen.")
-        dropped = F("relay_rows_dropped_total", "counter", "Request rows dropped, queue full.")
-        rejected = F(
+        self.speed = F("relay_decoding_speed_tps", G, "FLM decoding speed, last seen.")
+        self.kv = F("relay_kv_occupancy_percent", G, "FLM KV token occupancy, last seen.")
+        self.dropped = F("relay_rows_dropped_total", C, "Request rows dropped, queue full.")
+        self.rejected = F(
             "relay_requests_rejected_total",
-            "counter",
+            C,
             "Requests refused before any upstream, by status.",
         )
-        for m in self:
-            u = m.name
-            snap = m.snapshot(now)
-            up.add(0 if m.state == "down" else 1, upstream=u)
-            states = STATES if m.state in STATES else (*STATES, m.state)
-            for s in states:
-                state.add(1 if s == m.state else 0, upstream=u, state=s)
-            parallel.add(m.parallel, upstream=u)
-            in_flight.add(m.in_flight, upstream=u)
-            queued.add(m.queued, upstream=u)
-            tps.add(snap["tokens_per_sec"], upstream=u)
-            ttft.add(snap["ttft_seconds"], upstream=u)
-            ttft_avg.add(snap["ttft_avg_seconds"], upstream=u)
-            requests.add(m.requests_total, upstream=u)
-            other.add(m.other_requests_total, upstream=u)
-            for code, n in sorted(m.failures_by_code.items()):
-                failed.add(n, upstream=u, code=code)
-            tokens.add(m.tokens_total, upstream=u)
-            for reason, n in m.stall_trips.items():
-                stalls.add(n, upstream=u, reason=reason)
-            render_into(qwait, m.queue_hist, upstream=u)
-            render_into(ttft_h, m.ttft_hist, upstream=u)
-            render_into(tpot_h, m.tpot_hist, upstream=u)
-            render_into(e2e_h, m.e2e_hist, upstream=u)
-            speed.add(m.decoding_speed_tps, upstream=u)
-            kv.add(m.kv_occupancy_pct, upstream=u)
-        dropped.add(self.rows_dropped)
-        for code, n in sorted(self.requests_rejected.items()):
-            rejected.add(n, code=code)
-        for key, (n, prompt, completion) in sorted(self.keys.items()):
-            key_req.add(n, key=key)
-            key_tok.add(prompt, key=key, kind="prompt")
-            key_tok.add(completion, key=key, kind="completion")
-        families: tuple[_Family, ...] = (
-            up,
-            state,
-            parallel,
-            in_flight,
-            queued,
-            tps,
-            ttft,
-            ttft_avg,
-            requests,
-            failed,
-            other,
-            tokens,
-            stalls,
-            qwait,
-            ttft_h,
-            tpot_h,
-            e2e_h,
-            speed,
-            kv,
-            dropped,
-            rejected,
-            key_req,
-            key_tok,
-        )
-        if self.rows_spilled is not None:
-            pending = F(
+        self.key_req = F("relay_key_requests_total", C, "Requests per API key.")
+        self.key_tok = F("relay_key_tokens_total", C, "Tokens per API key, by kind.")
+        self.families = [
+            *(self.up, self.state, self.parallel, self.in_flight, self.queued, self.tps),
+            *(self.ttft, self.ttft_avg, self.requests, self.failed, self.other, self.tokens),
+            *(self.stalls, self.qwait, self.ttft_h, self.tpot_h, self.e2e_h, self.speed),
+            *(self.kv, self.dropped, self.rejected, self.key_req, self.key_tok),
+        ]
+        self.pending: _Family | None = None
+        self.spilled: _Family | None = None
+        if shared_store:
+            self.pending = F(
                 "relay_rows_pending",
-                "gauge",
+                G,
                 "Request rows accepted, not yet committed or spilled.",
             )
-            spilled = F(
+            self.spilled = F(
                 "relay_rows_spilled",
-                "gauge",
+                G,
                 "Request rows in the spill file, waiting for PostgreSQL.",
             )
-            pending.add(self.rows_pending)
-            spilled.add(self.rows_spilled)
-            families += (pending, spilled)
-        return "".join(f.render() for f in families).encode()
+            self.families += (self.pending, self.spilled)
+
+    def upstream(self, m: UpstreamMetrics, now: float) -> None:
+        u = m.name
+        last, avg = m.ttft(now)
+        self.up.add(0 if m.state == UpstreamState.DOWN else 1, upstream=u)
+        states = STATES if m.state in STATES else (*STATES, m.state)
+        for s in states:
+            self.state.add(1 if s == m.state else 0, upstream=u, state=s)
+        self.parallel.add(m.parallel, upstream=u)
+        self.in_flight.add(m.in_flight, upstream=u)
+        self.queued.add(m.queued, upstream=u)
+        self.tps.add(m.tokens_per_sec(now), upstream=u)
+        self.ttft.add(last, upstream=u)
+        self.ttft_avg.add(avg, upstream=u)
+        self.requests.add(m.requests_total, upstream=u)
+        self.other.add(m.other_requests_total, upstream=u)
+        for code, n in sorted(m.failures_by_code.items()):
+            self.failed.add(n, upstream=u, code=code)
+        self.tokens.add(m.tokens_total, upstream=u)
+        for reason, n in m.stall_trips.items():
+            self.stalls.add(n, upstream=u, reason=reason)
+        render_into(self.qwait, m.queue_hist, upstream=u)
+        render_into(self.ttft_h, m.ttft_hist, upstream=u)
+        render_into(self.tpot_h, m.tpot_hist, upstream=u)
+        render_into(self.e2e_h, m.e2e_hist, upstream=u)
+        self.speed.add(m.decoding_speed_tps, upstream=u)
+        self.kv.add(m.kv_occupancy_pct, upstream=u)
+
+    def relay_wide(self, r: Registry) -> None:
+        self.dropped.add(r.rows_dropped)
+        for code, n in sorted(r.requests_rejected.items()):
+            self.rejected.add(n, code=code)
+        for key, (n, prompt, completion) in sorted(r.keys.items()):
+            self.key_req.add(n, key=key)
+            self.key_tok.add(prompt, key=key, kind="prompt")
+            self.key_tok.add(completion, key=key, kind="completion")
+        if self.pending is not None:
+            self.pending.add(r.rows_pending)
+        if self.spilled is not None:
+            self.spilled.add(r.rows_spilled)
+
+    def render(self) -> bytes:
+        return "".join(f.render() for f in self.families).encode()

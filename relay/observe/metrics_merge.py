@@ -18,6 +18,7 @@ never go back.
 from __future__ import annotations
 
 from collections import deque
+from typing import TypeGuard
 
 from relay.observe.metrics import Registry, UpstreamMetrics
 from relay.observe.prom_histogram import Histogram
@@ -34,31 +35,39 @@ def absorb(into: UpstreamMetrics, part: UpstreamMetrics) -> None:
     for attr, value in vars_of(part).items():
         if attr in _LIVE or attr in _FIXED:
             continue
-        mine = getattr(into, attr)
         if attr in _LAST_SEEN:
             if value is not None:
                 setattr(into, attr, value)
         elif attr == "_buckets":
-            into._buckets = _by_second(mine, value)
+            into._buckets = _by_second(into._buckets, part._buckets)
         elif attr == "_ttft":
-            pooled = sorted([*mine, *value])
-            into._ttft = deque(pooled[-(mine.maxlen or len(pooled)) :], maxlen=mine.maxlen)
-        elif isinstance(value, Histogram):
-            _add_histogram(mine, value)
-        elif isinstance(value, dict):
-            for k, n in value.items():
-                mine[k] = mine.get(k, 0) + n
-        elif isinstance(value, bool) or not isinstance(value, int | float):
-            raise TypeError(f"UpstreamMetrics.{attr}: no rule to add up {type(value).__name__}")
+            into._ttft = _pooled(into._ttft, part._ttft)
         else:
-            setattr(into, attr, mine + value)
+            _add(into, attr, getattr(into, attr), value)
 
 
-def vars_of(obj) -> dict:
+def _add(into: UpstreamMetrics, attr: str, mine: object, value: object) -> None:
+    """Add `value`, a figure of a part, to `mine`, the same figure of `into`, by its kind."""
+    if isinstance(value, Histogram) and isinstance(mine, Histogram):
+        _add_histogram(mine, value)
+    elif isinstance(value, dict) and isinstance(mine, dict):
+        for k, n in value.items():
+            mine[k] = mine.get(k, 0) + n
+    elif _is_number(value) and _is_number(mine):
+        setattr(into, attr, mine + value)
+    else:
+        raise TypeError(f"UpstreamMetrics.{attr}: no rule to add up {type(value).__name__}")
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def vars_of(obj: object) -> dict[str, object]:
     """An object's attributes, whether it has a __dict__ or __slots__."""
     if hasattr(obj, "__dict__"):
         return vars(obj)
-    return {name: getattr(obj, name) for name in obj.__slots__}
+    return {name: getattr(obj, name) for name in getattr(obj, "__slots__", ())}
 
 
 def _add_histogram(into: Histogram, part: Histogram) -> None:
@@ -69,11 +78,19 @@ def _add_histogram(into: Histogram, part: Histogram) -> None:
     into.count += part.count
 
 
-def _by_second(a: deque, b: deque) -> deque:
+def _by_second(a: deque[list[int]], b: deque[list[int]]) -> deque[list[int]]:
     seconds: dict[int, int] = {}
     for second, n in (*a, *b):
         seconds[second] = seconds.get(second, 0) + n
     return deque([s, n] for s, n in sorted(seconds.items()))
+
+
+def _pooled(
+    a: deque[tuple[float, float]], b: deque[tuple[float, float]]
+) -> deque[tuple[float, float]]:
+    """Both windows' (at, seconds) samples in time order, the newest `a.maxlen` kept."""
+    pooled = sorted([*a, *b])
+    return deque(pooled[-(a.maxlen or len(pooled)) :], maxlen=a.maxlen)
 
 
 def add_registry(into: Registry, part: Registry) -> None:

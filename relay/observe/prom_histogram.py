@@ -8,6 +8,7 @@ vLLM's own histograms of the same figures, so a dashboard written for vLLM's
 from __future__ import annotations
 
 from bisect import bisect_left
+from typing import Protocol
 
 # seconds (vLLM: vllm/engine/metrics.py / v1/metrics/loggers.py)
 TTFT_BUCKETS = (
@@ -103,28 +104,39 @@ class Histogram:
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf only)
+        # One count per bound, and a last one for the values above every bound (+Inf only).
+        self.counts = [0] * (len(bounds) + 1)
         self.sum = 0.0
         self.count = 0
 
     def observe(self, value: float) -> None:
-        if not value > 0.0:  # max(0.0, value) without a builtin call (NaN -> 0.0 too)
+        """Count `value` under the first bound it does not exceed (`le` is inclusive). A
+        negative value counts as 0.0, and so does NaN: the test is max(0.0, value) without a
+        builtin call."""
+        if not value > 0.0:
             value = 0.0
-        self.counts[bisect_left(self.bounds, value)] += 1  # le is inclusive: v <= bound
+        self.counts[bisect_left(self.bounds, value)] += 1
         self.sum += value
         self.count += 1
 
     def cumulative(self) -> list[tuple[float, int]]:
         """(le, observations <= le) for every bound, then (inf, count)."""
-        out, seen = [], 0
+        out: list[tuple[float, int]] = []
+        seen = 0
         for le, n in zip((*self.bounds, float("inf")), self.counts):
             seen += n
             out.append((le, seen))
         return out
 
 
-def render_into(family, h: Histogram, **labels: str) -> None:
-    """Add a histogram's samples to a metrics `_Family` of kind "histogram"."""
+class Samples(Protocol):
+    """Where a histogram's samples go: a metric family of `relay.observe.metrics`."""
+
+    def add(self, value: int | float | None, suffix: str = "", **labels: str) -> None: ...
+
+
+def render_into(family: Samples, h: Histogram, **labels: str) -> None:
+    """Add a histogram's samples to a metric family of kind "histogram"."""
     for le, n in h.cumulative():
         family.add(n, "_bucket", **labels, le="+Inf" if le == float("inf") else repr(le))
     family.add(h.sum, "_sum", **labels)
