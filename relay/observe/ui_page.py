@@ -12,24 +12,29 @@ link from another site to the page is followed: the files hold nothing such a si
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import msgspec
 
 from relay.errors import RelayError
+from relay.http.fields import Headers
 from relay.policy import admin_access as access
+from relay.policy.keys import Auth
 
 PAGES = {
     "/ui": ("index.html", b"text/html; charset=utf-8"),
     "/ui/": ("index.html", b"text/html; charset=utf-8"),
     "/ui/app.js": ("app.js", b"text/javascript; charset=utf-8"),
     "/ui/app.css": ("app.css", b"text/css; charset=utf-8"),
-    # uPlot, the chart library, vendored unchanged (static/uPlot.LICENSE.txt: MIT)
+    # uPlot, the chart library, vendored unchanged (static/uPlot.LICENSE.txt: MIT).
     "/ui/uplot.min.js": ("uplot.min.js", b"text/javascript; charset=utf-8"),
     "/ui/uplot.min.css": ("uplot.min.css", b"text/css; charset=utf-8"),
 }
 STATE_PATH = "/api/ui/state"
-AUTH_PATH = "/ui/auth"  # {"admin_key": bool}: whether the page must ask for the admin key
+# It answers {"admin_key": bool}: whether the page must ask for the admin key.
+AUTH_PATH = "/ui/auth"
 NO_STORE = [(b"Cache-Control", b"no-store")]
-# the page loads only its own files and talks only to its own origin
+# The page loads only its own files and talks only to its own origin.
 PAGE_HEADERS = NO_STORE + [
     (
         b"Content-Security-Policy",
@@ -38,6 +43,40 @@ PAGE_HEADERS = NO_STORE + [
     (b"X-Content-Type-Options", b"nosniff"),
 ]
 _cache: dict[str, bytes] = {}
+
+
+class PageClient(Protocol):
+    """What a page's answer uses of the client connection (`relay.proxy.client`)."""
+
+    @property
+    def peer_host(self) -> str | None: ...
+
+    def respond(
+        self,
+        status: int,
+        body: bytes,
+        request_id: bytes | None,
+        keep_alive: bool,
+        extra: Headers,
+        content_type: bytes,
+        /,
+    ) -> None: ...
+
+
+class PageRequest(Protocol):
+    """What a page's answer reads of the request (`relay.proxy.request`)."""
+
+    @property
+    def headers(self) -> Headers: ...
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def method(self) -> bytes: ...
+
+    @property
+    def keep_alive(self) -> bool: ...
 
 
 def is_page(path: str) -> bool:
@@ -52,15 +91,14 @@ def page(path: str) -> tuple[bytes, bytes] | None:
     name, ctype = found
     body = _cache.get(name)
     if body is None:
-        from importlib import (
-            resources,  # (at the page's first request: not at start-up)
-        )
+        # Imported at the page's first request, not at start-up (it takes some 8 ms).
+        from importlib import resources
 
         body = _cache[name] = resources.files("relay.observe").joinpath("static", name).read_bytes()
     return body, ctype
 
 
-def answer(auth, client, req, rid: bytes, listen_host: str) -> None:
+def answer(auth: Auth, client: PageClient, req: PageRequest, rid: bytes, listen_host: str) -> None:
     """Answer a request for a page file: no data in them, so no key is needed for them when an
     admin key guards the data; loopback peers naming the relay (`listen_host`: `[server].host`)
     only when keys exist without one."""

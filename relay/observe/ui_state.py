@@ -25,33 +25,106 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple, Protocol, TypedDict
 
 import msgspec
 
-from relay.observe.record import RESERVED
+from relay.config import KeyConfig
+from relay.observe.metrics import Registry, UpstreamMetrics
+from relay.observe.record import RESERVED, Record
 from relay.policy.admission import generates
 from relay.stream import itl as G
 
-RECENT_MAX = 100  # requests that generate, newest kept
-OTHER_MAX = 20  # requests that generate nothing, kept apart (shown with `all`)
-PATH_CHARS = 120  # of a row's path, on the page
-SERIES_MAX = 16  # (upstream, model, kind) series charted; a request of one more is counted only
-KEEP_MAX = 256  # completed requests per series and step whose latencies are kept (a reservoir)
+# The requests that generate kept for the page, newest first.
+RECENT_MAX = 100
+# The requests that generate nothing, kept apart (shown with `all`).
+OTHER_MAX = 20
+# The characters of a row's path the page shows.
+PATH_CHARS = 120
+# The (upstream, model, kind) series charted; a request of one more is only counted.
+SERIES_MAX = 16
+# The completed requests per series and step whose latencies are kept (a reservoir).
+KEEP_MAX = 256
 
 # One point's figures, in this order in the document (`trend.series[i][figure]`).
 FIGURES = ("req_s", "err_pct", "ttft_p50", "ttft_p99", "tpot", "itl_p99", "e2e_p50", "tok_s")
 _TOK = FIGURES.index("tok_s")
-_IDLE = (0.0, None, None, None, None, None, None, 0.0)  # a step in which nothing settled
+# One point: a figure of FIGURES each, None where nothing measured it.
+Point = tuple[
+    float, float | None, float | None, float | None, float | None, float | None, float | None, float
+]
+# The point of a step in which nothing settled.
+_IDLE: Point = (0.0, None, None, None, None, None, None, 0.0)
 
 
-def generating(rec) -> bool:
+# ---- what the page reads of the relay ----------------------------------------------------------
+class MeteredUpstream(Protocol):
+    """An upstream as the page reads it (`relay.proxy.upstreams.Upstream`)."""
+
+    @property
+    def metrics(self) -> UpstreamMetrics: ...
+
+    def refresh_metrics(self) -> None: ...
+
+
+class KeysConfig(Protocol):
+    """The configuration's API keys (`relay.config.Config`)."""
+
+    @property
+    def key(self) -> Sequence[KeyConfig]: ...
+
+
+# A key's use: window kind (daily, monthly) -> figure (requests, tokens, ...) -> count.
+KeyUsage = Mapping[str, Mapping[str, int]]
+
+
+class BudgetUsage(Protocol):
+    """The budgets' use of a key now (`relay.policy.budget.Budgets`)."""
+
+    def usage(self, key_id: str, now: float, /) -> KeyUsage: ...
+
+
+class DroppedRows(Protocol):
+    """The store's count of the rows it dropped (`relay.store`)."""
+
+    @property
+    def rows_dropped(self) -> int: ...
+
+
+class PageSource(Protocol):
+    """What `state` reads of the relay: the App, or the workers' parent."""
+
+    @property
+    def upstreams(self) -> Mapping[str, MeteredUpstream]: ...
+
+    @property
+    def ui_recent(self) -> Recent: ...
+
+    @property
+    def ui_trend(self) -> Trend: ...
+
+    @property
+    def config(self) -> KeysConfig: ...
+
+    @property
+    def budgets(self) -> BudgetUsage: ...
+
+    @property
+    def store(self) -> DroppedRows: ...
+
+
+# ---- the recent requests ------------------------------------------------------------------------
+def generating(rec: Record) -> bool:
     """Whether a settled request could make its upstream generate; one with no method (refused
     before its head was read) is counted as one, as `relay report --bench` does."""
     method = rec.method
     return not method or generates(method.encode("latin-1", "replace"), rec.path)
 
 
-def tokens_per_s(completion_tokens, ttft_ms, e2e_ms) -> float | None:
+def tokens_per_s(
+    completion_tokens: int | None, ttft_ms: float | None, e2e_ms: float | None
+) -> float | None:
     """Decode rate of one streamed request: tokens after the first over the time after it."""
     if not completion_tokens or completion_tokens < 2 or ttft_ms is None or e2e_ms is None:
         return None
@@ -59,13 +132,52 @@ def tokens_per_s(completion_tokens, ttft_ms, e2e_ms) -> float | None:
     return round((completion_tokens - 1) / span, 2) if span > 0 else None
 
 
+# One settled request as the ring keeps it: ts, request id, key, model, upstream, method,
+# path (bounded), status, ttft_ms, e2e_ms, completion tokens, outcome, error code, ok.
+_Seen = tuple[
+    float,
+    str,
+    str | None,
+    str | None,
+    str | None,
+    str,
+    str,
+    int | None,
+    float | None,
+    float | None,
+    int | None,
+    str | None,
+    str | None,
+    bool,
+]
+
+
+class RecentRow(TypedDict):
+    """One request in the page's tables (`recent`, `recent_other`)."""
+
+    ts: float
+    request_id: str
+    key: str | None
+    model: str | None
+    upstream: str | None
+    method: str
+    path: str
+    status: int | None
+    ttft_ms: float | None
+    e2e_ms: float | None
+    tokens_per_s: float | None
+    tokens: int | None
+    outcome: str | None
+    ok: bool
+
+
 class Recent:
     def __init__(self, size: int = RECENT_MAX, other_size: int = OTHER_MAX) -> None:
-        self.ring: deque[tuple] = deque(maxlen=size)
-        self.other: deque[tuple] = deque(maxlen=other_size)
+        self.ring: deque[_Seen] = deque(maxlen=size)
+        self.other: deque[_Seen] = deque(maxlen=other_size)
 
-    def add(self, rec) -> None:
-        """One settled request (a `Record`): a tuple, turned into a dict only when read."""
+    def add(self, rec: Record) -> None:
+        """One settled request: a tuple, turned into a dict only when read."""
         path = rec.path
         (self.ring if generating(rec) else self.other).append(
             (
@@ -86,9 +198,9 @@ class Recent:
             )
         )
 
-    def rows(self, other: bool = False) -> list[dict]:
+    def rows(self, other: bool = False) -> list[RecentRow]:
         """Newest first: the requests that generate, or (`other`) those that do not."""
-        out = []
+        out: list[RecentRow] = []
         for (
             ts,
             rid,
@@ -126,6 +238,7 @@ class Recent:
         return out
 
 
+# ---- the trend -------------------------------------------------------------------------------
 def percentile(values: list[float], p: float, digits: int = 3) -> float | None:
     """`values` sorted: linear interpolation between closest ranks (numpy's default, which
     `relay report --bench` uses too), rounded to `digits`."""
@@ -138,26 +251,31 @@ def percentile(values: list[float], p: float, digits: int = 3) -> float | None:
 
 
 class _Step:
-    """One series' requests settled in the open step."""
+    """One series' requests settled in the open step: `n` settled, `failed`, `ok_n`
+    completed; `kept`, the (ttft, tpot, e2e) of up to KEEP_MAX completed ones; `buckets` and
+    `zeros`, every gap of every completed stream (`stream.itl`); `tokens`, the output tokens
+    decoded during the step (spread over the decode span: `Trend._spread`)."""
 
     __slots__ = ("buckets", "failed", "kept", "n", "ok_n", "tokens", "zeros")
 
     def __init__(self) -> None:
-        self.n = 0  # settled
+        self.n = 0
         self.failed = 0
-        self.ok_n = 0  # completed
-        self.kept: list[tuple] = []  # (ttft, tpot, e2e) of up to KEEP_MAX completed
-        self.buckets: dict[int, int] = {}  # every gap of every completed stream (stream.itl)
+        self.ok_n = 0
+        self.kept: list[tuple[float | None, float | None, float | None]] = []
+        self.buckets: dict[int, int] = {}
         self.zeros = 0
-        self.tokens = 0.0  # output tokens decoded during the step (spread, `Trend._spread`)
+        self.tokens = 0.0
 
-    def point(self, interval: float) -> tuple:
+    def point(self, interval: float) -> Point:
+        """The step's figures over `interval` seconds, rounded for the page: a chart needs no
+        more, and the document stays small."""
         kept = self.kept
-        ttft = sorted(k[0] for k in kept if k[0] is not None)
-        tpot = [k[1] for k in kept if k[1] is not None]
-        e2e = sorted(k[2] for k in kept if k[2] is not None)
+        ttft = sorted(t for t, _, _ in kept if t is not None)
+        tpot = [t for _, t, _ in kept if t is not None]
+        e2e = sorted(e for _, _, e in kept if e is not None)
         itl = G.quantile_of(self.buckets, self.zeros, 0.99)
-        return (  # (rounded for the page: a chart needs no more, the document stays small)
+        return (
             round(self.ok_n / interval, 3),
             round(100.0 * self.failed / self.n, 1) if self.n else None,
             percentile(ttft, 50, 1),
@@ -169,34 +287,59 @@ class _Step:
         )
 
 
+class SeriesKey(NamedTuple):
+    upstream: str
+    model: str | None
+    generative: bool
+
+
 class _Series:
+    """One series: a column per figure, as long as `Trend.times` (idle before the series
+    began); the open step; `idle`, the closed steps in a row with nothing settled."""
+
     __slots__ = ("cols", "idle", "step")
 
     def __init__(self, points: int, filled: int) -> None:
-        # one column per figure, as long as `Trend.times` (idle before the series began)
-        self.cols = tuple(deque([v] * filled, maxlen=points) for v in _IDLE)
+        self.cols: tuple[deque[float | None], ...] = tuple(
+            deque([v] * filled, maxlen=points) for v in _IDLE
+        )
         self.step = _Step()
-        self.idle = 0  # closed steps in a row with nothing settled
+        self.idle = 0
+
+
+class TrendDoc(TypedDict):
+    """The trend in the page's document: a shared time axis, one column per figure."""
+
+    step_s: float
+    window_s: float
+    times: list[float]
+    series: list[dict[str, object]]
+    untracked: int
 
 
 class Trend:
+    """`times` holds the wall time at each point's end; `untracked` counts the requests of
+    series beyond `series_max` (not charted); `_encoded` is `doc()` as JSON until the points
+    change."""
+
     def __init__(self, step_s: float = 5.0, points: int = 72, series_max: int = SERIES_MAX) -> None:
         self.step_s = step_s
         self.points = points
         self.series_max = series_max
-        self.times: deque[float] = deque(maxlen=points)  # wall time at each point's end
-        self.series: dict[tuple[str, str | None, bool], _Series] = {}
-        self.untracked = 0  # requests of series beyond `series_max`, not charted
+        self.times: deque[float] = deque(maxlen=points)
+        self.series: dict[SeriesKey, _Series] = {}
+        self.untracked = 0
         self.next_at = 0.0
         self._random = random.Random()
-        self._encoded: msgspec.Raw | None = None  # `doc()` as JSON until the points change
+        self._encoded: msgspec.Raw | None = None
 
-    def add(self, rec, generates: bool) -> None:
-        """One request settled on (or failed at) an upstream."""
+    def add(self, rec: Record, generative: bool) -> None:
+        """One request settled on (or failed at) an upstream; `generative`: whether it could
+        make its upstream generate (`generating`)."""
         up = rec.upstream_served or rec.upstream_requested
         if up is None:
             return
-        key = (up, rec.model, generates)
+        key = SeriesKey(up, rec.model, generative)
         s = self.series.get(key)
         if s is None:
             self._encoded = None
@@ -210,20 +353,26 @@ class Trend:
             st.failed += 1
             return
         st.ok_n += 1
-        if rec.itl_hist:  # pooled as it comes (a few µs): a point costs no decoding
+        # The gaps are pooled as they come (a few µs): a point costs no decoding.
+        if rec.itl_hist:
             st.zeros += G.decode(rec.itl_hist, st.buckets)[1]
-        item = (rec.ttft_ms, rec.tpot_ms, rec.e2e_ms)
-        if len(st.kept) < KEEP_MAX:
-            st.kept.append(item)
-        else:  # a uniform sample of the step's requests
-            j = self._random.randrange(st.ok_n)
-            if j < KEEP_MAX:
-                st.kept[j] = item
+        self._keep(st, (rec.ttft_ms, rec.tpot_ms, rec.e2e_ms))
+        # A reservation charged is no count of tokens.
         tokens = rec.completion_tokens
-        if tokens and rec.tokens_source != RESERVED:  # (a reservation is no count)
+        if tokens and rec.tokens_source != RESERVED:
             self._spread(s, tokens, rec)
 
-    def _spread(self, s: _Series, tokens: int, rec) -> None:
+    def _keep(self, st: _Step, item: tuple[float | None, float | None, float | None]) -> None:
+        """Keep a completed request's latencies: all of the step's first KEEP_MAX, then a
+        uniform sample of them."""
+        if len(st.kept) < KEEP_MAX:
+            st.kept.append(item)
+            return
+        j = self._random.randrange(st.ok_n)
+        if j < KEEP_MAX:
+            st.kept[j] = item
+
+    def _spread(self, s: _Series, tokens: int, rec: Record) -> None:
         """The request's output tokens over its decode span, from its first token (its start
         when not streamed) to its last byte: the part before the open step goes into the
         points already closed, as tokens/s of each."""
@@ -242,11 +391,11 @@ class Trend:
             lo = times[i - 1] if i else hi - self.step_s
             overlap = min(end, hi) - max(start, lo)
             if overlap > 0 and hi > lo:
-                col[i] = round(col[i] + rate * overlap / (hi - lo), 1)
+                col[i] = round((col[i] or 0.0) + rate * overlap / (hi - lo), 1)
             if lo <= start:
                 break
 
-    def sample(self, wall: float, now: float, registry=None) -> None:
+    def sample(self, wall: float, now: float, registry: Registry | None = None) -> None:
         """Called every second (`now`, `registry`: unused, the figures come from settled
         requests); closes one point per `step_s` for every series."""
         if wall < self.next_at:
@@ -255,31 +404,44 @@ class Trend:
         self._encoded = None
         times = self.times
         interval = wall - times[-1] if times else self.step_s
-        if not 0 < interval < 3 * self.step_s:  # (a clock step, or the sampler held up)
+        # A clock step, or the sampler held up: the step is taken as it should have been.
+        if not 0 < interval < 3 * self.step_s:
             interval = self.step_s
         times.append(round(wall, 3))
         for key, s in list(self.series.items()):
-            st = s.step
-            if st.n:  # (tokens come with a request)
-                s.idle = 0
-                point = st.point(interval)
-                s.step = _Step()
-            else:
-                s.idle += 1
-                if s.idle >= self.points:  # nothing in the whole window: dropped
-                    del self.series[key]
-                    continue
-                point = _IDLE
+            point = self._close(s, interval)
+            if point is None:
+                del self.series[key]
+                continue
             for col, v in zip(s.cols, point):
                 col.append(v)
 
-    def doc(self) -> dict:
+    def _close(self, s: _Series, interval: float) -> Point | None:
+        """The point a series' open step closes as; None when nothing settled in it over the
+        whole window (the series is dropped). Tokens come with a request: a step without one
+        has none."""
+        st = s.step
+        if st.n:
+            s.idle = 0
+            s.step = _Step()
+            return st.point(interval)
+        s.idle += 1
+        if s.idle >= self.points:
+            return None
+        return _IDLE
+
+    def doc(self) -> TrendDoc:
         """The series for the page: a shared time axis, one column per figure."""
-        series = []
-        for (up, model, gen), s in sorted(
-            self.series.items(), key=lambda kv: (not kv[0][2], kv[0][0], kv[0][1] or "")
+        series: list[dict[str, object]] = []
+        for key, s in sorted(
+            self.series.items(),
+            key=lambda kv: (not kv[0].generative, kv[0].upstream, kv[0].model or ""),
         ):
-            row: dict = {"upstream": up, "model": model, "generating": gen}
+            row: dict[str, object] = {
+                "upstream": key.upstream,
+                "model": key.model,
+                "generating": key.generative,
+            }
             for name, col in zip(FIGURES, s.cols):
                 row[name] = list(col)
             series.append(row)
@@ -299,16 +461,33 @@ class Trend:
         return self._encoded
 
 
-def budgets(config_keys, usage_of) -> list[dict]:
+# ---- budgets and the whole document --------------------------------------------------------
+class BudgetWindow(TypedDict):
+    window: str
+    requests: int
+    requests_limit: int
+    tokens: int
+    tokens_limit: int
+    reserved_tokens: int
+
+
+class KeyBudgets(TypedDict):
+    key: str
+    windows: list[BudgetWindow]
+
+
+def budgets(
+    config_keys: Iterable[KeyConfig], usage_of: Callable[[str], KeyUsage]
+) -> list[KeyBudgets]:
     """Per key and window: used against limits (0 = no limit); keys without limits too."""
-    out = []
+    out: list[KeyBudgets] = []
     for k in config_keys:
         limits = {
             "daily": (k.requests_per_day, k.tokens_per_day),
             "monthly": (k.requests_per_month, k.tokens_per_month),
         }
         used = usage_of(k.id)
-        windows = []
+        windows: list[BudgetWindow] = []
         for kind, (req_limit, tok_limit) in limits.items():
             if not (req_limit or tok_limit):
                 continue
@@ -327,37 +506,62 @@ def budgets(config_keys, usage_of) -> list[dict]:
     return out
 
 
-def state(app, wall: float, now: float) -> dict:
+class UpstreamFigures(TypedDict):
+    """One upstream on the page: the part of its `metrics.Snapshot` the page shows."""
+
+    name: str
+    state: str
+    parallel: int
+    in_flight: int
+    queued: int
+    tokens_per_sec: float
+    ttft_avg_seconds: float | None
+    requests_total: int
+    requests_failed: int
+    other_requests_total: int
+    tokens_total: int
+    stall_trips: dict[str, int]
+
+
+class PageState(TypedDict):
+    """The document of `/api/ui/state`."""
+
+    now: float
+    upstreams: list[UpstreamFigures]
+    trend: msgspec.Raw
+    recent: list[RecentRow]
+    recent_other: list[RecentRow]
+    budgets: list[KeyBudgets]
+    rows_dropped: int
+
+
+def upstream_figures(up: MeteredUpstream, now: float) -> UpstreamFigures:
+    up.refresh_metrics()
+    snap = up.metrics.snapshot(now)
+    return {
+        "name": snap["name"],
+        "state": snap["state"],
+        "parallel": snap["parallel"],
+        "in_flight": snap["in_flight"],
+        "queued": snap["queued"],
+        "tokens_per_sec": snap["tokens_per_sec"],
+        "ttft_avg_seconds": snap["ttft_avg_seconds"],
+        "requests_total": snap["requests_total"],
+        "requests_failed": snap["requests_failed"],
+        "other_requests_total": snap["other_requests_total"],
+        "tokens_total": snap["tokens_total"],
+        "stall_trips": snap["stall_trips"],
+    }
+
+
+def state(app: PageSource, wall: float, now: float) -> PageState:
     """Everything the page shows. The requests that generate nothing come apart (`recent_other`,
     `other_requests_total`, series with `generating` false): the page leaves them out of its
     counts, latency figures and charts unless asked (`/ui?all=1`, or its toggle)."""
-    ups = []
-    for up in app.upstreams.values():
-        up.refresh_metrics()
-        snap = up.metrics.snapshot(now)
-        ups.append(
-            {
-                k: snap[k]
-                for k in (
-                    "name",
-                    "state",
-                    "parallel",
-                    "in_flight",
-                    "queued",
-                    "tokens_per_sec",
-                    "ttft_avg_seconds",
-                    "requests_total",
-                    "requests_failed",
-                    "other_requests_total",
-                    "tokens_total",
-                    "stall_trips",
-                )
-            }
-        )
     recent = app.ui_recent
     return {
         "now": wall,
-        "upstreams": ups,
+        "upstreams": [upstream_figures(up, now) for up in app.upstreams.values()],
         "trend": app.ui_trend.encoded(),
         "recent": recent.rows(),
         "recent_other": recent.rows(other=True),
