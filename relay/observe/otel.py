@@ -26,16 +26,19 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.context import Context
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from relay.http.fields import lower_names, values_of
+from relay.http.fields import Headers, lower_names, values_of
 from relay.observe import otel_attrs as A
+from relay.observe.log import Log
+from relay.observe.metrics import UpstreamMetrics
 from relay.observe.otel_env import Settings
 from relay.observe.otel_export import (
     CountingExporter,
@@ -48,19 +51,21 @@ from relay.observe.otel_export import (
 from relay.observe.record import Record
 
 _PROPAGATOR = TraceContextTextMapPropagator()
-SHUTDOWN_S = 5.0  # the most the relay's stop waits for the last export
+# The most the relay's stop waits for the last export.
+SHUTDOWN_S = 5.0
 _DEFAULT_BATCH = 512
 
 
 class Trace:
-    """One request's span, and the trace headers the upstream gets."""
+    """One request's span, and the trace headers the upstream gets; `max_tokens` is
+    `gen_ai.request.max_tokens`, when the body says."""
 
     __slots__ = ("headers", "max_tokens", "span")
 
-    def __init__(self, span, headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(self, span: Span, headers: Headers) -> None:
         self.span = span
         self.headers = headers
-        self.max_tokens: int | None = None  # gen_ai.request.max_tokens, when the body says
+        self.max_tokens: int | None = None
 
     def fallback(self, upstream: str, next_upstream: str, reason: str) -> None:
         self.span.add_event(
@@ -74,13 +79,17 @@ class Trace:
 
 
 class Telemetry:
-    def __init__(self, s: Settings, log, upstreams: Callable[[], Iterable]) -> None:
+    """`upstreams` gives the UpstreamMetrics now: the metric reader's thread reads them."""
+
+    def __init__(
+        self, s: Settings, log: Log, upstreams: Callable[[], Iterable[UpstreamMetrics]]
+    ) -> None:
         self.settings = s
         self.log = log
-        self._upstreams = upstreams  # the UpstreamMetrics now (read by the reader's thread)
+        self._upstreams = upstreams
         bridge.log = log
         resource = Resource.create(s.resource)
-        self._tracer = None
+        self._tracer: Tracer | None = None
         self._traces: TracerProvider | None = None
         self._processor: CountingProcessor | None = None
         self._exporter: CountingExporter | None = None
@@ -115,7 +124,7 @@ class Telemetry:
             configured=s.configured,
         )
 
-    def _instruments(self, m) -> None:
+    def _instruments(self, m: Meter) -> None:
         h = m.create_histogram
         self._duration = h(
             "gen_ai.server.request.duration",
@@ -154,19 +163,19 @@ class Telemetry:
         )
         m.create_observable_gauge(
             "relay.slots.in_flight",
-            [self._observe("in_flight")],
+            [self._observe(lambda u: u.in_flight)],
             unit="{request}",
             description="Requests on the upstream now.",
         )
         m.create_observable_gauge(
             "relay.slots.parallel",
-            [self._observe("parallel")],
+            [self._observe(lambda u: u.parallel)],
             unit="{slot}",
             description="The upstream's configured parallel slots.",
         )
         m.create_observable_gauge(
             "relay.queue.waiting",
-            [self._observe("queued")],
+            [self._observe(lambda u: u.queued)],
             unit="{request}",
             description="Requests waiting for one of the upstream's slots.",
         )
@@ -177,13 +186,18 @@ class Telemetry:
             description="Spans not exported: no room in the queue, or the export failed.",
         )
 
-    def _observe(self, field: str):
+    def _observe(
+        self, figure: Callable[[UpstreamMetrics], int]
+    ) -> Callable[[CallbackOptions], list[Observation]]:
+        """A gauge's callback: `figure` of every upstream, in the metric reader's thread."""
+
         def callback(_options: CallbackOptions) -> list[Observation]:
+            # A reload may swap the upstreams meanwhile: this reading is skipped then.
             try:
                 ups = list(self._upstreams())
-            except RuntimeError:  # (a reload swapped the upstreams meanwhile)
+            except RuntimeError:
                 return []
-            return [Observation(getattr(u, field), {"relay.upstream.name": u.name}) for u in ups]
+            return [Observation(figure(u), {"relay.upstream.name": u.name}) for u in ups]
 
         return callback
 
@@ -193,14 +207,15 @@ class Telemetry:
         return (p.dropped if p is not None else 0) + (e.failed if e is not None else 0)
 
     # ---- one request ----------------------------------------------------------------------
-    def begin(self, headers, rec: Record) -> Trace | None:
-        """The request's span, started at its start (None: traces are off)."""
+    def begin(self, headers: Headers, rec: Record) -> Trace | None:
+        """The request's span, started at its start (None: traces are off). More than one
+        `traceparent` is invalid, W3C says: the span begins a new trace then."""
         if self._tracer is None:
             return None
-        ctx = None
+        ctx: Context | None = None
         lows = lower_names(headers)
         parents = values_of(headers, lows, b"traceparent")
-        if len(parents) == 1:  # (more than one: invalid, W3C says; a new trace)
+        if len(parents) == 1:
             carrier = {"traceparent": parents[0].decode("latin-1")}
             states = values_of(headers, lows, b"tracestate")
             if states:
@@ -227,14 +242,18 @@ class Telemetry:
         first_out_ns: int | None = None,
     ) -> None:
         """The request is settled (its row is complete): end its span and record its
-        metric points. Called once per request, by settlement only."""
+        metric points. Called once per request, by settlement only.
+
+        `stall` is (reason, elapsed seconds) when the stall guard cut the stream; its own
+        last event says the stream ended for its length."""
         end_ns = time.time_ns()
-        if trace is None and self._tracer is not None:  # (settled before `begin`: a relay
-            trace = self.begin((), rec)  # endpoint's refusal) one span per row all the same
-        model, reasons = A.response_facts(doc)
-        if stall is not None and not reasons:
-            reasons = ("length",)  # (the stall guard's own last event says so)
-        provider = self.settings.provider_name
+        # A request settled before `begin` (a relay endpoint's refusal) has one span all the
+        # same, as every row has.
+        if trace is None and self._tracer is not None:
+            trace = self.begin([], rec)
+        facts = A.response_facts(doc)
+        if stall is not None and not facts.finish_reasons:
+            facts = facts._replace(finish_reasons=("length",))
         if trace is not None:
             span = trace.span
             if beats and first_out_ns is not None:
@@ -251,38 +270,58 @@ class Telemetry:
                     },
                     timestamp=end_ns,
                 )
-            span.update_name(A.span_name(rec))
-            span.set_attributes(
-                A.span_attributes(rec, provider, model, reasons, server, trace.max_tokens)
-            )
-            if not rec.ok:
-                span.set_status(Status(StatusCode.ERROR, rec.error_code or rec.outcome))
-            span.end(end_time=end_ns)
-        if self._metrics is None:
-            return
-        op = A.operation(rec.path)
-        if op is not None:
-            attrs = A.metric_attributes(rec, op, provider, model, server)
-            err = A.error_type(rec)
-            total_s = (rec.total_ms or 0.0) / 1000
-            self._duration.record(total_s, attrs if err is None else {**attrs, "error.type": err})
-            if rec.ok and rec.ttft_ms is not None:
-                self._ttft.record(rec.ttft_ms / 1000, attrs)
-            if rec.ok and rec.tpot_ms is not None:
-                self._tpot.record(rec.tpot_ms / 1000, attrs)
-            if rec.prompt_tokens is not None:
-                self._tokens.record(rec.prompt_tokens, {**attrs, "gen_ai.token.type": "input"})
-            if rec.completion_tokens is not None:
-                self._tokens.record(rec.completion_tokens, {**attrs, "gen_ai.token.type": "output"})
-        if upstream is not None:
-            if rec.queue_ms is not None:
-                self._queue.record(rec.queue_ms / 1000, {"relay.upstream.name": upstream})
-            if stall is not None:
-                self._stalls.add(
-                    1, {"relay.upstream.name": upstream, "relay.stall.reason": stall[0]}
-                )
+            self._end(trace, rec, facts, server, end_ns)
+        if self._metrics is not None:
+            self._gen_ai_points(rec, facts, server)
+            if upstream is not None:
+                self._relay_points(rec, upstream, stall)
 
-    def rejected(self, rec: Record, headers) -> None:
+    def _end(
+        self,
+        trace: Trace,
+        rec: Record,
+        facts: A.ResponseFacts,
+        server: tuple[str, int] | None,
+        end_ns: int,
+    ) -> None:
+        """Name the span, set its attributes and status from the row, and end it."""
+        span = trace.span
+        span.update_name(A.span_name(rec))
+        provider = self.settings.provider_name
+        span.set_attributes(A.span_attributes(rec, provider, facts, server, trace.max_tokens))
+        if not rec.ok:
+            span.set_status(Status(StatusCode.ERROR, rec.error_code or rec.outcome))
+        span.end(end_time=end_ns)
+
+    def _gen_ai_points(
+        self, rec: Record, facts: A.ResponseFacts, server: tuple[str, int] | None
+    ) -> None:
+        """The gen_ai metric points of a request on a GenAI route (none on another)."""
+        route = A.operation(rec.path)
+        if route is None:
+            return
+        provider = self.settings.provider_name
+        attrs = A.metric_attributes(rec, route, provider, facts.model, server)
+        err = A.error_type(rec)
+        total_s = (rec.total_ms or 0.0) / 1000
+        self._duration.record(total_s, attrs if err is None else {**attrs, "error.type": err})
+        if rec.ok and rec.ttft_ms is not None:
+            self._ttft.record(rec.ttft_ms / 1000, attrs)
+        if rec.ok and rec.tpot_ms is not None:
+            self._tpot.record(rec.tpot_ms / 1000, attrs)
+        if rec.prompt_tokens is not None:
+            self._tokens.record(rec.prompt_tokens, {**attrs, "gen_ai.token.type": "input"})
+        if rec.completion_tokens is not None:
+            self._tokens.record(rec.completion_tokens, {**attrs, "gen_ai.token.type": "output"})
+
+    def _relay_points(self, rec: Record, upstream: str, stall: tuple[str, float] | None) -> None:
+        """The relay's own points of a request that reached an upstream."""
+        if rec.queue_ms is not None:
+            self._queue.record(rec.queue_ms / 1000, {"relay.upstream.name": upstream})
+        if stall is not None:
+            self._stalls.add(1, {"relay.upstream.name": upstream, "relay.stall.reason": stall[0]})
+
+    def rejected(self, rec: Record, headers: Headers) -> None:
         """A request refused before it was read whole: its span begins and ends here."""
         self.settled(rec, self.begin(headers, rec))
 
@@ -296,9 +335,11 @@ class Telemetry:
             self._metrics.force_flush(ms)
 
     def shutdown(self, timeout_s: float = SHUTDOWN_S) -> None:
+        """Shut the exporters down within `timeout_s` each: the span processor first, which
+        the provider's own shutdown would wait 30 s for."""
         ms = int(timeout_s * 1000)
         if self._processor is not None:
-            self._processor.shutdown_within(ms)  # (the provider's own waits 30 s)
+            self._processor.shutdown_within(ms)
         if self._traces is not None:
             self._traces.shutdown()
         if self._metrics is not None:
@@ -306,7 +347,9 @@ class Telemetry:
 
     async def aclose(self, timeout_s: float = SHUTDOWN_S) -> None:
         """Flush and shut down in a thread of its own, waited `timeout_s` at most: a
-        collector that is down or slow never holds the relay's exit longer."""
+        collector that is down or slow never holds the relay's exit longer. The SDK's errors
+        there never stop the relay's stop, and once the loop is closed nobody waits any
+        more."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
 
@@ -317,11 +360,11 @@ class Telemetry:
         def run() -> None:
             try:
                 self.shutdown(timeout_s)
-            except Exception:  # (the SDK's: never the relay's stop)
+            except Exception:
                 pass
             try:
                 loop.call_soon_threadsafe(finished)
-            except RuntimeError:  # the loop is closed: nobody waits any more
+            except RuntimeError:
                 pass
 
         threading.Thread(target=run, name="relay-otel-shutdown", daemon=True).start()

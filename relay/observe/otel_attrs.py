@@ -16,6 +16,9 @@ llama-server's own routes) unless `[otel].provider_name` says.
 
 from __future__ import annotations
 
+from enum import StrEnum
+from typing import NamedTuple
+
 import msgspec
 
 from relay.observe.record import Record
@@ -31,40 +34,71 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 TOKEN_BUCKETS = (
     1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864,
 )  # fmt: skip
-# the relay's queue wait (slot), as its Prometheus histogram: 1 ms - 300 s
+# The relay's queue wait (slot), as its Prometheus histogram: 1 ms - 300 s.
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
-CHAT, TEXT, EMBEDDINGS = "chat", "text_completion", "embeddings"
-OPENAI, ANTHROPIC, LLAMA_CPP = "openai", "anthropic", "llama.cpp"
+# An attribute's value, as OpenTelemetry takes it; the attributes of a span or a point.
+AttrValue = str | bool | int | float | tuple[str, ...]
+Attrs = dict[str, AttrValue]
 
-# normalised path -> (gen_ai.operation.name, gen_ai.provider.name, openai.api.type)
-OPERATIONS: dict[str, tuple[str, str, str | None]] = {
-    "/v1/chat/completions": (CHAT, OPENAI, "chat_completions"),
-    "/chat/completions": (CHAT, OPENAI, "chat_completions"),
-    "/v1/responses": (CHAT, OPENAI, "responses"),
-    "/responses": (CHAT, OPENAI, "responses"),
-    "/v1/messages": (CHAT, ANTHROPIC, None),
-    "/messages": (CHAT, ANTHROPIC, None),
-    "/v1/completions": (TEXT, OPENAI, None),
-    "/completions": (TEXT, OPENAI, None),
-    "/completion": (TEXT, LLAMA_CPP, None),
-    "/infill": (TEXT, LLAMA_CPP, None),
-    "/v1/embeddings": (EMBEDDINGS, OPENAI, None),
-    "/embeddings": (EMBEDDINGS, OPENAI, None),
-    "/embedding": (EMBEDDINGS, LLAMA_CPP, None),
+
+class Operation(StrEnum):
+    """`gen_ai.operation.name`."""
+
+    CHAT = "chat"
+    TEXT = "text_completion"
+    EMBEDDINGS = "embeddings"
+
+
+class Provider(StrEnum):
+    """`gen_ai.provider.name`: the API's flavour."""
+
+    OPENAI = "openai"
+    ANTHROPIC = "anthropic"
+    LLAMA_CPP = "llama.cpp"
+
+
+class Route(NamedTuple):
+    """What a GenAI path is: its operation, its provider, and `openai.api.type` where the
+    OpenAI API has several."""
+
+    operation: Operation
+    provider: Provider
+    api_type: str | None
+
+
+CHAT, TEXT, EMBEDDINGS = Operation.CHAT, Operation.TEXT, Operation.EMBEDDINGS
+OPENAI, ANTHROPIC, LLAMA_CPP = Provider.OPENAI, Provider.ANTHROPIC, Provider.LLAMA_CPP
+
+# The normalised paths of the GenAI operations.
+OPERATIONS: dict[str, Route] = {
+    "/v1/chat/completions": Route(CHAT, OPENAI, "chat_completions"),
+    "/chat/completions": Route(CHAT, OPENAI, "chat_completions"),
+    "/v1/responses": Route(CHAT, OPENAI, "responses"),
+    "/responses": Route(CHAT, OPENAI, "responses"),
+    "/v1/messages": Route(CHAT, ANTHROPIC, None),
+    "/messages": Route(CHAT, ANTHROPIC, None),
+    "/v1/completions": Route(TEXT, OPENAI, None),
+    "/completions": Route(TEXT, OPENAI, None),
+    "/completion": Route(TEXT, LLAMA_CPP, None),
+    "/infill": Route(TEXT, LLAMA_CPP, None),
+    "/v1/embeddings": Route(EMBEDDINGS, OPENAI, None),
+    "/embeddings": Route(EMBEDDINGS, OPENAI, None),
+    "/embedding": Route(EMBEDDINGS, LLAMA_CPP, None),
 }
 
 
-def operation(path: str) -> tuple[str, str, str | None] | None:
+def operation(path: str) -> Route | None:
     return OPERATIONS.get(path)
 
 
 def span_name(rec: Record) -> str:
     """`{gen_ai.operation.name} {gen_ai.request.model}`; the method alone off GenAI routes."""
-    op = OPERATIONS.get(rec.path)
-    if op is None:
+    route = OPERATIONS.get(rec.path)
+    if route is None:
         return rec.method or "HTTP"
-    return f"{op[0]} {rec.model}" if rec.model else op[0]
+    op = route.operation
+    return f"{op} {rec.model}" if rec.model else str(op)
 
 
 def error_type(rec: Record) -> str | None:
@@ -79,39 +113,56 @@ class _Choice(msgspec.Struct):
     finish_reason: str | None = None
 
 
-class _Delta(msgspec.Struct):  # Anthropic's message_delta
+class _Delta(msgspec.Struct):
+    """Anthropic's `message_delta`."""
+
     stop_reason: str | None = None
 
 
-class _Inner(msgspec.Struct):  # Anthropic's `message`, Responses' `response`
+class _Inner(msgspec.Struct):
+    """Anthropic's `message`, the Responses API's `response`."""
+
     model: str | None = None
     stop_reason: str | None = None
     status: str | None = None
 
 
 class _Doc(msgspec.Struct):
+    """`stop_reason` is Anthropic's, not streamed; `stop_type` llama-server's native
+    /completion's (eos, limit, word)."""
+
     model: str | None = None
     choices: list[_Choice] | None = None
-    stop_reason: str | None = None  # Anthropic, non-streamed
+    stop_reason: str | None = None
     delta: _Delta | None = None
     message: _Inner | None = None
     response: _Inner | None = None
-    stop_type: str | None = None  # llama-server's native /completion: eos, limit, word
+    stop_type: str | None = None
 
 
 _decode = msgspec.json.Decoder(_Doc).decode
 
 
-def response_facts(doc: bytes | None) -> tuple[str | None, tuple[str, ...]]:
-    """(the response's model, its finish reasons) from a JSON document: a whole body, or the
+class ResponseFacts(NamedTuple):
+    """What a response said of itself: its model and its finish reasons."""
+
+    model: str | None
+    finish_reasons: tuple[str, ...]
+
+
+_NO_FACTS = ResponseFacts(None, ())
+
+
+def response_facts(doc: bytes | None) -> ResponseFacts:
+    """The response's model and finish reasons from a JSON document: a whole body, or the
     last event a stream's scanner kept (llama-server's final chunk: the finish reason and
-    the timings together). (None, ()) when it says neither or is no JSON."""
+    the timings together). Neither when it says neither or is no JSON."""
     if not doc:
-        return None, ()
+        return _NO_FACTS
     try:
         d = _decode(doc)
     except (msgspec.DecodeError, msgspec.ValidationError):
-        return None, ()
+        return _NO_FACTS
     inner = d.response or d.message
     model = d.model or (inner.model if inner is not None else None)
     reasons: tuple[str, ...] = ()
@@ -125,22 +176,22 @@ def response_facts(doc: bytes | None) -> tuple[str | None, tuple[str, ...]]:
         reasons = (inner.stop_reason or inner.status or "",)
     elif d.stop_type:
         reasons = (d.stop_type,)
-    return model, reasons
+    return ResponseFacts(model, reasons)
 
 
 # ---- attributes ---------------------------------------------------------------------------
 def metric_attributes(
     rec: Record,
-    op: tuple[str, str, str | None],
+    route: Route,
     provider: str | None,
     response_model: str | None,
     server: tuple[str, int] | None,
-) -> dict:
+) -> Attrs:
     """The attributes every gen_ai metric point of this request carries (error.type added
     by the caller where the metric takes it)."""
-    attrs: dict = {
-        "gen_ai.operation.name": op[0],
-        "gen_ai.provider.name": provider or op[1],
+    attrs: Attrs = {
+        "gen_ai.operation.name": route.operation,
+        "gen_ai.provider.name": provider or route.provider,
     }
     if rec.model:
         attrs["gen_ai.request.model"] = rec.model
@@ -154,31 +205,47 @@ def metric_attributes(
 def span_attributes(
     rec: Record,
     provider: str | None,
-    response_model: str | None,
-    finish_reasons: tuple[str, ...],
+    response: ResponseFacts,
     server: tuple[str, int] | None,
     max_tokens: int | None,
-) -> dict:
-    """The span's attributes at settlement, from the row."""
-    op = OPERATIONS.get(rec.path)
-    a: dict = {}
-    if op is not None:
-        a.update(metric_attributes(rec, op, provider, response_model, server))
-        if op[2] is not None:
-            a["openai.api.type"] = op[2]
-        a["gen_ai.request.stream"] = rec.stream
-        if max_tokens is not None and max_tokens > 0:
-            a["gen_ai.request.max_tokens"] = max_tokens
-        if finish_reasons:
-            a["gen_ai.response.finish_reasons"] = finish_reasons
-        if rec.prompt_tokens is not None:
-            a["gen_ai.usage.input_tokens"] = rec.prompt_tokens
-        if rec.completion_tokens is not None:
-            a["gen_ai.usage.output_tokens"] = rec.completion_tokens
-        if rec.ttft_ms is not None and rec.stream:
-            a["gen_ai.response.time_to_first_chunk"] = rec.ttft_ms / 1000
+) -> Attrs:
+    """The span's attributes at settlement, from the row: the GenAI ones on a GenAI route,
+    then the HTTP ones and the relay's own."""
+    route = OPERATIONS.get(rec.path)
+    a: Attrs = {}
+    if route is not None:
+        a.update(metric_attributes(rec, route, provider, response.model, server))
+        _gen_ai_span(a, rec, route, response.finish_reasons, max_tokens)
     elif server is not None:
         a["server.address"], a["server.port"] = server
+    _http_span(a, rec)
+    _relay_span(a, rec)
+    return a
+
+
+def _gen_ai_span(
+    a: Attrs,
+    rec: Record,
+    route: Route,
+    finish_reasons: tuple[str, ...],
+    max_tokens: int | None,
+) -> None:
+    if route.api_type is not None:
+        a["openai.api.type"] = route.api_type
+    a["gen_ai.request.stream"] = rec.stream
+    if max_tokens is not None and max_tokens > 0:
+        a["gen_ai.request.max_tokens"] = max_tokens
+    if finish_reasons:
+        a["gen_ai.response.finish_reasons"] = finish_reasons
+    if rec.prompt_tokens is not None:
+        a["gen_ai.usage.input_tokens"] = rec.prompt_tokens
+    if rec.completion_tokens is not None:
+        a["gen_ai.usage.output_tokens"] = rec.completion_tokens
+    if rec.ttft_ms is not None and rec.stream:
+        a["gen_ai.response.time_to_first_chunk"] = rec.ttft_ms / 1000
+
+
+def _http_span(a: Attrs, rec: Record) -> None:
     a["http.request.method"] = rec.method
     a["url.path"] = rec.path
     if rec.status is not None:
@@ -188,6 +255,9 @@ def span_attributes(
         a["error.type"] = err
     if rec.client_addr:
         a["client.address"] = rec.client_addr
+
+
+def _relay_span(a: Attrs, rec: Record) -> None:
     a["relay.request_id"] = rec.request_id
     if rec.key_id is not None:
         a["relay.key_id"] = rec.key_id
@@ -205,4 +275,3 @@ def span_attributes(
     if rec.tpot_ms is not None:
         a["relay.time_per_output_token"] = rec.tpot_ms / 1000
     a["relay.client_closed"] = rec.client_closed
-    return a

@@ -6,51 +6,68 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
+from opentelemetry.sdk.metrics.export import MetricExporter
 from opentelemetry.sdk.trace import ReadableSpan, sampling
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 from relay.config import ConfigError
+from relay.observe.log import Log
 from relay.observe.otel_env import Settings
 
 GRPC_HINT = "pip install 'relay[otel-grpc]' (opentelemetry-exporter-otlp-proto-grpc)"
 
 
 class CountingProcessor(BatchSpanProcessor):
-    """The SDK's batch processor, counting the spans its full queue drops."""
+    """The SDK's batch processor, counting the spans its full queue drops (`dropped`, read
+    and written on the event loop's thread only: spans end there).
 
-    def __init__(self, exporter, **kw) -> None:
-        super().__init__(exporter, **kw)
-        self.dropped = 0  # (the event loop's thread only: spans end there)
+    The queue read is the SDK's own (its `_batch_processor`): with an SDK that has none,
+    nothing is counted, and the provider's shutdown shuts the processor down."""
+
+    def __init__(
+        self,
+        exporter: SpanExporter,
+        max_queue_size: int | None = None,
+        schedule_delay_millis: float | None = None,
+        max_export_batch_size: int | None = None,
+    ) -> None:
+        super().__init__(
+            exporter,
+            max_queue_size=max_queue_size,
+            schedule_delay_millis=schedule_delay_millis,
+            max_export_batch_size=max_export_batch_size,
+        )
+        self.dropped = 0
 
     def on_end(self, span: ReadableSpan) -> None:
-        bp = getattr(self, "_batch_processor", None)
-        queue = getattr(bp, "_queue", None)
-        if (
-            queue is not None
-            and span.context is not None
-            and span.context.trace_flags.sampled
-            and len(queue) >= bp._max_queue_size  # type: ignore[union-attr]
-        ):
+        if span.context is not None and span.context.trace_flags.sampled and self._full():
             self.dropped += 1
         super().on_end(span)
+
+    def _full(self) -> bool:
+        bp = getattr(self, "_batch_processor", None)
+        if bp is None:
+            return False
+        queue = getattr(bp, "_queue", None)
+        return queue is not None and len(queue) >= int(bp._max_queue_size)
 
     def shutdown_within(self, timeout_millis: int) -> None:
         bp = getattr(self, "_batch_processor", None)
         if bp is not None:
             bp.shutdown(timeout_millis=timeout_millis)
-        else:
-            self.shutdown()
 
 
 class CountingExporter(SpanExporter):
-    """An OTLP span exporter that counts the spans of the batches it failed to send."""
+    """An OTLP span exporter that counts the spans of the batches it failed to send
+    (`failed`, the worker thread's only)."""
 
     def __init__(self, inner: SpanExporter) -> None:
         self.inner = inner
-        self.failed = 0  # (the worker thread's only)
+        self.failed = 0
 
-    def export(self, spans):
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         try:
             result = self.inner.export(spans)
         except Exception:
@@ -66,7 +83,10 @@ class CountingExporter(SpanExporter):
         return self.inner.force_flush(timeout_millis)
 
 
-def span_exporter(s: Settings):
+def span_exporter(s: Settings) -> SpanExporter:
+    """The span exporter of the configured protocol. The gRPC one is the `otel-grpc` extra's:
+    where it is not installed mypy finds no module (hence the ignore), where it is the ignore
+    is unused."""
     if s.traces_protocol == "grpc":
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[import-not-found,unused-ignore]
@@ -74,7 +94,8 @@ def span_exporter(s: Settings):
             )
         except ImportError:
             raise ConfigError(f"otel: protocol grpc needs {GRPC_HINT}") from None
-        return OTLPSpanExporter(endpoint=s.traces_endpoint, timeout=s.timeout_s)
+        grpc_spans: SpanExporter = OTLPSpanExporter(endpoint=s.traces_endpoint, timeout=s.timeout_s)
+        return grpc_spans
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
         OTLPSpanExporter as HttpSpanExporter,
     )
@@ -82,7 +103,8 @@ def span_exporter(s: Settings):
     return HttpSpanExporter(endpoint=s.traces_endpoint, timeout=s.timeout_s)
 
 
-def metric_exporter(s: Settings):
+def metric_exporter(s: Settings) -> MetricExporter:
+    """The metric exporter of the configured protocol (gRPC: as `span_exporter`)."""
     if s.metrics_protocol == "grpc":
         try:
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (  # type: ignore[import-not-found,unused-ignore]
@@ -90,7 +112,10 @@ def metric_exporter(s: Settings):
             )
         except ImportError:
             raise ConfigError(f"otel: protocol grpc needs {GRPC_HINT}") from None
-        return OTLPMetricExporter(endpoint=s.metrics_endpoint, timeout=s.timeout_s)
+        grpc_metrics: MetricExporter = OTLPMetricExporter(
+            endpoint=s.metrics_endpoint, timeout=s.timeout_s
+        )
+        return grpc_metrics
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
         OTLPMetricExporter as HttpMetricExporter,
     )
@@ -98,7 +123,7 @@ def metric_exporter(s: Settings):
     return HttpMetricExporter(endpoint=s.metrics_endpoint, timeout=s.timeout_s)
 
 
-def sampler(s: Settings):
+def sampler(s: Settings) -> sampling.Sampler | None:
     """`[otel].traces_sampler` (+ `_arg`); None: the SDK's from OTEL_TRACES_SAMPLER."""
     name, arg = s.sampler, s.sampler_arg if s.sampler_arg is not None else 1.0
     if name is None:
@@ -122,7 +147,7 @@ class _Bridge(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
-        self.log = None
+        self.log: Log | None = None
         self._last: dict[str, float] = {}
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -144,4 +169,5 @@ class _Bridge(logging.Handler):
 bridge = _Bridge()
 _sdk_log = logging.getLogger("opentelemetry")
 _sdk_log.addHandler(bridge)
-_sdk_log.propagate = False  # (not Python's last-resort handler: plain text on stderr)
+# Not to Python's last-resort handler either, which writes plain text on stderr.
+_sdk_log.propagate = False

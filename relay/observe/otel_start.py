@@ -8,14 +8,26 @@ instrumented program does without its SDK.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from relay.config import ConfigError, OtelConfig
+from relay.observe.log import Log
+from relay.observe.metrics import UpstreamMetrics
 from relay.observe.otel_env import EXTRA_HINT, settings
 
+if TYPE_CHECKING:
+    from relay.observe.otel import Telemetry
 
-def start(cfg: OtelConfig | None, log, upstreams: Callable[[], list], environ=os.environ):
-    """The relay's telemetry (`relay.observe.otel.Telemetry`), or None when it is off."""
+
+def start(
+    cfg: OtelConfig | None,
+    log: Log,
+    upstreams: Callable[[], Iterable[UpstreamMetrics]],
+    environ: Mapping[str, str] = os.environ,
+) -> Telemetry | None:
+    """The relay's telemetry, or None when it is off. `relay.observe.otel` (and with it
+    OpenTelemetry) is imported only when it is on."""
     s = settings(cfg, environ)
     if s is None:
         return None
