@@ -347,7 +347,7 @@ class _Exposition:
     def __init__(self, shared_store: bool) -> None:
         F, G, C, H = _Family, _Kind.GAUGE, _Kind.COUNTER, _Kind.HISTOGRAM
         self.up = F("relay_upstream_up", G, "1 unless the upstream is down.")
-        self.state = F("relay_upstream_state", G, "1 for the upstream's current state.")
+        self.upstream_state = F("relay_upstream_state", G, "1 for the upstream's current state.")
         self.parallel = F("relay_slots_parallel", G, "Configured parallel slots.")
         self.in_flight = F("relay_slots_in_flight", G, "Requests currently on the upstream.")
         self.queued = F("relay_queue_waiting", G, "Requests waiting for a slot.")
@@ -390,7 +390,7 @@ class _Exposition:
         self.key_req = F("relay_key_requests_total", C, "Requests per API key.")
         self.key_tok = F("relay_key_tokens_total", C, "Tokens per API key, by kind.")
         self.families = [
-            *(self.up, self.state, self.parallel, self.in_flight, self.queued, self.tps),
+            *(self.up, self.upstream_state, self.parallel, self.in_flight, self.queued, self.tps),
             *(self.ttft, self.ttft_avg, self.requests, self.failed, self.other, self.tokens),
             *(self.stalls, self.qwait, self.ttft_h, self.tpot_h, self.e2e_h, self.speed),
             *(self.kv, self.dropped, self.rejected, self.key_req, self.key_tok),
@@ -416,7 +416,7 @@ class _Exposition:
         self.up.add(0 if m.state == UpstreamState.DOWN else 1, upstream=u)
         states = STATES if m.state in STATES else (*STATES, m.state)
         for s in states:
-            self.state.add(1 if s == m.state else 0, upstream=u, state=s)
+            self.upstream_state.add(1 if s == m.state else 0, upstream=u, state=s)
         self.parallel.add(m.parallel, upstream=u)
         self.in_flight.add(m.in_flight, upstream=u)
         self.queued.add(m.queued, upstream=u)

@@ -297,7 +297,7 @@ class Telemetry:
         self, rec: Record, facts: A.ResponseFacts, server: tuple[str, int] | None
     ) -> None:
         """The gen_ai metric points of a request on a GenAI route (none on another)."""
-        route = A.operation(rec.path)
+        route = A.route(rec.path)
         if route is None:
             return
         provider = self.settings.provider_name

@@ -7,7 +7,7 @@ model-server metrics `gen_ai.server.request.duration`, `gen_ai.server.time_to_fi
 (`gen_ai.token.type` input / output); the relay's own under `relay.`.
 
 The operation comes from the request's path: chat completions, Anthropic Messages and
-OpenAI Responses are `chat` (the Responses API told by `openai.api.type`, as openai.md
+OpenAI Responses are `chat` (the Responses API told by `openai.api.type`, as its openai.md
 says), the legacy and llama-server completions `text_completion`, embeddings `embeddings`;
 another path is no GenAI operation (its span is named by its method, and it has no gen_ai
 metric points). The provider is the API's flavour (`openai`, `anthropic`; `llama.cpp` for
@@ -25,15 +25,56 @@ from relay.observe.record import Record
 
 # Explicit bucket boundaries the conventions recommend.
 DURATION_BUCKETS = (
-    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
-)  # fmt: skip
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    40.96,
+    81.92,
+)
 TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-)  # fmt: skip
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 TOKEN_BUCKETS = (
-    1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864,
-)  # fmt: skip
+    1,
+    4,
+    16,
+    64,
+    256,
+    1024,
+    4096,
+    16384,
+    65536,
+    262144,
+    1048576,
+    4194304,
+    16777216,
+    67108864,
+)
 # The relay's queue wait (slot), as its Prometheus histogram: 1 ms - 300 s.
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
@@ -88,7 +129,8 @@ OPERATIONS: dict[str, Route] = {
 }
 
 
-def operation(path: str) -> Route | None:
+def route(path: str) -> Route | None:
+    """The GenAI route of a normalised path; None off them."""
     return OPERATIONS.get(path)
 
 

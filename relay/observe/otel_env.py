@@ -32,9 +32,10 @@ _ENDPOINT_VARS = (
 
 @dataclass(frozen=True)
 class Settings:
-    """What the exporter is built with; None: the SDK reads the environment variable."""
+    """What the exporter is built with; None: the SDK reads the environment variable.
+    `configured`: whether `[otel]` is in the file (not the environment alone)."""
 
-    configured: bool  # [otel] in the file (vs. the environment alone)
+    configured: bool
     traces: bool
     metrics: bool
     traces_protocol: str
