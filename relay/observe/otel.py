@@ -244,8 +244,9 @@ class Telemetry:
         """The request is settled (its row is complete): end its span and record its
         metric points. Called once per request, by settlement only.
 
-        `stall` is (reason, elapsed seconds) when the stall guard cut the stream; its own
-        last event says the stream ended for its length."""
+        `stall` is (reason, elapsed seconds) when the stall guard cut the stream; unless the
+        response said otherwise, its finish reason is then `length`, as the guard's own last
+        event says."""
         end_ns = time.time_ns()
         # A request settled before `begin` (a relay endpoint's refusal) has one span all the
         # same, as every row has.

@@ -375,7 +375,8 @@ class Trend:
     def _spread(self, s: _Series, tokens: int, rec: Record) -> None:
         """The request's output tokens over its decode span, from its first token (its start
         when not streamed) to its last byte: the part before the open step goes into the
-        points already closed, as tokens/s of each."""
+        points already closed, as tokens/s of each (a figure never None, unlike the others
+        of a point)."""
         end = rec.ts + (rec.total_ms or 0.0) / 1000.0
         start = rec.ts + (rec.ttft_ms or 0.0) / 1000.0
         times = self.times
