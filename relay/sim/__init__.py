@@ -23,7 +23,9 @@ Modules, from the entry points down (each imports only modules listed below it):
   object, non-streamed bodies.
 - ``tinymodel``: the tiny model it pretends to serve: vocabulary, token text, stop words,
   tokenizer, embeddings.
-- ``wire``: what every response is made of: heads, chunk framing, the fixed events, error bodies.
+- ``wire``: what every response is made of: heads, chunk framing, the fixed events, error
+  bodies; and the names the modules above pass each other (`Route`, `Kind`, `Shape`,
+  `Finish`, `ToolCall`, `Timings`).
 
 The rule: nothing in `relay` imports this package but `relay.cli` (the `relay sim` and
 `relay serve --demo` commands), and it imports nothing of `relay` outside `relay/sim/`.

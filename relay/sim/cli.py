@@ -14,7 +14,7 @@ import signal
 from relay.sim.server import Simulator
 from relay.sim.shapes import SHAPES
 from relay.sim.state import SimDefaults
-from relay.sim.wire import jdump
+from relay.sim.wire import Shape, jdump
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -34,7 +34,7 @@ async def _serve(args: argparse.Namespace) -> None:
             first_token_delay_ms=args.first_token_delay_ms,
             head_delay_ms=args.head_delay_ms,
             keep_streams=args.keep_alive_streams,
-            shape=args.shape,
+            shape=Shape(args.shape),
             events_per_chunk=args.events_per_chunk,
             chunks_per_write=args.chunks_per_write,
         ),

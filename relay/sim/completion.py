@@ -10,9 +10,10 @@ from __future__ import annotations
 import random
 import string
 import time
+from typing import TypedDict
 
 from relay.sim.tinymodel import FINGERPRINT, gen_text
-from relay.sim.wire import jdump
+from relay.sim.wire import Finish, Json, Kind, Timings, jdump
 
 _ALNUM = string.ascii_letters + string.digits
 
@@ -21,7 +22,16 @@ def new_id() -> str:
     return "chatcmpl-" + "".join(random.choices(_ALNUM, k=32))
 
 
-def timings(prompt_n: int, predicted_n: int, predicted_ms: float, cache_n: int = 0) -> dict:
+class Usage(TypedDict):
+    """The OpenAI routes' ``usage`` object, in llama-server's key order."""
+
+    completion_tokens: int
+    prompt_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int]
+
+
+def timings(prompt_n: int, predicted_n: int, predicted_ms: float, cache_n: int = 0) -> Timings:
     prompt_ms = max(round(prompt_n * 0.036, 3), 0.001)
     predicted_ms = max(round(predicted_ms, 3), 0.001)
     return {
@@ -37,7 +47,7 @@ def timings(prompt_n: int, predicted_n: int, predicted_ms: float, cache_n: int =
     }
 
 
-def usage(prompt_n: int, completion_n: int) -> dict:
+def usage(prompt_n: int, completion_n: int) -> Usage:
     return {
         "completion_tokens": completion_n,
         "prompt_tokens": prompt_n,
@@ -48,7 +58,7 @@ def usage(prompt_n: int, completion_n: int) -> dict:
 
 # generation_settings of the native final event, in the real server's key order (split where
 # per-request values go: stop, max_tokens, n_predict / stream).
-_GEN_A = {
+_GEN_A: Json = {
     "seed": 4294967295,
     "temperature": 0.800000011920929,
     "dynatemp_range": 0.0,
@@ -75,8 +85,8 @@ _GEN_A = {
     "adaptive_target": -1.0,
     "adaptive_decay": 0.8999999761581421,
 }
-_GEN_B = {"n_keep": 0, "n_discard": 0, "ignore_eos": False}
-_GEN_C = {
+_GEN_B: Json = {"n_keep": 0, "n_discard": 0, "ignore_eos": False}
+_GEN_C: Json = {
     "logit_bias": [],
     "n_probs": 0,
     "min_keep": 0,
@@ -107,7 +117,7 @@ _GEN_C = {
 }
 
 
-def generation_settings(stop: list[str], limit: int, stream: bool) -> dict:
+def generation_settings(stop: list[str], limit: int, stream: bool) -> Json:
     return {
         **_GEN_A,
         "stop": stop,
@@ -124,12 +134,12 @@ def native_final(
     model: str,
     prompt_n: int,
     predicted_n: int,
-    finish: str,
-    tm: dict,
+    finish: Finish,
+    tm: Timings,
     stop_word: str | None = None,
-    settings: dict | None = None,
+    settings: Json | None = None,
     prompt: str = "",
-) -> dict:
+) -> Json:
     return {
         "index": 0,
         "content": content,
@@ -146,7 +156,7 @@ def native_final(
         "has_new_line": False,
         "truncated": False,
         "stop_type": "limit"
-        if finish == "length"
+        if finish == Finish.LENGTH
         else ("word" if stop_word is not None else "eos"),
         "stopping_word": stop_word or "",
         "tokens_cached": max(prompt_n + predicted_n - 1, 0),
@@ -155,20 +165,20 @@ def native_final(
 
 
 def nonstream_body(
-    kind: str,
+    kind: Kind,
     model: str,
     prompt_n: int,
     n: int,
     predicted_n: int,
-    finish: str,
-    tm: dict,
+    finish: Finish,
+    tm: Timings,
     stop_word: str | None = None,
-    settings: dict | None = None,
+    settings: Json | None = None,
     prompt: str = "",
 ) -> bytes:
     """Non-streamed completion JSON (chat.completion / text_completion / native)."""
     created, rid = int(time.time()), new_id()
-    if kind == "chat":
+    if kind == Kind.CHAT:
         return jdump(
             {
                 "choices": [
@@ -187,7 +197,7 @@ def nonstream_body(
                 "timings": tm,
             }
         )
-    if kind == "text":
+    if kind == Kind.TEXT:
         return jdump(
             {
                 "choices": [

@@ -4,9 +4,9 @@
 parses its requests one at a time (pipelined ones wait); each is recorded as a SimRequest,
 routed by method and percent-decoded path, and answered: a Content-Length body (after the
 delays its knobs ask for), or a stream that a Gen (gen.py) paces, on the OpenAI routes, the
-native /completion, Anthropic's /v1/messages and OpenAI's /v1/responses. Keep-alive as llama-server's:
-at most 100 requests, an idle timeout, and the connection closed after every stream (unless
-SimDefaults.keep_streams).
+native /completion, Anthropic's /v1/messages and OpenAI's /v1/responses. Keep-alive as
+llama-server's: at most 100 requests, an idle timeout, and the connection closed after every
+stream (unless SimDefaults.keep_streams).
 """
 
 from __future__ import annotations
@@ -26,31 +26,35 @@ from relay.sim.endpoints import metrics_body, misc_body
 from relay.sim.frames import StreamFrames, any_nonstream_body
 from relay.sim.gen import Gen
 from relay.sim.state import SimRequest, SimState
+from relay.sim.wire import Json, Kind, Route
 
-GEN_ROUTES = ("chat", "text", "native", "messages", "responses")
+# The routes that generate, each with the body kind of its name.
+GEN_ROUTES = (Route.CHAT, Route.TEXT, Route.NATIVE, Route.MESSAGES, Route.RESPONSES)
+# What a model still loading refuses: generation, health and embeddings.
+_LOADING_ROUTES = (*GEN_ROUTES, Route.HEALTH, Route.EMBEDDINGS)
 _ROUTES = {
-    ("GET", "/health"): "health",
-    ("GET", "/v1/health"): "health",
-    ("GET", "/v1/models"): "models",
-    ("GET", "/models"): "models",
-    ("GET", "/props"): "props",
-    ("GET", "/slots"): "slots",
-    ("GET", "/metrics"): "metrics",
-    ("POST", "/v1/chat/completions"): "chat",
-    ("POST", "/chat/completions"): "chat",
-    ("POST", "/v1/completions"): "text",
-    ("POST", "/completions"): "text",
-    ("POST", "/completion"): "native",
-    ("POST", "/v1/messages"): "messages",
-    ("POST", "/v1/messages/count_tokens"): "count_tokens",
-    ("POST", "/v1/responses"): "responses",
-    ("POST", "/responses"): "responses",
-    ("POST", "/v1/responses/input_tokens"): "input_tokens",
-    ("POST", "/responses/input_tokens"): "input_tokens",
-    ("POST", "/tokenize"): "tokenize",
-    ("POST", "/detokenize"): "detokenize",
-    ("POST", "/v1/embeddings"): "embeddings",
-    ("POST", "/embeddings"): "embeddings",
+    ("GET", "/health"): Route.HEALTH,
+    ("GET", "/v1/health"): Route.HEALTH,
+    ("GET", "/v1/models"): Route.MODELS,
+    ("GET", "/models"): Route.MODELS,
+    ("GET", "/props"): Route.PROPS,
+    ("GET", "/slots"): Route.SLOTS,
+    ("GET", "/metrics"): Route.METRICS,
+    ("POST", "/v1/chat/completions"): Route.CHAT,
+    ("POST", "/chat/completions"): Route.CHAT,
+    ("POST", "/v1/completions"): Route.TEXT,
+    ("POST", "/completions"): Route.TEXT,
+    ("POST", "/completion"): Route.NATIVE,
+    ("POST", "/v1/messages"): Route.MESSAGES,
+    ("POST", "/v1/messages/count_tokens"): Route.COUNT_TOKENS,
+    ("POST", "/v1/responses"): Route.RESPONSES,
+    ("POST", "/responses"): Route.RESPONSES,
+    ("POST", "/v1/responses/input_tokens"): Route.INPUT_TOKENS,
+    ("POST", "/responses/input_tokens"): Route.INPUT_TOKENS,
+    ("POST", "/tokenize"): Route.TOKENIZE,
+    ("POST", "/detokenize"): Route.DETOKENIZE,
+    ("POST", "/v1/embeddings"): Route.EMBEDDINGS,
+    ("POST", "/embeddings"): Route.EMBEDDINGS,
 }
 _LOADING = W.error_body(503, "Loading model", "unavailable_error")
 
@@ -72,7 +76,11 @@ _STALLED = _Stalled()
 
 
 class SimConnection(asyncio.Protocol):
-    transport: asyncio.Transport  # set by connection_made, which asyncio calls before the rest
+    """One client connection: its h11 state, the request it answers (`req`) and what that
+    answer waits on (`active`); `keep_alive` says whether the connection stays open after it."""
+
+    # Set by connection_made, which asyncio calls before the rest.
+    transport: asyncio.Transport
 
     def __init__(self, sim: SimState, loop: asyncio.AbstractEventLoop) -> None:
         self.sim = sim
@@ -87,13 +95,13 @@ class SimConnection(asyncio.Protocol):
         self._cur: h11.Request | None = None
         self._body: list[bytes] = []
         self._in_process = False
-        self._keep = True
+        self.keep_alive = True
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # a server's stream transport
-        self.sim.connections_opened += 1
-        self.sim._conns.add(self)
+        # A server's connections are stream transports (asyncio's, uvloop's or TLS ones).
+        self.transport = cast(asyncio.Transport, transport)
+        self.sim.track(self)
         self._arm_idle()
 
     def data_received(self, data: bytes) -> None:
@@ -114,8 +122,7 @@ class SimConnection(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.sim._conns.discard(self)
-        self.sim.connections_closed += 1
+        self.sim.untrack(self)
         if self.idle is not None:
             self.idle.cancel()
         self._peer_gone()
@@ -142,7 +149,7 @@ class SimConnection(asyncio.Protocol):
     def _end(self, req: SimRequest) -> None:
         if not req.closed.is_set():
             req.closed.set()
-            if req._gen:
+            if req.is_generation:
                 self.sim.active_generations -= 1
 
     def _arm_idle(self) -> None:
@@ -167,9 +174,10 @@ class SimConnection(asyncio.Protocol):
     def finish_stream(self) -> None:
         """Streamed responses: mark finished, then close (llama-server closes after every stream)."""
         req = self.req
-        assert req is not None  # a stream runs only while its request is the connection's
+        # A stream runs only while its request is the connection's.
+        assert req is not None
         if self.sim.defaults.keep_streams:
-            self._complete(req, self._keep)
+            self._complete(req, self.keep_alive)
             return
         req.finished = True
         self.active = None
@@ -217,7 +225,8 @@ class SimConnection(asyncio.Protocol):
                 elif isinstance(ev, h11.ConnectionClosed):
                     self.close()
                     return
-                else:  # NEED_DATA / PAUSED
+                else:
+                    # NEED_DATA or PAUSED: wait for more bytes, or for this answer to end.
                     return
         finally:
             self._in_process = False
@@ -225,85 +234,97 @@ class SimConnection(asyncio.Protocol):
     @staticmethod
     def _simple(
         status: int,
-        body: bytes,
+        payload: bytes,
         ctype: bytes = W.JSON_CT,
         close: bool = False,
         extra: tuple[bytes, ...] = (),
     ) -> bytes:
-        return W.head(status, ctype, length=len(body), close=close, extra=extra) + body
+        return W.head(status, ctype, length=len(payload), close=close, extra=extra) + payload
 
     def _respond(
         self,
         req: SimRequest,
         status: int,
-        body: bytes | Callable[[], bytes],
+        payload: bytes | Callable[[], bytes],
         ctype: bytes = W.JSON_CT,
         delay: float = 0.0,
         extra: tuple[bytes, ...] = (),
         setup: Callable[[], None] | None = None,
     ) -> None:
-        """Content-Length response (body may be a callable built at send time), after ``delay`` s."""
+        """A Content-Length response after ``delay`` s (its payload may be a callable, built
+        at send time)."""
         if delay > 0:
             self.active = self.loop.call_at(
-                req.started_at + delay, self._respond, req, status, body, ctype, 0.0, extra, setup
+                req.started_at + delay,
+                self._respond,
+                req,
+                status,
+                payload,
+                ctype,
+                0.0,
+                extra,
+                setup,
             )
             return
         if setup is not None:
             setup()
-        keep = status < 400 and self._keep
-        out = body() if callable(body) else body
+        keep = status < 400 and self.keep_alive
+        out = payload() if callable(payload) else payload
         req.status = status
         self.transport.write(self._simple(status, out, ctype, not keep, extra))
         self._complete(req, keep)
 
     def _dispatch(self) -> None:
-        ev, sim = self._cur, self.sim
-        assert ev is not None  # h11 ends a message only after the Request that began it
+        ev = self._cur
+        # h11 ends a message only after the Request that began it.
+        assert ev is not None
+        req = self._record(ev)
+        # llama-server (cpp-httplib) percent-decodes the path before routing.
+        route = _ROUTES.get((req.method, unquote(req.path.split("?", 1)[0])))
+        if route is None:
+            return self._respond(req, 404, W.NOT_FOUND_BODY)
+        if self.sim.loading and route in _LOADING_ROUTES:
+            return self._respond(req, 503, _LOADING)
+        body: Json = {}
+        if req.method == "POST":
+            decoded = _decode(req.body)
+            if isinstance(decoded, P.Refusal):
+                return self._respond(req, decoded.status, decoded.body)
+            body = req.json = decoded
+        err = P.error_reply(body, self.sim.defaults)
+        if err is not None:
+            return self._respond(req, err.status, W.error_body(err.status), delay=err.delay)
+        refusal = P.request_error(route, body)
+        if refusal is not None:
+            return self._respond(req, refusal.status, refusal.body)
+        if route in GEN_ROUTES:
+            return self._generate(req, Kind(route), body)
+        self._answer(req, route, body)
+
+    def _record(self, ev: h11.Request) -> SimRequest:
+        """The request `ev` began, with the body read since, as the one this connection
+        answers; and whether the connection stays open after it (llama-server's keep-alive:
+        not for HTTP/1.0, a ``Connection: close``, or past 100 requests)."""
         self.nreq += 1
-        body = b"".join(self._body)
         req = SimRequest(
             method=ev.method.decode(),
             path=ev.target.decode("latin-1"),
             headers=list(ev.headers),
-            body=body,
+            body=b"".join(self._body),
             started_at=self.loop.time(),
         )
-        sim.requests.append(req)
+        self.sim.requests.append(req)
         self.req = req
         conn_hdr = b",".join(v for k, v in ev.headers if k == b"connection").lower()
-        self._keep = not (b"close" in conn_hdr or ev.http_version == b"1.0" or self.nreq >= 100)
-        # llama-server (cpp-httplib) percent-decodes the path before routing
-        route = _ROUTES.get((req.method, unquote(req.path.split("?", 1)[0])))
-        if route is None:
-            return self._respond(req, 404, W.NOT_FOUND_BODY)
-        if sim.loading and (route in GEN_ROUTES or route in ("health", "embeddings")):
-            return self._respond(req, 503, _LOADING)
-        data: dict = {}
-        if req.method == "POST":
-            try:
-                data = msgspec.json.decode(body)
-            except msgspec.DecodeError as e:
-                return self._respond(
-                    req,
-                    400,
-                    W.error_body(400, f"[json.exception.parse_error.101] parse error: {e}"),
-                )
-            if not isinstance(data, dict):
-                return self._respond(
-                    req, 400, W.error_body(400, "request body must be a JSON object")
-                )
-            req.json = data
-        d = sim.defaults
-        err = P.error_reply(data, d)
-        if err is not None:
-            status, delay = err
-            return self._respond(req, status, W.error_body(status), delay=delay)
-        bad = P.request_error(route, data)
-        if bad is not None:
-            return self._respond(req, bad[0], bad[1])
-        if route in GEN_ROUTES:
-            return self._generate(req, route, data)
-        if route == "metrics":
+        self.keep_alive = not (
+            b"close" in conn_hdr or ev.http_version == b"1.0" or self.nreq >= 100
+        )
+        return req
+
+    def _answer(self, req: SimRequest, route: Route, body: Json) -> None:
+        """The answer of a route that does not generate: /metrics' text, or a JSON body."""
+        sim = self.sim
+        if route == Route.METRICS:
             return self._respond(
                 req,
                 200,
@@ -312,48 +333,63 @@ class SimConnection(asyncio.Protocol):
                 extra=(b"Process-Start-Time-Unix: %d" % int(sim.start_time),),
             )
         out = misc_body(
-            route, data, d.model, int(sim.start_time), sim.parallel, sim.active_generations
+            route,
+            body,
+            sim.defaults.model,
+            int(sim.start_time),
+            sim.parallel,
+            sim.active_generations,
         )
         self._respond(req, 200, out)
 
-    def _generate(self, req: SimRequest, route: str, data: dict) -> None:
+    def _generate(self, req: SimRequest, kind: Kind, body: Json) -> None:
         sim = self.sim
-        p = P.make_plan(route, data, sim.defaults)
-        req._gen = True
+        p = P.make_plan(kind, body, sim.defaults)
+        req.is_generation = True
         sim.active_generations += 1
         sim.prompt_tokens_total += p.prompt_n
         if p.error_event:
-            req.status = 200
-            out = W.SSE_HEAD + W.chunk(W.ERROR_EVENT) + W.TERMINATOR
+            self._error_stream(req, p)
+        elif p.stream:
+            self._stream(req, p, body)
+        else:
+            self._whole(req, p)
 
-            def send() -> None:
-                self.transport.write(out)
-                self.finish_stream()
+    def _error_stream(self, req: SimRequest, p: P.Plan) -> None:
+        """The error_event knob: a 200 stream holding only an {"error": ...} event."""
+        req.status = 200
+        out = W.SSE_HEAD + W.chunk(W.ERROR_EVENT) + W.TERMINATOR
 
-            self.active = self.loop.call_at(req.started_at + p.head_delay, send)
-            return
-        if p.stream:
-            req.status = 200
-            include_usage = (
-                isinstance(data.get("stream_options"), dict)
-                and data["stream_options"].get("include_usage") is True
-            )
-            empty = timings(p.prompt_n, p.predicted_n, 0.0) if p.n == 0 else None
-            frames = StreamFrames(
-                p.kind,
-                sim.defaults.model,
-                p.prompt_n,
-                include_usage,
-                shape=p.shape,
-                text_n=p.text_n,
-                tool=p.tool,
-                empty_timings=empty,
-            )
-            g = Gen(self, req, p, frames)
-            self.active = g
-            g.start()
-            return
-        # non-streamed
+        def send() -> None:
+            self.transport.write(out)
+            self.finish_stream()
+
+        self.active = self.loop.call_at(req.started_at + p.head_delay, send)
+
+    def _stream(self, req: SimRequest, p: P.Plan, body: Json) -> None:
+        """A streamed generation, paced by a Gen."""
+        req.status = 200
+        opts = body.get("stream_options")
+        include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+        empty = timings(p.prompt_n, p.predicted_n, 0.0) if p.n == 0 else None
+        frames = StreamFrames(
+            p.kind,
+            self.sim.defaults.model,
+            p.prompt_n,
+            include_usage,
+            shape=p.shape,
+            text_n=p.text_n,
+            tool=p.tool,
+            empty_timings=empty,
+        )
+        g = Gen(self, req, p, frames)
+        self.active = g
+        g.start()
+
+    def _whole(self, req: SimRequest, p: P.Plan) -> None:
+        """A non-streamed generation: its Content-Length body once the whole generation's time
+        has passed, unless the stall or drop knob stops it first."""
+        sim = self.sim
         n = p.n or 0
         gen_s = p.ftd + max(n - 1, 0) * p.interval
         if p.stall_after is not None and (p.drop_after is None or p.stall_after <= p.drop_after):
@@ -370,7 +406,7 @@ class SimConnection(asyncio.Protocol):
             sim.tokens_sent_total += n
             req.completion_tokens = p.predicted_n
 
-        def body() -> bytes:
+        def build() -> bytes:
             return any_nonstream_body(
                 p.kind,
                 sim.defaults.model,
@@ -386,4 +422,17 @@ class SimConnection(asyncio.Protocol):
                 p.tool,
             )
 
-        self._respond(req, 200, body, delay=p.head_delay + gen_s, setup=count)
+        self._respond(req, 200, build, delay=p.head_delay + gen_s, setup=count)
+
+
+def _decode(raw: bytes) -> Json | P.Refusal:
+    """A POST body as a JSON object, or the 400 answer to one that is not."""
+    try:
+        data = msgspec.json.decode(raw)
+    except msgspec.DecodeError as e:
+        return P.Refusal(
+            400, W.error_body(400, f"[json.exception.parse_error.101] parse error: {e}")
+        )
+    if not isinstance(data, dict):
+        return P.Refusal(400, W.error_body(400, "request body must be a JSON object"))
+    return data

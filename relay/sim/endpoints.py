@@ -10,7 +10,7 @@ from __future__ import annotations
 from relay.sim import messages as M
 from relay.sim import responses as R
 from relay.sim.tinymodel import FINGERPRINT, N_CTX, N_VOCAB, detokenize, embedding, tokenize
-from relay.sim.wire import jdump
+from relay.sim.wire import Json, Route, jdump
 
 
 def models_body(model: str, created: int) -> bytes:
@@ -64,7 +64,7 @@ def models_body(model: str, created: int) -> bytes:
     )
 
 
-_PARAMS = {
+_PARAMS: Json = {
     "seed": 4294967295,
     "temperature": 0.800000011920929,
     "dynatemp_range": 0.0,
@@ -185,7 +185,7 @@ _METRICS = (
 
 
 def metrics_body(values: dict[str, float]) -> bytes:
-    out = []
+    out: list[str] = []
     for name, typ, help_ in _METRICS:
         v = values.get(name, 0)
         out.append(
@@ -209,26 +209,27 @@ def embeddings_body(model: str, inputs: list[str]) -> bytes:
     )
 
 
-def misc_body(route: str, data: dict, model: str, created: int, slots: int, busy: int) -> bytes:
-    """JSON body of a non-generation endpoint."""
-    if route == "health":
+def misc_body(route: Route, body: Json, model: str, created: int, slots: int, busy: int) -> bytes:
+    """JSON body of a non-generation endpoint (COUNT_TOKENS is /v1/messages/count_tokens,
+    INPUT_TOKENS /v1/responses/input_tokens; a route not named here is the embeddings')."""
+    if route == Route.HEALTH:
         return b'{"status":"ok"}'
-    if route == "models":
+    if route == Route.MODELS:
         return models_body(model, created)
-    if route == "props":
+    if route == Route.PROPS:
         return props_body(model, slots)
-    if route == "slots":
+    if route == Route.SLOTS:
         return slots_body(slots, busy)
-    if route == "tokenize":
-        c = data.get("content")
+    if route == Route.TOKENIZE:
+        c = body.get("content")
         return jdump({"tokens": tokenize(c if isinstance(c, str) else "")})
-    if route == "count_tokens":  # /v1/messages/count_tokens
-        return M.count_tokens_body(max(1, M.prompt_chars(data) // 4))
-    if route == "input_tokens":  # /v1/responses/input_tokens
-        return R.input_tokens_body(max(1, R.prompt_chars(data) // 4))
-    if route == "detokenize":
-        t = data.get("tokens")
+    if route == Route.COUNT_TOKENS:
+        return M.count_tokens_body(max(1, M.prompt_chars(body) // 4))
+    if route == Route.INPUT_TOKENS:
+        return R.input_tokens_body(max(1, R.prompt_chars(body) // 4))
+    if route == Route.DETOKENIZE:
+        t = body.get("tokens")
         return jdump({"content": detokenize(t if isinstance(t, list) else [])})
-    inp = data.get("input", data.get("content", ""))
-    inp = [x for x in inp if isinstance(x, str)] if isinstance(inp, list) else [str(inp)]
-    return embeddings_body(model, inp)
+    inp = body.get("input", body.get("content", ""))
+    texts = [x for x in inp if isinstance(x, str)] if isinstance(inp, list) else [str(inp)]
+    return embeddings_body(model, texts)

@@ -9,14 +9,32 @@ server's shape come from shapes.py. Pure byte builders, no I/O.
 
 from __future__ import annotations
 
+import random
 import time
 
 from relay.sim import messages as M
 from relay.sim import responses as R
 from relay.sim.completion import native_final, new_id, nonstream_body, usage
-from relay.sim.shapes import Shape
+from relay.sim.shapes import ShapedChunks
 from relay.sim.tinymodel import EOS_ID, FINGERPRINT, TOKEN_IDS, token_text
-from relay.sim.wire import DONE_EVENT, OCTET_CT, SSE_CT, TERMINATOR, chunk, jdump
+from relay.sim.wire import (
+    DONE_EVENT,
+    OCTET_CT,
+    SSE_CT,
+    TERMINATOR,
+    Finish,
+    Json,
+    Kind,
+    Shape,
+    Timings,
+    ToolCall,
+    chunk,
+    jdump,
+)
+
+# The per-event methods compare with these module-level names: on Python 3.11 a member's lookup
+# on its enum class goes through the metaclass's attribute hook, several times a string compare.
+_CHAT, _NATIVE, _OCTET = Kind.CHAT, Kind.NATIVE, Kind.OCTET
 
 
 def octet_payload(i: int) -> bytes:
@@ -24,14 +42,15 @@ def octet_payload(i: int) -> bytes:
 
 
 class StreamFrames:
-    """Per-request event builder. kind: "chat" | "text" (v1/completions) | "native" | "octet",
-    or "messages" | "responses" (their events come from messages.py / responses.py: `api`)."""
+    """Per-request event builder, by the body's `Kind`: chat, text (/v1/completions), native
+    or octet here; messages and responses from messages.py and responses.py (`api`)."""
 
     __slots__ = (
         "_cache",
         "_model_json",
         "_post",
         "_pre",
+        "_repeats",
         "alt",
         "api",
         "created",
@@ -44,17 +63,17 @@ class StreamFrames:
 
     def __init__(
         self,
-        kind: str,
+        kind: Kind,
         model: str,
         prompt_n: int,
         include_usage: bool = False,
         created: int | None = None,
         rid: str | None = None,
-        shape: str = "llama",
-        rng=None,
+        shape: Shape = Shape.LLAMA,
+        rng: random.Random | None = None,
         text_n: int | None = None,
-        tool: tuple[str, list[str]] | None = None,
-        empty_timings: dict | None = None,
+        tool: ToolCall | None = None,
+        empty_timings: Timings | None = None,
     ) -> None:
         self.kind = kind
         self.model = model
@@ -64,45 +83,48 @@ class StreamFrames:
         self.id = rid or new_id()
         self._cache: dict[int, bytes] = {}
         self.api: M.MessagesFrames | R.ResponsesFrames | None = None
-        if kind == "messages":
+        if kind == Kind.MESSAGES:
             self.api = M.MessagesFrames(model, prompt_n, text_n, tool)
-        elif kind == "responses":
+        elif kind == Kind.RESPONSES:
             self.api = R.ResponsesFrames(model, prompt_n, text_n, tool, empty_timings)
         m = self._model_json = jdump(model)
-        if kind == "chat":
+        if kind == Kind.CHAT:
             self._pre = b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":'
             self._post = (
                 b'}}],"created":%d,"id":"%s","model":%s,"system_fingerprint":"%s",'
                 b'"object":"chat.completion.chunk"}\n\n'
                 % (self.created, self.id.encode(), m, FINGERPRINT.encode())
             )
-        elif kind == "text":
+        elif kind == Kind.TEXT:
             self._pre = b'data: {"choices":[{"text":'
             self._post = (
                 b',"index":0,"logprobs":null,"finish_reason":null}],"created":%d,"model":%s,'
                 b'"system_fingerprint":"%s","object":"text_completion","id":"%s"}\n\n'
                 % (self.created, m, FINGERPRINT.encode(), self.id.encode())
             )
-        elif kind == "native":
+        elif kind == Kind.NATIVE:
             self._pre = b'data: {"index":0,"content":'
             self._post = b',"stop":false,"id_slot":-1,"tokens_predicted":'
         else:
             self._pre = self._post = b""
-        # another server's chat chunks (shapes.py); None: llama-server's own
+        # Another server's chat chunks (shapes.py); None for llama-server's own.
         self.alt = (
-            Shape(shape, self.id, self.created, model, include_usage, rng)
-            if kind == "chat" and shape != "llama"
+            ShapedChunks(shape, self.id, self.created, model, include_usage, rng)
+            if kind == Kind.CHAT and shape != Shape.LLAMA
             else None
         )
+        # Whether a content event's chunk is the same every cycle of tokens, so framed once: a
+        # native event counts its tokens, and OpenAI's padding differs from event to event.
+        self._repeats = kind != Kind.NATIVE and (self.alt is None or shape != Shape.OPENAI)
 
     @property
     def content_type(self) -> bytes:
-        return OCTET_CT if self.kind == "octet" else SSE_CT
+        return OCTET_CT if self.kind == Kind.OCTET else SSE_CT
 
     def role_event(self) -> bytes | None:
         if self.api is not None:
             return self.api.role_event()
-        if self.kind != "chat":
+        if self.kind != Kind.CHAT:
             return None
         if self.alt is not None:
             return self.alt.role_event()
@@ -116,12 +138,12 @@ class StreamFrames:
         kind = self.kind
         if self.api is not None:
             return self.api.event(i)
-        if kind == "octet":
+        if kind == _OCTET:
             return octet_payload(i)
-        text = token_text(i, kind == "chat")
+        text = token_text(i, kind == _CHAT)
         if self.alt is not None:
             return self.alt.event(i, text)
-        if kind == "native":
+        if kind == _NATIVE:
             return b'%s%s,"tokens":[%d]%s%d,"tokens_evaluated":%d}\n\n' % (
                 self._pre,
                 jdump(text),
@@ -136,12 +158,10 @@ class StreamFrames:
         """Chunk-framed content event i (cached per token-cycle position when possible)."""
         if self.api is not None:
             return self.api.chunk(i)
-        if self.kind == "native" or (self.alt is not None and self.alt.kind == "openai"):
-            return chunk(self.event(i))  # (OpenAI's padding differs from event to event)
+        if not self._repeats:
+            return chunk(self.event(i))
         key = (
-            -1
-            if (i == 0 and self.kind == "chat")
-            else (i % 6 if self.kind != "octet" else i & 0xFF)
+            -1 if (i == 0 and self.kind == _CHAT) else (i % 6 if self.kind != _OCTET else i & 0xFF)
         )
         c = self._cache.get(key)
         if c is None:
@@ -150,14 +170,15 @@ class StreamFrames:
 
     def body_len(self, n: int) -> int:
         """Total length of content events 0..n-1 (unframed), without building them all."""
-        if self.kind not in ("chat", "text") or n <= 7 or self.alt is not None:
+        if self.kind not in (Kind.CHAT, Kind.TEXT) or n <= 7 or self.alt is not None:
             return sum(len(self.event(i)) for i in range(n))
         base = [len(self.event(6 + k)) for k in range(6)]
-        full, rem = divmod(n - 1, 6)  # events 1..n-1 cycle through residues 1,2,3,4,5,0
+        # Events 1..n-1 cycle through the residues 1, 2, 3, 4, 5, 0.
+        full, rem = divmod(n - 1, 6)
         return len(self.event(0)) + full * sum(base) + sum(base[1 : rem + 1])
 
     def stop_token_event(
-        self, n: int, predicted_n: int, stop_word: str | None, eos: bool, tm: dict
+        self, n: int, predicted_n: int, stop_word: str | None, eos: bool, tm: Timings
     ) -> bytes:
         """Unframed event real llama-server sends for the stop token itself (EOS or the token
         holding a stop word, index ``n``) before the final event; b"" when there is none.
@@ -167,10 +188,10 @@ class StreamFrames:
         "stop":false,...,"tokens_predicted":<predicted_n>,...}``, with ``timings`` for a stop word.
         """
         kind = self.kind
-        if (stop_word is None and not eos) or kind not in ("text", "native"):
+        if (stop_word is None and not eos) or kind not in (Kind.TEXT, Kind.NATIVE):
             return b""
         tail = b"}\n\n" if stop_word is None else b',"timings":' + jdump(tm) + b"}\n\n"
-        if kind == "text":
+        if kind == Kind.TEXT:
             return self._pre + b'""' + self._post[:-3] + tail
         tid = EOS_ID if stop_word is None else TOKEN_IDS[token_text(n, False)]
         return b'%s"","tokens":[%d]%s%d,"tokens_evaluated":%d%s' % (
@@ -186,10 +207,10 @@ class StreamFrames:
         self,
         n: int,
         predicted_n: int,
-        finish: str,
-        tm: dict,
+        finish: Finish,
+        tm: Timings,
         stop_word: str | None = None,
-        settings: dict | None = None,
+        settings: Json | None = None,
         prompt: str = "",
     ) -> bytes:
         """Unframed final event(s): finish event (+ usage event for chat with include_usage)."""
@@ -198,8 +219,8 @@ class StreamFrames:
             return self.api.final_events(n, predicted_n, finish, tm, stop_word)
         if self.alt is not None:
             return self.alt.final_events(finish, self.prompt_n, predicted_n, self.include_usage)
-        if kind == "chat":
-            fin = {
+        if kind == Kind.CHAT:
+            fin: Json = {
                 "choices": [{"finish_reason": finish, "index": 0, "delta": {}}],
                 "created": self.created,
                 "id": self.id,
@@ -210,7 +231,7 @@ class StreamFrames:
             if not self.include_usage:
                 fin["timings"] = tm
                 return b"data: " + jdump(fin) + b"\n\n"
-            use = {
+            use: Json = {
                 "choices": [],
                 "created": self.created,
                 "id": self.id,
@@ -221,7 +242,7 @@ class StreamFrames:
                 "timings": tm,
             }
             return b"data: " + jdump(fin) + b"\n\ndata: " + jdump(use) + b"\n\n"
-        if kind == "text":
+        if kind == Kind.TEXT:
             fin = {
                 "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": finish}],
                 "created": self.created,
@@ -233,7 +254,7 @@ class StreamFrames:
                 "timings": tm,
             }
             return b"data: " + jdump(fin) + b"\n\n"
-        if kind == "native":
+        if kind == Kind.NATIVE:
             return (
                 b"data: "
                 + jdump(
@@ -255,7 +276,7 @@ class StreamFrames:
 
     @property
     def done_event(self) -> bytes:
-        return DONE_EVENT if self.kind in ("chat", "text") else b""
+        return DONE_EVENT if self.kind in (Kind.CHAT, Kind.TEXT) else b""
 
     def tail_chunks(self, final: bytes) -> bytes:
         """Final event(s) chunk, [DONE] chunk (if any) and the terminating chunk."""
@@ -266,23 +287,23 @@ class StreamFrames:
 
 
 def any_nonstream_body(
-    kind: str,
+    kind: Kind,
     model: str,
     prompt_n: int,
     n: int,
     predicted_n: int,
-    finish: str,
-    tm: dict,
+    finish: Finish,
+    tm: Timings,
     stop_word: str | None = None,
-    settings: dict | None = None,
+    settings: Json | None = None,
     prompt: str = "",
     text_n: int | None = None,
-    tool: tuple[str, list[str]] | None = None,
+    tool: ToolCall | None = None,
 ) -> bytes:
     """The non-streamed body of any generation route (completion.py's, or the APIs')."""
-    if kind == "messages":
+    if kind == Kind.MESSAGES:
         return M.nonstream_body(model, prompt_n, n, predicted_n, finish, stop_word, text_n, tool)
-    if kind == "responses":
+    if kind == Kind.RESPONSES:
         return R.nonstream_body(model, prompt_n, n, predicted_n, text_n, tool)
     return nonstream_body(
         kind, model, prompt_n, n, predicted_n, finish, tm, stop_word, settings, prompt

@@ -11,43 +11,76 @@ this module needs nothing from conn.py.
 from __future__ import annotations
 
 import asyncio
+from enum import Enum
 from typing import Protocol
 
 from relay.sim import wire as W
 from relay.sim.completion import timings
 from relay.sim.frames import StreamFrames
-from relay.sim.plan import Plan
+from relay.sim.plan import Cut, Plan
 from relay.sim.state import SimRequest, SimState
+from relay.sim.wire import Kind, Timings
 
 
 class Link(Protocol):
-    """What a Gen uses of its connection (read-only here, so plain attributes satisfy it)."""
+    """What a Gen uses of its connection (read-only here, so plain attributes satisfy it).
+
+    `paused` is set while the transport asks us to stop writing; `keep_alive` while the
+    connection stays open after this response; `sim` is where the tokens sent are counted;
+    `finish_stream` ends the response once its last bytes are written."""
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop: ...
     @property
     def transport(self) -> asyncio.WriteTransport: ...
     @property
-    def paused(self) -> bool: ...  # the transport asked us to stop writing
+    def paused(self) -> bool: ...
     @property
-    def _keep(self) -> bool: ...  # the connection stays open after this response
+    def keep_alive(self) -> bool: ...
     @property
-    def sim(self) -> SimState: ...  # where the tokens sent are counted
+    def sim(self) -> SimState: ...
 
     def abort(self) -> None: ...
-    def finish_stream(self) -> None: ...  # the last bytes are written: end the response
+    def finish_stream(self) -> None: ...
+
+
+class GenState(Enum):
+    """Where a Gen is: waiting to send its head, producing events, stalled on purpose (the
+    connection held open), or done (finished, dropped or cancelled)."""
+
+    HEAD = "head"
+    RUN = "run"
+    STALLED = "stalled"
+    DONE = "done"
+
+
+# The per-tick check compares with this module-level name: on Python 3.11 a member's lookup on
+# its enum class goes through the metaclass's attribute hook, several times a string compare.
+_RUN = GenState.RUN
 
 
 class Gen:
     """One streamed generation response, driven by a call_at chain."""
 
-    __slots__ = ("c", "cl_tail", "f", "handle", "i", "p", "req", "role", "state", "stop_at", "t0")
+    __slots__ = (
+        "cl_tail",
+        "conn",
+        "frames",
+        "handle",
+        "i",
+        "plan",
+        "req",
+        "role",
+        "state",
+        "stop_at",
+        "t0",
+    )
 
     def __init__(self, conn: Link, req: SimRequest, plan: Plan, frames: StreamFrames) -> None:
-        self.c, self.req, self.p, self.f = conn, req, plan, frames
+        self.conn, self.req, self.plan, self.frames = conn, req, plan, frames
         self.i = 0
         self.handle: asyncio.Handle | None = None
-        self.state = "head"
+        self.state = GenState.HEAD
         self.role: bytes | None = None
         self.cl_tail = b""
         lim = [x for x in (plan.stall_after, plan.drop_after, plan.n) if x is not None and x >= 0]
@@ -55,23 +88,25 @@ class Gen:
         self.t0 = req.started_at + plan.head_delay + plan.ftd
 
     def start(self) -> None:
-        if self.p.head_delay > 0:
-            self.handle = self.c.loop.call_at(self.req.started_at + self.p.head_delay, self._head)
+        if self.plan.head_delay > 0:
+            self.handle = self.conn.loop.call_at(
+                self.req.started_at + self.plan.head_delay, self._head
+            )
         else:
             self._head()
 
     def cancel(self) -> None:
-        self.state = "done"
+        self.state = GenState.DONE
         if self.handle is not None:
             self.handle.cancel()
             self.handle = None
 
     def resume(self) -> None:
-        if self.state == "run" and self.handle is None:
-            self.handle = self.c.loop.call_soon(self._tick)
+        if self.state is GenState.RUN and self.handle is None:
+            self.handle = self.conn.loop.call_soon(self._tick)
 
-    def _tail_payloads(self, tm: dict) -> list[bytes]:
-        p, f = self.p, self.f
+    def _tail_payloads(self, tm: Timings) -> list[bytes]:
+        p, f = self.plan, self.frames
         n = p.n or 0
         parts = [
             f.stop_token_event(n, p.predicted_n, p.stop_word, p.eos, tm),
@@ -80,17 +115,17 @@ class Gen:
         ]
         return [x for x in parts if x]
 
-    def _tail(self, tm: dict) -> bytes:
+    def _tail(self, tm: Timings) -> bytes:
         parts = self._tail_payloads(tm)
-        if self.p.content_length:
+        if self.plan.content_length:
             return b"".join(parts)
         return b"".join(map(W.chunk, parts)) + W.TERMINATOR
 
     def _head(self) -> None:
         self.handle = None
-        p, f = self.p, self.f
+        p, f = self.plan, self.frames
         role = f.role_event()
-        keep = self.c._keep
+        keep = self.conn.keep_alive
         if p.content_length:
             n = p.n or 0
             self.cl_tail = self._tail(
@@ -98,7 +133,7 @@ class Gen:
             )
             length = f.body_len(n) + len(role or b"") + len(self.cl_tail)
             head = W.head(200, W.SSE_CT, length=length, sse=True, close=not keep)
-        elif f.kind == "octet" or not keep:
+        elif f.kind == Kind.OCTET or not keep:
             head = W.head(200, f.content_type, sse=True, close=not keep)
         else:
             head = W.SSE_HEAD
@@ -106,42 +141,43 @@ class Gen:
             head += role if p.content_length else W.chunk(role)
         else:
             self.role = role
-        self.c.transport.write(head)
-        self.state = "run"
+        self.conn.transport.write(head)
+        self.state = GenState.RUN
         self._tick()
 
     def _frame(self, i: int) -> bytes:
         if self.role is not None:
-            data, self.role = self.role + self.f.event(i), None
-            return data if self.p.content_length else W.chunk(data)
-        return self.f.event(i) if self.p.content_length else self.f.chunk(i)
+            data, self.role = self.role + self.frames.event(i), None
+            return data if self.plan.content_length else W.chunk(data)
+        return self.frames.event(i) if self.plan.content_length else self.frames.chunk(i)
 
     def _frames(self, i: int, j: int) -> bytes:
         """Content events i..j-1 in one write: `events_per_chunk` of them to a chunk."""
-        evs = [self.f.event(k) for k in range(i, j)]
+        evs = [self.frames.event(k) for k in range(i, j)]
         if self.role is not None:
             evs[0], self.role = self.role + evs[0], None
-        if self.p.content_length:
+        if self.plan.content_length:
             return b"".join(evs)
-        per = self.p.events_per_chunk
+        per = self.plan.events_per_chunk
         return b"".join(W.chunk(b"".join(evs[k : k + per])) for k in range(0, len(evs), per))
 
     def _tick(self) -> None:
         self.handle = None
-        c = self.c
-        if self.state != "run" or c.paused:
+        c = self.conn
+        if self.state is not _RUN or c.paused:
             return
         loop, tr, req, sim = c.loop, c.transport, self.req, c.sim
-        now, iv, t0, stop_at = loop.time() + 0.001, self.p.interval, self.t0, self.stop_at
+        now, iv, t0, stop_at = loop.time() + 0.001, self.plan.interval, self.t0, self.stop_at
         budget = 256
-        group = self.p.events_per_chunk * self.p.chunks_per_write  # events per write
+        # The events of one write; a group goes out when its last event is due.
+        group = self.plan.events_per_chunk * self.plan.chunks_per_write
         while True:
             i = self.i
             if i == stop_at:
                 self._boundary()
                 return
             j = i + group if stop_at is None else min(i + group, stop_at)
-            due = t0 + (j - 1) * iv  # a group goes out when its last event is due
+            due = t0 + (j - 1) * iv
             if due > now:
                 self.handle = loop.call_at(due, self._tick)
                 return
@@ -157,33 +193,41 @@ class Gen:
                 return
 
     def _boundary(self) -> None:
-        p, i = self.p, self.i
+        """The stop point is reached: drop the connection, stall (maybe inside the next
+        event), or send the tail and finish."""
+        p, i = self.plan, self.i
         if p.drop_after is not None and i == p.drop_after:
-            self.state = "done"
-            self.c.abort()
+            self.state = GenState.DONE
+            self.conn.abort()
             return
         if p.stall_after is not None and i == p.stall_after:
-            self.state = "stalled"
-            if p.mid_line or p.mid_chunk:
-                if p.n is None or i < p.n:
-                    nxt = (self.role or b"") + self.f.event(i)
-                else:
-                    nxt = (self._tail_payloads(self._timings()) or [b""])[0]
-                half = nxt[: len(nxt) // 2]
-                if not nxt:
-                    pass
-                elif p.content_length:
-                    self.c.transport.write(half)
-                elif p.mid_line:
-                    self.c.transport.write(W.chunk(half))
-                else:
-                    self.c.transport.write(b"%x\r\n" % len(nxt) + half)
+            self.state = GenState.STALLED
+            if p.stall_cut is not Cut.NONE:
+                self._cut_short(i)
             return
-        self.state = "done"
-        self.c.transport.write(self.cl_tail if p.content_length else self._tail(self._timings()))
+        self.state = GenState.DONE
+        self.conn.transport.write(self.cl_tail if p.content_length else self._tail(self._timings()))
         self.req.completion_tokens = p.predicted_n
-        self.c.finish_stream()
+        self.conn.finish_stream()
 
-    def _timings(self) -> dict:
-        ms = (self.c.loop.time() - self.t0) * 1000.0 if self.i else 0.0
-        return timings(self.p.prompt_n, self.p.predicted_n, ms)
+    def _cut_short(self, i: int) -> None:
+        """A stall's cut: half of what comes next (event i, or the tail's first event), inside
+        its ``data:`` line or its chunk."""
+        p = self.plan
+        if p.n is None or i < p.n:
+            nxt = (self.role or b"") + self.frames.event(i)
+        else:
+            nxt = (self._tail_payloads(self._timings()) or [b""])[0]
+        if not nxt:
+            return
+        half = nxt[: len(nxt) // 2]
+        if p.content_length:
+            self.conn.transport.write(half)
+        elif p.stall_cut is Cut.MID_LINE:
+            self.conn.transport.write(W.chunk(half))
+        else:
+            self.conn.transport.write(b"%x\r\n" % len(nxt) + half)
+
+    def _timings(self) -> Timings:
+        ms = (self.conn.loop.time() - self.t0) * 1000.0 if self.i else 0.0
+        return timings(self.plan.prompt_n, self.plan.predicted_n, ms)

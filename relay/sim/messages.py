@@ -17,10 +17,20 @@ from __future__ import annotations
 import msgspec
 
 from relay.sim.tinymodel import gen_text, token_text
-from relay.sim.wire import PiecedFrames, jdump, rand32, sse, text_chars
+from relay.sim.wire import (
+    Finish,
+    Json,
+    PiecedFrames,
+    Timings,
+    ToolCall,
+    jdump,
+    rand32,
+    sse,
+    text_chars,
+)
 
 
-def prompt_chars(body: dict) -> int:
+def prompt_chars(body: Json) -> int:
     """Characters of the prompt: the system text and every message's text."""
     total = text_chars(body.get("system"))
     msgs = body.get("messages")
@@ -30,36 +40,48 @@ def prompt_chars(body: dict) -> int:
     return total
 
 
-def _usage(prompt_n: int, output_n: int) -> dict:
+def _usage(prompt_n: int, output_n: int) -> dict[str, int]:
     return {"cache_read_input_tokens": 0, "input_tokens": prompt_n, "output_tokens": output_n}
 
 
-def stop_reason(finish: str, tool: bool) -> str:
-    if finish == "length":  # a call cut by the token limit too
+def stop_reason(finish: Finish, called: bool) -> str:
+    """Anthropic's ``stop_reason``: ``max_tokens`` when the token limit ended the answer (a
+    tool call it cut too), else ``tool_use`` when the answer `called` a tool, else
+    ``end_turn``."""
+    if finish == Finish.LENGTH:
         return "max_tokens"
-    return "tool_use" if tool else "end_turn"
+    return "tool_use" if called else "end_turn"
 
 
 class MessagesFrames(PiecedFrames):
     """One /v1/messages stream: ``text_n`` text tokens, then the tool call's argument pieces."""
 
-    __slots__ = ("_cache", "_pre", "id", "model", "pieces", "prompt_n", "text_n", "tool", "tool_id")
-
-    kind = "messages"
+    __slots__ = (
+        "_cache",
+        "_pre",
+        "id",
+        "model",
+        "pieces",
+        "prompt_n",
+        "text_n",
+        "tool_id",
+        "tool_name",
+    )
 
     def __init__(
         self,
         model: str,
         prompt_n: int,
         text_n: int | None = None,
-        tool: tuple[str, list[str]] | None = None,
+        tool: ToolCall | None = None,
         rid: str | None = None,
     ) -> None:
         self.model, self.prompt_n = model, prompt_n
         self.id = rid or "chatcmpl-" + rand32()
-        self.tool = tool[0] if tool else None
-        self.pieces = tool[1] if tool else []
-        self.text_n = text_n  # None: text only, however many tokens
+        self.tool_name = tool.name if tool else None
+        self.pieces = tool.pieces if tool else []
+        # None: text only, however many tokens.
+        self.text_n = text_n
         self.tool_id = rand32()
         self._cache: dict[int, bytes] = {}
         self._pre = (
@@ -104,14 +126,16 @@ class MessagesFrames(PiecedFrames):
             ),
         )
         if k == 0:
-            block = {"type": "tool_use", "id": self.tool_id, "name": self.tool}
+            block = {"type": "tool_use", "id": self.tool_id, "name": self.tool_name}
             start = {"type": "content_block_start", "index": index, "content_block": block}
             ev = sse(b"content_block_start", jdump(start)) + ev
         return ev
 
     def final_events(
-        self, n: int, predicted_n: int, finish: str, tm: dict, stop_word: str | None
+        self, n: int, predicted_n: int, finish: Finish, tm: Timings, stop_word: str | None
     ) -> bytes:
+        """The last events: every block's stop, the message's delta and its stop (a Messages
+        stream carries no ``timings``: `tm` is unused)."""
         text_n = n if self.text_n is None else min(n, self.text_n)
         blocks = (text_n > 0) + (n > text_n)
         out = b"".join(
@@ -146,14 +170,14 @@ def nonstream_body(
     prompt_n: int,
     n: int,
     predicted_n: int,
-    finish: str,
+    finish: Finish,
     stop_word: str | None,
     text_n: int | None = None,
-    tool: tuple[str, list[str]] | None = None,
+    tool: ToolCall | None = None,
 ) -> bytes:
     """A non-streamed /v1/messages answer (no ``timings``)."""
     tn = n if text_n is None else min(n, text_n)
-    content: list[dict] = []
+    content: list[Json] = []
     if tn > 0:
         content.append({"type": "text", "text": gen_text(tn, True)})
     if tool is not None and n > tn:
@@ -161,8 +185,8 @@ def nonstream_body(
             {
                 "type": "tool_use",
                 "id": rand32(),
-                "name": tool[0],
-                "input": tool_input(tool[1], n - tn),
+                "name": tool.name,
+                "input": tool_input(tool.pieces, n - tn),
             }
         )
     return jdump(

@@ -10,6 +10,8 @@ the text routes, the errors of a Messages or Responses request it cannot take).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
+from typing import NamedTuple
 
 from relay.sim import messages as M
 from relay.sim import responses as R
@@ -17,91 +19,134 @@ from relay.sim.completion import generation_settings
 from relay.sim.shapes import SHAPES
 from relay.sim.state import SimDefaults
 from relay.sim.tinymodel import DEFAULT_TOOL_ARGS, arg_pieces, stop_match, stop_words
-from relay.sim.wire import error_body, jdump
+from relay.sim.wire import (
+    Finish,
+    Json,
+    Kind,
+    Route,
+    Shape,
+    ToolCall,
+    error_body,
+    jdump,
+    json_iter,
+    text_chars,
+)
 
-API_KINDS = ("messages", "responses")  # Anthropic Messages, OpenAI Responses
-# the body fields holding the token limit, the first one present wins (llama-server: the
-# native /completion knows no max_tokens alias; /v1/messages reads max_tokens only; the
-# Responses API's max_output_tokens comes before max_tokens but after n_predict)
+# Anthropic Messages and OpenAI Responses: chat-style text, and the tool_call knob.
+API_KINDS = (Kind.MESSAGES, Kind.RESPONSES)
+# The body fields holding the token limit, the first one present wins. In llama-server the
+# native /completion knows no max_tokens alias, /v1/messages reads max_tokens only, and the
+# Responses API's max_output_tokens comes before max_tokens but after n_predict.
 _LIMIT_FIELDS = {
-    "native": ("n_predict", "max_tokens"),
-    "messages": ("max_tokens",),
-    "responses": ("n_predict", "max_output_tokens", "max_tokens", "max_completion_tokens"),
+    Kind.NATIVE: ("n_predict", "max_tokens"),
+    Kind.MESSAGES: ("max_tokens",),
+    Kind.RESPONSES: ("n_predict", "max_output_tokens", "max_tokens", "max_completion_tokens"),
 }
 _CHAT_LIMITS = ("n_predict", "max_tokens", "max_completion_tokens")
 _JSON_TYPES: dict[type, str] = {str: "string", list: "array", dict: "object"}
 
 
-@dataclass
-class Plan:
-    """What to send for one generation request (derived from the body and the "sim" knobs)."""
+class Cut(Enum):
+    """Where a stall stops the bytes: after the last whole event, inside the next event's
+    ``data:`` line (in a whole chunk), or inside the next chunk (its size line sent)."""
 
-    kind: str
+    NONE = "none"
+    MID_LINE = "mid_line"
+    MID_CHUNK = "mid_chunk"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What to send for one generation request (derived from the body and the "sim" knobs).
+
+    `n` is the content events to send, None for a chatty (endless) stream. `eos` sends an EOS
+    token event before the final one (a knob on the text route, the default on the native
+    one). `stop_word` is the stop string that ended generation (its token is not sent as
+    text). `settings` and `prompt` are the native final event's generation_settings and
+    "prompt". `shape` is whose chat chunks (shapes.py); `events_per_chunk` content events are
+    coalesced in a chunk (as some servers do), and `chunks_per_write` chunks go in one write
+    (so several reach the peer in one read). `error_event` makes a 200 stream holding only an
+    {"error": ...} event. With the tool_call knob (Messages and Responses), `text_n` text
+    tokens (None: text only) come before the `tool` call's argument pieces, one event each.
+    """
+
+    kind: Kind
     stream: bool
-    n: int | None  # content events; None = chatty (endless)
+    n: int | None
     predicted_n: int
-    finish: str
+    finish: Finish
     prompt_n: int
     interval: float
     ftd: float
     head_delay: float
     stall_after: int | None = None
-    mid_line: bool = False
-    mid_chunk: bool = False
+    stall_cut: Cut = Cut.NONE
     drop_after: int | None = None
     content_length: bool = False
-    eos: bool = False  # an EOS token event before the final one (text: knob; native: default)
-    stop_word: str | None = (
-        None  # the stop string that ended generation (its token is not sent as text)
-    )
-    settings: dict | None = None  # native: generation_settings of the final event
-    prompt: str = ""  # native: "prompt" of the final event
-    shape: str = "llama"  # chat chunks: "llama", "vllm" or "openai" (shapes.py)
-    events_per_chunk: int = 1  # content events per chunk (coalesced, as some servers do)
-    chunks_per_write: int = 1  # chunks per write (so several reach the peer in one read)
-    error_event: bool = False  # a 200 stream holding only an {"error": ...} event
-    # messages / responses with the tool_call knob: text tokens before the call (None: text
-    # only), and the call (name, argument pieces: one event each after the text)
+    eos: bool = False
+    stop_word: str | None = None
+    settings: Json | None = None
+    prompt: str = ""
+    shape: Shape = Shape.LLAMA
+    events_per_chunk: int = 1
+    chunks_per_write: int = 1
+    error_event: bool = False
     text_n: int | None = None
-    tool: tuple[str, list[str]] | None = None
+    tool: ToolCall | None = None
 
 
-def as_int(v) -> int | None:
+class ErrorReply(NamedTuple):
+    """The error answer the ``status`` knob asks for, `delay` seconds before its head."""
+
+    status: int
+    delay: float
+
+
+class Refusal(NamedTuple):
+    """The answer llama-server gives a request it cannot take: its status and JSON body."""
+
+    status: int
+    body: bytes
+
+
+def as_int(v: object) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-def as_num(v, default: float) -> float:
+def as_num(v: object, default: float) -> float:
     return (
         float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 else default
     )
 
 
-def knobs_of(body: dict) -> dict:
+def knobs_of(body: Json) -> Json:
     """The request's ``"sim"`` object (its knobs), or {}."""
-    sim = body.get("sim")
-    return sim if isinstance(sim, dict) else {}
+    knobs = body.get("sim")
+    return knobs if isinstance(knobs, dict) else {}
 
 
-def error_reply(body: dict, d: SimDefaults) -> tuple[int, float] | None:
-    """The ``status`` knob: (status, seconds before the head) of an error answer, else None."""
+def error_reply(body: Json, d: SimDefaults) -> ErrorReply | None:
+    """The ``status`` knob: the error answer to give, else None."""
     knobs = knobs_of(body)
     status = as_int(knobs.get("status"))
     if status is None or status < 400:
         return None
-    return status, as_num(knobs.get("head_delay_ms"), d.head_delay_ms) / 1000.0
+    return ErrorReply(status, as_num(knobs.get("head_delay_ms"), d.head_delay_ms) / 1000.0)
 
 
-def request_error(route: str, body: dict) -> tuple[int, bytes] | None:
+def request_error(route: Route, body: Json) -> Refusal | None:
     """What llama-server answers a Messages or Responses request it cannot take, else None."""
-    if route in ("messages", "count_tokens"):
+    if route in (Route.MESSAGES, Route.COUNT_TOKENS):
         if "messages" not in body:
-            return 500, error_body(500, "'messages' is required", "server_error")
+            return Refusal(500, error_body(500, "'messages' is required", "server_error"))
         field = "max_tokens"
-    elif route in ("responses", "input_tokens"):
+    elif route in (Route.RESPONSES, Route.INPUT_TOKENS):
         if "input" not in body:
-            return 400, error_body(400, "'input' is required")
+            return Refusal(400, error_body(400, "'input' is required"))
         if "previous_response_id" in body:
-            return 400, error_body(400, "llama.cpp does not support 'previous_response_id'.")
+            return Refusal(
+                400, error_body(400, "llama.cpp does not support 'previous_response_id'.")
+            )
         field = "max_output_tokens"
     else:
         return None
@@ -109,15 +154,15 @@ def request_error(route: str, body: dict) -> tuple[int, bytes] | None:
     if typ is None:
         return None
     msg = f"Field 'max_tokens': [json.exception.type_error.302] type must be number, but is {typ}"
-    return 400, error_body(400, msg)
+    return Refusal(400, error_body(400, msg))
 
 
-def prompt_n(kind: str, body: dict) -> int:
+def prompt_n(kind: Kind, body: Json) -> int:
     """The prompt's tokens as the simulator counts them: a token per 4 characters."""
     return max(1, _prompt_chars(kind, body) // 4)
 
 
-def _first_tool(body: dict) -> str | None:
+def _first_tool(body: Json) -> str | None:
     tools = body.get("tools")
     for t in tools if isinstance(tools, list) else ():
         if isinstance(t, dict):
@@ -128,8 +173,8 @@ def _first_tool(body: dict) -> str | None:
     return None
 
 
-def tool_call(body: dict, knob) -> tuple[str, list[str]] | None:
-    """The ``tool_call`` knob: (name, argument pieces) of the call to make, or None.
+def tool_call(body: Json, knob: object) -> ToolCall | None:
+    """The ``tool_call`` knob: the call to make, or None.
 
     ``true``: the request's first tool (else ``get_weather``) with ``{"city": "Paris"}`` in
     runs of word / other characters; an object may set ``name``, ``arguments`` (a JSON text,
@@ -145,123 +190,141 @@ def tool_call(body: dict, knob) -> tuple[str, list[str]] | None:
         args = jdump(args).decode()
     k = as_int(spec.get("pieces"))
     if k is None or k < 1 or not args:
-        return name, arg_pieces(args)
+        return ToolCall(name, arg_pieces(args))
     size = -(-len(args) // k)
-    return name, [args[j : j + size] for j in range(0, len(args), size)]
+    return ToolCall(name, [args[j : j + size] for j in range(0, len(args), size)])
 
 
-def _prompt_chars(kind: str, body: dict) -> int:
-    if kind == "messages":
+def _prompt_chars(kind: Kind, body: Json) -> int:
+    if kind == Kind.MESSAGES:
         return M.prompt_chars(body)
-    if kind == "responses":
+    if kind == Kind.RESPONSES:
         return R.prompt_chars(body)
-    if kind == "chat":
-        total = 0
-        for m in body.get("messages") or ():
-            c = m.get("content") if isinstance(m, dict) else None
-            if isinstance(c, str):
-                total += len(c)
-            elif isinstance(c, list):
-                total += sum(len(p.get("text") or "") for p in c if isinstance(p, dict))
-        return total
+    if kind == Kind.CHAT:
+        messages = json_iter(body.get("messages") or ())
+        return sum(text_chars(m.get("content")) for m in messages if isinstance(m, dict))
     p = body.get("prompt")
     if isinstance(p, list):
         return sum(len(x) if isinstance(x, str) else 4 for x in p)
     return len(p) if isinstance(p, str) else 0
 
 
-def _count(v, default: int) -> int:
-    v = as_int(v)
-    return v if v is not None and 1 <= v <= 4096 else default
+def _count(v: object, default: int) -> int:
+    n = as_int(v)
+    return n if n is not None and 1 <= n <= 4096 else default
 
 
-def make_plan(kind: str, body: dict, d: SimDefaults) -> Plan:
-    """The plan of a generation request on route ``kind``, from its body and the defaults."""
-    sim = knobs_of(body)
-    # llama-server: n_predict if given, else max_tokens (max_completion_tokens on the OpenAI
-    # routes; the native /completion knows no such alias, and no route reads
-    # max_output_tokens but the Responses API); the first one present wins, and a negative
-    # one means no limit
-    limit = None
+def _token_limit(kind: Kind, body: Json) -> int | None:
+    """The request's token limit, None for none.
+
+    As llama-server reads it: n_predict if given, else max_tokens (max_completion_tokens on
+    the OpenAI routes; the native /completion knows no such alias, and no route reads
+    max_output_tokens but the Responses API). The first one present wins, and a negative one
+    means no limit."""
     for k in _LIMIT_FIELDS.get(kind, _CHAT_LIMITS):
         v = as_int(body.get(k))
         if v is not None:
-            limit = v if v >= 0 else None
-            break
-    n = as_int(sim.get("tokens"))
-    if n is not None and n >= 0:
-        finish = "length" if limit is not None and limit <= n else "stop"
-        n = min(n, limit) if limit is not None else n
-    elif limit is not None:
-        n, finish = limit, "length"
-    else:
-        n, finish = d.tokens, "stop"
+            return v if v >= 0 else None
+    return None
+
+
+def _length(tokens: int | None, limit: int | None, default: int) -> tuple[int, Finish]:
+    """How many tokens to generate and why they end: the ``tokens`` knob (capped by the
+    limit), else the limit, else the server's default."""
+    if tokens is not None and tokens >= 0:
+        finish = Finish.LENGTH if limit is not None and limit <= tokens else Finish.STOP
+        return (min(tokens, limit) if limit is not None else tokens), finish
+    if limit is not None:
+        return limit, Finish.LENGTH
+    return default, Finish.STOP
+
+
+def _native_final(body: Json, limit: int | None) -> tuple[Json, str]:
+    """The native final event's generation_settings and "prompt" (a list prompt's strings
+    joined, after the BOS text)."""
+    settings = generation_settings(
+        stop_words(body.get("stop")), -1 if limit is None else limit, body.get("stream") is True
+    )
+    p = body.get("prompt")
+    if isinstance(p, list):
+        p = "".join(x for x in p if isinstance(x, str))
+    return settings, "<s> " + p if isinstance(p, str) else ""
+
+
+def make_plan(kind: Kind, body: Json, d: SimDefaults) -> Plan:
+    """The plan of a generation request on route ``kind``, from its body and the defaults."""
+    knobs = knobs_of(body)
+    limit = _token_limit(kind, body)
+    n: int | None
+    n, finish = _length(as_int(knobs.get("tokens")), limit, d.tokens)
     predicted = n
-    chat = kind == "chat" or kind in API_KINDS  # chat-style text (starts "Hello")
-    stop = body.get("stop_sequences" if kind == "messages" else "stop")
-    sm = stop_match(stop, n, chat)
+    # The chat routes' text starts "Hello".
+    chat = kind == Kind.CHAT or kind in API_KINDS
+    sm = stop_match(body.get("stop_sequences" if kind == Kind.MESSAGES else "stop"), n, chat)
     word = None
     if sm is not None:
-        (n, word), predicted, finish = sm, sm[0] + 1, "stop"
-    if sim.get("body_kind") == "octet":
-        kind = "octet"
-    cl = bool(sim.get("content_length_stream"))
+        n, word, predicted, finish = sm.index, sm.word, sm.index + 1, Finish.STOP
+    if knobs.get("body_kind") == "octet":
+        kind = Kind.OCTET
+    cl = bool(knobs.get("content_length_stream"))
     # Real llama-server sends the EOS token as an empty event on /v1/completions and /completion
     # (not on chat); the tiny model's text never ends on its own, so the "tokens" knob stands for
     # "the model stopped after N tokens" and an EOS event is opt-in for text, default for native.
     eos = (
-        kind in ("text", "native")
-        and finish == "stop"
+        kind in (Kind.TEXT, Kind.NATIVE)
+        and finish == Finish.STOP
         and sm is None
-        and bool(sim.get("eos_event", kind == "native"))
+        and bool(knobs.get("eos_event", kind == Kind.NATIVE))
     )
     if eos:
         predicted += 1
-    settings, prompt = None, ""
-    if kind == "native":
-        settings = generation_settings(
-            stop_words(body.get("stop")), -1 if limit is None else limit, body.get("stream") is True
-        )
-        p = body.get("prompt")
-        if isinstance(p, list):
-            p = "".join(x for x in p if isinstance(x, str))
-        prompt = "<s> " + p if isinstance(p, str) else ""
-    interval = as_num(sim.get("interval_ms"), d.interval_ms) / 1000.0
-    chatty = bool(sim.get("chatty")) and not cl
+    settings, prompt = _native_final(body, limit) if kind == Kind.NATIVE else (None, "")
+    interval = as_num(knobs.get("interval_ms"), d.interval_ms) / 1000.0
+    chatty = bool(knobs.get("chatty")) and not cl
     if chatty:
         n, interval = None, interval or 0.01
-    tool = tool_call(body, sim.get("tool_call")) if kind in API_KINDS and not chatty else None
+    tool = tool_call(body, knobs.get("tool_call")) if kind in API_KINDS and not chatty else None
     text_n = None
-    if tool is not None:  # the text the tokens knob asks for (none by default), then the call
-        t = as_int(sim.get("tokens"))
+    if tool is not None:
+        # The text the tokens knob asks for (none by default), then the call.
+        t = as_int(knobs.get("tokens"))
         text_n = t if t is not None and t >= 0 else 0
-        n = text_n + len(tool[1])
-        finish, word = ("length", None) if limit is not None and limit < n else ("stop", None)
+        n = text_n + len(tool.pieces)
+        finish = Finish.LENGTH if limit is not None and limit < n else Finish.STOP
+        word = None
         n = predicted = n if limit is None else min(n, limit)
-    shape = sim.get("shape", d.shape)
+    shape = knobs.get("shape", d.shape)
     return Plan(
         kind=kind,
-        stream=body.get("stream") is True or chatty or kind == "octet" or cl,
+        stream=body.get("stream") is True or chatty or kind == Kind.OCTET or cl,
         n=n,
         predicted_n=predicted,
         finish=finish,
         prompt_n=prompt_n(kind, body),
         interval=interval,
-        ftd=as_num(sim.get("first_token_delay_ms"), d.first_token_delay_ms) / 1000.0,
-        head_delay=as_num(sim.get("head_delay_ms"), d.head_delay_ms) / 1000.0,
-        stall_after=as_int(sim.get("stall_after")),
-        mid_line=bool(sim.get("stall_mid_line")),
-        mid_chunk=bool(sim.get("stall_mid_chunk")),
-        drop_after=as_int(sim.get("drop_after")),
+        ftd=as_num(knobs.get("first_token_delay_ms"), d.first_token_delay_ms) / 1000.0,
+        head_delay=as_num(knobs.get("head_delay_ms"), d.head_delay_ms) / 1000.0,
+        stall_after=as_int(knobs.get("stall_after")),
+        stall_cut=_cut(knobs),
+        drop_after=as_int(knobs.get("drop_after")),
         content_length=cl,
         eos=eos,
         stop_word=word,
         settings=settings,
         prompt=prompt,
-        shape=shape if shape in SHAPES else d.shape,
-        events_per_chunk=_count(sim.get("events_per_chunk"), d.events_per_chunk),
-        chunks_per_write=_count(sim.get("chunks_per_write"), d.chunks_per_write),
-        error_event=bool(sim.get("error_event")),
+        shape=Shape(shape) if shape in SHAPES else d.shape,
+        events_per_chunk=_count(knobs.get("events_per_chunk"), d.events_per_chunk),
+        chunks_per_write=_count(knobs.get("chunks_per_write"), d.chunks_per_write),
+        error_event=bool(knobs.get("error_event")),
         text_n=text_n,
         tool=tool,
     )
+
+
+def _cut(knobs: Json) -> Cut:
+    """The stall knobs' cut: mid-line wins when both are set."""
+    if knobs.get("stall_mid_line"):
+        return Cut.MID_LINE
+    if knobs.get("stall_mid_chunk"):
+        return Cut.MID_CHUNK
+    return Cut.NONE

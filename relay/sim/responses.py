@@ -18,10 +18,20 @@ from __future__ import annotations
 import time
 
 from relay.sim.tinymodel import gen_text, token_text
-from relay.sim.wire import PiecedFrames, jdump, rand32, sse, text_chars
+from relay.sim.wire import (
+    Finish,
+    Json,
+    PiecedFrames,
+    Timings,
+    ToolCall,
+    jdump,
+    rand32,
+    sse,
+    text_chars,
+)
 
 
-def prompt_chars(body: dict) -> int:
+def prompt_chars(body: Json) -> int:
     """Characters of the prompt: the instructions and the input's text."""
     total = text_chars(body.get("instructions"))
     inp = body.get("input")
@@ -35,7 +45,7 @@ def prompt_chars(body: dict) -> int:
     return total
 
 
-def usage(prompt_n: int, output_n: int) -> dict:
+def _usage(prompt_n: int, output_n: int) -> Json:
     return {
         "input_tokens": prompt_n,
         "output_tokens": output_n,
@@ -44,11 +54,11 @@ def usage(prompt_n: int, output_n: int) -> dict:
     }
 
 
-def _part(text: str) -> dict:
+def _part(text: str) -> Json:
     return {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
 
 
-def _fc_item(fid: str, arguments: str, name: str) -> dict:
+def _fc_item(fid: str, arguments: str, name: str) -> Json:
     return {
         "id": "fc_" + fid,
         "type": "function_call",
@@ -74,18 +84,16 @@ class ResponsesFrames(PiecedFrames):
         "pieces",
         "prompt_n",
         "text_n",
-        "tool",
+        "tool_name",
     )
-
-    kind = "responses"
 
     def __init__(
         self,
         model: str,
         prompt_n: int,
         text_n: int | None = None,
-        tool: tuple[str, list[str]] | None = None,
-        first_timings: dict | None = None,
+        tool: ToolCall | None = None,
+        first_timings: Timings | None = None,
         rid: str | None = None,
     ) -> None:
         self.model, self.prompt_n = model, prompt_n
@@ -93,10 +101,12 @@ class ResponsesFrames(PiecedFrames):
         self.msg_id = "msg_" + rand32()
         self.fid = rand32()
         self.created = int(time.time())
-        self.tool = tool[0] if tool else None
-        self.pieces = tool[1] if tool else []
-        self.text_n = text_n  # None: text only, however many tokens
-        self.first_timings = first_timings  # an empty answer: in_progress carries timings
+        self.tool_name = tool.name if tool else None
+        self.pieces = tool.pieces if tool else []
+        # None: text only, however many tokens.
+        self.text_n = text_n
+        # Set for an empty answer, whose in_progress event carries the timings.
+        self.first_timings = first_timings
         self._cache: dict[int, bytes] = {}
         self._pre = (
             b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
@@ -105,7 +115,7 @@ class ResponsesFrames(PiecedFrames):
 
     def role_event(self) -> bytes:
         head = {"id": self.id, "object": "response", "status": "in_progress"}
-        prog: dict = {"type": "response.in_progress", "response": head}
+        prog: Json = {"type": "response.in_progress", "response": head}
         if self.first_timings is not None:
             prog["timings"] = self.first_timings
         return sse(
@@ -149,7 +159,7 @@ class ResponsesFrames(PiecedFrames):
                 "id": "fc_" + self.fid,
                 "arguments": "",
                 "call_id": "call_" + self.fid,
-                "name": self.tool,
+                "name": self.tool_name,
                 "type": "function_call",
                 "status": "in_progress",
             }
@@ -158,13 +168,16 @@ class ResponsesFrames(PiecedFrames):
         return ev
 
     def final_events(
-        self, n: int, predicted_n: int, finish: str, tm: dict, stop_word: str | None
+        self, n: int, predicted_n: int, finish: Finish, tm: Timings, stop_word: str | None
     ) -> bytes:
+        """The last events: the text's and the call's done events, then ``response.completed``
+        (`finish` and `stop_word` do not show in a Responses stream)."""
         text_n = n if self.text_n is None else min(n, self.text_n)
-        out, output = b"", []
+        out = b""
+        output: list[Json] = []
         if text_n > 0:
             text = gen_text(text_n, True)
-            item = {
+            item: Json = {
                 "type": "message",
                 "status": "completed",
                 "id": self.msg_id,
@@ -186,8 +199,8 @@ class ResponsesFrames(PiecedFrames):
                     jdump({"type": "response.output_item.done", "item": item}),
                 )
             )
-        if self.tool is not None and n > text_n:
-            fc = _fc_item(self.fid, "".join(self.pieces[: n - text_n]), self.tool)
+        if self.tool_name is not None and n > text_n:
+            fc = _fc_item(self.fid, "".join(self.pieces[: n - text_n]), self.tool_name)
             output.append(fc)
             out += sse(
                 b"response.output_item.done",
@@ -200,7 +213,7 @@ class ResponsesFrames(PiecedFrames):
             "status": "completed",
             "model": self.model,
             "output": output,
-            "usage": usage(self.prompt_n, predicted_n),
+            "usage": _usage(self.prompt_n, predicted_n),
         }
         done_ev = {"type": "response.completed", "response": resp, "timings": tm}
         return out + sse(b"response.completed", jdump(done_ev))
@@ -212,11 +225,11 @@ def nonstream_body(
     n: int,
     predicted_n: int,
     text_n: int | None = None,
-    tool: tuple[str, list[str]] | None = None,
+    tool: ToolCall | None = None,
 ) -> bytes:
     """A non-streamed /v1/responses answer (sorted keys, no ``timings``)."""
     tn = n if text_n is None else min(n, text_n)
-    output: list[dict] = []
+    output: list[Json] = []
     if tn > 0:
         output.append(
             {
@@ -228,7 +241,7 @@ def nonstream_body(
             }
         )
     if tool is not None and n > tn:
-        output.append(_fc_item(rand32(), "".join(tool[1][: n - tn]), tool[0]))
+        output.append(_fc_item(rand32(), "".join(tool.pieces[: n - tn]), tool.name))
     now = int(time.time())
     return jdump(
         {
@@ -239,7 +252,7 @@ def nonstream_body(
             "object": "response",
             "output": output,
             "status": "completed",
-            "usage": usage(prompt_n, predicted_n),
+            "usage": _usage(prompt_n, predicted_n),
         }
     )
 

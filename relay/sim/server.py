@@ -32,7 +32,8 @@ class Simulator(SimState):
     ) -> None:
         super().__init__(defaults)
         self.host, self.port = host, port
-        self.ssl = ssl  # served over TLS when set (connections_opened then counts handshakes)
+        # Served over TLS when set (connections_opened then counts handshakes).
+        self.ssl = ssl
         self._server: asyncio.AbstractServer | None = None
 
     @property

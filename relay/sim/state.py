@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from relay.sim.wire import Json, Shape
+
 
 @dataclass
 class SimDefaults:
@@ -22,19 +24,24 @@ class SimDefaults:
     interval_ms: float = 0.0
     first_token_delay_ms: float = 0.0
     head_delay_ms: float = 0.0
-    keep_streams: bool = False  # keep the connection after a stream (as hosted APIs do)
-    shape: str = "llama"  # chat chunks: llama-server's, vLLM's or OpenAI's (shapes.py)
+    # Keep the connection after a stream (as hosted APIs do), not close it.
+    keep_streams: bool = False
+    # Chat chunks in llama-server's, vLLM's or OpenAI's shape (shapes.py).
+    shape: Shape = Shape.LLAMA
     events_per_chunk: int = 1
     chunks_per_write: int = 1
 
 
 @dataclass(eq=False)
 class SimRequest:
+    """One request as the simulator saw it; `is_generation` marks one that counts in
+    SimState.active_generations until it is `closed`."""
+
     method: str
     path: str
     headers: list[tuple[bytes, bytes]]
     body: bytes
-    json: dict | None = None
+    json: Json | None = None
     started_at: float = 0.0
     tokens_sent: int = 0
     completion_tokens: int | None = None
@@ -42,7 +49,7 @@ class SimRequest:
     peer_closed_at: float | None = None
     status: int | None = None
     closed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
-    _gen: bool = field(default=False, repr=False)
+    is_generation: bool = field(default=False, repr=False)
 
 
 class Connection(Protocol):
@@ -52,13 +59,17 @@ class Connection(Protocol):
 
 
 class SimState:
-    """The switches, counters, requests and connections of one simulator (server.Simulator)."""
+    """The switches, counters, requests and connections of one simulator (server.Simulator).
+
+    `loading` answers 503 "Loading model" on generation, health and embeddings; `parallel`
+    is the slots /props, /slots and /metrics' requests_processing report; an idle connection
+    stays open `keepalive_timeout` seconds."""
 
     def __init__(self, defaults: SimDefaults | None = None) -> None:
         self.defaults = defaults or SimDefaults()
-        self.loading = False  # 503 "Loading model" on generation, health and embeddings
-        self.parallel = 2  # slots: /props, /slots, /metrics requests_processing
-        self.keepalive_timeout = 5.0  # s an idle connection stays open
+        self.loading = False
+        self.parallel = 2
+        self.keepalive_timeout = 5.0
         self.requests: list[SimRequest] = []
         self.tokens_sent_total = 0
         self.prompt_tokens_total = 0
@@ -71,6 +82,16 @@ class SimState:
     @property
     def open_connections(self) -> int:
         return len(self._conns)
+
+    def track(self, conn: Connection) -> None:
+        """A connection opened: counted, and aborted by Simulator.stop while it stays open."""
+        self.connections_opened += 1
+        self._conns.add(conn)
+
+    def untrack(self, conn: Connection) -> None:
+        """A connection closed: counted, and no longer held."""
+        self._conns.discard(conn)
+        self.connections_closed += 1
 
     def metrics_values(self) -> dict[str, float]:
         busy = self.active_generations

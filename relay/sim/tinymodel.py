@@ -9,8 +9,10 @@ with the real server's output types. Pure functions, no I/O.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
-FINGERPRINT = "b0-unknown"  # the llama.cpp build it reports (system_fingerprint, build_info)
+# The llama.cpp build it reports (system_fingerprint, build_info).
+FINGERPRINT = "b0-unknown"
 CYCLE = (" Hello", " from", " a", " tiny", " llama", ".")
 TOKEN_IDS = {
     "Hello": 300,
@@ -22,10 +24,12 @@ TOKEN_IDS = {
     ".": 31,
 }
 ID_TO_PIECE = {v: k for k, v in TOKEN_IDS.items()}
-EOS_ID = 2  # "</s>" of the tiny model: sent as its own (empty-content) native event
+# "</s>" of the tiny model: sent as its own (empty-content) native event.
+EOS_ID = 2
 N_VOCAB = 388
 N_CTX = 2048
-DEFAULT_TOOL_ARGS = '{"city": "Paris"}'  # a tool call's arguments (the captures' call)
+# A tool call's arguments (the captures' call).
+DEFAULT_TOOL_ARGS = '{"city": "Paris"}'
 _PIECES = re.compile(r"\w+|\W+")
 
 
@@ -47,7 +51,15 @@ def arg_pieces(arguments: str) -> list[str]:
     return _PIECES.findall(arguments) or [arguments]
 
 
-def stop_words(stop) -> list[str]:
+@dataclass(frozen=True, slots=True)
+class StopMatch:
+    """The generated token whose text holds a stop string: its index and that string."""
+
+    index: int
+    word: str
+
+
+def stop_words(stop: object) -> list[str]:
     """The request's stop strings (``stop`` may be a string or a list)."""
     if isinstance(stop, str):
         stop = [stop]
@@ -56,8 +68,8 @@ def stop_words(stop) -> list[str]:
     return [s for s in stop if isinstance(s, str) and s]
 
 
-def stop_match(stop, n: int, chat: bool) -> tuple[int, str] | None:
-    """(index, word) of the first token (< n) whose text contains a stop string, else None."""
+def stop_match(stop: object, n: int, chat: bool) -> StopMatch | None:
+    """The first token (< n) whose text contains a stop string, else None."""
     words = stop_words(stop)
     if not words:
         return None
@@ -65,14 +77,8 @@ def stop_match(stop, n: int, chat: bool) -> tuple[int, str] | None:
         t = token_text(i, chat)
         for w in words:
             if w in t:
-                return i, w
+                return StopMatch(i, w)
     return None
-
-
-def stop_index(stop, n: int, chat: bool) -> int | None:
-    """Index of the first token (< n) whose text contains a stop string, else None."""
-    m = stop_match(stop, n, chat)
-    return None if m is None else m[0]
 
 
 def tokenize(text: str) -> list[int]:
@@ -85,7 +91,7 @@ def tokenize(text: str) -> list[int]:
     return [sum(data[k * step : (k + 1) * step]) % N_VOCAB for k in range(n)]
 
 
-def detokenize(ids: list) -> str:
+def detokenize(ids: list[object]) -> str:
     return "".join(ID_TO_PIECE.get(t, "") if isinstance(t, int) else "" for t in ids)
 
 

@@ -1,7 +1,10 @@
 """What every simulator response is made of: the head, chunked framing, fixed events, errors.
 
 Also what the Anthropic Messages and OpenAI Responses builders share: named SSE events,
-llama-server's 32-character ids, the prompt's text length, and `PiecedFrames`.
+llama-server's 32-character ids, the prompt's text length, and `PiecedFrames`; and the names
+the modules above pass each other: `Route` (what a request asks for), `Kind` (what a
+generation's body is made of), `Shape` (whose chat chunks), `Finish` (why it ended),
+`ToolCall` and `Timings`.
 
 Pure byte builders in llama-server's wire shape (see the captures in the shared fixtures):
 its header set and order, HTTP chunk framing, the fixed SSE events (``[DONE]``, the error
@@ -12,12 +15,19 @@ from __future__ import annotations
 
 import random
 import string
+from collections.abc import Iterable
+from enum import StrEnum
 from http import HTTPStatus
+from typing import NamedTuple, TypedDict
 
 import msgspec
 
 _enc = msgspec.json.Encoder()
 jdump = _enc.encode
+
+# A JSON object as msgspec decodes a request body: any JSON under its keys, so every value is
+# checked before use.
+Json = dict[str, object]
 
 JSON_CT = b"application/json; charset=utf-8"
 SSE_CT = b"text/event-stream"
@@ -45,6 +55,76 @@ ERROR_MESSAGES = {
     500: "Internal server error (simulated)",
     503: "Loading model",
 }
+
+
+class Route(StrEnum):
+    """What a request asks for, as conn.py's table names its method and path."""
+
+    HEALTH = "health"
+    MODELS = "models"
+    PROPS = "props"
+    SLOTS = "slots"
+    METRICS = "metrics"
+    CHAT = "chat"
+    TEXT = "text"
+    NATIVE = "native"
+    MESSAGES = "messages"
+    COUNT_TOKENS = "count_tokens"
+    RESPONSES = "responses"
+    INPUT_TOKENS = "input_tokens"
+    TOKENIZE = "tokenize"
+    DETOKENIZE = "detokenize"
+    EMBEDDINGS = "embeddings"
+
+
+class Kind(StrEnum):
+    """What a generation's body is made of: its route's events (each generation route has the
+    kind of its name), or the binary blobs the ``body_kind`` knob asks for."""
+
+    CHAT = "chat"
+    TEXT = "text"
+    NATIVE = "native"
+    MESSAGES = "messages"
+    RESPONSES = "responses"
+    OCTET = "octet"
+
+
+class Shape(StrEnum):
+    """Whose chat chunks a stream is made of: llama-server's, vLLM's or OpenAI's (shapes.py)."""
+
+    LLAMA = "llama"
+    VLLM = "vllm"
+    OPENAI = "openai"
+
+
+class Finish(StrEnum):
+    """Why a generation ended, as ``finish_reason`` writes it: the model stopped (on its own or
+    on a stop word), or the token limit cut it."""
+
+    STOP = "stop"
+    LENGTH = "length"
+
+
+class ToolCall(NamedTuple):
+    """The tool call a Messages or Responses generation makes: the tool's name, and its
+    arguments' text in the pieces that stream one event each."""
+
+    name: str
+    pieces: list[str]
+
+
+class Timings(TypedDict):
+    """llama-server's ``timings`` object, in its key order (completion.timings builds it)."""
+
+    cache_n: int
+    prompt_n: int
+    prompt_ms: float
+    prompt_per_token_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_token_ms: float
+    predicted_per_second: float
 
 
 def reason(status: int) -> bytes:
@@ -84,7 +164,7 @@ def chunk(payload: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(payload), payload)
 
 
-def error_obj(code: int, message: str | None = None, type_: str | None = None) -> dict:
+def error_obj(code: int, message: str | None = None, type_: str | None = None) -> Json:
     """llama-server error object, key order code, message, type (as for 400/5xx)."""
     return {
         "error": {
@@ -100,7 +180,8 @@ def error_body(code: int, message: str | None = None, type_: str | None = None) 
     return jdump(error_obj(code, message, type_))
 
 
-SSE_HEAD = head(200, SSE_CT, sse=True)  # a chunked event stream on a kept-alive connection
+# The head of a chunked event stream on a kept-alive connection.
+SSE_HEAD = head(200, SSE_CT, sse=True)
 NOT_FOUND_BODY = b'{"error":{"message":"File Not Found","type":"not_found_error","code":404}}'
 ERROR_EVENT = b'data: {"error":{"code":500,"message":"simulated","type":"server_error"}}\n\n'
 
@@ -113,13 +194,29 @@ def rand32() -> str:
     return "".join(random.choices(_ALNUM, k=32))
 
 
-def text_chars(content) -> int:
+def text_chars(content: object) -> int:
     """Characters of a message's text: a string, or the `text` of its parts."""
     if isinstance(content, str):
         return len(content)
     if isinstance(content, list):
-        return sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+        return sum(json_len(p.get("text") or "") for p in content if isinstance(p, dict))
     return 0
+
+
+def json_iter(value: object) -> Iterable[object]:
+    """A decoded JSON value as `for` walks it: an array's items, an object's keys, a string's
+    characters. A number is not iterable: TypeError, as `for` raises."""
+    if isinstance(value, str | list | dict | tuple):
+        return value
+    raise TypeError(f"'{type(value).__name__}' object is not iterable")
+
+
+def json_len(value: object) -> int:
+    """`len` of a decoded JSON value: a string's characters, an array's or an object's items.
+    A number has no length: TypeError, as `len` raises."""
+    if isinstance(value, str | list | dict):
+        return len(value)
+    raise TypeError(f"object of type '{type(value).__name__}' has no len()")
 
 
 def sse(name: bytes, data: bytes) -> bytes:

@@ -12,6 +12,7 @@ import pytest
 from relay.sim import frames as F
 from relay.sim import messages as M
 from relay.sim import responses as R
+from relay.sim.wire import ToolCall
 from tests.sim.captures import named_events
 from tests.support.sim_client import Client, T, events, hval, stream
 
@@ -264,7 +265,7 @@ async def test_nonstream_tool_call_and_delay(sim, path, body):
 
 
 def test_frames_are_the_api_modules():
-    f = F.StreamFrames("messages", "m", 3, text_n=0, tool=("t", ["{}"]))
+    f = F.StreamFrames("messages", "m", 3, text_n=0, tool=ToolCall("t", ["{}"]))
     assert isinstance(f.api, M.MessagesFrames) and f.chunk(0) == f.chunk(0)
     assert events(f.event(0))[0].startswith(b"event: content_block_start\n")
     g = F.StreamFrames("responses", "m", 3)

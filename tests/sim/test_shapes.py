@@ -108,7 +108,7 @@ def _writes(knobs: dict, n: int) -> list[bytes]:
         conn = types.SimpleNamespace(
             loop=loop,
             paused=False,
-            _keep=False,
+            keep_alive=False,
             transport=types.SimpleNamespace(write=writes.append),
             sim=types.SimpleNamespace(tokens_sent_total=0),
             finish_stream=lambda: None,
