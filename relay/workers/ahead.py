@@ -2,9 +2,9 @@
 
 A generating request of a key with limits is admitted (its reservation taken, its admission
 record committed) before it takes a slot of its first upstream. A worker asks for both in
-one message: its `Admit` carries a `SlotAhead`, and the parent starts the slot's wait as soon
-as the reservation is taken, so the slot's answer (a `SlotAnswer` to the exchange
-`SlotAhead.slot`) is on its way with the admission's. A refused admission takes no slot.
+one message: its `Admit` carries the `SlotAsk`, which the parent takes as soon as the
+reservation is taken, so the slot's answer is on its way with the admission's. A refused
+admission takes no slot.
 
 Worker side, `Asked` (one per link, relay.workers.remote): the slot asked for with each
 admission, by the request's admission id. `RemoteStore.admit` asks; `RemoteSlots.acquire`
@@ -25,14 +25,14 @@ from collections.abc import Callable
 from relay.observe.record import Record
 from relay.observe.ui_state import generating
 from relay.store.admissions import AdmissionId
-from relay.workers.wire import Answers, SlotAhead, SlotAnswer
+from relay.workers.wire import Answers, SlotAnswer, SlotAsk
 
 
 class _Asked:
-    __slots__ = ("answer", "slot", "upstream")
+    __slots__ = ("ask", "future")
 
-    def __init__(self, upstream: str, slot: int, answer: asyncio.Future[SlotAnswer]) -> None:
-        self.upstream, self.slot, self.answer = upstream, slot, answer
+    def __init__(self, ask: SlotAsk, future: asyncio.Future[SlotAnswer]) -> None:
+        self.ask, self.future = ask, future
 
 
 class Asked:
@@ -45,14 +45,15 @@ class Asked:
         self._unslot = unslot
         self._asked: dict[AdmissionId, _Asked] = {}
 
-    def ask(self, admission: AdmissionId, rec: Record, timeout_s: float) -> SlotAhead | None:
+    def ask(self, admission: AdmissionId, rec: Record, timeout_s: float) -> SlotAsk | None:
         """What the admission of `rec` asks for with it: a slot of its first upstream when the
         request takes one (it generates), else nothing."""
         if not generating(rec) or rec.upstream_requested is None:
             return None
         i, fut = self._answers.expect()
-        self._asked[admission] = _Asked(rec.upstream_requested, i, fut)
-        return SlotAhead(rec.upstream_requested, timeout_s, i)
+        ask = SlotAsk(i, rec.upstream_requested, timeout_s)
+        self._asked[admission] = _Asked(ask, fut)
+        return ask
 
     def take(
         self, admission: AdmissionId, upstream: str
@@ -62,38 +63,38 @@ class Asked:
         asked = self._asked.pop(admission, None)
         if asked is None:
             return None
-        if asked.upstream != upstream:
-            self._unslot(asked.slot)
+        if asked.ask.upstream != upstream:
+            self._unslot(asked.ask.id)
             return None
-        return asked.slot, asked.answer
+        return asked.ask.id, asked.future
 
     def forget(self, admission: AdmissionId) -> None:
         """The admission was refused (the parent took no slot), or the request's row is sent
         (the parent gives back one it did not take): its answer is no longer awaited."""
         asked = self._asked.pop(admission, None)
         if asked is not None:
-            self._answers.forget(asked.slot)
+            self._answers.forget(asked.ask.id)
 
 
 class Promised:
     """The parent's record of one worker's slots asked for with admissions: the slot's
     exchange id by the worker's admission id."""
 
-    __slots__ = ("_slots", "_unslot")
+    __slots__ = ("_exchanges", "_unslot")
 
     def __init__(self, unslot: Callable[[int], None]) -> None:
         self._unslot = unslot
-        self._slots: dict[AdmissionId, int] = {}
+        self._exchanges: dict[AdmissionId, int] = {}
 
-    def promise(self, admission: AdmissionId, ahead: SlotAhead) -> None:
-        self._slots[admission] = ahead.slot
+    def promise(self, admission: AdmissionId, ask: SlotAsk) -> None:
+        self._exchanges[admission] = ask.id
 
-    def settle(self, admission: AdmissionId) -> None:
+    def end(self, admission: AdmissionId) -> None:
         """The row came, or the admission record was refused: a slot the request did not
         take goes back."""
-        slot = self._slots.pop(admission, None)
-        if slot is not None:
-            self._unslot(slot)
+        i = self._exchanges.pop(admission, None)
+        if i is not None:
+            self._unslot(i)
 
     def clear(self) -> None:
-        self._slots.clear()
+        self._exchanges.clear()

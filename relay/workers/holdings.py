@@ -137,9 +137,11 @@ class Worker:
             slot.release()
 
 
-def ask_slot(app: Parent, w: Worker, i: int, name: str, timeout: float) -> None:
-    """The worker's request `i` waits for a slot of the upstream `name`."""
-    w.waiting[i] = asyncio.get_running_loop().create_task(_grant(app, w, i, name, timeout))
+def ask_slot(app: Parent, w: Worker, ask: wire.SlotAsk) -> None:
+    """The worker's request waits for a slot of the upstream it names."""
+    w.waiting[ask.id] = asyncio.get_running_loop().create_task(
+        _grant(app, w, ask.id, ask.upstream, ask.timeout_s)
+    )
 
 
 async def _grant(app: Parent, w: Worker, i: int, name: str, timeout: float) -> None:
@@ -177,7 +179,7 @@ def admit(app: Parent, w: Worker, msg: wire.Admit) -> None:
         w.send(wire.AdmitRefused.of(msg.id, exc))
         return
     if msg.ahead is not None:
-        ask_slot(app, w, msg.ahead.slot, msg.ahead.upstream, msg.ahead.timeout_s)
+        ask_slot(app, w, msg.ahead)
         w.promised.promise(msg.admission, msg.ahead)
     if res.settled:
         # The key has no limits here (a reload removed them): there is nothing to hold.
@@ -199,7 +201,7 @@ async def commit(app: Parent, w: Worker, msg: wire.Admit, adm: Admitted) -> None
         # a refused request, and the reservation is settled once (a row may have come first).
         if w.admissions.get(msg.admission) is adm:
             del w.admissions[msg.admission]
-        w.promised.settle(msg.admission)
+        w.promised.end(msg.admission)
         app.budgets.settle(adm.res, 0, 0, time.time())
         w.send(wire.AdmitRefused.of(msg.id, exc))
         return
@@ -225,7 +227,7 @@ def row(app: Parent, w: Worker, msg: wire.Row) -> None:
     adm = None
     if admission is not None:
         adm = w.admissions.pop(admission, None)
-        w.promised.settle(admission)
+        w.promised.end(admission)
     if adm is None:
         if rec.key_id is not None:
             # A key without limits: charged to the windows a reload made meanwhile.

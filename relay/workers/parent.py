@@ -81,7 +81,7 @@ class ParentApp(App):
 
     def __init__(self, config: Config, log: Log, workers: int) -> None:
         super().__init__(config, log)
-        self.n = workers
+        self.size = workers
         self.workers: dict[int, Worker] = {}
         self.readers: set[asyncio.Task[None]] = set()
         self.lost_figures: Registry | None = None
@@ -115,8 +115,8 @@ class ParentApp(App):
         """Start every worker; each must serve (`Ready`) or the start fails, none left."""
         spawned: list[Worker] = []
         try:
-            for i in range(self.n):
-                spawned.append(await self.spawn(i))
+            for index in range(self.size):
+                spawned.append(await self.spawn(index))
             for w in spawned:
                 await _serving(w)
         except BaseException:
@@ -127,7 +127,7 @@ class ParentApp(App):
             raise
         self.all_served = True
         self.log.event(
-            "workers_serving", workers=self.n, pids=[w.pid for w in self.workers.values()]
+            "workers_serving", workers=self.size, pids=[w.pid for w in self.workers.values()]
         )
 
     async def spawn(self, index: int) -> Worker:
@@ -185,8 +185,8 @@ class ParentApp(App):
         match message:
             case wire.Row():
                 holdings.row(self, w, message)
-            case wire.SlotAsk(id=i, upstream=name, timeout_s=timeout):
-                holdings.ask_slot(self, w, i, name, timeout)
+            case wire.SlotAsk():
+                holdings.ask_slot(self, w, message)
             case wire.Free(id=i):
                 w.free(i)
             case wire.Unslot(id=i):
@@ -245,8 +245,8 @@ class ParentApp(App):
         crashed = holdings.reclaim(self, w)
         w.writer.close()
         if w.figures is not None:
-            lost = [w.figures] if self.lost_figures is None else [self.lost_figures, w.figures]
-            self.lost_figures = self._sum(lost)
+            parts = [w.figures] if self.lost_figures is None else [self.lost_figures, w.figures]
+            self.lost_figures = self._sum(parts)
         code = await w.proc.wait()
         if self.draining or not self.all_served:
             return
@@ -285,16 +285,16 @@ class ParentApp(App):
         await asyncio.shield(self._gathering)
 
     async def _gather(self) -> None:
-        asked: list[tuple[Worker, asyncio.Future[wire.Figures]]] = []
+        awaited: list[tuple[Worker, asyncio.Future[wire.Figures]]] = []
         for w in list(self.workers.values()):
             if w.gone or not w.ready.is_set():
                 continue
             i, fut = w.figures_asked.expect()
             w.send(wire.FiguresAsk(i))
-            asked.append((w, fut))
-        if asked:
-            await asyncio.wait([f for _, f in asked], timeout=FIGURES_WAIT_S)
-        for w, fut in asked:
+            awaited.append((w, fut))
+        if awaited:
+            await asyncio.wait([f for _, f in awaited], timeout=FIGURES_WAIT_S)
+        for w, fut in awaited:
             if fut.done() and not fut.cancelled() and not w.gone:
                 w.figures = pickle.loads(fut.result().registry)
         # The dead workers' first, the live ones' after: a last-seen figure is a live one's.
@@ -324,14 +324,14 @@ class ParentApp(App):
         async with self._reloading:
             summary: dict[str, object] = await reload.apply_async(self, config)
             self.budget_generations.append((time.time(), self.budgets.generation))
-            asked: list[tuple[Worker, asyncio.Future[wire.Reloaded]]] = []
+            awaited: list[tuple[Worker, asyncio.Future[wire.Reloaded]]] = []
             for w in list(self.workers.values()):
                 i, fut = w.reloads.expect()
                 w.send(wire.Reload(i, config))
-                asked.append((w, fut))
-            if asked:
-                await asyncio.wait([f for _, f in asked], timeout=RELOAD_WAIT_S)
-            for w, fut in asked:
+                awaited.append((w, fut))
+            if awaited:
+                await asyncio.wait([f for _, f in awaited], timeout=RELOAD_WAIT_S)
+            for w, fut in awaited:
                 if w.gone or fut.cancelled():
                     continue
                 error = fut.result().error if fut.done() else "no answer within 10 s"

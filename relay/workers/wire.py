@@ -12,8 +12,8 @@ Worker -> parent (`ToParent`):
 - `SlotAsk` -> `SlotAnswer`; `Unslot` (the waiter left: a slot granted is given back) and
   `Free` (a granted slot is released) end the exchange.
 - `Admit` -> `AdmitAnswer` or `AdmitRefused`: a keyed request's reservation and admission
-  record, with the slot of its first upstream asked for in the same message (`SlotAhead`,
-  answered as a `SlotAnswer`: relay.workers.ahead).
+  record, with the `SlotAsk` of its first upstream's slot in the same message (answered as
+  any `SlotAsk` is: relay.workers.ahead).
 - `Row`: a settled request's row, never awaited.
 - `Down` / `Up`: what a request found of an upstream; the parent's health follows and every
   worker is told (`Health`).
@@ -63,15 +63,6 @@ class AdmitVerdict(enum.StrEnum):
     NOT_DURABLE = "not_durable"
 
 
-class SlotAhead(msgspec.Struct, array_like=True, frozen=True):
-    """A slot of `upstream` asked for with an admission, within `timeout_s`, answered as the
-    exchange `slot`."""
-
-    upstream: str
-    timeout_s: float
-    slot: int
-
-
 # ---- worker -> parent ---------------------------------------------------------------------
 class Ready(msgspec.Struct, tag="ready", array_like=True, frozen=True):
     pid: int
@@ -100,7 +91,7 @@ class Admit(msgspec.Struct, tag="admit", array_like=True, frozen=True):
     rec: Record
     prompt: int
     completion: int
-    ahead: SlotAhead | None = None
+    ahead: SlotAsk | None = None
 
 
 class Row(msgspec.Struct, tag="row", array_like=True, frozen=True):

@@ -63,8 +63,7 @@ async def test_a_row_right_behind_its_admission_settles_it(tmp_path):
         gone.outcome = gone.error_code = "client_gone"
         reader = asyncio.StreamReader()
         reader.feed_data(
-            wire.frame(wire.Admit(7, 1, rec, 10, 20))
-            + wire.frame(wire.Row(gone, 1, True))
+            wire.frame(wire.Admit(7, 1, rec, 10, 20)) + wire.frame(wire.Row(gone, 1, True))
         )
         reader.feed_eof()
         app.draining = True  # (the stand-in's end is not a crash to restart)
@@ -151,7 +150,7 @@ async def test_a_keyed_request_s_slot_comes_with_its_admission_and_goes_with_its
         for adm_id, slot_id, takes in ((1, 11, True), (2, 12, False)):
             rec = Record(time.time(), f"r{adm_id}", "/v1/chat/completions", "POST", key_id="alpha")
             rec.upstream_requested = "llm"
-            ahead = wire.SlotAhead("llm", 5.0, slot_id)
+            ahead = wire.SlotAsk(slot_id, "llm", 5.0)
             reader.feed_data(wire.frame(wire.Admit(adm_id, adm_id, rec, 1, 2, ahead)))
             for _ in range(20):
                 await asyncio.sleep(0)
