@@ -334,7 +334,9 @@ class ParentApp(App):
             for w, fut in awaited:
                 if w.gone or fut.cancelled():
                     continue
-                error = fut.result().error if fut.done() else "no answer within 10 s"
+                error = (
+                    fut.result().error if fut.done() else f"no answer within {RELOAD_WAIT_S:g} s"
+                )
                 if error is not None:
                     self.log.event("worker_reload_failed", worker=w.index, error=error)
                     w.send(wire.Drain())

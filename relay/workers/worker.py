@@ -7,7 +7,7 @@ The per-event path is this process's alone; what crosses to the parent is per re
   relay-wide;
 - a keyed request's budget and admission record (`RemoteStore.admit`): one round trip,
   the parent reserving in its `Budgets` and writing the record, as one process does, with
-  the slot of its first upstream asked for in the same message;
+  the slot of its first upstream asked for in the same message (relay.workers.ahead);
 - the row (`WorkerApp.keep`): a message, never awaited;
 - the relay's own views (`/metrics`, `/api/slots/metrics`, `/api/ui/state`): answered by
   the parent from every worker's figures.
