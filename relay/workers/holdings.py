@@ -1,83 +1,161 @@
 """What each worker holds of the parent's relay-wide state, and the parent's answers to its
 requests for it: slots from the one `SlotPool` of each upstream, a keyed request's reservation
 and admission record, the row that settles both. A worker that is gone gives everything back
-(`give_back`). `app`: the parent (relay.workers.parent), whose budgets, store and upstreams
+(`reclaim`). The parent (relay.workers.parent) is a `Parent`: its budgets, store and upstreams
 are those of one relay process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from relay.observe.metrics import Registry
 from relay.observe.record import CRASHED, Record
-from relay.policy.budget import BudgetExceeded, Reservation
+from relay.policy.budget import BudgetExceeded, Budgets, Reservation
 from relay.proxy.dispatch import ADMIT_WAIT_S
 from relay.proxy.settle import charge
-from relay.proxy.slots import Busy, Slot, SlotsClosed
+from relay.proxy.slots import Busy, SlotLease, SlotsClosed
+from relay.proxy.upstreams import Upstream
+from relay.store.admissions import AdmissionId
 from relay.workers import wire
+from relay.workers.ahead import Promised
+from relay.workers.wire import AdmitVerdict, SlotVerdict
+
+
+class AdmissionStore(Protocol):
+    """What the holdings use of the parent's store: the admission record's id and commit."""
+
+    def next_admission_id(self) -> AdmissionId: ...
+
+    async def admit(
+        self,
+        admission_id: AdmissionId,
+        rec: Record,
+        prompt_tokens: int,
+        completion_tokens: int,
+        timeout: float | None = None,
+        res: Reservation | None = None,
+    ) -> None: ...
+
+
+class Parent(Protocol):
+    """What the holdings use of the parent."""
+
+    @property
+    def upstreams(self) -> dict[str, Upstream]: ...
+
+    @property
+    def retired(self) -> list[Upstream]: ...
+
+    @property
+    def budgets(self) -> Budgets: ...
+
+    @property
+    def store(self) -> AdmissionStore: ...
+
+    @property
+    def budget_generations(self) -> list[tuple[float, int]]:
+        """(wall time, budgets' generation) after each reload (`unlimited`)."""
+
+    def keep(
+        self, rec: Record, admission: AdmissionId | None = None, trend: bool | None = None
+    ) -> None: ...
+
+    def track(self, task: asyncio.Task[None]) -> None: ...
 
 
 @dataclass
-class _Admission:
-    record_id: int | str  # the parent store's id of the admission record
+class Admitted:
+    """A keyed request's admission, from its reservation until its row. `rec` is what the
+    admission record says (a crash row is made of it); `written`, the record's commit."""
+
+    record_id: AdmissionId
     res: Reservation
-    rec: Record  # what the record says (a crash row is made of it)
+    rec: Record
     prompt: int
     completion: int
-    written: asyncio.Future | None = None  # the record's commit (`record`)
-    slot: int | None = None  # the slot asked for with it (its exchange id), until the row
+    written: asyncio.Task[None] | None = None
 
-    def then(self, keep) -> None:
-        """`keep()` once the record is committed (or refused): a row that replaces it must
+    def then(self, step: Callable[[], None]) -> None:
+        """`step()` once the record is committed (or refused): a row that replaces it must
         not reach the store's writer first, or the record would outlive the request."""
         if self.written is None or self.written.done():
-            keep()
+            step()
         else:
-            self.written.add_done_callback(lambda _fut: keep())
+            self.written.add_done_callback(lambda _task: step())
 
 
 @dataclass
 class Worker:
-    """One worker process as the parent holds it."""
+    """One worker process as the parent holds it: the slot requests still waiting and the
+    slots granted, by the worker's exchange id; its admissions, by its admission id; the
+    figures and reloads asked of it; its last metrics."""
 
     index: int
     proc: asyncio.subprocess.Process
     writer: asyncio.StreamWriter
-    started: float
+    started_at: float
     ready: asyncio.Event = field(default_factory=asyncio.Event)
-    waiting: dict[int, asyncio.Task] = field(default_factory=dict)  # slot requests
-    held: dict[int, Slot] = field(default_factory=dict)  # slots granted
-    admissions: dict[int, _Admission] = field(default_factory=dict)  # by the worker's id
-    unclaimed: dict[int, int] = field(default_factory=dict)  # admission id -> slot asked with it
-    answers: dict[int, asyncio.Future] = field(default_factory=dict)  # figures, reloads
-    figures: Registry | None = None  # its last metrics
+    waiting: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+    held: dict[int, SlotLease] = field(default_factory=dict)
+    admissions: dict[AdmissionId, Admitted] = field(default_factory=dict)
+    promised: Promised = field(init=False)
+    figures_asked: wire.Answers[wire.Figures] = field(init=False)
+    reloads: wire.Answers[wire.Reloaded] = field(init=False)
+    figures: Registry | None = None
     gone: bool = False
     pid: int = 0
-    outbox: wire.Outbox = field(init=False)
+    outbox: wire.Outbox[wire.ToWorker | wire.Configure] = field(init=False)
 
     def __post_init__(self) -> None:
         self.outbox = wire.Outbox(self.writer)
+        self.promised = Promised(self.unslot)
+        asks = itertools.count(1)
+        self.figures_asked = wire.Answers(asks)
+        self.reloads = wire.Answers(asks)
 
-    def send(self, message: list) -> None:
+    def send(self, message: wire.ToWorker | wire.Configure) -> None:
         if not self.gone:
             self.outbox.send(message)
 
+    def unslot(self, i: int) -> None:
+        """The worker's waiter left: its request (still queued) is cancelled, or its slot
+        given back. A slot the pool granted meanwhile is handed on by `SlotPool`."""
+        task = self.waiting.pop(i, None)
+        if task is not None:
+            task.cancel()
+        self.free(i)
 
-async def slot(app, w: Worker, i: int, name: str, timeout: float) -> None:
-    """A slot of the upstream `name` for the worker's request `i`, from the one pool."""
+    def free(self, i: int) -> None:
+        slot = self.held.pop(i, None)
+        if slot is not None:
+            slot.release()
+
+
+def ask_slot(app: Parent, w: Worker, ask: wire.SlotAsk) -> None:
+    """The worker's request waits for a slot of the upstream it names."""
+    w.waiting[ask.id] = asyncio.get_running_loop().create_task(
+        _grant(app, w, ask.id, ask.upstream, ask.timeout_s)
+    )
+
+
+async def _grant(app: Parent, w: Worker, i: int, name: str, timeout: float) -> None:
+    """A slot from the one pool, and the answer to the worker."""
     up = app.upstreams.get(name) or next((u for u in app.retired if u.name == name), None)
     try:
         if up is None:
             raise Busy(f"upstream {name} is gone (a reload removed it)")
         slot = await up.slots.acquire(timeout)
     except Busy as exc:
-        w.send(["slot", i, "busy", exc.reason])
+        w.send(wire.SlotAnswer(i, SlotVerdict.BUSY, exc.reason))
         return
     except SlotsClosed:
-        w.send(["slot", i, "closed", ""])
+        w.send(wire.SlotAnswer(i, SlotVerdict.CLOSED))
         return
     finally:
         w.waiting.pop(i, None)
@@ -85,98 +163,83 @@ async def slot(app, w: Worker, i: int, name: str, timeout: float) -> None:
         slot.release()
         return
     w.held[i] = slot
-    w.send(["slot", i, "ok", ""])
+    w.send(wire.SlotAnswer(i, SlotVerdict.OK))
 
 
-def unslot(w: Worker, i: int) -> None:
-    """The worker's waiter left: its request (still queued: cancelled) or its slot."""
-    task = w.waiting.pop(i, None)
-    if task is not None:
-        task.cancel()  # (SlotPool hands a slot granted meanwhile on)
-    slot = w.held.pop(i, None)
-    if slot is not None:
-        slot.release()
-
-
-def admit(
-    app,
-    w: Worker,
-    i: int,
-    worker_id: int,
-    values: list,
-    prompt: int,
-    completion: int,
-    ahead: list | None = None,
-) -> _Admission | None:
+def admit(app: Parent, w: Worker, msg: wire.Admit) -> None:
     """A keyed request's reservation, as `Dispatcher._admit` takes it: here, in the order the
-    worker's messages came (its row, even in the same read, finds it); the admission record's
-    commit is `record`'s, which the caller runs as a task (returned: what to commit).
-    `ahead` [upstream, timeout, slot id]: the request takes a slot there, asked for at once
-    (admitted: one round trip for both; refused: none is taken)."""
-    rec = Record(*values)
+    worker's messages came (its row, even in the same read, finds it); then its admission
+    record's commit, in a task (`commit`). The slot asked for with it is asked of its pool at
+    once: admitted, one round trip for both; refused, none is taken."""
+    rec = msg.rec
     assert rec.key_id is not None
     try:
-        res = app.budgets.reserve(rec.key_id, prompt + completion, time.time())
+        res = app.budgets.reserve(rec.key_id, msg.prompt + msg.completion, time.time())
     except BudgetExceeded as exc:
-        w.send(["admit", i, "exceeded", _exceeded(exc)])
-        return None
-    slot_id = None
-    if ahead is not None:
-        name, timeout, slot_id = ahead
-        w.waiting[slot_id] = asyncio.get_running_loop().create_task(
-            slot(app, w, slot_id, name, timeout)
-        )
-    if res.settled:  # (no limits here: a reload removed them) nothing to hold
-        w.send(["admit", i, "ok", None])
-        if slot_id is not None:
-            w.unclaimed[worker_id] = slot_id
-        return None
-    adm = _Admission(app.store.next_admission_id(), res, rec, prompt, completion, slot=slot_id)
-    w.admissions[worker_id] = adm
-    return adm
+        w.send(wire.AdmitRefused.of(msg.id, exc))
+        return
+    if msg.ahead is not None:
+        ask_slot(app, w, msg.ahead)
+        w.promised.promise(msg.admission, msg.ahead)
+    if res.settled:
+        # The key has no limits here (a reload removed them): there is nothing to hold.
+        w.send(wire.AdmitAnswer(msg.id, AdmitVerdict.OK))
+        return
+    adm = Admitted(app.store.next_admission_id(), res, rec, msg.prompt, msg.completion)
+    w.admissions[msg.admission] = adm
+    adm.written = _task(app, commit(app, w, msg, adm))
 
 
-async def record(app, w: Worker, i: int, worker_id: int, adm: _Admission) -> None:
+async def commit(app: Parent, w: Worker, msg: wire.Admit, adm: Admitted) -> None:
     """Commit the admission record, then answer the worker."""
     try:
         await app.store.admit(
             adm.record_id, adm.rec, adm.prompt, adm.completion, ADMIT_WAIT_S, res=adm.res
         )
-    except BudgetExceeded as exc:  # a shared store: spent across the relays
-        if w.admissions.get(worker_id) is adm:
-            del w.admissions[worker_id]
-        if adm.slot is not None:  # (the worker takes no slot for a refused request)
-            unslot(w, adm.slot)
-        app.budgets.settle(adm.res, 0, 0, time.time())  # (once: a row first settled it)
-        w.send(["admit", i, "exceeded", _exceeded(exc)])
+    except BudgetExceeded as exc:
+        # A shared store: the key is spent across the relays. The worker takes no slot for
+        # a refused request, and the reservation is settled once (a row may have come first).
+        if w.admissions.get(msg.admission) is adm:
+            del w.admissions[msg.admission]
+        w.promised.end(msg.admission)
+        app.budgets.settle(adm.res, 0, 0, time.time())
+        w.send(wire.AdmitRefused.of(msg.id, exc))
         return
     except TimeoutError:
-        w.send(["admit", i, "timeout", f"not committed within {ADMIT_WAIT_S}s"])
+        w.send(
+            wire.AdmitAnswer(msg.id, AdmitVerdict.TIMEOUT, f"not committed within {ADMIT_WAIT_S}s")
+        )
         return
-    except Exception as exc:  # RuntimeError (the store fails), or a bug: never no answer
-        w.send(["admit", i, "not_durable", f"{type(exc).__name__}: {exc}"[:300]])
+    except Exception as exc:
+        # The store fails (RuntimeError), or a bug: the worker is answered all the same.
+        w.send(
+            wire.AdmitAnswer(msg.id, AdmitVerdict.NOT_DURABLE, f"{type(exc).__name__}: {exc}"[:300])
+        )
         return
-    w.send(["admit", i, "ok", None])
+    w.send(wire.AdmitAnswer(msg.id, AdmitVerdict.OK))
 
 
-def row(app, w: Worker, values: list, worker_admission, trend: bool | None) -> None:
+def row(app: Parent, w: Worker, msg: wire.Row) -> None:
     """A settled request's row: its reservation replaced with what it used, then kept as one
-    process keeps it (`App.keep`: the page's figures, the store)."""
-    rec = Record(*values)
-    adm = w.admissions.pop(worker_admission, None) if worker_admission is not None else None
-    ahead = adm.slot if adm is not None else w.unclaimed.pop(worker_admission, None)
-    if ahead is not None:  # asked for with the admission: released already if it was taken
-        unslot(w, ahead)
+    process keeps it (`App.keep`: the page's figures, the store). A slot asked for with its
+    admission was released already if the request took it; if not, it goes back now."""
+    rec, admission = msg.rec, msg.admission
+    adm = None
+    if admission is not None:
+        adm = w.admissions.pop(admission, None)
+        w.promised.end(admission)
     if adm is None:
-        if rec.key_id is not None:  # a key without limits: charged to windows a reload made
+        if rec.key_id is not None:
+            # A key without limits: charged to the windows a reload made meanwhile.
             app.budgets.settle(unlimited(app, rec), *charge(rec), time.time())
-        app.keep(rec, None, trend)
+        app.keep(rec, None, msg.trend)
         return
     app.budgets.settle(adm.res, *charge(rec), time.time())
-    adm.then(lambda: app.keep(rec, adm.record_id, trend))
+    record_id = adm.record_id
+    adm.then(lambda: app.keep(rec, record_id, msg.trend))
 
 
-def give_back(app, w: Worker) -> int:
+def reclaim(app: Parent, w: Worker) -> int:
     """A worker is gone: what it held goes back (slots, waits), its admitted requests become
     crash rows charged their reservation (as a restart's recovery makes them); how many."""
     w.gone = True
@@ -186,23 +249,32 @@ def give_back(app, w: Worker) -> int:
     for slot in w.held.values():
         slot.release()
     w.held.clear()
+    w.promised.clear()
     now = time.time()
     for adm in w.admissions.values():
-        rec = adm.rec
-        rec.error_code = rec.outcome = CRASHED
-        rec.ok = False
-        rec.set_reserved(adm.prompt, adm.completion)
+        adm.rec.error_code = adm.rec.outcome = CRASHED
+        adm.rec.ok = False
+        adm.rec.set_reserved(adm.prompt, adm.completion)
         app.budgets.settle(adm.res, 1, adm.prompt + adm.completion, now)
-        adm.then(lambda rec=rec, adm=adm: app.keep(rec, adm.record_id))
+        adm.then(_keeper(app, adm))
     crashed = len(w.admissions)
     w.admissions.clear()
-    for fut in w.answers.values():
-        if not fut.done():
-            fut.set_result(None)
+    w.figures_asked.cancel()
+    w.reloads.cancel()
     return crashed
 
 
-def unlimited(app, rec: Record) -> Reservation:
+def _keeper(app: Parent, adm: Admitted) -> Callable[[], None]:
+    return lambda: app.keep(adm.rec, adm.record_id)
+
+
+def _task(app: Parent, coro: Coroutine[object, object, None]) -> asyncio.Task[None]:
+    task = asyncio.get_running_loop().create_task(coro)
+    app.track(task)
+    return task
+
+
+def unlimited(app: Parent, rec: Record) -> Reservation:
     """The reservation a key without limits took in the worker (nothing held), as the
     parent's budgets know it: the windows a reload created since the request began are
     charged its use when it settles (`Budgets.settle`), as in one process."""
@@ -211,7 +283,3 @@ def unlimited(app, rec: Record) -> Reservation:
         if at <= rec.ts:
             gen = generation
     return Reservation(rec.key_id or "", 0, settled=True, gen=gen, admitted_at=rec.ts)
-
-
-def _exceeded(exc: BudgetExceeded) -> list:
-    return [exc.limit, exc.used, exc.limit_value, exc.resets_at]

@@ -30,8 +30,8 @@ import signal
 import socket
 import sys
 import time
-
-import msgspec
+from collections.abc import Coroutine, Mapping
+from typing import assert_never
 
 import relay
 from relay import reload
@@ -39,14 +39,20 @@ from relay.app import App
 from relay.config import Config
 from relay.errors import RelayError
 from relay.observe import metrics_merge
+from relay.observe.log import Log
 from relay.observe.metrics import Registry
 from relay.proxy.endpoints import JSON, admin_view
+from relay.proxy.upstreams import Upstream
 from relay.workers import holdings, wire
 from relay.workers.holdings import Worker
 
-START_WAIT_S = 30.0  # a worker that does not serve by then fails the relay's start
-FIGURES_WAIT_S = 1.0  # a worker that does not answer in time: its last figures are used
-RESTART_BACKOFF_S = 1.0  # a worker that dies within this of its start waits this long
+# A worker that does not serve by then fails the relay's start.
+START_WAIT_S = 30.0
+# A worker that does not answer in time: its last figures are used.
+FIGURES_WAIT_S = 1.0
+RELOAD_WAIT_S = 10.0
+# A worker that dies within this of its start waits this long before its restart.
+RESTART_BACKOFF_S = 1.0
 
 
 class WorkersFailed(OSError):
@@ -68,22 +74,26 @@ class _Listener:
 
 
 class ParentApp(App):
-    def __init__(self, config: Config, log, workers: int) -> None:
+    """The relay-wide state of `workers` worker processes. `lost_figures`: the figures of
+    the workers that died; `budget_generations`: (wall time, budgets' generation) after each
+    reload, for a keyed row without limits, charged to the windows made since its request
+    began (holdings.unlimited)."""
+
+    def __init__(self, config: Config, log: Log, workers: int) -> None:
         super().__init__(config, log)
-        self.n = workers
+        self.size = workers
         self.workers: dict[int, Worker] = {}
-        self.readers: set[asyncio.Task] = set()
-        self.base: Registry | None = None  # the figures of workers that died
-        self._ids = 0
+        self.readers: set[asyncio.Task[None]] = set()
+        self.lost_figures: Registry | None = None
         self._listen_sock: socket.socket | None = None
-        self._gathering: asyncio.Task | None = None
-        self.started = False  # every worker served once: from then on one that dies restarts
-        # (wall time, budgets' generation) after each reload: a keyed row without limits is
-        # charged to the windows made since its request began (holdings.unlimited)
+        self._gathering: asyncio.Task[None] | None = None
+        # Every worker served once: from then on, one that dies is restarted.
+        self.all_served = False
         self.budget_generations: list[tuple[float, int]] = [(0.0, self.budgets.generation)]
 
     # ---- start -----------------------------------------------------------------------
-    async def listen(self):
+    # App.listen's type says asyncio.Server: here, the socket every worker serves.
+    async def listen(self) -> _Listener:  # type: ignore[override]
         """One listening socket for every worker: the host's first address (a name is
         resolved as one process resolves it); "" or "::" is every interface, IPv4 and IPv6."""
         s = self.config.server
@@ -96,46 +106,41 @@ class ParentApp(App):
                 s.host or None, s.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
             )
             family, addr = info[0][0], info[0][4]
-            sock = socket.create_server(addr[:2], family=family, backlog=4096)
+            sock = socket.create_server((addr[0], addr[1]), family=family, backlog=4096)
         sock.setblocking(False)
         self._listen_sock = sock
         return _Listener(self, sock)
 
     async def spawn_all(self) -> None:
-        """Start every worker; each must serve (`ready`) or the start fails, none left."""
-        started = []
+        """Start every worker; each must serve (`Ready`) or the start fails, none left."""
+        spawned: list[Worker] = []
         try:
-            for i in range(self.n):
-                started.append(await self.spawn(i))
-            for w in started:
-                ready = asyncio.ensure_future(w.ready.wait())
-                ended = asyncio.ensure_future(w.proc.wait())
-                done, _ = await asyncio.wait(
-                    {ready, ended}, timeout=START_WAIT_S, return_when=asyncio.FIRST_COMPLETED
-                )
-                ready.cancel()
-                ended.cancel()
-                if not w.ready.is_set():
-                    why = f"exit code {w.proc.returncode}" if ended in done else "no answer"
-                    raise WorkersFailed(f"worker {w.index} did not start ({why})")
+            for index in range(self.size):
+                spawned.append(await self.spawn(index))
+            for w in spawned:
+                await _serving(w)
         except BaseException:
-            self.draining = True  # (no restart)
-            for w in started:
+            # No restart: every worker started is ended.
+            self.draining = True
+            for w in spawned:
                 _signal(w, signal.SIGKILL)
             raise
-        self.started = True
+        self.all_served = True
         self.log.event(
-            "workers_serving", workers=self.n, pids=[w.pid for w in self.workers.values()]
+            "workers_serving", workers=self.size, pids=[w.pid for w in self.workers.values()]
         )
 
     async def spawn(self, index: int) -> Worker:
+        """Start worker `index`. It runs with -P: not the working directory first on its path,
+        but the parent's code (`worker_environ`); in its own session, since a terminal's
+        Ctrl-C is the parent's to pass on."""
         assert self._listen_sock is not None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         lfd = self._listen_sock.fileno()
         try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
-                "-P",  # (not the working directory first: the parent's code, `worker_environ`)
+                "-P",
                 "-m",
                 "relay.workers.worker",
                 "--listen-fd",
@@ -145,7 +150,7 @@ class ParentApp(App):
                 "--index",
                 str(index),
                 pass_fds=(lfd, theirs.fileno()),
-                start_new_session=True,  # a terminal's Ctrl-C is the parent's to pass on
+                start_new_session=True,
                 env=worker_environ(os.environ, index),
             )
         finally:
@@ -153,98 +158,111 @@ class ParentApp(App):
         reader, writer = await asyncio.open_unix_connection(sock=ours)
         w = Worker(index, proc, writer, time.monotonic(), pid=proc.pid)
         self.workers[index] = w
-        w.send(["config", msgspec.msgpack.encode(self.config)])
-        for up in self.upstreams.values():  # what the probes said so far
-            w.send(["health", up.name, up.health.probe, up.health.last_error])
+        w.send(wire.Configure(self.config))
+        # What the probes said so far.
+        for up in self.upstreams.values():
+            w.send(_health(up))
         task = asyncio.get_running_loop().create_task(self._serve_worker(w, reader))
         self.readers.add(task)
         task.add_done_callback(self.readers.discard)
         return w
 
-    def probed(self, up) -> None:
+    def probed(self, up: Upstream) -> None:
         for w in self.workers.values():
-            w.send(["health", up.name, up.health.probe, up.health.last_error])
+            w.send(_health(up))
 
     # ---- one worker's messages -------------------------------------------------------
     async def _serve_worker(self, w: Worker, reader: asyncio.StreamReader) -> None:
-        loop = asyncio.get_running_loop()
         try:
-            while True:
-                message = await wire.read(reader)
-                if message is None:
-                    break
-                kind, body = message[0], message[1:]
-                if kind == "row":
-                    holdings.row(self, w, *body)
-                elif kind == "slot":
-                    i, name, timeout = body
-                    w.waiting[i] = loop.create_task(holdings.slot(self, w, i, name, timeout))
-                elif kind == "free":
-                    slot = w.held.pop(body[0], None)
-                    if slot is not None:
-                        slot.release()
-                elif kind == "unslot":
-                    holdings.unslot(w, body[0])
-                elif kind == "admit":
-                    adm = holdings.admit(self, w, *body)  # (before the next message: its row)
-                    if adm is not None:
-                        adm.written = self._task(holdings.record(self, w, body[0], body[1], adm))
-                elif kind == "view":
-                    self._task(self._view(w, *body))
-                elif kind in ("down", "up"):  # what a request found: one health, every
-                    up = self.upstreams.get(body[0])  # worker told (as one process's Health)
-                    if up is not None:
-                        if kind == "down":
-                            up.health.connect_failed(body[1])
-                        else:
-                            up.health.answered()
-                        self.probed(up)
-                elif kind in ("figures", "reloaded"):
-                    fut = w.answers.pop(body[0], None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(body[1])
-                elif kind == "ready":
-                    w.ready.set()
+            while (message := await wire.read(reader, wire.FROM_WORKER)) is not None:
+                self._heard(w, message)
         finally:
             await self._lost(w)
 
-    def _task(self, coro) -> asyncio.Task:
+    def _heard(self, w: Worker, message: wire.ToParent) -> None:
+        """One message of a worker, taken in the order they came: an admission's reservation
+        is taken before the next message (its row) is read."""
+        match message:
+            case wire.Row():
+                holdings.row(self, w, message)
+            case wire.SlotAsk():
+                holdings.ask_slot(self, w, message)
+            case wire.Free(id=i):
+                w.free(i)
+            case wire.Unslot(id=i):
+                w.unslot(i)
+            case wire.Admit():
+                holdings.admit(self, w, message)
+            case wire.ViewAsk():
+                self._task(self._answer_view(w, message))
+            case wire.Down() | wire.Up():
+                self._found(message)
+            case wire.Figures(id=i):
+                w.figures_asked.answered(i, message)
+            case wire.Reloaded(id=i):
+                w.reloads.answered(i, message)
+            case wire.Ready():
+                w.ready.set()
+            case _:
+                assert_never(message)
+
+    def _found(self, message: wire.Down | wire.Up) -> None:
+        """What a request found of an upstream: the one health follows (as one process's
+        `Health`), and every worker is told."""
+        up = self.upstreams.get(message.upstream)
+        if up is None:
+            return
+        if isinstance(message, wire.Down):
+            up.health.connect_failed(message.error)
+        else:
+            up.health.answered()
+        self.probed(up)
+
+    def _task(self, coro: Coroutine[object, object, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        self.track(task)
         return task
 
-    async def _view(self, w: Worker, i: int, path: str, target: bytes) -> None:
+    async def _answer_view(self, w: Worker, ask: wire.ViewAsk) -> None:
         try:
             await self.gather()
-            status, body, ctype, extra = admin_view(self, path, target)
+            status, body, ctype, extra = admin_view(self, ask.path, ask.target)
         except RelayError as err:
             status, body, ctype, extra = err.status, err.body(), JSON, list(err.headers)
-        except Exception as exc:  # a bug: the worker's client still gets an answer
+        except Exception as exc:
+            # A bug: the worker's client still gets an answer.
             self.log.event("internal_error", error=f"{type(exc).__name__}: {exc}"[:300])
             bug = RelayError("internal_error", "internal relay error")
             status, body, ctype, extra = bug.status, bug.body(), JSON, []
-        w.send(["view", i, status, body, ctype, [list(h) for h in extra]])
+        w.send(wire.ViewAnswer(ask.id, status, body, ctype, extra))
 
     async def _lost(self, w: Worker) -> None:
         """A worker's socket ended: it exited (drained) or died. What it held is given back;
-        its admitted requests become crash rows; its last figures stay in the relay's."""
-        if self.workers.get(w.index) is w:  # (first: no figure of it is summed twice)
+        its admitted requests become crash rows; its last figures stay in the relay's. It is
+        taken out of the live workers first, so that none of its figures is summed twice."""
+        if self.workers.get(w.index) is w:
             del self.workers[w.index]
-        crashed = holdings.give_back(self, w)
+        crashed = holdings.reclaim(self, w)
         w.writer.close()
         if w.figures is not None:
-            self.base = self._sum([w.figures] if self.base is None else [self.base, w.figures])
+            parts = [w.figures] if self.lost_figures is None else [self.lost_figures, w.figures]
+            self.lost_figures = self._sum(parts)
         code = await w.proc.wait()
-        if self.draining or not self.started:
+        if self.draining or not self.all_served:
             return
         self.log.event("worker_lost", worker=w.index, pid=w.pid, exit_code=code, crash_rows=crashed)
-        delay = RESTART_BACKOFF_S if time.monotonic() - w.started < RESTART_BACKOFF_S else 0.0
+        await self._restart(w)
+
+    async def _restart(self, w: Worker) -> None:
+        """A new worker in the place of `w`; one that cannot start is not restarted in a loop,
+        and one that dies within a second of its start waits a second first."""
+        delay = RESTART_BACKOFF_S if time.monotonic() - w.started_at < RESTART_BACKOFF_S else 0.0
         while not self.draining:
-            await asyncio.sleep(delay)  # (one that cannot start is not restarted in a loop)
+            await asyncio.sleep(delay)
             try:
                 new = await self.spawn(w.index)
-            except OSError as exc:  # (out of descriptors, no fork): again, a second later
+            except OSError as exc:
+                # Out of descriptors, no fork: again, a second later.
                 self.log.event("worker_restart_failed", worker=w.index, error=str(exc)[:300])
                 delay = RESTART_BACKOFF_S
                 continue
@@ -267,23 +285,20 @@ class ParentApp(App):
         await asyncio.shield(self._gathering)
 
     async def _gather(self) -> None:
-        loop = asyncio.get_running_loop()
-        asked = []
+        awaited: list[tuple[Worker, asyncio.Future[wire.Figures]]] = []
         for w in list(self.workers.values()):
             if w.gone or not w.ready.is_set():
                 continue
-            self._ids += 1
-            fut = loop.create_future()
-            w.answers[self._ids] = fut
-            w.send(["figures", self._ids])
-            asked.append((w, fut))
-        if asked:
-            await asyncio.wait([f for _, f in asked], timeout=FIGURES_WAIT_S)
-        for w, fut in asked:
-            if fut.done() and fut.result() is not None and not w.gone:
-                w.figures = pickle.loads(fut.result())
-        # the dead workers' first, the live ones' after: a last-seen figure is a live one's
-        parts = [] if self.base is None else [self.base]
+            i, fut = w.figures_asked.expect()
+            w.send(wire.FiguresAsk(i))
+            awaited.append((w, fut))
+        if awaited:
+            await asyncio.wait([f for _, f in awaited], timeout=FIGURES_WAIT_S)
+        for w, fut in awaited:
+            if fut.done() and not fut.cancelled() and not w.gone:
+                w.figures = pickle.loads(fut.result().registry)
+        # The dead workers' first, the live ones' after: a last-seen figure is a live one's.
+        parts = [] if self.lost_figures is None else [self.lost_figures]
         parts += [w.figures for w in self.workers.values() if w.figures is not None]
         registry = metrics_merge.merged(
             parts, {up.name: up.cfg.parallel for up in self.upstreams.values()}
@@ -302,56 +317,83 @@ class ParentApp(App):
             self._close_retired()
 
     # ---- reload and stop -------------------------------------------------------------
-    async def reload_async(self, config: Config) -> dict:
+    async def reload_async(self, config: Config) -> dict[str, object]:
         """The parent applies the file (a bad one: ConfigError, nothing changed anywhere),
-        then every worker does; a worker that cannot is restarted on the new one."""
+        then every worker does; a worker that cannot drains (its streams finish) and is
+        restarted on the new configuration."""
         async with self._reloading:
-            summary = await reload.apply_async(self, config)
+            summary: dict[str, object] = await reload.apply_async(self, config)
             self.budget_generations.append((time.time(), self.budgets.generation))
-            raw = msgspec.msgpack.encode(config)
-            loop = asyncio.get_running_loop()
-            asked = []
+            awaited: list[tuple[Worker, asyncio.Future[wire.Reloaded]]] = []
             for w in list(self.workers.values()):
-                self._ids += 1
-                fut = loop.create_future()
-                w.answers[self._ids] = fut
-                w.send(["reload", self._ids, raw])
-                asked.append((w, fut))
-            if asked:
-                await asyncio.wait([f for _, f in asked], timeout=10.0)
-            for w, fut in asked:
-                error = fut.result() if fut.done() else "no answer within 10 s"
-                if error is not None and not w.gone:
-                    self.log.event("worker_reload_failed", worker=w.index, error=str(error))
-                    # it drains (its streams finish) and is restarted on the new configuration
-                    w.send(["drain"])
+                i, fut = w.reloads.expect()
+                w.send(wire.Reload(i, config))
+                awaited.append((w, fut))
+            if awaited:
+                await asyncio.wait([f for _, f in awaited], timeout=RELOAD_WAIT_S)
+            for w, fut in awaited:
+                if w.gone or fut.cancelled():
+                    continue
+                error = (
+                    fut.result().error if fut.done() else f"no answer within {RELOAD_WAIT_S:g} s"
+                )
+                if error is not None:
+                    self.log.event("worker_reload_failed", worker=w.index, error=error)
+                    w.send(wire.Drain())
             return summary
 
     def hurry(self) -> None:
+        """A message to every worker, not a signal: one sent to every process of the tree is
+        one drain."""
         super().hurry()
         for w in self.workers.values():
-            w.send(["hurry"])  # (a message: a signal to every process of the tree is one drain)
+            w.send(wire.Hurry())
 
     async def stop(self, drain_timeout_s: float | None = None) -> None:
+        """Every worker drains, bounded by `drain_timeout_s` (and a margin for its last rows);
+        then the parent's own tasks end and the store is flushed."""
         if drain_timeout_s is None:
             drain_timeout_s = self.config.server.drain_timeout_s
         self.draining = True
+        # The workers' copies of the socket still accept until they stop.
         if self._listen_sock is not None:
-            self._listen_sock.close()  # (the workers' copies still accept until they stop)
+            self._listen_sock.close()
+        # Queued requests are answered 503 shutting_down.
         for up in self.all_upstreams():
-            up.slots.close()  # queued requests are answered 503 shutting_down
+            up.slots.close()
+        await self._drain_workers(drain_timeout_s)
+        await self._end_tasks()
+        await self.store.aclose()
+        # The parent's own gauges, their last export.
+        if self.otel is not None:
+            await self.otel.aclose()
+        self.log.event(
+            "relay_stopped",
+            rows_written=self.store.rows_written,
+            rows_dropped=self.store.rows_dropped,
+        )
+        self.log.flush()
+
+    async def _drain_workers(self, timeout: float) -> None:
+        """Every worker drains; each reader ends once its worker's last rows are in. One not
+        done in time is killed."""
         workers = list(self.workers.values())
-        self.log.event("relay_draining", workers=len(workers), timeout_s=drain_timeout_s)
+        self.log.event("relay_draining", workers=len(workers), timeout_s=timeout)
         for w in workers:
-            w.send(["drain"])
+            w.send(wire.Drain())
         readers = set(self.readers)
-        if readers:  # each ends once its worker's last rows are in
-            _, late = await asyncio.wait(readers, timeout=drain_timeout_s + 15.0)
-            for w in workers:
-                if not w.gone or w.proc.returncode is None:
-                    _signal(w, signal.SIGKILL)
-            if late:
-                await asyncio.wait(late, timeout=5.0)
+        if not readers:
+            return
+        _, late = await asyncio.wait(readers, timeout=timeout + 15.0)
+        for w in workers:
+            if not w.gone or w.proc.returncode is None:
+                _signal(w, signal.SIGKILL)
+        if late:
+            await asyncio.wait(late, timeout=5.0)
+
+    async def _end_tasks(self) -> None:
+        """The probes, the background loops and the parent's answers end; the upstreams'
+        pools close."""
         for task in self.background:
             task.cancel()
         for up in self.all_upstreams():
@@ -363,18 +405,27 @@ class ParentApp(App):
             task.cancel()
         if pending:
             await asyncio.wait(pending, timeout=2.0)
-        await self.store.aclose()
-        if self.otel is not None:  # the parent's own gauges, their last export
-            await self.otel.aclose()
-        self.log.event(
-            "relay_stopped",
-            rows_written=self.store.rows_written,
-            rows_dropped=self.store.rows_dropped,
-        )
-        self.log.flush()
 
 
-def worker_environ(environ, index: int) -> dict:
+async def _serving(w: Worker) -> None:
+    """Wait until `w` serves (WorkersFailed when it exits first, or is silent too long)."""
+    ready = asyncio.ensure_future(w.ready.wait())
+    ended = asyncio.ensure_future(w.proc.wait())
+    done, _ = await asyncio.wait(
+        {ready, ended}, timeout=START_WAIT_S, return_when=asyncio.FIRST_COMPLETED
+    )
+    ready.cancel()
+    ended.cancel()
+    if not w.ready.is_set():
+        why = f"exit code {w.proc.returncode}" if ended in done else "no answer"
+        raise WorkersFailed(f"worker {w.index} did not start ({why})")
+
+
+def _health(up: Upstream) -> wire.Health:
+    return wire.Health(up.name, up.health.probe, up.health.last_error)
+
+
+def worker_environ(environ: Mapping[str, str], index: int) -> dict[str, str]:
     """A worker's environment: the parent's; the folder the parent's `relay` came from first
     on its path (the worker runs with -P: the same code, never a module of the working
     directory); each process its own OpenTelemetry instance (`service.instance.id`: every

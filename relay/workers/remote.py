@@ -1,9 +1,8 @@
 """A worker's link to its parent and its stand-ins for the parent's relay-wide state
 (relay.workers.worker): the `Link` (answers awaited, messages sent, what the parent tells);
-slots taken
-from the parent's pools, budgets whose every check is the parent's, a store whose rows and
-admission records go to the parent. Each speaks the interface of what it stands in for
-(`SlotPool`, `Budgets`, the store), over the worker's `Link`.
+slots taken from the parent's pools, budgets whose every check is the parent's, a store whose
+rows and admission records go to the parent. Each speaks the interface of what it stands in
+for (`Slots`, `Budgets`, the store), over the worker's `Link`.
 """
 
 from __future__ import annotations
@@ -13,17 +12,31 @@ import concurrent.futures
 import itertools
 import os
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Protocol
 
-from relay.observe.record import field_values
-from relay.observe.ui_state import generating
-from relay.policy.budget import BudgetExceeded, Budgets, Reservation
+from relay.observe.log import Log
+from relay.observe.record import Record
+from relay.policy.budget import Budgets, Reservation
 from relay.proxy.dispatch import ADMIT_WAIT_S
 from relay.proxy.slots import Busy, SlotsClosed
+from relay.store.admissions import AdmissionId
 from relay.workers import wire
+from relay.workers.ahead import Asked
+from relay.workers.wire import AdmitVerdict, SlotVerdict
 
-ANSWER_GRACE_S = 10.0  # past its own bound, a parent that has not answered is not answering
+# Past its own bound, a parent that has not answered is not answering.
+ANSWER_GRACE_S = 10.0
 PARENT_GONE_EXIT = 3
+
+
+class Hearer(Protocol):
+    """What the link tells of the parent's messages that are not answers: the worker's app."""
+
+    @property
+    def log(self) -> Log: ...
+
+    def told(self, message: wire.Told) -> None: ...
 
 
 class Link:
@@ -31,68 +44,55 @@ class Link:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
-        self.pending: dict[int, asyncio.Future] = {}
-        self._ids = itertools.count(1)
-        self.app: Any = None  # the WorkerApp it serves (its `told`, `log`)
-        self.outbox = wire.Outbox(writer)
+        self.outbox: wire.Outbox[wire.ToParent] = wire.Outbox(writer)
         self.send = self.outbox.send
-        # slots asked for with a keyed request's admission (one round trip for both), by its
-        # admission id: (upstream, the slot's exchange id, its answer)
-        self.ahead: dict[int, tuple[str, int, asyncio.Future]] = {}
+        exchanges = itertools.count(1)
+        self.slot_answers: wire.Answers[wire.SlotAnswer] = wire.Answers(exchanges)
+        self.admit_answers: wire.Answers[wire.AdmitAnswer | wire.AdmitRefused] = wire.Answers(
+            exchanges
+        )
+        self.view_answers: wire.Answers[wire.ViewAnswer] = wire.Answers(exchanges)
+        self.ahead = Asked(self.slot_answers, self.unslot)
 
-    def ask_later(self) -> tuple[int, asyncio.Future]:
-        """An id and the future of an answer asked for inside another message."""
-        i = next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
-        self.pending[i] = fut
+    def ask_slot(
+        self, upstream: str, timeout: float
+    ) -> tuple[int, asyncio.Future[wire.SlotAnswer]]:
+        i, fut = self.slot_answers.expect()
+        self.send(wire.SlotAsk(i, upstream, timeout))
         return i, fut
 
-    def ask(self, kind: str, *body) -> tuple[int, asyncio.Future]:
-        i, fut = self.ask_later()
-        self.send([kind, i, *body])
-        return i, fut
-
-    def forget(self, i: int) -> None:
-        self.pending.pop(i, None)
-
-    def give_back(self, i: int) -> None:
+    def unslot(self, i: int) -> None:
         """The slot of exchange `i` is not wanted (granted or not yet): the parent frees it."""
-        self.forget(i)
-        self.send(["unslot", i])
+        self.slot_answers.forget(i)
+        self.send(wire.Unslot(i))
 
-    def drop_ahead(self, admission) -> tuple[str, int, asyncio.Future] | None:
-        """The slot asked for with an admission, no longer awaited here (the parent frees an
-        unclaimed one when the row comes, and takes none for a refused admission)."""
-        ahead = self.ahead.pop(admission, None)
-        if ahead is not None:
-            self.forget(ahead[1])
-        return ahead
-
-    async def run(self) -> None:
+    async def run(self, hearer: Hearer) -> None:
         """Read the parent's messages until it is gone; then this process ends at once (a
-        worker that cannot hear its parent must not go on taking connections)."""
+        worker that cannot hear its parent must not go on taking connections, and its streams
+        cannot settle anywhere now)."""
         try:
-            while True:
-                message = await wire.read(self.reader)
-                if message is None:
-                    break
-                kind, body = message[0], message[1:]
-                if kind in ("slot", "admit", "view"):
-                    fut = self.pending.pop(body[0], None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(body[1:])
-                elif self.app is not None:
-                    try:
-                        self.app.told(kind, body)
-                    except Exception as exc:  # a bug: said, and the link goes on
-                        self.app.log.event(
-                            "internal_error", error=f"{type(exc).__name__}: {exc}"[:300]
-                        )
+            while (message := await wire.read(self.reader, wire.FROM_PARENT)) is not None:
+                self._heard(hearer, message)
         except asyncio.CancelledError:
             raise
         except BaseException:
             pass
-        os._exit(PARENT_GONE_EXIT)  # its streams cannot settle anywhere now
+        os._exit(PARENT_GONE_EXIT)
+
+    def _heard(self, hearer: Hearer, message: wire.ToWorker) -> None:
+        match message:
+            case wire.SlotAnswer():
+                self.slot_answers.answered(message.id, message)
+            case wire.AdmitAnswer() | wire.AdmitRefused():
+                self.admit_answers.answered(message.id, message)
+            case wire.ViewAnswer():
+                self.view_answers.answered(message.id, message)
+            case _:
+                try:
+                    hearer.told(message)
+                except Exception as exc:
+                    # A bug: it is said, and the link goes on.
+                    hearer.log.event("internal_error", error=f"{type(exc).__name__}: {exc}"[:300])
 
 
 class RemoteSlot:
@@ -105,18 +105,18 @@ class RemoteSlot:
         if not self.released:
             self.released = True
             self.pool.in_flight -= 1
-            self.pool.link.send(["free", self.i])
+            self.pool.link.send(wire.Free(self.i))
 
 
 class RemoteSlots:
-    """An upstream's slots as a worker takes them: from the parent's pool (`SlotPool`'s
-    interface; `in_flight` and `queued` are this worker's share)."""
+    """An upstream's slots as a worker takes them: from the parent's pool (the `Slots`
+    protocol; `in_flight` and `queued` are this worker's share)."""
 
     def __init__(self, link: Link, name: str, parallel: int, queue: int) -> None:
         self.link, self.name = link, name
         self.parallel, self.queue = parallel, queue
         self.in_flight = 0
-        self.waiters: set[asyncio.Future] = set()
+        self.waiters: set[asyncio.Future[wire.SlotAnswer]] = set()
         self.closed = False
 
     @property
@@ -130,42 +130,43 @@ class RemoteSlots:
                 fut.set_exception(SlotsClosed())
 
     def resize(self, parallel: int, queue: int) -> None:
-        self.parallel, self.queue = parallel, queue  # (the parent's pool is resized there)
+        """New bounds, as the parent's pool has them (it is resized there)."""
+        self.parallel, self.queue = parallel, queue
 
-    async def acquire(self, timeout: float, admission=None) -> RemoteSlot:
+    async def acquire(self, timeout: float, admission: AdmissionId | None = None) -> RemoteSlot:
+        """A slot of the parent's pool (Busy, SlotsClosed): the one asked for with the
+        request's admission when there is one (relay.workers.ahead), else one asked now. The
+        parent answers within `timeout`; past that and a grace, it is not answering, and a
+        grant that comes after all goes back."""
         if self.closed:
             raise SlotsClosed()
-        ahead = self.link.ahead.pop(admission, None) if admission is not None else None
-        if ahead is not None and ahead[0] == self.name:
-            _, i, fut = ahead  # asked for with the admission: its answer is on its way, or in
-        else:
-            if ahead is not None:  # (asked on another upstream: given back)
-                self.link.give_back(ahead[1])
-            i, fut = self.link.ask("slot", self.name, timeout)
+        asked = self.link.ahead.take(admission, self.name) if admission is not None else None
+        i, fut = asked if asked is not None else self.link.ask_slot(self.name, timeout)
         self.waiters.add(fut)
         try:
-            try:  # (the parent answers within `timeout`; beyond, it is not answering)
-                answer, why = await asyncio.wait_for(fut, timeout + ANSWER_GRACE_S)
-            except TimeoutError:  # (a grant that comes after all goes back)
-                self.link.give_back(i)
-                answer, why = "busy", "the relay's slots did not answer"
-        except BaseException:  # cancelled, or closed here: a slot granted meanwhile goes back
-            self.link.give_back(i)
+            try:
+                answer = await asyncio.wait_for(fut, timeout + ANSWER_GRACE_S)
+            except TimeoutError:
+                self.link.unslot(i)
+                answer = wire.SlotAnswer(i, SlotVerdict.BUSY, "the relay's slots did not answer")
+        except BaseException:
+            # Cancelled, or closed here: a slot granted meanwhile goes back.
+            self.link.unslot(i)
             raise
         finally:
             self.waiters.discard(fut)
-        if answer == "ok":
+        if answer.verdict is SlotVerdict.OK:
             self.in_flight += 1
             return RemoteSlot(self, i)
-        if answer == "closed":
+        if answer.verdict is SlotVerdict.CLOSED:
             raise SlotsClosed()
-        raise Busy(why)
+        raise Busy(answer.why)
 
 
 class LooseBudgets(Budgets):
     """A worker's budgets: the keys and limits of its configuration, every check and every
     figure the parent's. `reserve` only says whether the request must be admitted there (a
-    key with limits: `RemoteStore.admit`)."""
+    key with limits: `RemoteStore.admit`); the parent charges it, from the row."""
 
     def reserve(self, key_id: str, tokens: int, now: float) -> Reservation:
         kb = self.keys.get(key_id)
@@ -173,78 +174,95 @@ class LooseBudgets(Budgets):
         return Reservation(key_id, tokens, settled=not limited, admitted_at=now)
 
     def settle(self, res: Reservation, requests: int, tokens: int, now: float) -> None:
-        res.done = res.settled = True  # (charged by the parent, from the row)
+        res.done = res.settled = True
 
     def restore(self, key_id: str, kind: str, requests: int, tokens: int, now: float) -> None:
         pass
 
-    def usage(self, key_id: str, now: float) -> dict:
-        return {}
-
 
 class RemoteStore:
-    """The store as a worker writes to it: rows and admissions go to the parent's."""
+    """The store as a worker writes to it: rows and admissions go to the parent's, which
+    rebuilds its budgets from its own rows. `slot_wait`: the worker's configured wait for a
+    slot (a reload changes it), for the slot asked for with an admission."""
 
-    rows_dropped = 0
-    rows_written = 0
     recovered = 0
+    rows_written = 0
+    rows_dropped = 0
     pending = 0
+    spilled: int | None = None
 
-    def __init__(self, link: Link, retention_days: float, app) -> None:
+    def __init__(self, link: Link, retention_days: float, slot_wait: Callable[[], float]) -> None:
         self.link = link
         self.retention_days = retention_days
-        self.app = app  # the worker: its configuration's slot wait (a reload changes it)
-        self._ids = itertools.count(1)
+        self.slot_wait = slot_wait
+        self._admission_ids = itertools.count(1)
 
     def start(self) -> None:
         pass
 
-    def next_admission_id(self) -> int:
-        return next(self._ids)  # (this worker's: the parent keeps its own for the record)
+    def next_admission_id(self) -> AdmissionId:
+        """This worker's own number for the admission (the parent's store numbers its
+        record): the row and the slot asked for with it name it."""
+        return next(self._admission_ids)
 
     async def admit(
         self,
-        admission_id,
-        rec,
+        admission_id: AdmissionId,
+        rec: Record,
         prompt_tokens: int,
         completion_tokens: int,
         timeout: float | None = None,
-        res=None,
+        res: Reservation | None = None,
     ) -> None:
-        ahead = None  # a request that takes a slot asks for it now: one round trip for both
-        if generating(rec) and rec.upstream_requested is not None:
-            j, answer_fut = self.link.ask_later()
-            ahead = [rec.upstream_requested, self.app.config.dispatcher.pool_timeout_s, j]
-            self.link.ahead[admission_id] = (rec.upstream_requested, j, answer_fut)
-        i, fut = self.link.ask(
-            "admit", admission_id, field_values(rec), prompt_tokens, completion_tokens, ahead
-        )
+        """The parent reserves and commits the admission record, as one process's store does
+        (BudgetExceeded, TimeoutError, RuntimeError); a request that takes a slot asks for it
+        in the same message."""
+        ahead = self.link.ahead.ask(admission_id, rec, self.slot_wait())
+        i, fut = self.link.admit_answers.expect()
+        self.link.send(wire.Admit(i, admission_id, rec, prompt_tokens, completion_tokens, ahead))
         try:
-            answer, details = await asyncio.wait_for(fut, ADMIT_WAIT_S + ANSWER_GRACE_S)
+            answer = await asyncio.wait_for(fut, ADMIT_WAIT_S + ANSWER_GRACE_S)
         finally:
-            self.link.forget(i)
-        if answer == "exceeded":
-            self.link.drop_ahead(admission_id)  # (no slot was taken for it)
-            limit, used, limit_value, resets_at = details
-            raise BudgetExceeded(limit, used, limit_value, resets_at, time.time())
-        if answer == "timeout":
-            raise TimeoutError(details)
-        if answer != "ok":
-            raise RuntimeError(details)
+            self.link.admit_answers.forget(i)
+        match answer:
+            case wire.AdmitRefused():
+                self.link.ahead.forget(admission_id)
+                raise answer.error(time.time())
+            case wire.AdmitAnswer(verdict=AdmitVerdict.OK):
+                return
+            case wire.AdmitAnswer(verdict=AdmitVerdict.TIMEOUT):
+                raise TimeoutError(answer.why)
+            case _:
+                raise RuntimeError(answer.why)
 
-    def usage_read(self, windows: list) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        fut.set_result([(0, 0) for _ in windows])  # (the parent rebuilds its budgets)
-        return fut
+    def send_row(self, rec: Record, admission: AdmissionId | None, trend: bool | None) -> None:
+        """The row goes to the parent, which charges its key and keeps it (`App.keep`), and
+        gives back a slot asked for with its admission that the request did not take."""
+        if admission is not None:
+            self.link.ahead.forget(admission)
+        self.link.send(wire.Row(rec, admission, trend))
 
-    def usage_since(self, key_id, since_ts: float, served_only: bool = False):
+    def put_record(self, rec: Record, admission_id: AdmissionId | None = None) -> None:
+        self.send_row(rec, admission_id, None)
+
+    def usage_since(
+        self, key_id: str | None, since_ts: float, served_only: bool = False
+    ) -> tuple[int, int]:
         return 0, 0
 
-    async def maintain(self, app) -> None:
+    def usage_read(
+        self, windows: list[tuple[str, float]]
+    ) -> concurrent.futures.Future[list[tuple[int, int]]]:
+        fut: concurrent.futures.Future[list[tuple[int, int]]] = concurrent.futures.Future()
+        fut.set_result([(0, 0) for _ in windows])
+        return fut
+
+    async def maintain(self, budgets: Budgets) -> None:
         pass
 
     async def aclose(self) -> None:
+        """Every row is with the parent before this process ends."""
         writer = self.link.writer
         self.link.outbox.flush()
         if not writer.is_closing():
-            await writer.drain()  # every row is with the parent before this process ends
+            await writer.drain()

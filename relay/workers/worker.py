@@ -7,7 +7,7 @@ The per-event path is this process's alone; what crosses to the parent is per re
   relay-wide;
 - a keyed request's budget and admission record (`RemoteStore.admit`): one round trip,
   the parent reserving in its `Budgets` and writing the record, as one process does, with
-  the slot of its first upstream asked for in the same message;
+  the slot of its first upstream asked for in the same message (relay.workers.ahead);
 - the row (`WorkerApp.keep`): a message, never awaited;
 - the relay's own views (`/metrics`, `/api/slots/metrics`, `/api/ui/state`): answered by
   the parent from every worker's figures.
@@ -30,13 +30,18 @@ import sys
 import msgspec
 
 from relay.app import App, run
-from relay.config import Config, ConfigError
+from relay.config import Config, ConfigError, DispatcherConfig, UpstreamConfig
 from relay.errors import RelayError
+from relay.http.fields import Headers
 from relay.observe.log import Log, shared_stderr
-from relay.observe.record import field_values
+from relay.observe.metrics import UpstreamMetrics
+from relay.observe.record import Record
 from relay.policy.budget import Budgets
 from relay.proxy.client import ClientConn
 from relay.proxy.endpoints import JSON
+from relay.proxy.request import Request
+from relay.proxy.upstreams import Upstream
+from relay.store.admissions import AdmissionId
 from relay.workers import wire
 from relay.workers.remote import (
     ANSWER_GRACE_S,
@@ -49,28 +54,38 @@ from relay.workers.remote import (
 
 
 class WorkerApp(App):
-    role = "worker"  # worker_listening, worker_draining, worker_stopped
+    """A relay whose slots, budgets, store and own views are its parent's, over its `Link`.
+    Its log events are worker_listening, worker_draining and worker_stopped."""
+
+    role = "worker"
 
     def __init__(self, config: Config, log: Log, link: Link, sock: socket.socket) -> None:
         self.link, self.sock = link, sock
+        self.remote_store = RemoteStore(link, config.store.retention_days, self._slot_wait)
         super().__init__(config, log)
-        self.remote_view = self._view
-        self.stopping = asyncio.Event()  # set: drain and exit (`_main`)
+        self.remote_view = self._ask_view
+        # Set: drain and exit (`_main`).
+        self.stopping = asyncio.Event()
 
-    def new_upstream(self, cfg, d):
+    def _slot_wait(self) -> float:
+        return self.config.dispatcher.pool_timeout_s
+
+    def new_upstream(self, cfg: UpstreamConfig, d: DispatcherConfig) -> Upstream:
+        """An upstream whose slots are the parent's. A request that finds it down tells the
+        parent (which probes it now), and one that gets an answer from it again, that it is
+        up."""
         up = super().new_upstream(cfg, d)
-        up.slots = RemoteSlots(self.link, cfg.name, cfg.parallel, cfg.queue)
-        # a request that finds it down tells the parent (which probes it now), and one that
-        # gets an answer from it again, that it is up
-        up.health.on_down = lambda up=up: self.link.send(["down", up.name, up.health.last_error])
-        up.health.on_up = lambda up=up: self.link.send(["up", up.name])
+        # Upstream.slots is declared a SlotPool; it holds any `Slots` (relay.proxy.slots).
+        up.slots = RemoteSlots(self.link, cfg.name, cfg.parallel, cfg.queue)  # type: ignore[assignment]
+        up.health.on_down = lambda: self.link.send(wire.Down(up.name, up.health.last_error))
+        up.health.on_up = lambda: self.link.send(wire.Up(up.name))
         return up
 
     def make_budgets(self, config: Config) -> Budgets:
         return LooseBudgets(config.key)
 
-    def make_store(self, config: Config):
-        return RemoteStore(self.link, config.store.retention_days, self)
+    def make_store(self, config: Config) -> RemoteStore:
+        return self.remote_store
 
     async def listen(self) -> asyncio.Server:
         assert self.loop is not None
@@ -78,66 +93,81 @@ class WorkerApp(App):
             lambda: ClientConn(self), sock=self.sock, backlog=4096, start_serving=False
         )
 
-    def keep(self, rec, admission=None, trend: bool | None = None) -> None:
-        """The row goes to the parent, which keeps it (App.keep) and charges its key (and
-        gives back a slot asked for with the admission that the request did not take)."""
-        if admission is not None:
-            self.link.drop_ahead(admission)
-        self.link.send(["row", field_values(rec), admission, trend])
+    def keep(
+        self, rec: Record, admission: AdmissionId | None = None, trend: bool | None = None
+    ) -> None:
+        """The row goes to the parent, which keeps it (App.keep) and charges its key."""
+        self.remote_store.send_row(rec, admission, trend)
 
-    def gauged(self) -> list:
-        return []  # (the relay-wide slots and queues are the parent's to report)
+    def gauged(self) -> list[UpstreamMetrics]:
+        """Nothing: the relay-wide slots and queues are the parent's to report."""
+        return []
 
     def start_probes(self) -> None:
-        """The parent probes, once for the relay (`told("health")`)."""
+        """The parent probes, once for the relay (`told` a `Health`)."""
 
-    def _restore_budgets(self, windows=None) -> None:
+    def _restore_budgets(self, windows: list[tuple[str, str]] | None = None) -> None:
         """The parent's budgets are rebuilt from the rows; this process keeps none."""
 
-    async def _view(self, client, req, rid: bytes, cors, path: str) -> None:
-        i, fut = self.link.ask("view", path, req.target)
+    async def _ask_view(
+        self, client: ClientConn, req: Request, rid: bytes, cors: Headers, path: str
+    ) -> None:
+        """One of the relay's own views, answered by the parent from every worker's figures."""
+        i, fut = self.link.view_answers.expect()
+        self.link.send(wire.ViewAsk(i, path, req.target))
         try:
-            status, body, ctype, extra = await asyncio.wait_for(fut, ANSWER_GRACE_S)
+            answer = await asyncio.wait_for(fut, ANSWER_GRACE_S)
         except TimeoutError:
             err = RelayError("server_busy", "the relay's figures did not come in time")
-            status, body, ctype, extra = err.status, err.body(), JSON, []
+            answer = wire.ViewAnswer(i, err.status, err.body(), JSON, [])
         finally:
-            self.link.forget(i)
-        headers = [(bytes(k), bytes(v)) for k, v in extra]
-        client.respond(status, body, rid, req.keep_alive, cors + headers, content_type=ctype)
+            self.link.view_answers.forget(i)
+        client.respond(
+            answer.status,
+            answer.body,
+            rid,
+            req.keep_alive,
+            cors + answer.headers,
+            content_type=answer.content_type,
+        )
 
-    def told(self, kind: str, body: list) -> None:
-        """A message from the parent that is not an answer."""
-        if kind == "health":
-            name, probe, error = body
-            up = self.upstreams.get(name)
-            if up is not None:
-                up.health.probe, up.health.last_error = probe, error
-        elif kind == "figures":
-            self.link.send(["figures", body[0], pickle.dumps(self.registry)])  # (summed there)
-        elif kind == "drain":  # SIGTERM to the parent (or the whole tree: one drain)
-            self.stopping.set()
-        elif kind == "hurry":  # a second one: the drain ends now
-            self.hurry()
-            self.stopping.set()
-        elif kind == "reload":
-            i, raw = body
-            try:
-                self.reload(msgspec.msgpack.decode(raw, type=Config))
-                self.link.send(["reloaded", i, None])
-            except ConfigError as exc:
-                self.link.send(["reloaded", i, str(exc)])
+    def told(self, message: wire.Told) -> None:
+        """A message from the parent that is not an answer. `Drain` is SIGTERM to the parent
+        (or to the whole tree: one drain); `Hurry`, a second one: the drain ends now."""
+        match message:
+            case wire.Health(upstream=name):
+                up = self.upstreams.get(name)
+                if up is not None:
+                    up.health.probe, up.health.last_error = message.probe, message.error
+            case wire.FiguresAsk(id=i):
+                # Pickled: the parent, this same program, adds them up.
+                self.link.send(wire.Figures(i, pickle.dumps(self.registry)))
+            case wire.Drain():
+                self.stopping.set()
+            case wire.Hurry():
+                self.hurry()
+                self.stopping.set()
+            case wire.Reload(id=i, config=config):
+                try:
+                    self.reload(config)
+                except ConfigError as exc:
+                    self.link.send(wire.Reloaded(i, str(exc)))
+                else:
+                    self.link.send(wire.Reloaded(i, None))
 
 
-def _close_inherited(keep: set[int]) -> None:
-    """Close the descriptors this process inherited but the two it was given (the parent's
+_PR_SET_PDEATHSIG = 1
+
+
+def _close_inherited(given: set[int]) -> None:
+    """Close the descriptors this process inherited but the two it was `given` (the parent's
     launcher may have left some open without close-on-exec)."""
     try:
         fds = [int(name) for name in os.listdir("/proc/self/fd")]
     except OSError:
         return
     for fd in fds:
-        if fd > 2 and fd not in keep:
+        if fd > 2 and fd not in given:
             try:
                 os.close(fd)
             except OSError:
@@ -150,7 +180,7 @@ def _die_with_parent() -> None:
         return
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
 
@@ -166,22 +196,23 @@ async def _main(listen_fd: int, link_fd: int, index: int) -> int:
     sock = socket.socket(fileno=listen_fd)
     reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=link_fd))
     link = Link(reader, writer)
-    first = await wire.read(reader)
-    if first is None or first[0] != "config":
+    try:
+        first = await wire.read(reader, wire.FIRST)
+    except msgspec.DecodeError:
+        first = None
+    if first is None:
         return PARENT_GONE_EXIT
-    config = msgspec.msgpack.decode(first[1], type=Config)
-    app = WorkerApp(config, log, link, sock)
-    link.app = app
-    stop = app.stopping
-    # SIGTERM here (sent to every process of the tree, as systemd does): drain, never hurry;
-    # the parent's "drain" and "hurry" messages say the rest (`told`)
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    for sig in (signal.SIGINT, signal.SIGHUP):  # the parent's to act on
+    app = WorkerApp(first.config, log, link, sock)
+    # SIGTERM here (sent to every process of the tree, as systemd does) is a drain, never a
+    # hurry: the parent's `Drain` and `Hurry` say the rest (`told`). SIGINT and SIGHUP are
+    # the parent's to act on.
+    loop.add_signal_handler(signal.SIGTERM, app.stopping.set)
+    for sig in (signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, lambda: None)
     await app.start()
-    reading = loop.create_task(link.run())
-    link.send(["ready", os.getpid(), index])
-    await stop.wait()
+    reading = loop.create_task(link.run(app))
+    link.send(wire.Ready(os.getpid(), index))
+    await app.stopping.wait()
     await app.stop()
     reading.cancel()
     writer.close()
@@ -196,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     _die_with_parent()
     _close_inherited({args.listen_fd, args.link_fd})
-    if os.getppid() == 1:  # the parent died before the line above
+    if os.getppid() == 1:
+        # The parent died before the line above.
         return PARENT_GONE_EXIT
     return run(_main(args.listen_fd, args.link_fd, args.index))
 

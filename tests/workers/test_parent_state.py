@@ -63,8 +63,7 @@ async def test_a_row_right_behind_its_admission_settles_it(tmp_path):
         gone.outcome = gone.error_code = "client_gone"
         reader = asyncio.StreamReader()
         reader.feed_data(
-            wire.frame(["admit", 7, 1, list(field_values(rec)), 10, 20])
-            + wire.frame(["row", list(field_values(gone)), 1, True])
+            wire.frame(wire.Admit(7, 1, rec, 10, 20)) + wire.frame(wire.Row(gone, 1, True))
         )
         reader.feed_eof()
         app.draining = True  # (the stand-in's end is not a crash to restart)
@@ -128,13 +127,13 @@ async def test_a_key_given_limits_by_a_reload_is_charged_what_was_in_flight(tmp_
     limited = [KeyConfig(id="alpha", sha256="0" * 64, requests_per_day=5)]
     app.budgets.reload(limited, {("alpha", "daily"): (0, 0)}, time.time())
     app.budget_generations.append((time.time(), app.budgets.generation))
-    holdings.row(app, w, list(field_values(rec)), None, True)
+    holdings.row(app, w, wire.Row(rec, None, True))
     usage = app.budgets.usage("alpha", time.time())["daily"]
     assert (usage["requests"], usage["tokens"]) == (1, 7)
     # a request that began after the reload was reserved (and charged) under it: not again
     later = Record(time.time() + 1, "r2", "/v1/chat/completions", "POST", key_id="alpha")
     later.upstream_served = "llm"
-    holdings.row(app, w, list(field_values(later)), None, True)
+    holdings.row(app, w, wire.Row(later, None, True))
     assert app.budgets.usage("alpha", time.time())["daily"]["requests"] == 1
 
 
@@ -151,18 +150,14 @@ async def test_a_keyed_request_s_slot_comes_with_its_admission_and_goes_with_its
         for adm_id, slot_id, takes in ((1, 11, True), (2, 12, False)):
             rec = Record(time.time(), f"r{adm_id}", "/v1/chat/completions", "POST", key_id="alpha")
             rec.upstream_requested = "llm"
-            reader.feed_data(
-                wire.frame(["admit", adm_id, adm_id, list(field_values(rec)), 1, 2,
-                            ["llm", 5.0, slot_id]])
-            )  # fmt: skip
+            ahead = wire.SlotAsk(slot_id, "llm", 5.0)
+            reader.feed_data(wire.frame(wire.Admit(adm_id, adm_id, rec, 1, 2, ahead)))
             for _ in range(20):
                 await asyncio.sleep(0)
             assert pool.in_flight == 1 and slot_id in w.held  # granted with the admission
             rec.upstream_served = "llm" if takes else None
-            done = [wire.frame(["free", slot_id])] if takes else []  # (released at settle)
-            reader.feed_data(
-                b"".join(done) + wire.frame(["row", list(field_values(rec)), adm_id, True])
-            )
+            done = [wire.frame(wire.Free(slot_id))] if takes else []  # (released at settle)
+            reader.feed_data(b"".join(done) + wire.frame(wire.Row(rec, adm_id, True)))
             for _ in range(20):
                 await asyncio.sleep(0)
             assert pool.in_flight == 0 and w.held == {} and w.admissions == {}
