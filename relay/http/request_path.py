@@ -113,6 +113,10 @@ def normalize(target: bytes) -> str:
     for seg in segments(unquote_to_bytes(raw)):
         if not seg:
             continue
+        # A segment that does not start with a dot is a name: kept without asking `dot_kind`.
+        if seg[:1] != b".":
+            out.append(seg)
+            continue
         kind = dot_kind(seg)
         if kind is Dot.PARENT:
             if out:
