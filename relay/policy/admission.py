@@ -139,7 +139,7 @@ class Peek(msgspec.Struct, frozen=True):
     members: B.Members = msgspec.field(default_factory=B.Members)
 
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 _str: msgspec.json.Decoder[str | None] = msgspec.json.Decoder(str | None)
 _bool: msgspec.json.Decoder[bool | None] = msgspec.json.Decoder(bool | None)
@@ -186,24 +186,27 @@ def _bad_field(name: str, why: str) -> RelayError:
 
 
 def peek_body(method: bytes, headers: HeaderPairs, body: bytes, llm: bool) -> Peek:
-    """The peeked fields; `llm`: the path is an LLM endpoint (strict: a JSON object needed).
-    Elsewhere a body that is not a JSON object is not read; one that is follows the same
-    rules (a deciding member named twice is refused wherever the relay reads it).
+    """The peeked fields. `llm`: the path is an LLM endpoint, where the body must be one JSON
+    object (strict). Elsewhere a body declared JSON (its Content-Type names json, or it has
+    none) is held to that too; any other body that is not a JSON object is not read, and one
+    that is follows the same rules (a deciding member named twice is refused wherever the
+    relay reads it).
 
     A member absent, the usual case, costs a test, not a call."""
     if method != b"POST":
         return Peek()
+    strict = llm
     if not llm:
         if not body:
             return Peek()
         ctype = (fields.get(headers, b"content-type") or b"application/json").lower()
-        llm = b"json" in ctype
+        strict = b"json" in ctype
     if not body:
         raise _invalid("the body is empty, a JSON object is expected")
     try:
         m = B.read(body)
     except (msgspec.DecodeError, RecursionError) as exc:
-        if not llm:
+        if not strict:
             return Peek()
         raise _invalid(_not_an_object(exc)) from None
     try:
@@ -244,7 +247,7 @@ def _not_an_object(exc: msgspec.DecodeError | RecursionError) -> str:
     return str(exc)
 
 
-def _typed(decoder: msgspec.json.Decoder[T], raw: msgspec.Raw, name: str) -> T:
+def _typed(decoder: msgspec.json.Decoder[_T], raw: msgspec.Raw, name: str) -> _T:
     """The member `name`, sent as `raw`, as `decoder` reads it; 400 for another type."""
     try:
         return decoder.decode(raw)
