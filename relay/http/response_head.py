@@ -39,7 +39,7 @@ _LENGTH = re.compile(rb"[0-9]{1,%d}" % MAX_LENGTH_DIGITS)
 
 
 class BadHead(ValueError):
-    """A response head the relay does not read: malformed, or framed another way than one."""
+    """A response head the relay refuses: malformed, or with a framing it does not carry."""
 
 
 class ResponseHead:

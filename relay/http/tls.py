@@ -13,7 +13,8 @@ from __future__ import annotations
 import re
 import ssl
 
-# What OpenSSL's messages start with (`[SSL: WRONG_VERSION_NUMBER] `) and end with.
+# What starts an ssl error's message (`[SSL: WRONG_VERSION_NUMBER] `) and what ends it
+# (` (_ssl.c:1000)`).
 _PREFIX = re.compile(r"^\[[A-Z0-9_]+: [A-Z0-9_]+\] ")
 _SUFFIX = re.compile(r" \(_ssl\.c:\d+\)$")
 
