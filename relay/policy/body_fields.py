@@ -15,8 +15,8 @@ Bounded work for any body the relay accepts (`max_body_bytes`), each step one C-
   anywhere, is named once (its one occurrence is the member). Only a body where a name may
   repeat (a nested member or a value of that spelling, an escape) is walked member by member
   at the top level, each name and value skipped by msgspec in C (what follows a value is
-  "trailing" to it: the offset msgspec names is where it ends); the walk stops at `MAX_MEMBERS` members
-  (`TooManyMembers`: no API request has a thousand parameters).
+  "trailing" to it: the offset msgspec names is where it ends); the walk stops at
+  `MAX_MEMBERS` members (`TooManyMembers`: no API request has a thousand parameters).
 
 `splice` rewrites (the name an upstream knows a model by, a token cap) in place: a member's
 value where it was sent, a new member before the closing brace; every other byte stays as the
