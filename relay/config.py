@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import tomllib
-from typing import Annotated, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl, urlsplit
 
 import msgspec
@@ -52,7 +53,8 @@ class DispatcherConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     health_interval_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 5.0
     # while an upstream is down it is probed this often (and one request at a time tries it)
     down_probe_interval_s: Annotated[float, Meta(ge=0.05, le=3600.0)] = 0.5
-    prewarm: bool = True  # keep one connected spare per upstream while it has traffic
+    # keep one connected spare per upstream while it has traffic
+    prewarm: bool = True
     # a streamed request's client gets a 200 event-stream head and a comment line when
     # nothing reached it for this long before the first content event; 0 = off
     heartbeat_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 15.0
@@ -76,8 +78,10 @@ class UpstreamConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     # https upstreams (`http.tls`): verify against the system store or ca_file (PEM)
     verify: bool = True
     ca_file: str | None = None
-    headers: dict[str, str] = msgspec.field(default_factory=dict)  # static, never secrets
-    keepalive_s: Annotated[float, Meta(ge=0.0, le=3600.0)] | None = None  # idle pooled conn
+    # static headers, never secrets (`http.to_upstream`)
+    headers: dict[str, str] = msgspec.field(default_factory=dict)
+    # how long an idle pooled connection is kept (unset: `proxy.upstreams.upstream_keepalive`)
+    keepalive_s: Annotated[float, Meta(ge=0.0, le=3600.0)] | None = None
 
 
 class KeyConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -102,22 +106,29 @@ class StoreConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     # from the file; rows wait in `spill_path` while the server is unreachable.
     url: str | None = None
     password_env: Annotated[str, Meta(pattern="^[A-Za-z_][A-Za-z0-9_]*$")] | None = None
-    spill_path: str | None = None  # default: relay-spill.jsonl in the working directory
+    # default: relay-spill.jsonl in the working directory
+    spill_path: str | None = None
     # a reservation of a relay that stopped renewing it (died) expires after this long
     reservation_ttl_s: Annotated[float, Meta(ge=0.05, le=86400.0)] = 30.0
 
 
 class OtelConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """`[otel]`: OpenTelemetry over OTLP (docs/otel.md, the `otel` extra). Each key is its
-    standard OTEL_* environment variable's, which gives what the file leaves unset."""
+    standard OTEL_* environment variable's, which gives what the file leaves unset:
+    `disabled` is OTEL_SDK_DISABLED; `endpoint` OTEL_EXPORTER_OTLP_ENDPOINT (the signals'
+    paths appended), `traces_endpoint` and `metrics_endpoint` OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+    and OTEL_EXPORTER_OTLP_METRICS_ENDPOINT (as they are), `protocol`
+    OTEL_EXPORTER_OTLP_PROTOCOL, `timeout_ms` OTEL_EXPORTER_OTLP_TIMEOUT; `service_name`
+    OTEL_SERVICE_NAME (default "relay"); `traces_sampler` OTEL_TRACES_SAMPLER; `traces` and
+    `metrics` false are OTEL_TRACES_EXPORTER=none and OTEL_METRICS_EXPORTER=none."""
 
-    disabled: bool = False  # OTEL_SDK_DISABLED
-    endpoint: str | None = None  # OTEL_EXPORTER_OTLP_ENDPOINT (the signals' paths appended)
-    traces_endpoint: str | None = None  # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (as it is)
-    metrics_endpoint: str | None = None  # OTEL_EXPORTER_OTLP_METRICS_ENDPOINT (as it is)
-    protocol: Literal["http/protobuf", "grpc"] | None = None  # OTEL_EXPORTER_OTLP_PROTOCOL
-    timeout_ms: Annotated[int, Meta(ge=1, le=600_000)] | None = None  # ..._OTLP_TIMEOUT
-    service_name: str | None = None  # OTEL_SERVICE_NAME (default "relay")
+    disabled: bool = False
+    endpoint: str | None = None
+    traces_endpoint: str | None = None
+    metrics_endpoint: str | None = None
+    protocol: Literal["http/protobuf", "grpc"] | None = None
+    timeout_ms: Annotated[int, Meta(ge=1, le=600_000)] | None = None
+    service_name: str | None = None
     resource_attributes: dict[str, str] = msgspec.field(default_factory=dict)
     traces_sampler: (
         Literal[
@@ -129,13 +140,13 @@ class OtelConfig(Struct, forbid_unknown_fields=True, kw_only=True):
             "parentbased_traceidratio",
         ]
         | None
-    ) = None  # OTEL_TRACES_SAMPLER
+    ) = None
     traces_sampler_arg: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     metric_export_interval_ms: Annotated[int, Meta(ge=1, le=86_400_000)] | None = None
     bsp_schedule_delay_ms: Annotated[int, Meta(ge=1, le=86_400_000)] | None = None
     bsp_max_queue_size: Annotated[int, Meta(ge=1, le=1_000_000)] | None = None
-    traces: bool = True  # false: OTEL_TRACES_EXPORTER=none
-    metrics: bool = True  # false: OTEL_METRICS_EXPORTER=none
+    traces: bool = True
+    metrics: bool = True
     # gen_ai.provider.name; unset: the API's (openai, anthropic; llama.cpp's own routes)
     provider_name: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
 
@@ -148,7 +159,8 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     store: StoreConfig = msgspec.field(default_factory=StoreConfig)
     budget: BudgetConfig = msgspec.field(default_factory=BudgetConfig)
     admin_key_sha256: Annotated[str, Meta(pattern="^[0-9a-fA-F]{64}$")] | None = None
-    otel: OtelConfig | None = None  # [otel]: OpenTelemetry on (the environment can also say so)
+    # [otel]: OpenTelemetry on (the environment can also say so)
+    otel: OtelConfig | None = None
 
 
 class ConfigError(ValueError):
@@ -170,22 +182,26 @@ def parse_url(url: str) -> tuple[str, int]:
 
 
 def _key_path(msg: str) -> str:
-    # msgspec says "... - at `$.dispatcher.x`"; turn the location into a dotted key first.
+    """msgspec's message with the key it names first, dotted: msgspec says "... - at
+    `$.dispatcher.x`"; an unknown key is named itself (`server.bogus: unknown key`)."""
     text, sep, where = msg.rpartition(" - at `")
     if not sep:
         return msg
     key = where.rstrip("`").removeprefix("$").lstrip(".")
     unknown = text.removeprefix("Object contains unknown field `")
-    if unknown != text:  # name the key itself: `server.bogus: unknown key`
+    if unknown != text:
         name = unknown.rstrip("`")
         return f"{key + '.' if key else ''}{name}: unknown key"
     return f"{key or '<top>'}: {text}"
 
 
 def check(cfg: Config) -> Config:
-    """Cross-field rules msgspec constraints cannot express."""
+    """Cross-field rules msgspec constraints cannot express.
+
+    A `max_buffered_body_bytes` below `max_body_bytes` would answer 503 forever to every
+    body between them."""
     s = cfg.server
-    if s.max_buffered_body_bytes < s.max_body_bytes:  # every body between them: 503 forever
+    if s.max_buffered_body_bytes < s.max_body_bytes:
         raise ConfigError(
             f"server.max_buffered_body_bytes ({s.max_buffered_body_bytes}) must be at least "
             f"server.max_body_bytes ({s.max_body_bytes}): a body the relay accepts must fit"
@@ -194,32 +210,39 @@ def check(cfg: Config) -> Config:
     if len(set(names)) != len(names):
         raise ConfigError("upstream.name: names must be unique")
     for up in cfg.upstream:
-        target = parse_target_url(up.url)
-        if not target.tls and (up.ca_file is not None or not up.verify):
-            raise ConfigError(f"upstream.{up.name}: ca_file and verify apply to https:// only")
-        if up.ca_file is not None and not up.verify:
-            raise ConfigError(f"upstream.{up.name}: ca_file with verify = false verifies nothing")
-        try:
-            check_static_headers(up.headers, up.auth_header)
-        except ValueError as exc:
-            raise ConfigError(f"upstream.{up.name}.headers: {exc}") from None
-        for fb in up.fallback:
-            if fb not in names or fb == up.name:
-                raise ConfigError(f"upstream.{up.name}.fallback: unknown upstream {fb!r}")
-        if (up.auth_header is None) != (up.auth_value_env is None):
-            raise ConfigError(f"upstream.{up.name}: auth_header and auth_value_env go together")
-        if up.auth_header is not None:  # (its value is read and checked with the upstream's)
-            try:
-                check_header_name(up.auth_header)
-            except ValueError as exc:
-                raise ConfigError(f"upstream.{up.name}.auth_header: {exc}") from None
+        check_upstream(up, names)
     ids = [k.id for k in cfg.key]
     if len(set(ids)) != len(ids):
         raise ConfigError("key.id: ids must be unique")
     return cfg
 
 
-def check_store(cfg: StoreConfig, raw: dict) -> None:
+def check_upstream(up: UpstreamConfig, names: list[str]) -> None:
+    """One `[[upstream]]`'s cross-field rules; `names`: every upstream's name, in order.
+    Its `auth_header` is checked here, its value (from the environment) where the upstream
+    reads it."""
+    target = parse_target_url(up.url)
+    if not target.tls and (up.ca_file is not None or not up.verify):
+        raise ConfigError(f"upstream.{up.name}: ca_file and verify apply to https:// only")
+    if up.ca_file is not None and not up.verify:
+        raise ConfigError(f"upstream.{up.name}: ca_file with verify = false verifies nothing")
+    try:
+        check_static_headers(up.headers, up.auth_header)
+    except ValueError as exc:
+        raise ConfigError(f"upstream.{up.name}.headers: {exc}") from None
+    for fb in up.fallback:
+        if fb not in names or fb == up.name:
+            raise ConfigError(f"upstream.{up.name}.fallback: unknown upstream {fb!r}")
+    if (up.auth_header is None) != (up.auth_value_env is None):
+        raise ConfigError(f"upstream.{up.name}: auth_header and auth_value_env go together")
+    if up.auth_header is not None:
+        try:
+            check_header_name(up.auth_header)
+        except ValueError as exc:
+            raise ConfigError(f"upstream.{up.name}.auth_header: {exc}") from None
+
+
+def check_store(cfg: StoreConfig, raw: Mapping[str, object]) -> None:
     """`url` is the alternative to `path` (both set is an error); a password never in it."""
     if cfg.url is None:
         for name in ("password_env", "spill_path", "reservation_ttl_s"):
@@ -234,7 +257,8 @@ def check_store(cfg: StoreConfig, raw: dict) -> None:
         raise ConfigError(f"store.url: {exc}") from None
 
 
-def parse_config(data: dict) -> Config:
+def parse_config(data: Mapping[str, object]) -> Config:
+    """The checked configuration of a TOML document (`load_config`), or ConfigError."""
     try:
         cfg = msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
@@ -244,8 +268,9 @@ def parse_config(data: dict) -> Config:
     return check(cfg)
 
 
-def load_config(path: str) -> dict:
-    """Read a TOML file into a plain dict (validated later by `parse_config`)."""
+def load_config(path: str) -> dict[str, Any]:
+    """Read a TOML file into a plain dict (validated later by `parse_config`): a TOML
+    document, whose values may be anything TOML holds."""
     try:
         with open(path, "rb") as fh:
             return tomllib.load(fh)
@@ -265,10 +290,11 @@ PG_SCHEMES = ("postgresql", "postgres")
 
 
 class PgUrlError(ValueError):
-    pass
+    """A `[store].url` that is not a PostgreSQL URL the relay connects with."""
 
 
 def is_pg_url(text: str | None) -> bool:
+    """Whether `text` names a PostgreSQL database (`postgresql://`, `postgres://`)."""
     return text is not None and "://" in text and text.split("://", 1)[0].lower() in PG_SCHEMES
 
 
@@ -276,9 +302,10 @@ def check_pg_url(url: str) -> None:
     """PgUrlError unless `url` is a postgresql:// URL without a password in it."""
     if not is_pg_url(url):
         raise PgUrlError("must be a postgresql:// (or postgres://) URL")
+    # Reading the port checks it: a bad one raises ValueError.
     try:
         parts = urlsplit(url)
-        parts.port  # noqa: B018 - a bad port raises here
+        _ = parts.port
     except ValueError as exc:
         raise PgUrlError(f"not a valid URL ({exc})") from None
     netloc = parts.netloc.rpartition("@")[0]
@@ -292,10 +319,12 @@ def check_pg_url(url: str) -> None:
         )
 
 
-def pg_connect_kwargs(url: str, password_env: str | None, environ=os.environ) -> dict:
+def pg_connect_kwargs(
+    url: str, password_env: str | None, environ: Mapping[str, str] = os.environ
+) -> dict[str, str]:
     """psycopg.connect(**kwargs): the URL, and the password read from the environment.
     KeyError naming the variable if it is not set."""
-    kw: dict = {"conninfo": url}
+    kw = {"conninfo": url}
     if password_env:
         if password_env not in environ:
             raise KeyError(password_env)

@@ -7,7 +7,8 @@ them, so a lookup is a C scan of those names, not a `lower()` per name per looku
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 HOP_BY_HOP = frozenset(
     {
@@ -23,11 +24,14 @@ HOP_BY_HOP = frozenset(
     }
 )
 
-Headers = list[tuple[bytes, bytes]]
-HeaderPairs = Sequence[tuple[bytes, bytes]]  # headers given to read only
+# One header field: (name as sent, value).
+Header = tuple[bytes, bytes]
+Headers = list[Header]
+# Headers given to read only: any sequence of fields (a HeaderList, a list, a tuple).
+HeaderPairs = Sequence[Header]
 
 
-class HeaderList(list):
+class HeaderList(list[Header]):
     """Headers as received ((name as sent, value) pairs, in order) with their lower-case names
     beside them in `lows` (h11 made them for a request, `response_head` for a response), so
     the relay's lookups are C scans of `lows`, not a lower() per name per lookup."""
@@ -36,35 +40,45 @@ class HeaderList(list):
     lows: list[bytes]
 
 
-def header_list(pairs, lows: list[bytes]) -> HeaderList:
+class H11Headers(Protocol):
+    """What `request_headers` reads of h11's headers of a request (`h11.Request.headers`)."""
+
+    def raw_items(self) -> list[Header]: ...
+
+
+def header_list(pairs: Iterable[Header], lows: list[bytes]) -> HeaderList:
     """A HeaderList of `pairs` with `lows` (a plain function: no Python __init__ to run)."""
     out = HeaderList(pairs)
     out.lows = lows
     return out
 
 
-def request_headers(h11_headers) -> HeaderList:
-    """The HeaderList of an h11 request's headers."""
-    full = getattr(h11_headers, "_full_items", None)  # (h11 keeps the lower-case names here)
+def request_headers(h11_headers: H11Headers) -> HeaderList:
+    """The HeaderList of an h11 request's headers. h11 keeps each field as (name as sent,
+    lower-case name, value) in `_full_items`: read there when it is, else made here."""
+    full: list[tuple[bytes, bytes, bytes]] | None = getattr(h11_headers, "_full_items", None)
     if full is None:
         full = [(k, k.lower(), v) for k, v in h11_headers.raw_items()]
     return header_list([(raw, v) for raw, _, v in full], [low for _, low, _ in full])
 
 
-def lower_names(headers: Headers) -> list[bytes]:
+def lower_names(headers: HeaderPairs) -> list[bytes]:
     """The headers' lower-case names in order: a HeaderList's own, else made here."""
-    return headers.lows if type(headers) is HeaderList else [k.lower() for k, _ in headers]
+    if type(headers) is HeaderList:
+        return headers.lows
+    return [k.lower() for k, _ in headers]
 
 
-def values_of(headers: Headers, lows: list[bytes], name: bytes) -> list[bytes]:
-    """Every value of the header `name` (lower case); `lows`: `lower_names(headers)`."""
+def values_of(headers: HeaderPairs, lows: list[bytes], name: bytes) -> list[bytes]:
+    """Every value of the header `name` (lower case); `lows`: `lower_names(headers)`. The
+    usual head names it once or not at all: found by index, not by a loop."""
     n = lows.count(name)
-    if n <= 1:  # the usual head: none, or one found by index
+    if n <= 1:
         return [headers[lows.index(name)][1]] if n else []
     return [v for (_, v), low in zip(headers, lows) if low == name]
 
 
-def connection_tokens(headers: Headers) -> set[bytes]:
+def connection_tokens(headers: HeaderPairs) -> set[bytes]:
     """The header names a `Connection` header lists (hop-by-hop for this one message)."""
     return {
         t.strip().lower()
@@ -74,13 +88,13 @@ def connection_tokens(headers: Headers) -> set[bytes]:
     }
 
 
-def get(headers: Headers, name: bytes) -> bytes | None:
+def get(headers: HeaderPairs, name: bytes) -> bytes | None:
     """First value of a header (name given in lower case)."""
     lows = lower_names(headers)
     return headers[lows.index(name)][1] if name in lows else None
 
 
-def has_token(headers: Headers, name: bytes, token: bytes) -> bool:
+def has_token(headers: HeaderPairs, name: bytes, token: bytes) -> bool:
     """Whether a comma-separated header (e.g. Connection) lists `token`."""
     return any(
         t.strip().lower() == token

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 
 from relay.errors import RelayError
-from relay.http.fields import lower_names
+from relay.http.fields import HeaderPairs, lower_names
 
 _HEAD_END = re.compile(rb"\n\r?\n")
 _FOLD = re.compile(rb"\n[ \t]")
@@ -39,13 +39,16 @@ def has_obs_fold(head: bytes | bytearray) -> bool:
     return _FOLD.search(head, start, end) is not None
 
 
-def framing_error(headers, http11: bool) -> RelayError | None:
-    """The refusal for a head whose body framing is ambiguous or unsupported, else None."""
+def framing_error(headers: HeaderPairs, http11: bool) -> RelayError | None:
+    """The refusal for a head whose body framing is ambiguous or unsupported, else None.
+
+    The usual head has no Transfer-Encoding and at most one Content-Length: that one is
+    looked at alone, found by index; any other head is read field by field."""
     te: list[bytes] = []
     cl: list[bytes] = []
     lows = lower_names(headers)
     if b"transfer-encoding" not in lows and lows.count(b"content-length") <= 1:
-        if b"content-length" in lows:  # the usual head: one Content-Length, looked at alone
+        if b"content-length" in lows:
             cl.append(headers[lows.index(b"content-length")][1])
     else:
         for (_, value), low in zip(headers, lows):

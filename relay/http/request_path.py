@@ -14,20 +14,24 @@ erring towards what some server somewhere reads:
   path and query; `path_part`: the path, still encoded, up to the first `?`;
 - `segments`: separated by `/` and by `\\` (IIS, and servers that read it as `/`), overlong
   UTF-8 forms of `.`, `/`, `\\` read as those (old IIS and Tomcat did);
-- `dot_kind`: `.` or `..` before any `;` (a path parameter, dropped by Tomcat and Jetty:
-  `..;` is `..` there) or NUL.
+- `dot_kind`: `.` or `..` (a `Dot`) before any `;` (a path parameter, dropped by Tomcat and
+  Jetty: `..;` is `..` there) or NUL.
 """
 
 from __future__ import annotations
 
+import enum
 import re
 from typing import overload
 from urllib.parse import unquote_to_bytes
 
-MAX_PATH_CHARS = 2048  # longer names are truncated where the relay echoes or stores them
-MAX_DECODES = 8  # percent-decoding rounds `dot_segment_in` follows (a path still changing: refused)
+# Longer names are truncated where the relay echoes or stores them.
+MAX_PATH_CHARS = 2048
+# The percent-decoding rounds `dot_segment_in` follows (a path still changing: refused).
+MAX_DECODES = 8
 
-_ABSOLUTE = re.compile(rb"[Hh][Tt][Tt][Pp][Ss]?://[^/?#]*")  # scheme and authority
+# The scheme and authority of an absolute-form target.
+_ABSOLUTE = re.compile(rb"[Hh][Tt][Tt][Pp][Ss]?://[^/?#]*")
 _SEPARATOR = re.compile(rb"[/\\]")
 # Never valid UTF-8, so in no real name; decoders that accepted them made `.`, `/`, `\` of them.
 _OVERLONG = {
@@ -40,6 +44,14 @@ _OVERLONG = {
 }
 _OVERLONG_FORM = re.compile(b"|".join(re.escape(k) for k in _OVERLONG))
 _PARAMETER = re.compile(rb"[;\x00]")
+
+
+class Dot(enum.IntEnum):
+    """What a path segment is as a dot segment: none, `.` (this one) or `..` (the parent)."""
+
+    NONE = 0
+    CURRENT = 1
+    PARENT = 2
 
 
 def origin_form(target: bytes) -> bytes:
@@ -64,24 +76,27 @@ def segments(path: bytes) -> list[bytes]:
     return _SEPARATOR.split(path)
 
 
-def dot_kind(seg: bytes) -> int:
-    """2 for a `..` segment, 1 for `.`, else 0; a `;` parameter or a NUL and what follows it
-    are not looked at (`..;x` is `..`)."""
+def dot_kind(seg: bytes) -> Dot:
+    """The dot segment `seg` is; a `;` parameter or a NUL and what follows it are not looked
+    at (`..;x` is `..`)."""
     if seg[:1] != b".":
-        return 0
+        return Dot.NONE
     name = _PARAMETER.split(seg, 1)[0]
-    return len(name) if name in (b".", b"..") else 0
+    if name == b"..":
+        return Dot.PARENT
+    return Dot.CURRENT if name == b"." else Dot.NONE
 
 
 def dot_segment_in(path: bytes) -> bool:
     """Whether a server could read a dot segment in `path` (a request path as sent): in its
     bytes, or in what any number of percent-decoding rounds makes of them (`%2e%2e`, `..%2f`,
     `%252e%252e`: some servers decode twice), up to MAX_DECODES; a path that is still
-    changing after that many rounds counts as one."""
+    changing after that many rounds counts as one. The usual path has nothing to decode
+    and no dot: it is told at once."""
     if path.isascii() and b"." not in path and b"%" not in path:
-        return False  # the usual path: nothing to decode, no dot
+        return False
     for _ in range(MAX_DECODES + 1):
-        if any(dot_kind(seg) for seg in segments(path)):
+        if any(dot_kind(seg) is not Dot.NONE for seg in segments(path)):
             return True
         decoded = unquote_to_bytes(path)
         if decoded == path:
@@ -98,18 +113,24 @@ def normalize(target: bytes) -> str:
     for seg in segments(unquote_to_bytes(raw)):
         if not seg:
             continue
+        # A segment that does not start with a dot is a name: kept without asking `dot_kind`.
+        if seg[:1] != b".":
+            out.append(seg)
+            continue
         kind = dot_kind(seg)
-        if kind == 2:
+        if kind is Dot.PARENT:
             if out:
                 out.pop()
-        elif kind == 0:
+        elif kind is Dot.NONE:
             out.append(seg)
     return "/" + b"/".join(out).decode("latin-1")
 
 
-_SEEN: dict[bytes, str] = {}  # target -> bounded normalised path, for the targets seen often
-_SEEN_MAX = 512  # entries kept (then forgotten all at once)
-_SEEN_TARGET = 256  # longer targets are not kept
+# Target -> its bounded normalised path, for the targets seen often: up to `_SEEN_MAX`
+# entries (then all are forgotten at once), of targets up to `_SEEN_TARGET` bytes.
+_SEEN: dict[bytes, str] = {}
+_SEEN_MAX = 512
+_SEEN_TARGET = 256
 
 
 def route_path(target: bytes) -> str:

@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import re
 
-from relay.http.fields import header_list, lower_names
+from relay.http.fields import Header, HeaderList, HeaderPairs, header_list, lower_names
 
-MAX_HEAD = 64 * 1024  # all the heads of one response together (interim ones included)
-MAX_INTERIM = 8  # 1xx heads before the final one
-MAX_LENGTH_DIGITS = 18  # a Content-Length below 10**18 fits in 63 bits
+# The bytes of all the heads of one response together (interim ones included), the interim
+# 1xx heads before the final one, and the digits of a Content-Length (below 10**18 it fits
+# in 63 bits).
+MAX_HEAD = 64 * 1024
+MAX_INTERIM = 8
+MAX_LENGTH_DIGITS = 18
 # A reason phrase is HTAB, SP, VCHAR or obs-text: no other control byte reaches a client.
 _STATUS = re.compile(rb"HTTP/(1\.[01]) ([1-9][0-9][0-9])(?: ([\t\x20-\x7e\x80-\xff]*))?")
 # Every header line at once: token name, colon, a value without control characters but TAB.
@@ -36,10 +39,13 @@ _LENGTH = re.compile(rb"[0-9]{1,%d}" % MAX_LENGTH_DIGITS)
 
 
 class BadHead(ValueError):
-    pass
+    """A response head the relay refuses: malformed, or with a framing it does not carry."""
 
 
 class ResponseHead:
+    """The final response head: `headers` are the (name as sent, value) pairs in order, with
+    their lower-case names beside them (`http.fields.HeaderList`)."""
+
     __slots__ = ("headers", "http_version", "reason", "status_code")
 
     def __init__(
@@ -47,12 +53,12 @@ class ResponseHead:
         http_version: bytes,
         status_code: int,
         reason: bytes,
-        headers: list[tuple[bytes, bytes]],
+        headers: HeaderList,
     ) -> None:
         self.http_version = http_version
         self.status_code = status_code
         self.reason = reason
-        self.headers = headers  # (name as sent, value), in order
+        self.headers = headers
 
 
 class HeadReader:
@@ -62,18 +68,20 @@ class HeadReader:
     Each byte is searched for the blank line once (a partial head waits in a bytearray, the
     search resumes where it stopped) and each head is parsed once, so the work is linear in
     the bytes received however they are split. Interim 1xx heads are dropped as they end.
+    `pending` holds an unfinished head, `used` the bytes of the interim heads already read.
     """
 
     __slots__ = ("interim", "pending", "used")
 
     def __init__(self) -> None:
-        self.pending: bytearray | None = None  # an unfinished head
-        self.used = 0  # bytes of the interim heads already read
+        self.pending: bytearray | None = None
+        self.used = 0
         self.interim = 0
 
     def feed(self, data: bytes) -> tuple[ResponseHead, bytes] | None:
         pending = self.pending
-        if pending is not None:  # the slow case: a head split across reads
+        # The slow case first: a head split across reads.
+        if pending is not None:
             scan = max(len(pending) - 3, 0)
             pending += data
             if _blank_line(pending, scan) < 0:
@@ -101,11 +109,12 @@ class HeadReader:
             pos = scan = end
 
     def _bound(self, unfinished: int) -> None:
-        if self.used + unfinished >= MAX_HEAD:  # its blank line would end past the bound
+        """BadHead when the blank line of an `unfinished` head would end past MAX_HEAD."""
+        if self.used + unfinished >= MAX_HEAD:
             raise BadHead("response head too large")
 
 
-def _blank_line(buf, scan: int) -> int:
+def _blank_line(buf: bytes | bytearray, scan: int) -> int:
     """Where the head that holds buf[scan:] ends (after its CRLF CRLF); -1 when not in yet.
 
     A head ends at the first blank line however its lines end (h11 reads LF as a line end
@@ -138,18 +147,19 @@ def _one_head(buf: bytes, pos: int, end: int) -> ResponseHead | None:
     if line_end + 4 < end:
         if _FIELDS.fullmatch(buf, line_end + 2, end - 2) is None:
             raise BadHead("malformed header line")
-        # (the lines are valid: one C pass splits them into names and stripped values)
-        pairs = _FIELD.findall(buf, line_end + 2, end - 2)
+        # The lines are valid: one C pass splits them into names and stripped values.
+        pairs: list[Header] = _FIELD.findall(buf, line_end + 2, end - 2)
         headers = header_list(pairs, [name.lower() for name, _ in pairs])
     else:
-        headers = header_list((), [])  # with the lower-case names beside (http.fields)
+        headers = header_list((), [])
     version = m.group(1)
     _check_framing(version, headers)
     status = int(m.group(2))
     if status == 101:
         raise BadHead("protocol switch is not relayed")
+    # An interim response: the final one follows.
     if status < 200:
-        return None  # interim response: the final one follows
+        return None
     return ResponseHead(version, status, m.group(3) or b"", headers)
 
 
@@ -166,7 +176,7 @@ def is_length(value: bytes) -> bool:
 _FRAMING = (b"content-length", b"transfer-encoding")
 
 
-def _check_framing(version: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+def _check_framing(version: bytes, headers: HeaderPairs) -> None:
     """One way to read where the body ends, in a coding the relay carries (see
     `_check_framing_fields`). The usual head has one framing field: it is found by index
     (C scans of the lower-case names) instead of a Python loop over every header, and then
@@ -183,12 +193,13 @@ def _check_framing(version: bytes, headers: list[tuple[bytes, bytes]]) -> None:
         _check_framing_fields(version, fields)
 
 
-def _check_framing_fields(version: bytes, fields: list[tuple[bytes, bytes]]) -> None:
+def _check_framing_fields(version: bytes, fields: list[Header]) -> None:
     """The rule, on a head's framing fields in order ((lower-case name, value)): at most one
     Content-Length of at most 18 digits, at most one Transfer-Encoding and it `chunked` alone
     (any other coding would be dropped or mangled on the way), never both, and no
     Transfer-Encoding on HTTP/1.0 (RFC 9112 6.1: its framing is faulty)."""
-    length = coding = None
+    length: bytes | None = None
+    coding: bytes | None = None
     for low, value in fields:
         if low == b"content-length":
             if length is not None:

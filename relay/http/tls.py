@@ -13,15 +13,18 @@ from __future__ import annotations
 import re
 import ssl
 
-_PREFIX = re.compile(r"^\[[A-Z0-9_]+: [A-Z0-9_]+\] ")  # "[SSL: WRONG_VERSION_NUMBER] "
+# What starts an ssl error's message (`[SSL: WRONG_VERSION_NUMBER] `) and what ends it
+# (` (_ssl.c:1000)`).
+_PREFIX = re.compile(r"^\[[A-Z0-9_]+: [A-Z0-9_]+\] ")
 _SUFFIX = re.compile(r" \(_ssl\.c:\d+\)$")
 
 
 def client_context(verify: bool = True, ca_file: str | None = None) -> ssl.SSLContext:
     """A context for connections to one upstream. Raises OSError / ssl.SSLError for an
     unreadable or invalid `ca_file` (the caller names the key)."""
+    # The default context requires a certificate (CERT_REQUIRED) and checks the hostname.
     if verify:
-        ctx = ssl.create_default_context(cafile=ca_file)  # CERT_REQUIRED, check_hostname
+        ctx = ssl.create_default_context(cafile=ca_file)
     else:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         ctx.check_hostname = False

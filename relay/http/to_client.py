@@ -14,7 +14,7 @@ _NOT_DOWNSTREAM = HOP_BY_HOP | {b"x-request-id"}
 _NOT_DOWNSTREAM_NO_LENGTH = _NOT_DOWNSTREAM | {b"content-length"}
 
 
-def with_cors(headers: Headers, own: Headers) -> Headers:
+def with_cors(headers: HeaderPairs, own: HeaderPairs) -> Headers:
     """The upstream's headers with its own CORS answer (`Access-Control-*`) replaced by the
     relay's (`own`, from `policy.cors`)."""
     return [(k, v) for k, v in headers if not k.lower().startswith(b"access-control-")] + list(own)
@@ -23,7 +23,7 @@ def with_cors(headers: Headers, own: Headers) -> Headers:
 def client_response(
     status: int,
     reason: bytes,
-    upstream: Headers,
+    upstream: HeaderPairs,
     request_id: bytes,
     chunked: bool,
     keep_alive: bool,

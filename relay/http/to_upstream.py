@@ -19,7 +19,14 @@ from __future__ import annotations
 
 import re
 
-from relay.http.fields import HOP_BY_HOP, HeaderPairs, Headers, connection_tokens, lower_names
+from relay.http.fields import (
+    HOP_BY_HOP,
+    Header,
+    HeaderPairs,
+    Headers,
+    connection_tokens,
+    lower_names,
+)
 
 # Header names that carry a caller's credential.
 CLIENT_CREDENTIALS = frozenset(
@@ -55,14 +62,16 @@ CREDENTIALS = frozenset({b"authorization", b"x-api-key"})
 # Never forwarded upstream: the relay sets these itself.
 _NOT_UPSTREAM = HOP_BY_HOP | {b"host", b"content-length", b"x-request-id", b"expect"}
 IDENTITY = (b"Accept-Encoding", b"identity")
-# W3C trace context: the relay's own replaces the client's when OpenTelemetry is on
+# W3C trace context: the relay's own replaces the client's when OpenTelemetry is on.
 TRACE_CONTEXT = frozenset({b"traceparent", b"tracestate"})
-# (matched whole, with fullmatch: `$` would let a final "\n" through)
+# A header name and a header value as the configuration may give them, matched whole with
+# fullmatch (`$` would let a final "\n" through).
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")
 
 
 def looks_like_credential(name: str) -> bool:
+    """Whether a header name is, or has a word that says it carries, a credential."""
     low = name.lower()
     return low.encode() in CLIENT_CREDENTIALS or any(w in low for w in _SECRET_WORDS)
 
@@ -105,18 +114,18 @@ def check_static_headers(headers: dict[str, str], auth_header: str | None = None
             )
 
 
-def fixed_headers(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+def fixed_headers(headers: dict[str, str]) -> Headers:
     """The headers an upstream adds to every request besides its key: identity coding, then
     its static ones (`upstream_request_headers` puts the key last)."""
     return [IDENTITY] + [(k.encode(), v.encode()) for k, v in headers.items()]
 
 
 def upstream_request_headers(
-    client: Headers,
+    client: HeaderPairs,
     host: bytes,
     body_len: int,
     request_id: bytes,
-    auth: tuple[bytes, bytes] | None,
+    auth: Header | None,
     static: HeaderPairs = (),
     pass_credentials: bool = False,
     trace: HeaderPairs = (),
@@ -150,9 +159,8 @@ def upstream_request_headers(
     return out
 
 
-def request_bytes(
-    method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
-) -> bytes:
+def request_bytes(method: bytes, target: bytes, headers: HeaderPairs, body: bytes) -> bytes:
+    """The request as written upstream: request line, header lines, blank line, body."""
     lines = [b"%s %s HTTP/1.1" % (method, target)]
     lines += [k + b": " + v for k, v in headers]
     lines.append(b"")

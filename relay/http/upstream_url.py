@@ -29,15 +29,19 @@ class TargetError(ValueError):
 
 
 class Target:
+    """An upstream's address and path prefix: `prefix` is empty or `/a/b` (no trailing
+    slash); `host_header` names the host as a Host header does (an IPv6 literal bracketed,
+    the port unless it is the scheme's default)."""
+
     __slots__ = ("host", "host_header", "port", "prefix", "scheme", "v1_prefix")
 
     def __init__(self, scheme: str, host: str, port: int, prefix: str) -> None:
         self.scheme = scheme
         self.host = host
         self.port = port
-        self.prefix = prefix.encode()  # "" or "/a/b" (no trailing slash)
+        self.prefix = prefix.encode()
         self.v1_prefix = self.prefix.endswith(b"/v1")
-        name = f"[{host}]" if ":" in host else host  # an IPv6 literal is bracketed
+        name = f"[{host}]" if ":" in host else host
         default = DEFAULT_PORTS[scheme]
         self.host_header = (name if port == default else f"{name}:{port}").encode()
 
@@ -46,17 +50,19 @@ class Target:
         return self.scheme == "https"
 
     def join(self, target: bytes) -> bytes:
-        """The request-target sent upstream for the client's `target` (path and query)."""
+        """The request-target sent upstream for the client's `target` (path and query; an
+        absolute-form target is read as its path and query). `/v1` alone, or `/v1?x`, is the
+        prefix itself when the prefix ends in `/v1`."""
         if not self.prefix:
             return target
-        target = origin_form(target)  # (absolute-form: its path and query)
+        target = origin_form(target)
         if target[:1] != b"/":
             raise TargetError("a path prefix needs an origin-form request target")
         path = path_part(target)
         if dot_segment_in(path):
             raise TargetError("dot segments (however encoded) are not allowed under a path prefix")
         if self.v1_prefix and (path == b"/v1" or path.startswith(b"/v1/")):
-            target = target[3:]  # ("/v1" alone, or "/v1?x", is the prefix itself)
+            target = target[3:]
         return self.prefix + target
 
 

@@ -20,23 +20,25 @@ Configured CORS origins do not count as the relay's own: they may call inference
 the server. Each of these refusals is 403 `forbidden`; requests with no `Origin` and no
 `Sec-Fetch-Site` (curl, SDKs) are judged as before. The exact rule: docs/security.md.
 
-Paths are matched in their normalised form (`paths.normalize`): what the upstream routes on.
+Paths are matched in their normalised form (`http.request_path.normalize`): what the
+upstream routes on. A refusal is a `Refusal`: the error code and the message answered.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
+from typing import NamedTuple
 
-from relay.http.fields import lower_names, values_of
+from relay.http.fields import HeaderPairs, lower_names, values_of
 from relay.policy.keys import Auth
 
 RELAY_ADMIN_PREFIX = "/api/"
 RELAY_METRICS = "/metrics"
-# what a browser says of the page that made a request; "none": the user typed or bookmarked it
+# What a browser says of the page that made a request; "none": the user typed or bookmarked it.
 OWN_SITE = (b"same-origin", b"none")
 DEFAULT_PORT = {"http": ":80", "https": ":443"}
-# Host: `[IPv6]` or a name / IPv4 address, then an optional port (compared lower case)
+# Host: `[IPv6]` or a name / IPv4 address, then an optional port (compared lower case).
 _HOST = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9][a-z0-9.-]*))(?::[0-9]{1,5})?")
 _ORIGIN = re.compile(r"(https?)://(\[[0-9a-f:.]+\](?::[0-9]{1,5})?|[a-z0-9.:-]+)")
 _LOCALHOST = re.compile(r"(?:[a-z0-9-]+\.)*localhost")
@@ -49,6 +51,20 @@ NOT_OUR_HOST = (
     " (localhost, *.localhost, a loopback address or [server].host)"
 )
 OTHER_ORIGIN = "admin endpoints refuse requests from a browser page of another origin"
+
+
+class Refusal(NamedTuple):
+    """An admin request refused: the error code (`relay.errors`) and the message; a tuple,
+    so `RelayError(*refusal)` answers it."""
+
+    code: str
+    message: str
+
+
+_FAR_PEER = Refusal("forbidden", NOT_LOOPBACK)
+_NOT_OUR_NAME = Refusal("forbidden", NOT_OUR_HOST)
+_CROSS_SITE = Refusal("forbidden", OTHER_ORIGIN)
+_NO_ADMIN_KEY = Refusal("invalid_api_key", "admin key required")
 
 
 def is_relay_admin(path: str) -> bool:
@@ -68,6 +84,7 @@ def is_upstream_admin(method: bytes, path: str) -> bool:
 
 
 def is_admin(method: bytes, path: str) -> bool:
+    """Whether only an admin may make this request (the relay's admin or the upstream's)."""
     return is_relay_admin(path) or is_upstream_admin(method, path)
 
 
@@ -131,9 +148,11 @@ def names_relay(host: bytes | None, listen_host: str) -> bool:
 
 def same_origin(origin: bytes, host: bytes) -> bool:
     """Whether an `Origin` is the origin a request with this `Host` was sent to: the same
-    host and port (a scheme's default port whether written or not), `http` or `https`."""
+    host and port (a scheme's default port whether written or not), `http` or `https`.
+    `null` (a sandboxed frame, a file), an origin with a path or a user part: never the
+    relay's."""
     m = _ORIGIN.fullmatch(origin.decode("latin-1").strip().lower())
-    if m is None:  # "null" (a sandboxed frame, a file), a path, a user part: never the relay
+    if m is None:
         return False
     scheme, authority = m.groups()
     default = DEFAULT_PORT[scheme]
@@ -141,7 +160,7 @@ def same_origin(origin: bytes, host: bytes) -> bool:
     return authority.removesuffix(default) == named.removesuffix(default)
 
 
-def cross_origin(headers) -> bool:
+def cross_origin(headers: HeaderPairs) -> bool:
     """Whether a browser page of another origin sent the request: a `Sec-Fetch-Site` other
     than `same-origin` or `none` (`same-site` is another port or subdomain: another origin),
     or an `Origin` that is not the one the `Host` names. A request with neither (curl, SDKs,
@@ -158,37 +177,41 @@ def cross_origin(headers) -> bool:
 
 
 def loopback_refusal(
-    auth: Auth, headers, peer_host: str | None, listen_host: str
-) -> tuple[str, str] | None:
+    auth: Auth, headers: HeaderPairs, peer_host: str | None, listen_host: str
+) -> Refusal | None:
     """The admin rule's network part (keys without an admin key): a loopback peer and a Host
-    naming this relay. None when it holds (or does not apply), else (error code, message)."""
+    naming this relay. None when it holds (or does not apply), else the refusal."""
     if auth.admin is not None or not auth.enabled:
         return None
     if not is_loopback(peer_host):
-        return "forbidden", NOT_LOOPBACK
+        return _FAR_PEER
     lows = lower_names(headers)
     hosts = values_of(headers, lows, b"host")
     if len(hosts) > 1 or not names_relay(hosts[0] if hosts else None, listen_host):
-        return "forbidden", NOT_OUR_HOST
+        return _NOT_OUR_NAME
     return None
 
 
 def admin_refusal(
-    auth: Auth, method: bytes, headers, peer_host: str | None, listen_host: str
-) -> tuple[str, str] | None:
-    """None when the caller may make this admin request, else (error code, message).
-    `listen_host`: `[server].host`, a name a Host may give the relay."""
-    if is_mutating(method) and cross_origin(headers):  # whatever the credentials
-        return "forbidden", OTHER_ORIGIN
+    auth: Auth, method: bytes, headers: HeaderPairs, peer_host: str | None, listen_host: str
+) -> Refusal | None:
+    """None when the caller may make this admin request, else the refusal.
+    `listen_host`: `[server].host`, a name a Host may give the relay.
+
+    A mutating request from a page of another origin is refused whatever the credentials.
+    The loopback trust is for the operator's own pages: under it, a page of another origin
+    is refused whatever the method."""
+    if is_mutating(method) and cross_origin(headers):
+        return _CROSS_SITE
     if auth.admin is not None:
         if auth.admin_ok(headers):
             return None
-        return "invalid_api_key", "admin key required"
+        return _NO_ADMIN_KEY
     if not auth.enabled:
         return None
     refused = loopback_refusal(auth, headers, peer_host, listen_host)
     if refused is not None:
         return refused
-    if cross_origin(headers):  # the loopback trust is for the operator's own pages
-        return "forbidden", OTHER_ORIGIN
+    if cross_origin(headers):
+        return _CROSS_SITE
     return None

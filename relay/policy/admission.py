@@ -29,15 +29,18 @@ from __future__ import annotations
 import bisect
 import functools
 import re
+from typing import TypeVar
 
 import msgspec
 import msgspec.structs
 
 from relay.errors import RelayError
 from relay.http import fields
+from relay.http.fields import HeaderPairs
 from relay.http.request_path import bounded
 from relay.policy import admin_access as access
 from relay.policy import body_fields as B
+from relay.policy.keys import Auth
 
 # The limit fields each generation API honours (llama-server reads n_predict first, then
 # max_tokens and its alias; a field another API names is ignored on this path: a
@@ -46,7 +49,7 @@ from relay.policy import body_fields as B
 _OPENAI = ("n_predict", "max_tokens", "max_completion_tokens")
 _NATIVE = ("n_predict", "max_tokens")
 # llama-server's Responses route reads n_predict, then max_completion_tokens, then
-# max_output_tokens, then max_tokens (seen on the pinned build): the largest is reserved
+# max_output_tokens, then max_tokens (seen on the pinned build): the largest is reserved.
 _RESPONSES = ("n_predict", "max_completion_tokens", "max_output_tokens", "max_tokens")
 _MESSAGES = ("max_tokens",)
 PATH_LIMITS: dict[str, tuple[str, ...]] = {
@@ -114,13 +117,17 @@ def json_route(path: str) -> bool:
     return path in PATH_LIMITS
 
 
-MAX_ECHO = 256  # characters of client text quoted in an error message
-LARGE_BODY = 1 << 20  # bytes: a larger body is read over more than one loop turn
-MAX_CHOICES = 1 << 20  # a larger `n` is reserved as this many (any budget refuses it)
+# The characters of client text quoted in an error message; the bytes of a body read over
+# more than one loop turn; the choices a larger `n` is reserved as (any budget refuses it).
+MAX_ECHO = 256
+LARGE_BODY = 1 << 20
+MAX_CHOICES = 1 << 20
 
 
-class Peek(msgspec.Struct):
-    """The few request fields the relay reads (`body_fields.DECIDING`), each named once."""
+class Peek(msgspec.Struct, frozen=True):
+    """The few request fields the relay reads (`body_fields.DECIDING`), each named once:
+    `choices` is the completions per prompt (`n`, `best_of` or llama-server's `n_cmpl`),
+    `members` the deciding members each as sent."""
 
     model: str | None = None
     stream: bool | None = None
@@ -128,19 +135,27 @@ class Peek(msgspec.Struct):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     max_output_tokens: int | None = None
-    choices: int = 1  # completions per prompt: `n`, `best_of` or llama-server's `n_cmpl`
-    members: B.Members = msgspec.field(default_factory=B.Members)  # each as sent
+    choices: int = 1
+    members: B.Members = msgspec.field(default_factory=B.Members)
 
 
-_str = msgspec.json.Decoder(str | None)
-_bool = msgspec.json.Decoder(bool | None)
-_int = msgspec.json.Decoder(int | None)
-_any = msgspec.json.Decoder()
-_NUMBER = re.compile(r"[+-]?[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]{1,3})?")  # (no `_`, no inf)
+_T = TypeVar("_T")
+
+_str: msgspec.json.Decoder[str | None] = msgspec.json.Decoder(str | None)
+_bool: msgspec.json.Decoder[bool | None] = msgspec.json.Decoder(bool | None)
+_int: msgspec.json.Decoder[int | None] = msgspec.json.Decoder(int | None)
+_any: msgspec.json.Decoder[object] = msgspec.json.Decoder()
+# A count sent as a string, as float() reads it but without its `_` and `inf`.
+_NUMBER = re.compile(r"[+-]?[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]{1,3})?")
 
 
 def head_check(
-    auth, method: bytes, path: str, headers, peer_host: str | None, listen_host: str = ""
+    auth: Auth,
+    method: bytes,
+    path: str,
+    headers: HeaderPairs,
+    peer_host: str | None,
+    listen_host: str = "",
 ) -> tuple[str | None, RelayError | None]:
     """(key id, refusal) decided on the head alone: 401/403 for a caller the request will be
     refused for anyway, so its body is never read. Admin endpoints follow `admin_access`
@@ -157,64 +172,64 @@ def head_check(
 
 
 def _invalid(reason: str) -> RelayError:
+    """400 `invalid_json`, saying why."""
     return RelayError(
         "invalid_json", bounded(f"request body is not valid JSON: {reason}", MAX_ECHO)
     )
 
 
 def _bad_field(name: str, why: str) -> RelayError:
+    """400 `bad_request` for the member `name` the relay cannot read as it must."""
     return RelayError(
         "bad_request", bounded(f"invalid request field: {why} - at `$.{name}`", MAX_ECHO)
     )
 
 
-def peek_body(method: bytes, headers, body: bytes, llm: bool) -> Peek:
-    """The peeked fields; `llm`: the path is an LLM endpoint (strict: a JSON object needed).
-    Elsewhere a body that is not a JSON object is not read; one that is follows the same
-    rules (a deciding member named twice is refused wherever the relay reads it)."""
+def peek_body(method: bytes, headers: HeaderPairs, body: bytes, llm: bool) -> Peek:
+    """The peeked fields. `llm`: the path is an LLM endpoint, where the body must be one JSON
+    object (strict). Elsewhere a body declared JSON (its Content-Type names json, or it has
+    none) is held to that too; any other body that is not a JSON object is not read, and one
+    that is follows the same rules (a deciding member named twice is refused wherever the
+    relay reads it).
+
+    A member absent, the usual case, costs a test, not a call."""
     if method != b"POST":
         return Peek()
+    strict = llm
     if not llm:
         if not body:
             return Peek()
         ctype = (fields.get(headers, b"content-type") or b"application/json").lower()
-        llm = b"json" in ctype
+        strict = b"json" in ctype
     if not body:
         raise _invalid("the body is empty, a JSON object is expected")
     try:
-        members = B.read(body)
-    except msgspec.ValidationError as exc:  # the top level itself is not an object
-        if not llm:
+        m = B.read(body)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        if not strict:
             return Peek()
-        raise _invalid(f"a JSON object is expected ({exc})") from None
-    except msgspec.DecodeError as exc:
-        if not llm:
-            return Peek()
-        raise _invalid(str(exc)) from None
-    except RecursionError:
-        if not llm:
-            return Peek()
-        raise _invalid("nested too deeply") from None
+        raise _invalid(_not_an_object(exc)) from None
     try:
-        B.check(body, members)
-    except B.Ambiguous as exc:
+        B.check(body, m)
+    except (B.Ambiguous, msgspec.DecodeError) as exc:
         raise _invalid(str(exc)) from None
     except B.TooManyMembers as exc:
         raise RelayError("bad_request", f"request body not read: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise _invalid(str(exc)) from None
-    m = members
-    return Peek(  # (a member absent, the usual case, costs a test, not a call)
-        model=_typed(_str, m, "model") if m.model else None,
-        stream=_typed(_bool, m, "stream") if m.stream else None,
-        n_predict=_typed(_int, m, "n_predict") if m.n_predict else None,
-        max_tokens=_typed(_int, m, "max_tokens") if m.max_tokens else None,
+    return Peek(
+        model=_typed(_str, m.model, "model") if m.model else None,
+        stream=_typed(_bool, m.stream, "stream") if m.stream else None,
+        n_predict=_typed(_int, m.n_predict, "n_predict") if m.n_predict else None,
+        max_tokens=_typed(_int, m.max_tokens, "max_tokens") if m.max_tokens else None,
         max_completion_tokens=(
-            _typed(_int, m, "max_completion_tokens") if m.max_completion_tokens else None
+            _typed(_int, m.max_completion_tokens, "max_completion_tokens")
+            if m.max_completion_tokens
+            else None
         ),
-        max_output_tokens=_typed(_int, m, "max_output_tokens") if m.max_output_tokens else None,
+        max_output_tokens=(
+            _typed(_int, m.max_output_tokens, "max_output_tokens") if m.max_output_tokens else None
+        ),
         choices=(
-            max(_count(m, "n"), _count(m, "best_of"), _count(m, "n_cmpl"))
+            max(_count(m.n, "n"), _count(m.best_of, "best_of"), _count(m.n_cmpl, "n_cmpl"))
             if m.n or m.best_of or m.n_cmpl
             else 1
         ),
@@ -222,26 +237,34 @@ def peek_body(method: bytes, headers, body: bytes, llm: bool) -> Peek:
     )
 
 
-def _typed(decoder, members: B.Members, name: str):
-    raw = getattr(members, name)
-    if not raw:
-        return None
+def _not_an_object(exc: msgspec.DecodeError | RecursionError) -> str:
+    """Why a body is not read as one JSON object: its top level is another value (msgspec's
+    ValidationError), it is no JSON at all, or it is nested too deeply for the decoder."""
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    if isinstance(exc, msgspec.ValidationError):
+        return f"a JSON object is expected ({exc})"
+    return str(exc)
+
+
+def _typed(decoder: msgspec.json.Decoder[_T], raw: msgspec.Raw, name: str) -> _T:
+    """The member `name`, sent as `raw`, as `decoder` reads it; 400 for another type."""
     try:
         return decoder.decode(raw)
     except msgspec.ValidationError as exc:
         raise _bad_field(name, str(exc)) from None
 
 
-def _count(members: B.Members, name: str) -> int:
-    """`n` / `best_of` as the servers that honour them read it (vLLM and pydantic take
-    `4`, `4.0` and `"4"` alike): absent, null or below 2 is one; a count no server reads
-    as a whole number is refused rather than reserved as one."""
-    raw = getattr(members, name)
+def _count(raw: msgspec.Raw, name: str) -> int:
+    """The member `name` (`n`, `best_of`, `n_cmpl`), sent as `raw`, as the servers that
+    honour it read it (vLLM and pydantic take `4`, `4.0` and `"4"` alike): absent, null or
+    below 2 is one; a count no server reads as a whole number (a number out of range such
+    as 1e400 included) is refused rather than reserved as one."""
     if not raw:
         return 1
     try:
         value = _any.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError):  # 1e400: out of range
+    except msgspec.DecodeError:
         raise _bad_field(name, "expected a whole number") from None
     if value is None:
         return 1
@@ -258,22 +281,23 @@ def completion_limit(peek: Peek, path: str) -> int | None:
     """The most completion tokens the upstream may generate for one prompt and choice, None
     when unbounded: the largest of the fields this path's API honours (0 on a route that
     generates no completion; None on a route the relay does not know the fields of)."""
-    fields = PATH_LIMITS.get(path)
-    if fields is None:
+    honoured = PATH_LIMITS.get(path)
+    if honoured is None:
         return None
-    if not fields:
+    if not honoured:
         return 0
-    asked = [v for v in (getattr(peek, f) for f in fields) if v is not None]
+    asked: list[int] = [v for v in (getattr(peek, f) for f in honoured) if v is not None]
     if not asked or min(asked) < 0:
         return None
     return max(asked)
 
 
-MAX_PROMPTS = 16384  # prompts counted in one request's `"prompt": [...]` (more: at least)
+# The prompts counted in one request's `"prompt": [...]` (more: at least that many).
+MAX_PROMPTS = 16384
 
 
 @functools.cache
-def _first_items() -> msgspec.json.Decoder:
+def _first_items() -> msgspec.json.Decoder[msgspec.Struct]:
     """The first MAX_PROMPTS + 1 items of an array as sent; msgspec skips the rest in C, so
     a list of millions costs what its bytes cost to scan, never an object each. (Made on
     first use, once: ~25 ms, which start-up and `relay report` need not pay.)"""
@@ -295,18 +319,21 @@ def prompt_count(peek: Peek) -> int:
     raw = bytes(peek.members.prompt)
     if not raw.startswith(b"["):
         return 1
+    # Numbers only (token ids, of any length) are one prompt.
     if b'"' not in raw and b"{" not in raw and raw.find(b"[", 1) < 0:
-        return 1  # numbers only: token ids, one prompt
+        return 1
     try:
         items = msgspec.structs.astuple(_first_items().decode(raw))
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+    except (msgspec.DecodeError, RecursionError):
         return 1
-    if items[MAX_PROMPTS]:  # (a flat list of ids of any length is one prompt, above)
+    if items[MAX_PROMPTS]:
         return MAX_PROMPTS + 1
-    n = bisect.bisect_left(items, True, key=lambda item: not item)  # the items sent
+    # The items sent come first; the rest of the tuple holds the empty Raw of the default.
+    n = bisect.bisect_left(items, True, key=lambda item: not item)
     kinds = {bytes(item)[:1] for item in items[:n]}
+    # Token ids, or ids mixed with strings, are one prompt (llama-server's rule).
     if not kinds & {b"[", b"{", b'"'} or (not kinds & {b"[", b"{"} and kinds - {b'"'}):
-        return 1  # token ids, or ids mixed with strings: one prompt (llama-server's rule)
+        return 1
     return max(1, n)
 
 
@@ -352,13 +379,14 @@ def with_limit(body: bytes, peek: Peek, limit: int, path: str) -> bytes:
     the closing brace (`body_fields.splice`), never re-encoded: the body names each field
     once, so what the relay reserved on is what any parser reads.
     """
-    fields = PATH_LIMITS.get(path, _OPENAI)
+    honoured = PATH_LIMITS.get(path, _OPENAI)
     value = b"%d" % limit
+    # A limit field sent as `null` is sent all the same: it is written over too.
     try:
         spans = B.locate(body, peek.members)
-        present = [f for f in fields if f in spans]  # `null` too: a member all the same
+        sent = [f for f in honoured if f in spans]
         return B.splice(
-            body, spans, dict.fromkeys(present or [_OWN_LIMIT.get(path, "max_tokens")], value)
+            body, spans, dict.fromkeys(sent or [_OWN_LIMIT.get(path, "max_tokens")], value)
         )[0]
     except msgspec.DecodeError:
         raise _invalid("cannot apply the token limit") from None

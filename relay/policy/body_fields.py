@@ -15,8 +15,8 @@ Bounded work for any body the relay accepts (`max_body_bytes`), each step one C-
   anywhere, is named once (its one occurrence is the member). Only a body where a name may
   repeat (a nested member or a value of that spelling, an escape) is walked member by member
   at the top level, each name and value skipped by msgspec in C (what follows a value is
-  "trailing" to it: the offset msgspec names is where it ends); the walk stops at `MAX_MEMBERS` members
-  (`TooManyMembers`: no API request has a thousand parameters).
+  "trailing" to it: the offset msgspec names is where it ends); the walk stops at
+  `MAX_MEMBERS` members (`TooManyMembers`: no API request has a thousand parameters).
 
 `splice` rewrites (the name an upstream knows a model by, a token cap) in place: a member's
 value where it was sent, a new member before the closing brace; every other byte stays as the
@@ -43,13 +43,16 @@ DECIDING = (
     "n_cmpl",
     "prompt",
 )
-MAX_MEMBERS = 1024  # top-level members walked when a deciding name may occur twice
+# The top-level members walked when a deciding name may occur twice.
+MAX_MEMBERS = 1024
 
-Span = tuple[int, int]  # (start, end) of a value in the body
+# Where a value lies in the body: (start, end).
+Span = tuple[int, int]
 
 
 class Members(msgspec.Struct):
-    """The deciding members as sent (an empty Raw: absent; `null` is present)."""
+    """The deciding members as sent (an empty Raw: absent; `null` is present). `n_cmpl` is
+    llama-server's own count of choices."""
 
     model: Raw = Raw()
     stream: Raw = Raw()
@@ -59,7 +62,7 @@ class Members(msgspec.Struct):
     max_output_tokens: Raw = Raw()
     n: Raw = Raw()
     best_of: Raw = Raw()
-    n_cmpl: Raw = Raw()  # llama-server's own count of choices
+    n_cmpl: Raw = Raw()
     prompt: Raw = Raw()
 
 
@@ -72,7 +75,7 @@ class Ambiguous(ValueError):
 
 
 class TooManyMembers(ValueError):
-    pass
+    """More than MAX_MEMBERS top-level members walked, and a deciding name may repeat."""
 
 
 _members = msgspec.json.Decoder(Members)
@@ -82,7 +85,8 @@ _NAMES = frozenset(name.encode() for name in DECIDING)
 # `\u0041`-`\u007f`: the only escapes that unescape to a letter, digit or `_` of a name
 _ESCAPED_LETTER = re.compile(rb"\\u00[4-7][0-9a-fA-F]")
 _WS = re.compile(rb"[ \t\r\n]*")
-_BLANK = b" \t\r\n"  # JSON's whitespace
+# JSON's whitespace.
+_BLANK = b" \t\r\n"
 _SCALAR = re.compile(rb"[-+0-9.eE]+|true|false|null")
 _TRAILING = re.compile(r"trailing characters \(byte (\d+)\)")
 
@@ -94,6 +98,7 @@ def read(body: bytes) -> Members:
 
 
 def present(members: Members) -> list[str]:
+    """The names of the deciding members `members` holds, in DECIDING's order."""
     return [name for name, raw in zip(DECIDING, astuple(members), strict=True) if raw]
 
 
@@ -101,7 +106,7 @@ def model_span(body: bytes) -> Span | None:
     """Where the top-level `model` string's value lies in `body` (a JSON object the relay
     accepted: its members named once), None when it names no model string."""
     members = read(body)
-    if not members.model or memoryview(members.model)[:1] != b'"':
+    if not members.model or memoryview(members.model)[0] != 0x22:
         return None
     return locate(body, members).get("model")
 
@@ -129,11 +134,12 @@ def locate(body: bytes, members: Members) -> dict[str, Span]:
     if not names:
         return {}
     if _named_once(body, names):
-        spans = {}
+        spans: dict[str, Span] = {}
         for name in names:
             i = body.find(_TOKENS[name]) + len(_TOKENS[name])
+            # Compact JSON, as clients send it, has the value right after the colon.
             if body[i : i + 1] == b":" and body[i + 1 : i + 2] not in _BLANK:
-                i += 1  # (compact JSON, as clients send it)
+                i += 1
             else:
                 i = _colon(body, i)
             spans[name] = (i, i + len(getattr(members, name)))
@@ -142,6 +148,7 @@ def locate(body: bytes, members: Members) -> dict[str, Span]:
 
 
 def _ws(body: bytes, i: int) -> int:
+    """Where the JSON whitespace from `i` on ends."""
     m = _WS.match(body, i)
     return m.end() if m is not None else i
 
@@ -158,7 +165,8 @@ def walk(body: bytes) -> dict[str, Span]:
     """The spans of the deciding members, walking the top-level members one by one (the
     body is one JSON object `read` accepted)."""
     spans: dict[str, Span] = {}
-    i = _ws(body, _ws(body, 0) + 1)  # after the opening brace
+    # The first member's name starts after the opening brace.
+    i = _ws(body, _ws(body, 0) + 1)
     if body[i : i + 1] == b"}":
         return spans
     for _ in range(MAX_MEMBERS):
@@ -177,22 +185,28 @@ def walk(body: bytes) -> dict[str, Span]:
         i = _ws(body, end)
         if body[i : i + 1] == b"}":
             return spans
-        i = _ws(body, i + 1)  # past the comma
+        # The body is one valid object: a byte after a member that is not its closing brace
+        # is the comma before the next member.
+        i = _ws(body, i + 1)
     raise TooManyMembers(f"more than {MAX_MEMBERS} top-level members")
 
 
 def value_end(body: bytes, i: int) -> int:
-    """Where the JSON value starting at `i` ends (the body goes on after it)."""
+    """Where the JSON value starting at `i` ends (the body goes on after it).
+
+    msgspec skips a string, object or array in C, and what follows it is "trailing": the
+    byte offset msgspec names counts past that byte. The blanks before it are stepped back
+    over in place, with no copy of the body."""
     first = body[i : i + 1]
     if first in (b'"', b"{", b"["):
-        try:  # msgspec skips the value in C; what follows it is "trailing"
+        try:
             _raw.decode(memoryview(body)[i:])
         except msgspec.DecodeError as exc:
             t = _TRAILING.search(str(exc))
             if t is not None:
-                at = i + int(t.group(1)) - 1  # msgspec counts past the trailing byte
+                at = i + int(t.group(1)) - 1
                 if body[at : at + 1] in (b",", b"}", b":"):
-                    while at > i and body[at - 1] in _BLANK:  # (no copy of the body)
+                    while at > i and body[at - 1] in _BLANK:
                         at -= 1
                     return at
         raise msgspec.DecodeError(f"a value expected at byte {i}")
@@ -212,21 +226,23 @@ def splice(
     edits = sorted((spans[name][0], spans[name][1], name) for name in values if name in spans)
     added = [name for name in values if name not in spans]
 
-    def moved(i: int) -> int:  # where byte i of `body` lands
+    def moved(i: int) -> int:
+        """Where byte `i` of `body` lands in the result."""
         return i + sum(len(values[n]) - (e - s) for s, e, n in edits if s < i)
 
-    out = {}
+    out: dict[str, Span] = {}
     for name, (s, e) in spans.items():
         at = moved(s)
         out[name] = (at, at + (len(values[name]) if name in values else e - s))
     view = memoryview(body)
-    parts: list = []
+    parts: list[bytes | memoryview] = []
     pos = 0
     for start, end, name in edits:
         parts += (view[pos:start], values[name])
         pos = end
     if added:
-        close = len(body.rstrip(_BLANK)) - 1  # the closing brace
+        # The closing brace, and where the last member before it ends.
+        close = len(body.rstrip(_BLANK)) - 1
         last = len(body[:close].rstrip(_BLANK))
         if close < 1 or body[close] != 0x7D or last < 1:
             raise msgspec.DecodeError("not a JSON object")

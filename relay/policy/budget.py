@@ -7,19 +7,36 @@ of k admit exactly k (the check and the reservation happen in one synchronous st
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import TypedDict
 
 from relay.config import KeyConfig
 
-_DAY, _MONTH = "daily", "monthly"
+
+class Period(enum.StrEnum):
+    """The UTC calendar period of a budget window: its kind, as limits, figures and the
+    stores name it (`daily_tokens`, `usage(...)["daily"]`)."""
+
+    DAY = "daily"
+    MONTH = "monthly"
+
+
+class WindowUsage(TypedDict):
+    """One window's figures (`Budgets.usage`): used, and reserved by requests in flight."""
+
+    requests: int
+    tokens: int
+    reserved_requests: int
+    reserved_tokens: int
 
 
 def window_bounds(kind: str, now: float) -> tuple[float, float]:
-    """[start, end) of the UTC day or month holding `now`."""
+    """[start, end) of the UTC day or month (`kind`: a Period) holding `now`."""
     t = datetime.fromtimestamp(now, UTC)
-    if kind == _DAY:
+    if kind == Period.DAY:
         start = t.replace(hour=0, minute=0, second=0, microsecond=0)
         end = datetime.fromtimestamp(start.timestamp() + 86400, UTC)
     else:
@@ -34,7 +51,11 @@ def window_bounds(kind: str, now: float) -> tuple[float, float]:
 
 @dataclass
 class _Window:
-    kind: str
+    """One key's window of one period: its limits (0: none), its bounds, the requests and
+    tokens used and reserved in it, and the reload that created it (`born`, a
+    `Budgets.generation`)."""
+
+    kind: Period
     req_limit: int
     tok_limit: int
     start: float = 0.0
@@ -43,15 +64,20 @@ class _Window:
     used_tok: int = 0
     res_req: int = 0
     res_tok: int = 0
-    born: int = 0  # the reload that created it (Budgets.generation)
+    born: int = 0
 
     def roll(self, now: float) -> None:
+        """Move to the period holding `now`, used figures at zero; the reservations of
+        requests in flight carry over."""
         if not self.start <= now < self.end:
             self.start, self.end = window_bounds(self.kind, now)
-            self.used_req = self.used_tok = 0  # in-flight reservations carry over
+            self.used_req = self.used_tok = 0
 
 
 class BudgetExceeded(Exception):
+    """A reservation refused: the `limit` it met (`daily_tokens`, ...), what was used and
+    reserved of it, its value, and when its window resets."""
+
     def __init__(
         self, limit: str, used: int, limit_value: int, resets_at: float, now: float
     ) -> None:
@@ -62,7 +88,8 @@ class BudgetExceeded(Exception):
         self.resets_at = resets_at
         self.retry_after = max(1, math.ceil(resets_at - now))
 
-    def details(self) -> dict:
+    def details(self) -> dict[str, str | int]:
+        """The refusal's `details` as answered to the client (`resets_at` in ISO 8601)."""
         iso = datetime.fromtimestamp(self.resets_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         return {
             "limit": self.limit,
@@ -74,14 +101,19 @@ class BudgetExceeded(Exception):
 
 @dataclass
 class Reservation:
+    """What one request holds of its key's windows. `settled`: it holds nothing (any more,
+    or from the start when no window applied); `windows`: those it holds, kept here since a
+    reload may replace a key's list, with the start of each when it was taken (`starts`);
+    `gen`: `Budgets.generation` then; `done`: `Budgets.settle` ran."""
+
     key_id: str
     tokens: int
     settled: bool = False
-    starts: tuple[float, ...] = ()  # the start of each window it was taken in
-    windows: tuple = ()  # the windows it holds (a reload may replace a key's list)
-    gen: int = 0  # Budgets.generation when it was taken
+    starts: tuple[float, ...] = ()
+    windows: tuple[_Window, ...] = ()
+    gen: int = 0
     admitted_at: float = 0.0
-    done: bool = False  # settle() ran
+    done: bool = False
 
 
 @dataclass
@@ -89,21 +121,25 @@ class _KeyBudget:
     windows: list[_Window] = field(default_factory=list)
 
 
-def _limits(k: KeyConfig) -> list[tuple[str, int, int]]:
+def _limits(k: KeyConfig) -> list[tuple[Period, int, int]]:
+    """The key's (period, request limit, token limit) of each period it limits."""
     return [
         (kind, r, t)
         for kind, r, t in (
-            (_DAY, k.requests_per_day, k.tokens_per_day),
-            (_MONTH, k.requests_per_month, k.tokens_per_month),
+            (Period.DAY, k.requests_per_day, k.tokens_per_day),
+            (Period.MONTH, k.requests_per_month, k.tokens_per_month),
         )
         if r or t
     ]
 
 
 class Budgets:
+    """Every key's windows. `generation` counts the reloads, so the windows a later one
+    creates are told apart; `_late` holds what settled since `stage`."""
+
     def __init__(self, keys: list[KeyConfig]) -> None:
-        self.generation = 0  # how many reloads: windows a later one creates are told apart
-        self._late: list[tuple[Reservation, int, int]] | None = None  # settled since stage()
+        self.generation = 0
+        self._late: list[tuple[Reservation, int, int]] | None = None
         self.keys: dict[str, _KeyBudget] = {
             k.id: _KeyBudget([_Window(kind, r, t) for kind, r, t in _limits(k)]) for k in keys
         }
@@ -116,6 +152,7 @@ class Budgets:
         self._late = []
 
     def unstage(self) -> None:
+        """The reload `stage` prepared was refused: nothing is kept for it."""
         self._late = None
 
     def reload(
@@ -144,8 +181,8 @@ class Budgets:
                 ws.append(w)
             table[k.id] = _KeyBudget(ws)
         self.keys = table
-        for (key_id, kind), (requests, tokens) in (rebuilt or {}).items():
-            self.restore(key_id, kind, requests, tokens, now)
+        for (key_id, named), (requests, tokens) in (rebuilt or {}).items():
+            self.restore(key_id, named, requests, tokens, now)
         late, self._late = self._late or [], None
         for res, requests, tokens in late:
             self._charge_newer(res, requests, tokens, now, born=self.generation)
@@ -168,6 +205,7 @@ class Budgets:
                 w.used_req, w.used_tok = requests, tokens
 
     def windows_of(self, key_id: str) -> list[str]:
+        """The periods (`Period`) the key's windows cover, in order."""
         return [w.kind for w in self.keys.get(key_id, _KeyBudget()).windows]
 
     def limits_tokens(self, key_id: str) -> bool:
@@ -178,7 +216,7 @@ class Budgets:
         """Check every window and reserve in all of them, or raise BudgetExceeded."""
         kb = self.keys.get(key_id)
         if kb is None or not kb.windows:
-            # no limits: nothing to hold (a reload adding some charges it when it settles)
+            # No limits: nothing to hold (a reload adding some charges it when it settles).
             return Reservation(key_id, 0, settled=True, gen=self.generation, admitted_at=now)
         for w in kb.windows:
             w.roll(now)
@@ -209,12 +247,14 @@ class Budgets:
         res.done = True
         if not res.settled:
             res.settled = True
+            # Usage counts in the window the request was admitted in, as its row does (its
+            # ts is the admission time).
             for w, start in zip(res.windows, res.starts):
                 w.roll(now)
                 w.res_req -= 1
                 w.res_tok -= res.tokens
-                if w.start == start:  # usage counts in the window the request was admitted
-                    w.used_req += requests  # in, as its row does (ts = admission time)
+                if w.start == start:
+                    w.used_req += requests
                     w.used_tok += tokens
         self._charge_newer(res, requests, tokens, now)
         if self._late is not None:
@@ -237,8 +277,9 @@ class Budgets:
                     w.used_req += requests
                     w.used_tok += tokens
 
-    def usage(self, key_id: str, now: float) -> dict:
-        out = {}
+    def usage(self, key_id: str, now: float) -> dict[str, WindowUsage]:
+        """The key's figures now, by period."""
+        out: dict[str, WindowUsage] = {}
         for w in self.keys.get(key_id, _KeyBudget()).windows:
             w.roll(now)
             out[w.kind] = {

@@ -8,7 +8,7 @@ carries the relay's `Access-Control-Allow-Origin` (replacing the upstream's) and
 
 from __future__ import annotations
 
-from relay.http.fields import Headers, get
+from relay.http.fields import HeaderPairs, Headers, get
 
 ALLOW_METHODS = b"GET, POST, OPTIONS"
 ALLOW_HEADERS = b"Authorization, Content-Type, x-api-key, X-Request-Id"
@@ -24,7 +24,7 @@ class Cors:
     def enabled(self) -> bool:
         return self.any or bool(self.origins)
 
-    def headers(self, request: Headers) -> Headers:
+    def headers(self, request: HeaderPairs) -> Headers:
         """What a response to this request carries (nothing unless an allowed Origin asks)."""
         if not self.enabled:
             return []
@@ -44,21 +44,22 @@ class Cors:
             (b"Vary", b"Origin"),
         ]
 
-    def is_preflight(self, method: bytes, request: Headers) -> bool:
+    def is_preflight(self, method: bytes, request: HeaderPairs) -> bool:
         return (
             self.enabled
             and method == b"OPTIONS"
             and get(request, b"access-control-request-method") is not None
         )
 
-    def preflight(self, request: Headers, request_id: bytes, keep_alive: bool) -> bytes:
+    def preflight(self, request: HeaderPairs, request_id: bytes, keep_alive: bool) -> bytes:
         """The whole answer to a preflight: 204 with the allowed methods and headers when the
         origin is allowed, a bare 204 otherwise (the browser then refuses the call)."""
         lines = [b"HTTP/1.1 204 No Content"]
         own = self.headers(request)
         lines.extend(k + b": " + v for k, v in own)
+        # The headers the browser asks for are allowed too: SDKs add their own.
         if any(k == b"Access-Control-Allow-Origin" for k, _ in own):
-            asked = get(request, b"access-control-request-headers")  # SDKs add their own
+            asked = get(request, b"access-control-request-headers")
             allow = ALLOW_HEADERS + (b", " + asked if asked and asked.strip() else b"")
             lines += [
                 b"Access-Control-Allow-Methods: " + ALLOW_METHODS,

@@ -6,10 +6,10 @@ import hashlib
 import hmac
 
 from relay.config import KeyConfig
-from relay.http.fields import Headers, get
+from relay.http.fields import HeaderPairs, get
 
 
-def presented_secret(headers: Headers) -> bytes | None:
+def presented_secret(headers: HeaderPairs) -> bytes | None:
     """`Authorization: Bearer <secret>` or `x-api-key: <secret>`."""
     value = get(headers, b"authorization")
     if value is not None:
@@ -30,7 +30,7 @@ class Auth:
     def enabled(self) -> bool:
         return bool(self.keys)
 
-    def identify(self, headers: Headers) -> str | None:
+    def identify(self, headers: HeaderPairs) -> str | None:
         """The id of the key the caller presented, or None. Every key is compared, always."""
         secret = presented_secret(headers)
         digest = hashlib.sha256(secret or b"").digest()
@@ -40,7 +40,7 @@ class Auth:
                 found = key_id
         return found
 
-    def admin_ok(self, headers: Headers) -> bool:
+    def admin_ok(self, headers: HeaderPairs) -> bool:
         """Whether /api/* and /metrics may be read: open when no admin key is configured."""
         if self.admin is None:
             return True

@@ -12,11 +12,26 @@ key is answered the usual way instead (its row says so).
 from __future__ import annotations
 
 from itertools import chain
+from typing import Protocol
 
+from relay.config import ServerConfig
 from relay.errors import RelayError
 from relay.http import fields, request_framing
+from relay.http.fields import HeaderPairs
 from relay.http.request_path import bounded, route_path
 from relay.policy.admission import head_check
+from relay.policy.keys import Auth
+
+
+class BodyBound(Protocol):
+    """What `judge` reads of the relay-wide bound on request-body bytes held at once
+    (`proxy.body_memory`): the bound, and the bytes held now."""
+
+    @property
+    def limit(self) -> int: ...
+
+    @property
+    def held(self) -> int: ...
 
 
 class HeadVerdict:
@@ -40,7 +55,7 @@ class HeadVerdict:
         self.key_id = key_id
 
 
-def head_size(method: bytes, target: bytes, headers) -> int:
+def head_size(method: bytes, target: bytes, headers: HeaderPairs) -> int:
     """The head's size as h11 bounds an unfinished one: request line and header lines."""
     return (
         len(method) + len(target) + 4 * len(headers) + sum(map(len, chain.from_iterable(headers)))
@@ -48,20 +63,20 @@ def head_size(method: bytes, target: bytes, headers) -> int:
 
 
 def judge(
-    server,
-    auth,
+    server: ServerConfig,
+    auth: Auth,
     method: bytes,
     target: bytes,
     http_version: bytes,
-    headers,
+    headers: HeaderPairs,
     folded: bool,
     peer_host: str | None,
-    bodies,
+    bodies: BodyBound,
 ) -> HeadVerdict:
-    """The verdict on one request head. `server`: the `[server]` limits and host; `folded`: the raw
-    head held an obs-fold (`request_framing.has_obs_fold`); `bodies`: the relay-wide bound on
-    body bytes held (`limit`, `held`)."""
-    # h11 bounds only a head still incomplete; one that came whole in a read is measured here
+    """The verdict on one request head. `server`: the `[server]` limits and host; `folded`:
+    the raw head held an obs-fold (`request_framing.has_obs_fold`); `bodies`: the relay-wide
+    bound on body bytes held."""
+    # h11 bounds only a head still incomplete; one that came whole in a read is measured here.
     if head_size(method, target, headers) > server.max_header_bytes:
         return HeadVerdict(RelayError("headers_too_large", "request head is too large"))
     if folded:
@@ -78,7 +93,8 @@ def judge(
     has_body = declared > 0 or fields.get(headers, b"transfer-encoding") is not None
     path = route_path(target)
     key_id, err = head_check(auth, method, path, headers, peer_host, server.host)
-    if err is not None and has_body:  # a bodiless request is answered the usual way
+    # A bodiless request is answered the usual way (its row says so).
+    if err is not None and has_body:
         return HeadVerdict(err, http11, keep_alive, path, key_id)
     if declared > bodies.limit - bodies.held:
         return HeadVerdict(busy(bodies.limit), http11, keep_alive, path, key_id)
@@ -95,12 +111,14 @@ def malformed(status_hint: int, why: str) -> RelayError:
 
 
 def too_large(limit: int) -> RelayError:
+    """413: a body over `max_body_bytes` (`limit`)."""
     return RelayError(
         "request_too_large", f"request body is over {limit} bytes", {"limit_bytes": limit}
     )
 
 
 def too_many_chunks(limit: int) -> RelayError:
+    """413: a chunked body in more than `max_body_chunks` (`limit`) chunks."""
     return RelayError(
         "request_too_large",
         f"request body is sent in more than {limit} chunks",
@@ -109,6 +127,7 @@ def too_many_chunks(limit: int) -> RelayError:
 
 
 def busy(limit: int) -> RelayError:
+    """503: the relay-wide body memory (`limit` bytes) cannot hold this body now."""
     return RelayError(
         "server_busy",
         "the relay holds too many request bodies; retry later",

@@ -30,7 +30,7 @@ class Router:
             for a in u.aliases:
                 self.alias.setdefault(a, u.name)
         self.catch_all = next((u.name for u in upstreams if not u.models), None)
-        # every public name, aliases included, once (with the upstream it routes to)
+        # Every public name, aliases included, once (with the upstream it routes to).
         self.models = [(m, u.name) for u in upstreams for m in u.models if self.exact[m] == u.name]
         self.models += [
             (a, u.name)
