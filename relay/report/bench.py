@@ -29,32 +29,76 @@ import csv
 import io
 import math
 import re
+from typing import Literal, NotRequired, TypedDict
 
 from relay.policy.admission import generates
-from relay.stream import itl as G
+from relay.stream import itl as gaps
 
-BY = {"model": "model", "upstream": "upstream_served", "key": "key_id"}
-READ_COLUMNS = (
-    "ts",
-    "key_id",
-    "model",
-    "upstream_served",
-    "ok",
-    "stream",
-    "ttft_ms",
-    "tpot_ms",
-    "e2e_ms",
-    "itl_hist",
-    "completion_tokens",
-    "prompt_tokens",
-    "tokens_source",
-    "method",
-    "path",
-    "total_ms",
-)
-SLO_NAMES = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2e_ms"}
-FIGURES = ("ttft", "tpot", "itl", "e2el")
-STATS = ("mean", "p50", "p90", "p99")
+
+class BenchRow(TypedDict, total=False):
+    """A stored row as the benchmark view reads it (a hand-made one may leave columns out)."""
+
+    ts: float
+    key_id: str | None
+    model: str | None
+    upstream_served: str | None
+    ok: int | None
+    stream: int | None
+    ttft_ms: float | None
+    tpot_ms: float | None
+    e2e_ms: float | None
+    itl_hist: str | None
+    completion_tokens: int | None
+    prompt_tokens: int | None
+    tokens_source: str | None
+    method: str | None
+    path: str | None
+    total_ms: float | None
+
+
+class Stats(TypedDict):
+    """One figure over a group's requests, in ms; `n`: the values it is made of."""
+
+    mean: float | None
+    p50: float | None
+    p90: float | None
+    p99: float | None
+    n: int
+
+
+class BenchGroup(TypedDict):
+    """One group's figures (or the total's). The SLO keys only when SLOs were given."""
+
+    group: str | None
+    requests: int
+    completed: int
+    failed: int
+    duration_s: float
+    window_s: float
+    request_throughput: float | None
+    output_throughput: float | None
+    output_tokens: int
+    ttft: Stats
+    tpot: Stats
+    e2el: Stats
+    itl: Stats
+    slo: NotRequired[dict[str, float]]
+    good: NotRequired[int]
+    goodput: NotRequired[float | None]
+
+
+# The columns a group is named by, and those timed in ms.
+GroupColumn = Literal["model", "upstream_served", "key_id"]
+TimeColumn = Literal["ttft_ms", "tpot_ms", "e2e_ms"]
+Figure = Literal["ttft", "tpot", "itl", "e2el"]
+Stat = Literal["mean", "p50", "p90", "p99"]
+# What `--by` groups on: the column of each choice.
+BY: dict[str, GroupColumn] = {"model": "model", "upstream": "upstream_served", "key": "key_id"}
+# The columns the view reads: its row's, in order.
+READ_COLUMNS = tuple(BenchRow.__annotations__)
+SLO_NAMES: dict[str, TimeColumn] = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2e_ms"}
+FIGURES: tuple[Figure, ...] = ("ttft", "tpot", "itl", "e2el")
+STATS: tuple[Stat, ...] = ("mean", "p50", "p90", "p99")
 
 
 def parse_slo(text: str) -> dict[str, float]:
@@ -71,7 +115,7 @@ def parse_slo(text: str) -> dict[str, float]:
     return out
 
 
-def percentile(values: list[float], p: float) -> float | None:
+def interpolated_percentile(values: list[float], p: float) -> float | None:
     """Linear interpolation between closest ranks (numpy.percentile's default)."""
     v = sorted(values)
     if not v:
@@ -82,12 +126,12 @@ def percentile(values: list[float], p: float) -> float | None:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
-def _stats(values: list[float]) -> dict:
+def _stats(values: list[float]) -> Stats:
     return {
         "mean": sum(values) / len(values) if values else None,
-        "p50": percentile(values, 50),
-        "p90": percentile(values, 90),
-        "p99": percentile(values, 99),
+        "p50": interpolated_percentile(values, 50),
+        "p90": interpolated_percentile(values, 90),
+        "p99": interpolated_percentile(values, 99),
         "n": len(values),
     }
 
@@ -96,33 +140,44 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
 
 
-def _itl_stats(rows: list[dict]) -> dict:
+def _itl_stats(rows: list[BenchRow]) -> Stats:
     buckets: dict[int, int] = {}
     zeros = 0
     for r in rows:
-        _, z = G.decode(r.get("itl_hist"), buckets)
+        _, z = gaps.decode(r.get("itl_hist"), buckets)
         zeros += z
     n = zeros + sum(buckets.values())
     mean = None
     if n:
-        mean = sum(c * sum(G.bucket_bounds(k)) / 2 for k, c in buckets.items()) / n * 1000
-    q = {f"p{p}": _ms(G.quantile_of(buckets, zeros, p / 100)) for p in (50, 90, 99)}
-    return {"mean": mean, **q, "n": n}
+        mean = sum(c * sum(gaps.bucket_bounds(k)) / 2 for k, c in buckets.items()) / n * 1000
+    return {
+        "mean": mean,
+        "p50": _ms(gaps.quantile_of(buckets, zeros, 0.5)),
+        "p90": _ms(gaps.quantile_of(buckets, zeros, 0.9)),
+        "p99": _ms(gaps.quantile_of(buckets, zeros, 0.99)),
+        "n": n,
+    }
 
 
-def meets(row: dict, slo: dict[str, float]) -> bool:
+def _values(rows: list[BenchRow], col: TimeColumn) -> list[float]:
+    """A column's values over rows that have one."""
+    return [v for r in rows if (v := r.get(col)) is not None]
+
+
+def meets(row: BenchRow, slo: dict[str, float]) -> bool:
+    """Whether a request meets every SLO. vLLM counts TPOT 0 for a single output token."""
     for name, limit in slo.items():
         value = row.get(SLO_NAMES[name])
         if value is None:
             if name == "tpot" and (row.get("completion_tokens") or 0) <= 1:
-                continue  # vLLM: TPOT 0 for a single output token
+                continue
             return False
         if value > limit:
             return False
     return True
 
 
-def generating(row: dict) -> bool:
+def generating(row: BenchRow) -> bool:
     """A request that can make the upstream generate (a row that does not say: kept)."""
     method, path = row.get("method"), row.get("path")
     if not method or path is None:
@@ -130,7 +185,7 @@ def generating(row: dict) -> bool:
     return generates(method.encode(), path)
 
 
-def span(rows: list[dict]) -> float:
+def span(rows: list[BenchRow]) -> float:
     """Seconds from the first request's start to the last one's end (0 with none)."""
     if not rows:
         return 0.0
@@ -139,15 +194,16 @@ def span(rows: list[dict]) -> float:
     return max(0.0, last - first)
 
 
-def summarize(
-    rows: list[dict], window_s: float, slo: dict[str, float] | None, group: str | None
-) -> dict:
+def bench_group(
+    rows: list[BenchRow], window_s: float, slo: dict[str, float] | None, group: str | None
+) -> BenchGroup:
+    """One group's figures. A reservation charged is no count of output tokens."""
     done = [r for r in rows if r.get("ok")]
     duration_s = span(rows) if rows and all("ts" in r for r in rows) else window_s
     out_tokens = sum(
         r.get("completion_tokens") or 0 for r in done if r.get("tokens_source") != "reserved"
-    )  # a reservation is no count
-    out = {
+    )
+    out: BenchGroup = {
         "group": group,
         "requests": len(rows),
         "completed": len(done),
@@ -157,10 +213,11 @@ def summarize(
         "request_throughput": len(done) / duration_s if duration_s > 0 else None,
         "output_throughput": out_tokens / duration_s if duration_s > 0 else None,
         "output_tokens": out_tokens,
+        "ttft": _stats(_values(done, "ttft_ms")),
+        "tpot": _stats(_values(done, "tpot_ms")),
+        "e2el": _stats(_values(done, "e2e_ms")),
+        "itl": _itl_stats(done),
     }
-    for name, col in (("ttft", "ttft_ms"), ("tpot", "tpot_ms"), ("e2el", "e2e_ms")):
-        out[name] = _stats([r[col] for r in done if r.get(col) is not None])
-    out["itl"] = _itl_stats(done)
     if slo:
         good = sum(1 for r in done if meets(r, slo))
         out["slo"] = dict(slo)
@@ -170,42 +227,43 @@ def summarize(
 
 
 def bench(
-    rows: list[dict],
+    rows: list[BenchRow],
     by: str,
-    duration_s: float,
+    window_s: float,
     slo: dict[str, float] | None = None,
     everything: bool = False,
-) -> tuple[list[dict], dict]:
+) -> tuple[list[BenchGroup], BenchGroup]:
     """(one summary per group, ordered by name; the summary of all rows): the requests that
-    generate, or `everything`. `duration_s`: the window."""
+    generate, or `everything`. `window_s`: the window asked for."""
     if not everything:
         rows = [r for r in rows if generating(r)]
     col = BY[by]
-    groups: dict = {}
+    members: dict[str | None, list[BenchRow]] = {}
     for r in rows:
-        groups.setdefault(r.get(col), []).append(r)
-    keyed = sorted(groups, key=lambda k: (k is None, k or ""))
+        members.setdefault(r.get(col), []).append(r)
+    keyed = sorted(members, key=lambda k: (k is None, k or ""))
     return (
-        [summarize(groups[k], duration_s, slo, k) for k in keyed],
-        summarize(rows, duration_s, slo, "TOTAL"),
+        [bench_group(members[k], window_s, slo, k) for k in keyed],
+        bench_group(rows, window_s, slo, "TOTAL"),
     )
 
 
 # ---- rendering -------------------------------------------------------------------------
-def flat(s: dict) -> dict:
+# A value of a flat record (a CSV cell, a table cell).
+Cell = str | int | float | None
+
+
+def flat(s: BenchGroup) -> dict[str, Cell]:
     """One group as a flat record (CSV columns, table cells)."""
-    out = {
-        k: s[k]
-        for k in (
-            "group",
-            "requests",
-            "completed",
-            "failed",
-            "duration_s",
-            "request_throughput",
-            "output_throughput",
-            "output_tokens",
-        )
+    out: dict[str, Cell] = {
+        "group": s["group"],
+        "requests": s["requests"],
+        "completed": s["completed"],
+        "failed": s["failed"],
+        "duration_s": s["duration_s"],
+        "request_throughput": s["request_throughput"],
+        "output_throughput": s["output_throughput"],
+        "output_tokens": s["output_tokens"],
     }
     for f in FIGURES:
         for st in STATS:
@@ -216,7 +274,7 @@ def flat(s: dict) -> dict:
     return out
 
 
-def render_csv(groups: list[dict], total: dict) -> str:
+def render_csv(groups: list[BenchGroup], total: BenchGroup) -> str:
     records = [flat(g) for g in groups] + [flat(total)]
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=list(records[0]), lineterminator="\n")
@@ -226,11 +284,12 @@ def render_csv(groups: list[dict], total: dict) -> str:
     return buf.getvalue()
 
 
-def _num(v, digits: int = 1) -> str:
+def _num(v: float | None, digits: int = 1) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
-def render_table(groups: list[dict], total: dict, by: str) -> str:
+def render_text(groups: list[BenchGroup], total: BenchGroup, by: str) -> str:
+    """Each group's figures as lines of text, then the total's. Times in ms."""
     lines = []
     for s in groups + [total]:
         name = s["group"] if s["group"] is not None else "-"

@@ -6,11 +6,13 @@ spelling; store.pg_sql `portable` turns it into PostgreSQL's.
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import sqlite3
 
 from relay.config import is_pg_url
+from relay.store.schema import DbRow, Params
 from relay.store.sqlite_file import is_memory, open_readonly
 
 
@@ -32,7 +34,7 @@ def missing(db: str) -> str | None:
     """Why there is nothing to read at `db` (None: go ahead)."""
     if is_pg_url(db):
         try:
-            import psycopg  # noqa: F401
+            importlib.import_module("psycopg")
         except ImportError:
             return "reading PostgreSQL needs the driver: pip install 'relay[postgres]'"
         return None
@@ -44,7 +46,7 @@ def missing(db: str) -> str | None:
     return None
 
 
-def fetch(db: str, sql: str, params: tuple = ()) -> list[dict]:
+def fetch(db: str, sql: str, params: Params = ()) -> list[DbRow]:
     if is_pg_url(db):
         import psycopg
         from psycopg.rows import dict_row
@@ -55,7 +57,8 @@ def fetch(db: str, sql: str, params: tuple = ()) -> list[dict]:
             return conn.execute(portable(sql), params).fetchall()
     lite = open_readonly(db)
     try:
-        return lite.execute(sql, params).fetchall()
+        rows: list[DbRow] = lite.execute(sql, params).fetchall()
+        return rows
     finally:
         lite.close()
 

@@ -15,24 +15,73 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Literal, TypedDict, cast
 
 from relay.report import bench as benchview
-from relay.report import rows as rows_read
+from relay.report import rows as stored
 
-READ_COLUMNS = (
-    "model",
-    "upstream_served",
-    "status",
-    "ok",
-    "error_code",
-    "stream",
-    "queue_ms",
-    "ttft_ms",
-    "total_ms",
-    "completion_tokens",
-    "tokens_source",
-)
+
+class SummaryRow(TypedDict, total=False):
+    """A stored row as the summary reads it (a hand-made one may leave columns out)."""
+
+    model: str | None
+    upstream_served: str | None
+    status: int | None
+    ok: int | None
+    error_code: str | None
+    stream: int | None
+    queue_ms: float | None
+    ttft_ms: float | None
+    total_ms: float | None
+    completion_tokens: int | None
+    tokens_source: str | None
+
+
+class Group(TypedDict):
+    """One (model, upstream) group's numbers, or the total's; times in ms."""
+
+    model: str | None
+    upstream: str | None
+    requests: int
+    ok: int
+    failed: int
+    failures: dict[str, int]
+    ttft_p50_ms: float | None
+    ttft_p95_ms: float | None
+    ttft_p99_ms: float | None
+    tok_s_p50: float | None
+    queue_p95_ms: float | None
+    completion_tokens: int
+    tokens_exact: int
+    tokens_approx: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReportArgs:
+    """The command line, as `_parser` reads it."""
+
+    db: str
+    since: str
+    json: bool
+    bench: bool
+    by: str | None
+    from_ts: str | None
+    to_ts: str | None
+    slo: str | None
+    csv: bool
+    all: bool
+
+    def wants_bench(self) -> bool:
+        """Whether a flag of the benchmark view was given."""
+        return bool(
+            self.bench or self.by or self.from_ts or self.to_ts or self.slo or self.csv or self.all
+        )
+
+
+# The columns the summary reads: its row's, in order.
+READ_COLUMNS = tuple(SummaryRow.__annotations__)
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -56,7 +105,7 @@ def percentile(values: Iterable[float], p: float) -> float | None:
     return ordered[min(max(rank, 1), len(ordered)) - 1]
 
 
-def tokens_per_s(row: dict) -> float | None:
+def tokens_per_s(row: SummaryRow) -> float | None:
     """Decode rate of a streamed ok row: completion tokens over the time after the first token."""
     tokens, ttft, total = row.get("completion_tokens"), row.get("ttft_ms"), row.get("total_ms")
     if not row.get("stream") or not row.get("ok") or not tokens or tokens <= 0:
@@ -66,19 +115,21 @@ def tokens_per_s(row: dict) -> float | None:
     return tokens / ((total - ttft) / 1000.0)
 
 
-def failure_code(row: dict) -> str:
+def failure_code(row: SummaryRow) -> str:
     if row.get("error_code"):
         return str(row["error_code"])
     return f"http_{row['status']}" if row.get("status") else "unknown"
 
 
-def summarize(rows: list[dict], model: str | None = None, upstream: str | None = None) -> dict:
+def summarize(
+    rows: list[SummaryRow], model: str | None = None, upstream: str | None = None
+) -> Group:
     """One group's numbers (any subset of rows; the total line uses all of them)."""
     ok = sum(1 for r in rows if r.get("ok"))
     failures = Counter(failure_code(r) for r in rows if not r.get("ok"))
-    ttft = [r["ttft_ms"] for r in rows if r.get("ttft_ms") is not None]
+    ttft = [v for r in rows if (v := r.get("ttft_ms")) is not None]
     rates = [t for t in map(tokens_per_s, rows) if t is not None]
-    queue = [r["queue_ms"] for r in rows if r.get("queue_ms") is not None]
+    queue = [v for r in rows if (v := r.get("queue_ms")) is not None]
     return {
         "model": model,
         "upstream": upstream,
@@ -97,13 +148,13 @@ def summarize(rows: list[dict], model: str | None = None, upstream: str | None =
     }
 
 
-def aggregate(rows: Iterable[dict]) -> list[dict]:
+def aggregate(rows: Iterable[SummaryRow]) -> list[Group]:
     """Rows grouped by (model, upstream_served), ordered by model then upstream."""
-    groups: dict[tuple, list[dict]] = {}
+    members: dict[tuple[str | None, str | None], list[SummaryRow]] = {}
     for row in rows:
-        groups.setdefault((row.get("model"), row.get("upstream_served")), []).append(row)
-    keys = sorted(groups, key=lambda k: (k[0] or "", k[1] or ""))
-    return [summarize(groups[k], model=k[0], upstream=k[1]) for k in keys]
+        members.setdefault((row.get("model"), row.get("upstream_served")), []).append(row)
+    keys = sorted(members, key=lambda k: (k[0] or "", k[1] or ""))
+    return [summarize(members[k], model=k[0], upstream=k[1]) for k in keys]
 
 
 # ---- rendering -------------------------------------------------------------------------
@@ -123,23 +174,30 @@ _HEADERS = (
     "approx",
     "failures",
 )
-_LEFT = {0, 1, 13}  # text columns; the rest are numbers, right-aligned
+# The text columns; the rest are numbers, right-aligned.
+_LEFT = {0, 1, 13}
 
 
-_COUNTS = ("requests", "ok", "failed")
-_MEASURES = ("ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "tok_s_p50", "queue_p95_ms")
-_TOKENS = ("completion_tokens", "tokens_exact", "tokens_approx")
+_COUNTS: tuple[Literal["requests", "ok", "failed"], ...] = ("requests", "ok", "failed")
+_MEASURES: tuple[
+    Literal["ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "tok_s_p50", "queue_p95_ms"], ...
+] = ("ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "tok_s_p50", "queue_p95_ms")
+_TOKENS: tuple[Literal["completion_tokens", "tokens_exact", "tokens_approx"], ...] = (
+    "completion_tokens",
+    "tokens_exact",
+    "tokens_approx",
+)
 
 
-def _text(v) -> str:
+def _text(v: str | None) -> str:
     return "-" if v is None else str(v)
 
 
-def _measure(v) -> str:
+def _measure(v: float | None) -> str:
     return "-" if v is None else f"{float(v):.1f}"
 
 
-def _cells(g: dict) -> list[str]:
+def _cells(g: Group) -> list[str]:
     failures = " ".join(f"{code}:{n}" for code, n in g["failures"].items())
     return [
         _text(g["model"]),
@@ -151,7 +209,7 @@ def _cells(g: dict) -> list[str]:
     ]
 
 
-def render_table(groups: list[dict], total: dict | None = None) -> str:
+def render_table(groups: list[Group], total: Group | None = None) -> str:
     """Aligned plain text: one line per group, then a TOTAL line. Times in ms."""
     body = [_cells(g) for g in groups]
     foot = [_cells({**total, "model": "TOTAL", "upstream": ""})] if total else []
@@ -172,12 +230,14 @@ def render_table(groups: list[dict], total: dict | None = None) -> str:
 
 
 # ---- I/O -------------------------------------------------------------------------------
-def read_rows(path: str, since_ts: float | None) -> list[dict]:
+def read_rows(path: str, since_ts: float | None) -> list[SummaryRow]:
+    """The rows since a time (None: all). They are SummaryRows: the SELECT names exactly
+    its columns."""
     sql = f"SELECT {', '.join(READ_COLUMNS)} FROM request"
-    params: tuple = ()
+    params: tuple[float, ...] = ()
     if since_ts is not None:
         sql, params = sql + " WHERE ts >= ?", (since_ts,)
-    return rows_read.fetch(path, sql, params)
+    return cast("list[SummaryRow]", stored.fetch(path, sql, params))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -232,7 +292,7 @@ def parse_time(text: str) -> float:
     return (t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp()
 
 
-def window(args, now: float) -> tuple[float | None, float]:
+def window(args: ReportArgs, now: float) -> tuple[float | None, float]:
     """[start, end] of the rows asked for; start None: all rows."""
     end = parse_time(args.to_ts) if args.to_ts else now
     start: float | None
@@ -246,24 +306,30 @@ def window(args, now: float) -> tuple[float | None, float]:
     return start, end
 
 
-def bench_main(args, parser) -> int:
+def read_bench_rows(db: str, start: float | None, end: float) -> list[benchview.BenchRow]:
+    """The rows of [start, end] (start None: up to end) for the benchmark view. A database no
+    relay with the timing columns opened yet lacks them: they read NULL. They are BenchRows:
+    the SELECT names exactly its columns."""
+    params: tuple[float, ...] = (end,) if start is None else (end, start)
+    have = stored.columns(db)
+    cols = ", ".join(c if c in have else f"NULL AS {c}" for c in benchview.READ_COLUMNS)
+    sql = f"SELECT {cols} FROM request WHERE ts <= ?" + ("" if start is None else " AND ts >= ?")
+    return cast("list[benchview.BenchRow]", stored.fetch(db, sql, params))
+
+
+def bench_main(args: ReportArgs, parser: argparse.ArgumentParser) -> int:
     try:
         start, end = window(args, time.time())
         slo = benchview.parse_slo(args.slo) if args.slo else None
     except ValueError as exc:
         parser.error(str(exc))
-    params: tuple = (end,) if start is None else (end, start)
-    try:  # a database no relay with the timing columns opened yet lacks them: NULLs
-        have = rows_read.columns(args.db)
-        cols = ", ".join(c if c in have else f"NULL AS {c}" for c in benchview.READ_COLUMNS)
-        sql = f"SELECT {cols} FROM request WHERE ts <= ?" + (
-            "" if start is None else " AND ts >= ?"
-        )
-        rows = rows_read.fetch(args.db, sql, params)
-    except rows_read.errors() as exc:
-        print(f"relay report: cannot read {rows_read.shown(args.db)!r}: {exc}", file=sys.stderr)
+    try:
+        rows = read_bench_rows(args.db, start, end)
+    except stored.errors() as exc:
+        print(f"relay report: cannot read {stored.shown(args.db)!r}: {exc}", file=sys.stderr)
         return 2
-    if start is None:  # all rows: the window is the rows' own span
+    # All rows asked for: the window is the rows' own span.
+    if start is None:
         start = min((r["ts"] for r in rows), default=end)
     by = args.by or "model"
     groups, total = benchview.bench(rows, by, end - start, slo, args.all)
@@ -277,10 +343,10 @@ def bench_main(args, parser) -> int:
         print(benchview.render_csv(groups, total), end="")
     else:
         print(
-            f"relay report: {rows_read.shown(args.db)}, {len(rows)} requests from "
+            f"relay report: {stored.shown(args.db)}, {len(rows)} requests from "
             f"{_iso(start)} to {_iso(end)}; times in ms"
         )
-        print(benchview.render_table(groups, total, by), end="")
+        print(benchview.render_text(groups, total, by), end="")
     return 0
 
 
@@ -289,31 +355,33 @@ def _iso(ts: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`relay report`; its exit status (2: bad flags, nothing to read, a read failed). A bad
+    flag exits at once (`parser.error`)."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = ReportArgs(**vars(parser.parse_args(argv)))
     try:
         since_s = parse_since(args.since)
     except ValueError as exc:
-        parser.error(str(exc))  # exits 2
-    why = rows_read.missing(args.db)
+        parser.error(str(exc))
+    why = stored.missing(args.db)
     if why is not None:
         print(f"relay report: {why}", file=sys.stderr)
         return 2
-    if args.bench or args.by or args.from_ts or args.to_ts or args.slo or args.csv or args.all:
+    if args.wants_bench():
         return bench_main(args, parser)
     since_ts = None if since_s is None else time.time() - since_s
     try:
         rows = read_rows(args.db, since_ts)
-    except rows_read.errors() as exc:
-        print(f"relay report: cannot read {rows_read.shown(args.db)!r}: {exc}", file=sys.stderr)
+    except stored.errors() as exc:
+        print(f"relay report: cannot read {stored.shown(args.db)!r}: {exc}", file=sys.stderr)
         return 2
     groups = aggregate(rows)
     total = summarize(rows, model="TOTAL")
     if args.json:
         print(json.dumps({"since_s": since_s, "groups": groups, "total": total}, indent=2))
         return 0
-    window = "all rows" if since_s is None else f"last {args.since}"
-    print(f"relay report: {rows_read.shown(args.db)}, {window}, {len(rows)} requests; times in ms")
+    scope = "all rows" if since_s is None else f"last {args.since}"
+    print(f"relay report: {stored.shown(args.db)}, {scope}, {len(rows)} requests; times in ms")
     print(render_table(groups, total), end="")
     return 0
 

@@ -1,6 +1,8 @@
 """Where rows and admission records are kept: SQLite for one relay, PostgreSQL for several.
 
-- `schema`: the `request` table's columns, and a row as stored
+- `interface`: `RowStore`, what the relay uses of a store (either of these, or a worker's
+  stand-in)
+- `schema`: the `request` table's columns, and a row as stored (and as read back)
 - `sqlite`, `sqlite_writer`, `sqlite_file`: the SQLite store (event-loop side, writer
   thread, the file's lock and read-only connections)
 - `admissions`: durable admission records and crash recovery (SQLite)

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import sqlite3
 
-from relay.observe.record import CRASHED, RESERVED
+from relay.observe.record import CRASHED, RESERVED, Record
 
-# an admission record's id: a number in SQLite; PostgreSQL's are the relay's id and a counter
+# An admission record's id: a number in SQLite; PostgreSQL's are the relay's id and a counter.
 AdmissionId = int | str
+# An admission record as stored, in the order of FIELDS.
+AdmissionValues = tuple[
+    AdmissionId, float, str, str | None, str, str | None, int, str | None, int, int
+]
 
 FIELDS = (
     "id",
@@ -37,7 +41,7 @@ SCHEMA = (
 )
 INSERT = f"INSERT INTO admission ({', '.join(FIELDS)}) VALUES ({', '.join('?' for _ in FIELDS)})"
 DELETE = "DELETE FROM admission WHERE id = ?"
-# what a budget charges: requests an upstream served, and requests cut by a crash
+# What a budget charges: requests an upstream served, and requests cut by a crash.
 CHARGED = f"(upstream_served IS NOT NULL OR error_code = '{CRASHED}')"
 
 _RECOVER = (
@@ -50,8 +54,10 @@ _RECOVER = (
 )
 
 
-def values(admission_id: AdmissionId, rec, prompt_tokens: int, completion_tokens: int) -> tuple:
-    """The admission record of a request (`rec`: relay.record.Record)."""
+def values(
+    admission_id: AdmissionId, rec: Record, prompt_tokens: int, completion_tokens: int
+) -> AdmissionValues:
+    """The admission record of a request."""
     return (
         admission_id,
         rec.ts,
@@ -66,7 +72,7 @@ def values(admission_id: AdmissionId, rec, prompt_tokens: int, completion_tokens
     )
 
 
-def insert(conn: sqlite3.Connection, records: list[tuple]) -> None:
+def insert(conn: sqlite3.Connection, records: list[AdmissionValues]) -> None:
     """Commit admission records (one transaction for all that are waiting)."""
     conn.execute("BEGIN")
     try:
@@ -82,8 +88,8 @@ def recover(conn: sqlite3.Connection) -> int:
     """Turn leftover admissions into `relay_crashed` request rows; how many there were."""
     conn.execute("BEGIN IMMEDIATE")
     try:
-        n = conn.execute("SELECT COUNT(*) AS n FROM admission").fetchone()
-        n = n["n"] if isinstance(n, dict) else n[0]
+        row = conn.execute("SELECT COUNT(*) AS n FROM admission").fetchone()
+        n: int = row["n"] if isinstance(row, dict) else row[0]
         if n:
             conn.execute(_RECOVER)
             conn.execute("DELETE FROM admission")

@@ -28,17 +28,42 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Awaitable, Iterator
+from typing import Protocol, TypeVar
+
+T = TypeVar("T")
 
 
-def sever(conn) -> None:
+class _Socket(Protocol):
+    @property
+    def socket(self) -> int: ...
+
+
+class Severable(Protocol):
+    """What the bounds touch of a psycopg connection, sync or async: its socket."""
+
+    @property
+    def pgconn(self) -> _Socket: ...
+
+
+class AsyncSeverable(Severable, Protocol):
+    """An asyncio connection: severed, then closed (`bounded`)."""
+
+    async def close(self) -> None: ...
+
+
+def sever(conn: Severable) -> None:
     """Shut the socket of a psycopg connection (sync or async) down: whatever waits on it
-    returns now, with an error. Nothing if the connection is closed already."""
+    returns now, with an error. Nothing if the connection is closed already (its socket
+    cannot be read: nothing waits on it)."""
     try:
         fd = conn.pgconn.socket
-    except Exception:  # (closed: nothing waits on it)
+    except Exception:
         return
+    # A duplicate of the descriptor, shut down and closed: shutdown acts on the socket, and
+    # the descriptor itself stays the connection's.
     try:
-        sock = socket.socket(fileno=os.dup(fd))  # shutdown acts on the socket, not the fd
+        sock = socket.socket(fileno=os.dup(fd))
     except OSError:
         return
     try:
@@ -46,23 +71,25 @@ def sever(conn) -> None:
     except OSError:
         pass
     finally:
-        sock.close()  # the duplicate only
+        sock.close()
 
 
 class Watchdog:
     """Severs a connection whose blocking call outlives its deadline. One thread, running
-    only while some call is armed; any thread may arm calls (`within`)."""
+    only while some call is armed; any thread may arm calls (`within`). `severed`: the calls
+    cut off, in all."""
 
     def __init__(self) -> None:
-        self.severed = 0  # calls cut off (total)
+        self.severed = 0
         self._cv = threading.Condition()
-        self._armed: dict[int, tuple[float, object]] = {}  # token -> (deadline, connection)
+        # The armed calls: token -> (deadline, connection).
+        self._armed: dict[int, tuple[float, Severable]] = {}
         self._tokens = itertools.count()
         self._cap = math.inf
         self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
-    def within(self, conn, seconds: float):
+    def within(self, conn: Severable, seconds: float) -> Iterator[None]:
         """The block's calls on `conn` end within `seconds` (severed: OperationalError)."""
         with self._cv:
             token = next(self._tokens)
@@ -90,9 +117,10 @@ class Watchdog:
             while self._armed:
                 now = time.monotonic()
                 due = math.inf
-                for token, (deadline, conn) in list(self._armed.items()):
-                    deadline = min(deadline, self._cap)
-                    if deadline <= now:  # (under the lock: the call is still in its block)
+                # Under the lock, an armed call is still in its block when it is severed.
+                for token, (own_deadline, conn) in list(self._armed.items()):
+                    deadline = min(own_deadline, self._cap)
+                    if deadline <= now:
                         del self._armed[token]
                         sever(conn)
                         self.severed += 1
@@ -107,7 +135,7 @@ class NoAnswer(TimeoutError):
     """A call on PostgreSQL did not end in time; its connection was severed."""
 
 
-async def bounded(conn, call, timeout: float):
+async def bounded(conn: AsyncSeverable, call: Awaitable[T], timeout: float) -> T:
     """Await `call` (a coroutine using `conn`) for at most `timeout` seconds. NoAnswer
     when it does not end in time; a cancelled caller is cancelled all the same. In both
     cases `conn` is severed and closed once the call has ended: the caller drops it."""
@@ -123,17 +151,18 @@ async def bounded(conn, call, timeout: float):
     return task.result()
 
 
-_reaping: set[asyncio.Task] = set()  # severed calls still ending (a strong reference)
+# Severed calls still ending (a strong reference to each).
+_reaping: set[asyncio.Future[None]] = set()
 
 
-def _abandon(conn, task: asyncio.Task) -> None:
+def _abandon(conn: AsyncSeverable, task: asyncio.Future[T]) -> None:
     sever(conn)
     reaper = asyncio.ensure_future(_reap(conn, task))
     _reaping.add(reaper)
     reaper.add_done_callback(_reaping.discard)
 
 
-async def _reap(conn, task: asyncio.Task) -> None:
+async def _reap(conn: AsyncSeverable, task: asyncio.Future[T]) -> None:
     """Close the connection once its call has returned: closing it while the call still
     waits on its descriptor would pull the descriptor from under the event loop."""
     try:

@@ -22,6 +22,7 @@ table existed gets it filled from its rows once, with the trigger, in one transa
 
 from __future__ import annotations
 
+from relay.observe.record import CRASHED, RESERVED
 from relay.store import admissions as durable
 from relay.store.schema import COLUMNS, TYPES
 
@@ -29,7 +30,8 @@ _PG_TYPE = {"REAL": "DOUBLE PRECISION", "INTEGER": "BIGINT", "TEXT": "TEXT"}
 ROW_COLUMNS = COLUMNS + ("row_id",)
 CHARGED = durable.CHARGED
 NOW = "extract(epoch from clock_timestamp())"
-SCHEMA_LOCK = 0x72656C6179  # "relay": relays starting together create the schema once
+# The advisory lock under which relays starting together create the schema once ("relay").
+SCHEMA_LOCK = 0x72656C6179
 
 RES_FIELDS = (
     "id",
@@ -70,7 +72,7 @@ SCHEMA = (
 
 # A row replaces the `relay_crashed` placeholder its expired lease left (a relay cut off from
 # the server longer than reservation_ttl_s); any other row already there is kept as it is.
-_CRASHED_ONLY = f"request.error_code = '{durable.CRASHED}'"
+_CRASHED_ONLY = f"request.error_code = '{CRASHED}'"
 INSERT = (
     f"INSERT INTO request ({', '.join(ROW_COLUMNS)}) "
     f"VALUES ({', '.join('%s' for _ in ROW_COLUMNS)}) ON CONFLICT (row_id) DO UPDATE SET "
@@ -79,19 +81,21 @@ INSERT = (
 )
 DELETE_LEASES = "DELETE FROM reservation WHERE id = ANY(%s)"
 
+# Expired leases become charged rows, in key order (as _commit_pg locks them).
 _EXPIRE = (
     "WITH gone AS (DELETE FROM reservation WHERE {where} RETURNING *)"
     " INSERT INTO request (ts, request_id, key_id, path, model, stream, upstream_requested,"
     " fallback_attempts, ok, error_code, prompt_tokens, completion_tokens, tokens_source,"
     " bytes_out, client_closed, row_id)"
     " SELECT ts, request_id, key_id, path, model, stream, upstream_requested, 0, 0,"
-    f" '{durable.CRASHED}', prompt_tokens, completion_tokens, '{durable.RESERVED}', 0, 0, id"
+    f" '{CRASHED}', prompt_tokens, completion_tokens, '{RESERVED}', 0, 0, id"
     " FROM gone ORDER BY key_id ON CONFLICT (row_id) DO NOTHING"
-)  # (key order: _commit_pg)
+)
 EXPIRE_ALL = _EXPIRE.format(where=f"expires < {NOW}")
 RENEW = f"UPDATE reservation SET expires = {NOW} + %s WHERE relay_id = %s"
 
-DAY = "floor({ts} / 86400) * 86400"  # the UTC day of a time (seconds since the epoch)
+# The UTC day of a time (seconds since the epoch).
+DAY = "floor({ts} / 86400) * 86400"
 _CHARGE = (
     f"CASE WHEN {CHARGED} THEN 1 ELSE 0 END",
     "coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0)",
@@ -203,7 +207,8 @@ SETUP = SCHEMA + (USAGE_DAY, USAGE_DAY_TABLE, USED, FUNCTION)
 
 RESERVE = "SELECT relay_reserve(" + ", ".join("%s" for _ in range(17)) + ")"
 
-USAGE = "SELECT n, t AS tokens FROM relay_used(%s, %s)"  # (a key's: budgets have keys)
+# A key's charged usage (a budget's: budgets have keys).
+USAGE = "SELECT n, t AS tokens FROM relay_used(%s, %s)"
 # the same summed over the key's rows, as relay_reserve read it before usage_day: what
 # bench/pg_reserve_scale.py times relay_used against
 USED_BY_ROWS = (

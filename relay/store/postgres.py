@@ -23,25 +23,42 @@ import asyncio
 import itertools
 import os
 import time
-from types import SimpleNamespace
+from typing import TYPE_CHECKING, Unpack
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import TupleRow, dict_row
 
 from relay.config import ConfigError, StoreConfig, pg_connect_kwargs
 from relay.observe.log import Log
-from relay.policy.budget import window_bounds
+from relay.observe.record import Record
+from relay.policy.budget import Budgets, Reservation, window_bounds
 from relay.store import pg_sql
 from relay.store.admissions import AdmissionId
 from relay.store.pg_bound import Watchdog
-from relay.store.pg_budget import SharedBudget, Unavailable
-from relay.store.schema import clean, record_values
+from relay.store.pg_budget import ConnectKw, SharedBudget, Unavailable
+from relay.store.schema import DbRow, Params, Row, clean, record_values
 from relay.store.spill import Spill
 from relay.store.sqlite import Store
+from relay.store.sqlite_writer import Queued, Settled, WarningKind, WriterOptions
+
+if TYPE_CHECKING:
+    from relay.store.interface import RowStore
 
 DEFAULT_SPILL = "relay-spill.jsonl"
 _LOST = (psycopg.OperationalError, psycopg.InterfaceError)
 _KEY = pg_sql.ROW_COLUMNS.index("key_id")
+
+
+class BlockingKw(ConnectKw, total=False):
+    """psycopg.connect's keyword arguments for a blocking connection: the server's, and
+    its bounds."""
+
+    connect_timeout: int
+    options: str
+    tcp_user_timeout: int
+    keepalives_idle: int
+    keepalives_interval: int
+    keepalives_count: int
 
 
 class PgUnreachable(OSError):
@@ -49,30 +66,34 @@ class PgUnreachable(OSError):
 
 
 class PgStore(Store):
+    """Rows in PostgreSQL, the spill file while it is away, and the shared budget. Counters
+    beside the SQLite store's: rows that went to the spill file, and rows replayed from it
+    into the database, in all."""
+
     connect_timeout_s = 2
     reconnect_s = 0.5
     statement_timeout_ms = 10_000
-    # a call the server does not answer (frozen: store.pg_bound) is cut off by the relay a
+    # A call the server does not answer (frozen: store.pg_bound) is cut off by the relay a
     # little after the server's own statement_timeout would have ended it; closing, within
-    # close_grace_s (what is not written by then goes to the spill file)
+    # close_grace_s (what is not written by then goes to the spill file).
     call_timeout_s = statement_timeout_ms / 1000 + 2.0
     close_grace_s = 2.0
 
     def __init__(
         self,
         url: str,
-        kw: dict,
+        kw: ConnectKw,
         spill_path: str = DEFAULT_SPILL,
         reservation_ttl_s: float = 30.0,
         retention_days: float = 30.0,
         log: Log | None = None,
-        **opts,
+        **opts: Unpack[WriterOptions],
     ) -> None:
         super().__init__(url, retention_days, log=log, **opts)
-        # the writer thread blocks on its connection: bounded by the server (statement
-        # timeout), for a server that vanished from the network by TCP itself, and for one
-        # that answers nothing by the relay (`watchdog`)
-        self.kw = {
+        # The store's blocking connections (the writer thread's, a read) are bounded by the
+        # server (statement timeout), for a server that vanished from the network by TCP
+        # itself, and for one that answers nothing by the relay (`watchdog`).
+        self.blocking_kw: BlockingKw = {
             **kw,
             "connect_timeout": self.connect_timeout_s,
             "options": f"-c statement_timeout={self.statement_timeout_ms}",
@@ -81,14 +102,16 @@ class PgStore(Store):
             "keepalives_interval": 2,
             "keepalives_count": 3,
         }
-        self.relay_id = os.urandom(8).hex()  # this process: its leases and its row ids
+        # This process: its leases and its row ids.
+        self.relay_id = os.urandom(8).hex()
         self._ids = itertools.count(1)
         self.spill = Spill(spill_path)
-        self.rows_spilled = 0  # rows that went to the spill file (total)
-        self.rows_replayed = 0  # rows replayed from it into the database (total)
+        self.rows_spilled = 0
+        self.rows_replayed = 0
         self.ttl = reservation_ttl_s
         self.shared = SharedBudget(kw, self.relay_id, reservation_ttl_s)
-        self._conn: psycopg.Connection | None = None  # the writer thread's
+        # The writer thread's connection; None while the server is away.
+        self._conn: psycopg.Connection[TupleRow] | None = None
         self._retry_at = 0.0
         self.watchdog = Watchdog()
 
@@ -97,11 +120,14 @@ class PgStore(Store):
         if cfg.url is None:
             raise ConfigError("store.url: not set (SQLite's store.path is store.sqlite's)")
         try:
-            kw = pg_connect_kwargs(cfg.url, cfg.password_env)
+            given = pg_connect_kwargs(cfg.url, cfg.password_env)
         except KeyError as exc:
             raise ConfigError(
                 f"store.password_env: environment variable {exc.args[0]} is not set"
             ) from None
+        kw = ConnectKw(conninfo=given["conninfo"])
+        if "password" in given:
+            kw["password"] = given["password"]
         return cls(
             cfg.url,
             kw,
@@ -115,17 +141,19 @@ class PgStore(Store):
     def next_admission_id(self) -> str:
         return f"{self.relay_id}-{next(self._ids)}"
 
-    def put(self, row: dict) -> None:
-        if row.get("admission_id") is None:  # its row id (a keyed row's is its lease id)
+    def put(self, row: dict[str, object]) -> None:
+        """As the SQLite store's; a row with no lease gets a row id of its own."""
+        if row.get("admission_id") is None:
             row["admission_id"] = self.next_admission_id()
         super().put(row)
 
-    def put_record(self, rec, admission_id=None) -> None:
+    def put_record(self, rec: Record, admission_id: AdmissionId | None = None) -> None:
         """A settled request's row off its `Record`, as the SQLite store takes it (no dict
-        in between); a row with no lease gets a row id of its own."""
-        if admission_id is None:  # (a keyed row's row id is its lease id)
+        in between); a keyed row's row id is its lease id, any other row gets one of its
+        own."""
+        if admission_id is None:
             admission_id = self.next_admission_id()
-        self._put(record_values(rec) + (admission_id,))
+        self._put((record_values(rec), admission_id))
 
     @property
     def spilled(self) -> int:
@@ -134,15 +162,15 @@ class PgStore(Store):
     async def admit(
         self,
         admission_id: AdmissionId,
-        rec,
+        rec: Record,
         prompt_tokens: int,
         completion_tokens: int,
         timeout: float | None = None,
-        res=None,
+        res: Reservation | None = None,
     ) -> None:
         """Take the request's lease in the shared budget: BudgetExceeded if a window is
-        full across all relays; RuntimeError if the server cannot be asked (the caller
-        serves on the local budget view)."""
+        full across all relays; RuntimeError if the server cannot be asked, or refused the
+        call (a deadlock victim, ...): the caller serves on the local budget view."""
         if res is None:
             return
         try:
@@ -151,32 +179,38 @@ class PgStore(Store):
             )
         except Unavailable as exc:
             raise RuntimeError(f"shared budget not asked, the local view holds: {exc}") from None
-        except psycopg.Error as exc:  # refused by the server (a deadlock victim, ...): the same
+        except psycopg.Error as exc:
             raise RuntimeError(
                 f"shared budget failed, the local view holds: {_first(exc)}"
             ) from None
         if exceeded is not None:
             raise exceeded
 
-    async def maintain(self, app) -> None:
+    async def maintain(self, budgets: Budgets) -> None:
         """Every third of the lease time: renew this relay's leases, expire dead relays'
-        leases, and re-seed the local budget view from the shared usage."""
+        leases, and re-seed the local budget view from the shared usage. While the server
+        is away the writer spills and requests use the local view; the next round retries."""
         while True:
             await asyncio.sleep(max(0.02, self.ttl / 3))
             try:
                 await self.shared.renew()
                 await self.shared.expire()
-                now = time.time()
-                for key_id in list(app.budgets.keys):
-                    for kind in app.budgets.windows_of(key_id):
-                        start, _ = window_bounds(kind, now)
-                        used = await self.shared.usage(key_id, start)
-                        if kind in app.budgets.windows_of(key_id):  # (a reload meanwhile)
-                            app.budgets.restore(key_id, kind, *used, time.time())
+                await self._reseed(budgets)
             except Unavailable:
-                pass  # the writer spills, requests use the local view; next round retries
+                pass
             except psycopg.Error as exc:
-                self.log.event("store_warning", kind="maintain", message=str(exc)[:300])
+                self.log.event("store_warning", kind=WarningKind.MAINTAIN, message=str(exc)[:300])
+
+    async def _reseed(self, budgets: Budgets) -> None:
+        """Each window of the local view set to the shared usage (a window a reload removed
+        meanwhile is left alone)."""
+        now = time.time()
+        for key_id in list(budgets.keys):
+            for kind in budgets.windows_of(key_id):
+                start, _ = window_bounds(kind, now)
+                used = await self.shared.usage(key_id, start)
+                if kind in budgets.windows_of(key_id):
+                    budgets.restore(key_id, kind, *used, time.time())
 
     async def aclose(self) -> None:
         await self.shared.close()
@@ -189,7 +223,7 @@ class PgStore(Store):
         super().close(timeout)
 
     # ---- reading ---------------------------------------------------------------------
-    def query(self, sql: str, params=()) -> list[dict]:
+    def query(self, sql: str, params: Params = ()) -> list[DbRow]:
         """SQLite-style SQL (`?`), read on a short-lived connection."""
         return self._read(pg_sql.portable(sql), params)
 
@@ -199,32 +233,35 @@ class PgStore(Store):
         row = self._read(pg_sql.USAGE if served_only else pg_sql.COUNT, (key_id, since_ts))[0]
         return int(row["n"]), int(row["tokens"])
 
-    def _usage_at(self, conn, key_id: str, since_ts: float) -> tuple:
+    def _usage_at(self, key_id: str, since_ts: float) -> tuple[int, int]:
         """(writer thread) From the database - while rows wait in the spill file it cannot say."""
         if self.spill.count:
             raise PgUnreachable(f"store.url: {self.spill.count} rows wait in the spill file")
         return self.usage_since(key_id, since_ts, served_only=True)
 
-    def _read(self, sql: str, params) -> list[dict]:
+    def _read(self, sql: str, params: Params) -> list[DbRow]:
+        """Rows read on a connection of their own; an error is an OSError, as of a SQLite
+        file that cannot be read."""
         try:
             with (
-                psycopg.connect(**self.kw, autocommit=True, row_factory=dict_row) as conn,
+                psycopg.connect(**self.blocking_kw, autocommit=True, row_factory=dict_row) as conn,
                 self.watchdog.within(conn, self.call_timeout_s),
             ):
                 return conn.execute(sql, params).fetchall()
-        except psycopg.Error as exc:  # an OSError, as a SQLite file that cannot be read
+        except psycopg.Error as exc:
             raise PgUnreachable(f"store.url: {_first(exc)}") from None
 
     # ---- writer thread ---------------------------------------------------------------
     def _acquire(self) -> None:
-        self.spill.open()  # its lock (one relay per spill file), a torn tail cut off
+        """The spill file's lock (one relay per spill file), a torn tail cut off."""
+        self.spill.open()
 
     def _unlock(self) -> None:
         self.spill.close()
 
-    def _open(self):
+    def _open(self) -> None:
         try:
-            self._conn = conn = psycopg.connect(**self.kw, autocommit=True)
+            self._conn = conn = psycopg.connect(**self.blocking_kw, autocommit=True)
             with self.watchdog.within(conn, self.call_timeout_s), conn.transaction():
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (pg_sql.SCHEMA_LOCK,))
                 for stmt in pg_sql.SETUP:
@@ -240,24 +277,25 @@ class PgStore(Store):
             spilled=self.spill.count,
         )
         self._replay()
-        self._prune(None)
-        return SimpleNamespace(close=self._disconnect)
+        self._prune()
 
     def _disconnect(self) -> None:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
 
-    def _drain(self, conn) -> None:
+    def _drain(self) -> None:
         self._reconnect()
-        super()._drain(conn)
+        super()._drain()
 
     def _reconnect(self) -> None:
+        """Connect again once `reconnect_s` has passed, and replay the spill file. Not while
+        closing: what is left goes to the spill file, the next start sends it."""
         if self._conn is None:
             if self._stopping or time.monotonic() < self._retry_at:
-                return  # (closing: what is left goes to the spill, the next start sends it)
+                return
             try:
-                self._conn = psycopg.connect(**self.kw, autocommit=True)
+                self._conn = psycopg.connect(**self.blocking_kw, autocommit=True)
             except _LOST:
                 self._retry_at = time.monotonic() + self.reconnect_s
                 return
@@ -279,73 +317,79 @@ class PgStore(Store):
         self.rows_replayed += len(rows)
         self.log.event("spill_replayed", rows=len(rows))
 
-    def _write_with_retry(self, conn, batch: list[tuple]) -> None:
+    def _write_with_retry(self, batch: list[Queued]) -> None:
+        """Commit a batch, or spill it while the server is away (or rows wait in the spill
+        file: they go first). A row the server refuses is isolated (`_write_one_by_one_pg`)."""
         now = time.time()
-        rows = [_pg_row(v, now) for v in batch]
+        rows = [_pg_row(q, now) for q in batch]
         if self._conn is not None and not self.spill.count:
             try:
                 self._commit_pg(rows)
-                self._settle(len(rows), written=True)
+                self._settle(len(rows), Settled.WRITTEN)
                 return
             except _LOST as exc:
                 self._lost(exc)
-            except psycopg.Error as exc:  # a row the server refuses: isolate it
+            except psycopg.Error as exc:
                 self.write_errors += 1
-                self._write_one_by_one(conn, rows, exc)
+                self._write_one_by_one_pg(rows, exc)
                 return
-        self._to_spill(conn, rows)
+        self._to_spill(rows)
 
-    def _write_one_by_one(self, conn, rows: list[tuple], exc) -> None:
+    def _write_one_by_one_pg(self, rows: list[Row], exc: psycopg.Error) -> None:
         for row in rows:
             try:
                 self._commit_pg([row])
-                self._settle(1, written=True)
+                self._settle(1, Settled.WRITTEN)
             except _LOST as lost:
                 self._lost(lost)
-                self._to_spill(conn, [row])
+                self._to_spill([row])
             except psycopg.Error:
-                self._settle(1, written=False)
-        self._warn("reject", f"rows PostgreSQL rejected were dropped ({_first(exc)})")
+                self._settle(1, Settled.DROPPED)
+        self._warn(WarningKind.REJECT, f"rows PostgreSQL rejected were dropped ({_first(exc)})")
 
-    def _to_spill(self, conn, rows: list[tuple]) -> None:
+    def _to_spill(self, rows: list[Row]) -> None:
+        """Append the rows to the spill file; a failure (disk full) keeps them and retries.
+        Spilled, they are durable (locally): flush() need not wait for them."""
         delay = self.retry_base_s
         while True:
             try:
                 self.spill.append(rows)
                 break
-            except OSError as exc:  # disk full: keep the rows, try again
+            except OSError as exc:
                 self.write_errors += 1
-                self._warn("spill", f"spill file not written ({exc}); retrying, rows kept")
-            if self._backoff(conn, delay):
-                self._settle(len(rows), written=False)
+                self._warn(
+                    WarningKind.SPILL, f"spill file not written ({exc}); retrying, rows kept"
+                )
+            if self._backoff(delay):
+                self._settle(len(rows), Settled.DROPPED)
                 return
             delay = min(delay * 2, self.retry_max_s)
         self.rows_spilled += len(rows)
-        with self._settled_cv:  # durable (locally): flush() need not wait for them
-            self._settled += len(rows)
-            self._settled_cv.notify_all()
+        self._settle(len(rows), Settled.SPILLED)
 
-    def _commit_pg(self, rows: list[tuple]) -> None:
+    def _commit_pg(self, rows: list[Row]) -> None:
         """Rows (values, row id): each row in once, and its lease (if any) gone with it.
         The leases go first: a concurrent expiry of one of them (its relay_reserve or
         `expire` locks the lease, then inserts under the row's id) waits for this
-        transaction and then finds nothing, instead of the two waiting on each other."""
+        transaction and then finds nothing, instead of the two waiting on each other. The
+        rows go in by key: each locks its key's usage_day row (pg_sql.USAGE_DAY), so two
+        relays' batches lock them in one order and never wait on each other."""
         conn = self._conn
-        assert conn is not None  # (only called with the connection up: `_write_with_retry`)
+        # Only called with the connection up (`_write_with_retry`, `_replay`).
+        assert conn is not None
         with (
             self.watchdog.within(conn, self.call_timeout_s),
             conn.transaction(),
             conn.cursor() as cur,
         ):
             cur.execute(pg_sql.DELETE_LEASES, ([r[-1] for r in rows],))
-            # by key: each row locks its key's usage_day row (pg_sql.USAGE_DAY), so two
-            # relays' batches lock them in one order and never wait on each other
-            cur.executemany(pg_sql.INSERT, sorted(rows, key=_by_key))
+            ordered = sorted(rows, key=_by_key)
+            cur.executemany(pg_sql.INSERT, ordered)
 
     def _lost(self, exc: BaseException) -> None:
         self.write_errors += 1
         self._warn(
-            "unreachable",
+            WarningKind.UNREACHABLE,
             f"PostgreSQL unreachable ({_first(exc)}); rows go to "
             f"the spill file {self.spill.path!r}",
         )
@@ -365,33 +409,40 @@ class PgStore(Store):
             while source:
                 rows.append(_pg_row(source.popleft(), now))
         if rows:
-            self._to_spill(None, rows)
+            self._to_spill(rows)
 
-    def _prune(self, conn) -> None:
+    def _prune(self) -> None:
+        """As the SQLite store's, while the server is up; a connection cut off is not used
+        again."""
         if self.retention_days <= 0 or self._conn is None:
             return
         cutoff = time.time() - self.retention_days * 86400.0
         try:
             with self.watchdog.within(self._conn, self.call_timeout_s):
                 self.rows_pruned += self._conn.execute(pg_sql.PRUNE, (cutoff,)).rowcount
-        except _LOST as exc:  # (cut off: never used again)
+        except _LOST as exc:
             self._lost(exc)
         except psycopg.Error as exc:
             self.write_errors += 1
-            self._warn("prune", f"prune failed ({_first(exc)})")
+            self._warn(WarningKind.PRUNE, f"prune failed ({_first(exc)})")
 
 
-def _pg_row(values: tuple, now: float) -> tuple:
-    """A queued row (columns, then its row id) as PostgreSQL takes it: booleans as 0/1 (the
-    columns are integers, as in SQLite)."""
-    return tuple(int(v) if v is True or v is False else v for v in clean(values[:-1], now)) + (
-        values[-1],
-    )
+def _pg_row(queued: Queued, now: float) -> Row:
+    """A queued row as PostgreSQL takes it: its columns, booleans as 0/1 (the columns are
+    integers, as in SQLite), then its row id."""
+    values, row_id = queued
+    return tuple(int(v) if v is True or v is False else v for v in clean(values, now)) + (row_id,)
 
 
-def _by_key(row) -> str:
-    return row[_KEY] or ""
+def _by_key(row: Row) -> str:
+    key = row[_KEY]
+    return key if isinstance(key, str) else ""
 
 
 def _first(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+if TYPE_CHECKING:
+    # Checked by mypy, free at run time: the PostgreSQL store is a RowStore.
+    _checked: type[RowStore] = PgStore

@@ -17,8 +17,11 @@ from __future__ import annotations
 import fcntl
 import os
 import zlib
+from typing import NamedTuple
 
 import msgspec
+
+from relay.store.schema import Row
 
 _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder(list)
@@ -28,7 +31,17 @@ class SpillLocked(OSError):
     """Another relay process uses this spill file."""
 
 
-def encode(rows: list[tuple]) -> bytes:
+class Decoded(NamedTuple):
+    """What a spill file's bytes hold."""
+
+    rows: list[Row]
+    # The length of the prefix of whole lines: a torn last line is not part of it.
+    whole: int
+    # Complete lines skipped because their checksum failed.
+    damaged: int
+
+
+def encode(rows: list[Row]) -> bytes:
     out = []
     for row in rows:
         payload = _enc.encode(list(row))
@@ -36,16 +49,16 @@ def encode(rows: list[tuple]) -> bytes:
     return b"".join(out)
 
 
-def decode(data: bytes) -> tuple[list[tuple], int, int]:
-    """(rows, length of the whole-line prefix, damaged lines skipped). A last line with no
-    newline is torn: it is not a row and not part of the prefix."""
-    rows: list[tuple] = []
+def decode(data: bytes) -> Decoded:
+    """The rows of whole lines. A last line with no newline is torn: it is not a row and not
+    part of the prefix."""
+    rows: list[Row] = []
     bad = 0
     pos = 0
     while True:
         end = data.find(b"\n", pos)
         if end < 0:
-            return rows, pos, bad
+            return Decoded(rows, pos, bad)
         line = data[pos:end]
         pos = end + 1
         if not line:
@@ -57,7 +70,7 @@ def decode(data: bytes) -> tuple[list[tuple], int, int]:
             rows.append(row)
 
 
-def _line(line: bytes) -> tuple | None:
+def _line(line: bytes) -> Row | None:
     crc, sep, payload = line.partition(b" ")
     if not sep or len(crc) != 8:
         return None
@@ -70,13 +83,17 @@ def _line(line: bytes) -> tuple | None:
 
 
 class Spill:
+    """The spill file of one relay: `count` rows in it now, `damaged` lines skipped when it
+    was opened."""
+
     def __init__(self, path: str) -> None:
         self.path = path
-        self.count = 0  # rows in the file now
-        self.damaged = 0  # complete lines skipped because their checksum failed
-        self._fd = -1  # the open, locked file (-1: not open)
+        self.count = 0
+        self.damaged = 0
+        # The open, locked file; -1 while it is not open.
+        self._fd = -1
 
-    def open(self) -> list[tuple]:
+    def open(self) -> list[Row]:
         """Lock the file, cut a torn tail, and return the rows it holds."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
@@ -97,11 +114,11 @@ class Spill:
         self.count = len(rows)
         return rows
 
-    def read(self) -> list[tuple]:
+    def read(self) -> list[Row]:
         size = os.fstat(self._fd).st_size
         return decode(os.pread(self._fd, size, 0))[0] if size else []
 
-    def append(self, rows: list[tuple]) -> None:
+    def append(self, rows: list[Row]) -> None:
         """Write the rows and fsync: once this returns they survive a crash."""
         data = encode(rows)
         off = os.fstat(self._fd).st_size

@@ -12,34 +12,50 @@ import asyncio
 import concurrent.futures
 import os
 import threading
+from typing import TYPE_CHECKING, cast
 
+from relay.observe.record import Record
+from relay.policy.budget import Budgets, Reservation
 from relay.store import admissions as durable
 from relay.store.admissions import AdmissionId
-from relay.store.schema import KEYS, record_values
+from relay.store.schema import COLUMNS, DbRow, Params, record_values
 from relay.store.sqlite_file import is_memory, open_readonly, take_lock
-from relay.store.sqlite_writer import RowWriter, usage_sql
+from relay.store.sqlite_writer import (
+    Admit,
+    Query,
+    Queued,
+    RowWriter,
+    UsageRead,
+    WarningKind,
+    usage_sql,
+)
+
+if TYPE_CHECKING:
+    from relay.store.interface import RowStore
 
 
 class Store(RowWriter):
     """Request rows and admission records in one SQLite file (or `:memory:`)."""
 
     # ---- event-loop side -------------------------------------------------------------
-    def put(self, row: dict) -> None:
-        self._put(tuple(map(row.get, KEYS)))
+    def put(self, row: dict[str, object]) -> None:
+        """A row given as a dict of its columns and its `admission_id` (tests, tools)."""
+        admission_id = cast("AdmissionId | None", row.get("admission_id"))
+        self._put((tuple(map(row.get, COLUMNS)), admission_id))
 
-    def put_record(self, rec, admission_id=None) -> None:
+    def put_record(self, rec: Record, admission_id: AdmissionId | None = None) -> None:
         """A settled request's row read straight off its `Record` (no dict in between: one C
         call reads the columns; a bool column is stored as the integer it is)."""
-        self._put(record_values(rec) + (admission_id,))
+        self._put((record_values(rec), admission_id))
 
-    def _put(self, values: tuple) -> None:
+    def _put(self, queued: Queued) -> None:
         if self._stopping:
             self._drop("store closed")
             return
         if len(self._queue) < self.queue_max and not self._overflow:
-            self._queue.append(values)
+            self._queue.append(queued)
         elif len(self._overflow) < self.overflow_max:
-            self._overflow.append(values)
+            self._overflow.append(queued)
         else:
             self._drop("queue and overflow full")
             return
@@ -56,11 +72,11 @@ class Store(RowWriter):
     async def admit(
         self,
         admission_id: AdmissionId,
-        rec,
+        rec: Record,
         prompt_tokens: int,
         completion_tokens: int,
         timeout: float | None = None,
-        res=None,
+        res: Reservation | None = None,
     ) -> None:
         """Commit a request's admission record (store.admissions) before going on. (`res`,
         the local reservation, matters to a shared budget only: store.postgres.)
@@ -71,18 +87,18 @@ class Store(RowWriter):
         if self._stopping or self._thread is None or not self._thread.is_alive():
             raise RuntimeError("store is not running")
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        fut.add_done_callback(_retrieved)  # its outcome may come after the caller left
-        self._admits.append(
-            (durable.values(admission_id, rec, prompt_tokens, completion_tokens), loop, fut)
-        )
+        fut: asyncio.Future[None] = loop.create_future()
+        # Its outcome may come after the caller left.
+        fut.add_done_callback(_retrieved)
+        values = durable.values(admission_id, rec, prompt_tokens, completion_tokens)
+        self._admits.append(Admit(values, loop, fut))
         self._wake.set()
         if timeout is None:
             await fut
         else:
             await asyncio.wait_for(asyncio.shield(fut), timeout)
 
-    async def maintain(self, app) -> None:
+    async def maintain(self, budgets: Budgets) -> None:
         """Background upkeep while the relay runs: nothing for one SQLite file (a shared
         store renews its leases here)."""
 
@@ -90,10 +106,18 @@ class Store(RowWriter):
     def pending(self) -> int:
         return self._accepted - self._settled
 
+    @property
+    def spilled(self) -> int | None:
+        """None: one SQLite file has no spill file (its rows wait in the queue)."""
+        return None
+
     def _drop(self, why: str) -> None:
-        with self._settled_cv:  # rows_dropped is also counted by the writer thread
+        # rows_dropped is also counted by the writer thread.
+        with self._settled_cv:
             self.rows_dropped += 1
-        self._warn("drop", f"dropping request rows ({why}); {self.rows_dropped} dropped so far")
+        self._warn(
+            WarningKind.DROP, f"dropping request rows ({why}); {self.rows_dropped} dropped so far"
+        )
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -123,24 +147,28 @@ class Store(RowWriter):
                 )
 
     def close(self, timeout: float = 10.0) -> None:
+        """Write what was accepted and stop the writer. One stuck retrying a failing
+        database past `timeout` gives up the rest."""
         if self._closed:
             return
+        # Rows accepted before start() are written now.
         if self._thread is None and self._accepted:
-            self.start()  # rows were accepted before start(): write them now
+            self.start()
         self._closed = self._stopping = True
         if self._thread is None:
             return
         self._wake.set()
         self._thread.join(timeout)
-        if self._thread.is_alive():  # stuck retrying a failing DB: give up the rest
+        if self._thread.is_alive():
             self._abandon.set()
             self._wake.set()
             self._thread.join()
         self._unlock()
 
     def _acquire(self) -> None:
+        """The file's lock, taken before recover() touches the admissions."""
         if not is_memory(self.path) and self._lock_fd is None:
-            self._lock_fd = take_lock(self.path)  # before recover() touches the admissions
+            self._lock_fd = take_lock(self.path)
 
     def _unlock(self) -> None:
         """The writer is done with the database: another process may take it."""
@@ -152,19 +180,20 @@ class Store(RowWriter):
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
     # ---- reading ---------------------------------------------------------------------
-    def query(self, sql: str, params=()) -> list[dict]:
+    def query(self, sql: str, params: Params = ()) -> list[DbRow]:
         if not is_memory(self.path):
             conn = open_readonly(self.path)
             try:
-                return conn.execute(sql, params).fetchall()
+                rows: list[DbRow] = conn.execute(sql, params).fetchall()
+                return rows
             finally:
                 conn.close()
         if self._thread is None or not self._thread.is_alive():
             raise RuntimeError("in-memory store: query needs the running writer")
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._controls.append((sql, params, fut))
+        answer: concurrent.futures.Future[list[DbRow]] = concurrent.futures.Future()
+        self._controls.append(Query(sql, params, answer))
         self._wake.set()
-        return fut.result(timeout=30.0)
+        return answer.result(timeout=30.0)
 
     def usage_since(
         self, key_id: str | None, since_ts: float, served_only: bool = False
@@ -174,21 +203,28 @@ class Store(RowWriter):
         row = self.query(usage_sql(served_only), (key_id, since_ts))[0]
         return int(row["n"]), int(row["tokens"])
 
-    def usage_read(self, windows: list[tuple[str, float]]) -> concurrent.futures.Future:
+    def usage_read(
+        self, windows: list[tuple[str, float]]
+    ) -> concurrent.futures.Future[list[tuple[int, int]]]:
         """The charged usage, (requests, tokens) of each (key, since), of the rows of
         exactly the requests settled until now: read by the writer thread once their rows are
         committed, before any later row is (store.sqlite_writer). The caller waits for the
         future where it likes (a reload: off the event loop); cancelled, it is not read."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+        answer: concurrent.futures.Future[list[tuple[int, int]]] = concurrent.futures.Future()
         if self._stopping or self._thread is None or not self._thread.is_alive():
-            fut.set_exception(RuntimeError("store is not running"))
-            return fut
-        self._reads.append((self._accepted, list(windows), fut))
+            answer.set_exception(RuntimeError("store is not running"))
+            return answer
+        self._reads.append(UsageRead(self._accepted, list(windows), answer))
         self._wake.set()
-        return fut
+        return answer
 
 
-def _retrieved(fut) -> None:
+def _retrieved(fut: asyncio.Future[None]) -> None:
     """Mark an admission's outcome seen (its caller may have stopped waiting)."""
     if not fut.cancelled():
         fut.exception()
+
+
+if TYPE_CHECKING:
+    # Checked by mypy, free at run time: the SQLite store is a RowStore.
+    _checked: type[RowStore] = Store

@@ -8,6 +8,8 @@ import os
 import pathlib
 import sqlite3
 
+from relay.store.schema import DbRow
+
 
 class StoreLocked(OSError):
     """Another relay process holds the database (its `<path>.lock`)."""
@@ -22,9 +24,10 @@ def take_lock(path: str) -> int:
     process uses the database: a second relay on the same file must not run `recover()` on
     the first one's live admissions. StoreLocked if another process holds it."""
     name = lock_path(path)
+    # A lock file that cannot be opened is reported as SQLite reports a path it cannot open.
     try:
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as exc:  # as SQLite would say of a path it cannot open
+    except OSError as exc:
         raise sqlite3.OperationalError(
             f"unable to open database file: lock {name!r}: {exc.strerror}"
         ) from None
@@ -54,5 +57,6 @@ def open_readonly(path: str, timeout: float = 5.0) -> sqlite3.Connection:
     return conn
 
 
-def dict_row(cursor: sqlite3.Cursor, values: tuple) -> dict:
+def dict_row(cursor: sqlite3.Cursor, values: tuple[object, ...]) -> DbRow:
+    """A row factory: the row as a dict of its columns."""
     return {d[0]: v for d, v in zip(cursor.description, values)}

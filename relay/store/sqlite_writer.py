@@ -13,24 +13,97 @@ side of it.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import concurrent.futures
+import enum
 import os
 import sqlite3
 import threading
 import time
+from typing import NamedTuple, TypedDict, TypeVar
 
 from relay.observe.log import Log
 from relay.store import admissions as durable
+from relay.store.admissions import AdmissionId
 from relay.store.migrate import add_missing_columns
-from relay.store.schema import COLUMN_TYPES, INSERT, SCHEMA, clean
+from relay.store.schema import COLUMN_TYPES, INSERT, SCHEMA, DbRow, Params, Row, clean
 from relay.store.sqlite_file import dict_row, is_memory
 
 OVERFLOW_MAX = 100_000
 WARN_INTERVAL_S = 10.0
+T = TypeVar("T")
+# A row in the writer's queue: its columns' values as they were taken (`clean` makes them
+# storable), and its admission id (SQLite) or row id (PostgreSQL), or None.
+Queued = tuple[tuple[object, ...], AdmissionId | None]
+# A row to commit: its values, then the admission record it replaces (None: none).
+Pending = tuple[Row, AdmissionId | None]
+
+
+class Query(NamedTuple):
+    """SQL the writer runs on its own connection (an in-memory database has no other)."""
+
+    sql: str
+    params: Params
+    answer: concurrent.futures.Future[list[DbRow]]
+
+
+class Admit(NamedTuple):
+    """An admission record to commit; its caller waits for `answer` on `loop`."""
+
+    values: durable.AdmissionValues
+    loop: asyncio.AbstractEventLoop
+    answer: asyncio.Future[None]
+
+
+class UsageRead(NamedTuple):
+    """The charged usage of each (key, since), read once the first `before` rows accepted
+    are settled and before any later row is written."""
+
+    before: int
+    windows: list[tuple[str, float]]
+    answer: concurrent.futures.Future[list[tuple[int, int]]]
+
+
+class Settled(enum.Enum):
+    """How accepted rows left the queue: committed, given up, or kept in the spill file
+    (store.postgres), which counts as settled but neither written nor dropped."""
+
+    WRITTEN = enum.auto()
+    DROPPED = enum.auto()
+    SPILLED = enum.auto()
+
+
+class WarningKind(enum.StrEnum):
+    """The `kind` of a `store_warning` log line."""
+
+    DROP = "drop"
+    WRITE = "write"
+    REJECT = "reject"
+    CLOSE = "close"
+    PRUNE = "prune"
+    ADMIT = "admit"
+    SPILL = "spill"
+    UNREACHABLE = "unreachable"
+    MAINTAIN = "maintain"
+
+
+class WriterOptions(TypedDict, total=False):
+    """The writer's tuning, as RowWriter takes it (a subclass passes it on)."""
+
+    batch_max: int
+    queue_max: int
+    flush_interval_s: float
+    overflow_max: int
+    prune_interval_s: float
 
 
 class RowWriter:
-    retry_base_s = 0.05  # first backoff after a failed batch; doubles up to retry_max_s
+    """The queue and the writer thread (see the module's docstring). Counters: rows
+    written, dropped and pruned, and failed writes, in all."""
+
+    # The first backoff after a failed batch; it doubles up to retry_max_s.
+    retry_base_s = 0.05
     retry_max_s = 2.0
     # How long SQLite waits for a lock held by another connection (a backup, an operator's
     # shell) before it reports "database is locked". Start-up (recovery, prune) waits long;
@@ -54,7 +127,8 @@ class RowWriter:
         log: Log | None = None,
     ) -> None:
         self.path = path
-        self.log = log or Log()  # warnings are JSON log lines like every other
+        # Warnings are JSON log lines like every other.
+        self.log = log or Log()
         self.retention_days = retention_days
         self.batch_max = max(1, batch_max)
         self.queue_max = max(1, queue_max)
@@ -65,18 +139,23 @@ class RowWriter:
         self.rows_dropped = 0
         self.rows_pruned = 0
         self.write_errors = 0
-        self._accepted = 0  # rows put() took (only the loop thread writes it)
-        self._settled = 0  # accepted rows committed or given up (writer thread only)
-        self._queue: collections.deque = collections.deque()
-        self._overflow: collections.deque = collections.deque()
-        self._controls: collections.deque = collections.deque()  # (sql, params, future)
-        self._admits: collections.deque = collections.deque()  # (values, loop, future)
-        self._reads: collections.deque = collections.deque()  # (rows before, windows, future)
-        # admission ids: a random 31-bit prefix per process above a 32-bit counter (63 bits),
-        # so two processes never reuse each other's ids even if they share a file
+        # Rows put() took (only the loop thread writes it), and those of them committed or
+        # given up (only the writer thread writes it).
+        self._accepted = 0
+        self._settled = 0
+        self._queue: collections.deque[Queued] = collections.deque()
+        self._overflow: collections.deque[Queued] = collections.deque()
+        self._controls: collections.deque[Query] = collections.deque()
+        self._admits: collections.deque[Admit] = collections.deque()
+        self._reads: collections.deque[UsageRead] = collections.deque()
+        # Admission ids: a random 31-bit prefix per process above a 32-bit counter (63 bits),
+        # so two processes never reuse each other's ids even if they share a file.
         self._admission_ids = (int.from_bytes(os.urandom(4), "big") >> 1) << 32
         self._lock_fd: int | None = None
-        self.recovered = 0  # admissions left by a crash, turned into rows at start
+        # Admissions left by a crash, turned into rows at start.
+        self.recovered = 0
+        # The writer thread's connection, from `_open` on.
+        self._db: sqlite3.Connection
         self._wake = threading.Event()
         self._abandon = threading.Event()
         self._settled_cv = threading.Condition()
@@ -85,9 +164,9 @@ class RowWriter:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._closed = False
-        self._warned_at: dict[str, float] = {}
+        self._warned_at: dict[WarningKind, float] = {}
 
-    def _warn(self, kind: str, line: str) -> None:
+    def _warn(self, kind: WarningKind, line: str) -> None:
         """One JSON log line (`store_warning`) per kind at most every WARN_INTERVAL_S."""
         now = time.monotonic()
         if now - self._warned_at.get(kind, -WARN_INTERVAL_S) < WARN_INTERVAL_S:
@@ -115,97 +194,109 @@ class RowWriter:
         add_missing_columns(conn, "request", COLUMN_TYPES)
         return conn
 
-    def _open(self) -> sqlite3.Connection:
+    def _open(self) -> None:
         """The writer's connection, ready for rows: schema, crash recovery, pruning."""
-        conn = self._connect()
+        self._db = conn = self._connect()
         self.recovered = durable.recover(conn)
-        self._prune(conn)
+        self._prune()
         _busy(conn, self.row_busy_s)
-        return conn
+
+    def _disconnect(self) -> None:
+        self._db.close()
 
     def _run(self) -> None:
         try:
-            conn = self._open()
-        except BaseException as exc:  # reported to start()'s caller
+            self._open()
+        except BaseException as exc:
+            # (reported to start()'s caller)
             self._start_error = exc
             self._ready.set()
             return
         self._ready.set()
-        next_prune = time.monotonic() + self.prune_interval_s
         try:
-            while True:
-                self._wake.wait(min(self.flush_interval_s, 1.0))
-                self._wake.clear()
-                if not threading.main_thread().is_alive():
-                    self._stopping = True  # interpreter exit without close(): flush, then end
-                self._serve_admits(conn)
-                self._serve_controls(conn)
-                self._drain(conn)
-                if time.monotonic() >= next_prune:
-                    next_prune = time.monotonic() + self.prune_interval_s
-                    self._prune(conn)
-                if self._abandon.is_set():
-                    self._give_up()
-                    break
-                if self._stopping and not self._queue and not self._overflow:
-                    break
+            self._serve()
         finally:
-            self._serve_admits(conn)
-            self._serve_controls(conn)
-            conn.close()
-            for waiting in (self._controls, self._reads):
-                while waiting:
-                    fut = waiting.popleft()[2]
-                    if fut.set_running_or_notify_cancel():
-                        fut.set_exception(RuntimeError("store closed"))
+            self._serve_admits()
+            self._serve_controls()
+            self._disconnect()
+            while self._controls:
+                _refuse(self._controls.popleft().answer)
+            while self._reads:
+                _refuse(self._reads.popleft().answer)
 
-    def _take_batch(self) -> list[tuple]:
-        batch: list[tuple] = []
+    def _serve(self) -> None:
+        """Write what comes until the store stops (or close() gives up on the rows)."""
+        next_prune = time.monotonic() + self.prune_interval_s
+        while True:
+            self._wake.wait(min(self.flush_interval_s, 1.0))
+            self._wake.clear()
+            # An interpreter exiting without close(): flush, then end.
+            if not threading.main_thread().is_alive():
+                self._stopping = True
+            self._serve_admits()
+            self._serve_controls()
+            self._drain()
+            if time.monotonic() >= next_prune:
+                next_prune = time.monotonic() + self.prune_interval_s
+                self._prune()
+            if self._abandon.is_set():
+                self._give_up()
+                return
+            if self._stopping and not self._queue and not self._overflow:
+                return
+
+    def _take_batch(self) -> list[Queued]:
+        """The next rows to write, never past the point a usage read waits at."""
+        batch: list[Queued] = []
         most = self.batch_max
-        while self._reads and self._reads[0][2].cancelled():
+        while self._reads and self._reads[0].answer.cancelled():
             self._reads.popleft()
-        if self._reads:  # not past the point a usage read waits at
-            most = min(most, max(0, self._reads[0][0] - self._settled))
+        if self._reads:
+            most = min(most, max(0, self._reads[0].before - self._settled))
         for source in (self._queue, self._overflow):
             while source and len(batch) < most:
                 batch.append(source.popleft())
         return batch
 
-    def _drain(self, conn: sqlite3.Connection) -> None:
+    def _drain(self) -> None:
+        """Write the queued rows, batch by batch. A usage read due before a batch is served
+        first, and an admission queued before its row was put is on disk before the row
+        deletes it."""
         while not self._abandon.is_set():
-            self._serve_controls(conn)  # (a usage read due before these rows: now)
+            self._serve_controls()
             batch = self._take_batch()
             if not batch:
                 return
-            # an admission queued before its row was put is on disk before the row's delete
-            self._serve_admits(conn)
-            self._write_with_retry(conn, batch)
-            self._serve_admits(conn)
+            self._serve_admits()
+            self._write_with_retry(batch)
+            self._serve_admits()
 
-    def _write_with_retry(self, conn: sqlite3.Connection, batch: list[tuple]) -> None:
+    def _write_with_retry(self, batch: list[Queued]) -> None:
+        """Commit a batch. A failure that may pass (locked, disk full, I/O) keeps the rows and
+        retries; a row SQLite refuses is isolated (`_write_one_by_one`)."""
         now = time.time()
-        rows = [(clean(v[:-1], now), v[-1]) for v in batch]
+        rows: list[Pending] = [(clean(values, now), aid) for values, aid in batch]
         delay = self.retry_base_s
         while True:
             try:
-                self._commit(conn, rows)
-                self._settle(len(rows), written=True)
+                self._commit(self._db, rows)
+                self._settle(len(rows), Settled.WRITTEN)
                 return
-            except sqlite3.OperationalError as exc:  # locked, disk full, I/O: keep the rows
+            except sqlite3.OperationalError as exc:
                 self.write_errors += 1
-                self._warn("write", f"write failed ({exc}); retrying, rows kept")
-            except sqlite3.Error as exc:  # a row SQLite refuses: isolate it
+                self._warn(WarningKind.WRITE, f"write failed ({exc}); retrying, rows kept")
+            except sqlite3.Error as exc:
                 self.write_errors += 1
-                self._write_one_by_one(conn, rows, exc)
+                self._write_one_by_one(rows, exc)
                 return
-            if self._backoff(conn, delay):
-                self._settle(len(rows), written=False)
+            if self._backoff(delay):
+                self._settle(len(rows), Settled.DROPPED)
                 return
             delay = min(delay * 2, self.retry_max_s)
-            self._serve_admits(conn)
-            self._serve_controls(conn)
+            self._serve_admits()
+            self._serve_controls()
 
-    def _backoff(self, conn: sqlite3.Connection, delay: float) -> bool:
+    def _backoff(self, delay: float) -> bool:
         """Wait `delay` before a batch is retried, serving admissions (and queries) as they
         come meanwhile: a request waiting for its admission is not held behind the backoff.
         True when close() gave up on the rows."""
@@ -213,21 +304,21 @@ class RowWriter:
         while not self._abandon.is_set() and (left := end - time.monotonic()) > 0:
             if self._wake.wait(left):
                 self._wake.clear()
-                self._serve_admits(conn)
-                self._serve_controls(conn)
+                self._serve_admits()
+                self._serve_controls()
         return self._abandon.is_set()
 
-    def _write_one_by_one(self, conn: sqlite3.Connection, rows: list[tuple], exc) -> None:
+    def _write_one_by_one(self, rows: list[Pending], exc: sqlite3.Error) -> None:
         for row in rows:
             try:
-                self._commit(conn, [row])
-                self._settle(1, written=True)
+                self._commit(self._db, [row])
+                self._settle(1, Settled.WRITTEN)
             except sqlite3.Error:
-                self._settle(1, written=False)
-        self._warn("reject", f"rows SQLite rejected were dropped ({exc})")
+                self._settle(1, Settled.DROPPED)
+        self._warn(WarningKind.REJECT, f"rows SQLite rejected were dropped ({exc})")
 
-    def _commit(self, conn: sqlite3.Connection, rows: list[tuple]) -> None:
-        """Rows as (values, admission id or None): each row replaces its admission."""
+    def _commit(self, conn: sqlite3.Connection, rows: list[Pending]) -> None:
+        """Each row replaces its admission record, in one transaction."""
         conn.execute("BEGIN")
         try:
             self._insert(conn, [r for r, _ in rows])
@@ -240,14 +331,14 @@ class RowWriter:
                 conn.execute("ROLLBACK")
             raise
 
-    def _insert(self, conn: sqlite3.Connection, rows: list[tuple]) -> None:
+    def _insert(self, conn: sqlite3.Connection, rows: list[Row]) -> None:
         conn.executemany(INSERT, rows)
 
-    def _settle(self, n: int, written: bool) -> None:
+    def _settle(self, n: int, how: Settled) -> None:
         with self._settled_cv:
-            if written:
+            if how is Settled.WRITTEN:
                 self.rows_written += n
-            else:
+            elif how is Settled.DROPPED:
                 self.rows_dropped += n
             self._settled += n
             self._settled_cv.notify_all()
@@ -257,62 +348,70 @@ class RowWriter:
         self._queue.clear()
         self._overflow.clear()
         if left:
-            self._settle(left, written=False)
-        self._warn("close", f"closed with the database failing; {self.rows_dropped} rows dropped")
+            self._settle(left, Settled.DROPPED)
+        self._warn(
+            WarningKind.CLOSE, f"closed with the database failing; {self.rows_dropped} rows dropped"
+        )
 
-    def _prune(self, conn: sqlite3.Connection) -> None:
+    def _prune(self) -> None:
         if self.retention_days <= 0:
             return
         cutoff = time.time() - self.retention_days * 86400.0
         try:
-            self.rows_pruned += conn.execute("DELETE FROM request WHERE ts < ?", (cutoff,)).rowcount
+            self.rows_pruned += self._db.execute(
+                "DELETE FROM request WHERE ts < ?", (cutoff,)
+            ).rowcount
         except sqlite3.Error as exc:
             self.write_errors += 1
-            self._warn("prune", f"prune failed ({exc})")
+            self._warn(WarningKind.PRUNE, f"prune failed ({exc})")
 
-    def _serve_admits(self, conn: sqlite3.Connection) -> None:
-        """Commit every waiting admission in one transaction, then wake their callers."""
+    def _serve_admits(self) -> None:
+        """Commit every waiting admission in one transaction, then wake their callers. A
+        locked database fails the records fast (`admit_busy_s`): their requests wait."""
         if not self._admits:
             return
-        waiting = []
+        waiting: list[Admit] = []
         while self._admits:
             waiting.append(self._admits.popleft())
         error = None
         try:
-            _busy(conn, self.admit_busy_s)  # a locked database: fail fast, the request waits
+            _busy(self._db, self.admit_busy_s)
             try:
-                durable.insert(conn, [v for v, _, _ in waiting])
+                durable.insert(self._db, [a.values for a in waiting])
             finally:
-                _busy(conn, self.row_busy_s)
+                _busy(self._db, self.row_busy_s)
         except sqlite3.Error as exc:
             self.write_errors += 1
-            self._warn("admit", f"admission records not written ({exc})")
+            self._warn(WarningKind.ADMIT, f"admission records not written ({exc})")
             error = exc
-        for _, loop, fut in waiting:
+        for admit in waiting:
+            # A closed loop has nobody waiting any more.
             try:
-                loop.call_soon_threadsafe(_resolve, fut, error)
-            except RuntimeError:  # the loop is closed: nobody waits any more
+                admit.loop.call_soon_threadsafe(_resolve, admit.answer, error)
+            except RuntimeError:
                 pass
 
-    def _serve_controls(self, conn: sqlite3.Connection) -> None:
+    def _serve_controls(self) -> None:
+        """Run the waiting queries, then the usage reads that are due (one whose caller
+        stopped waiting is not read)."""
         while self._controls:
-            sql, params, fut = self._controls.popleft()
+            sql, params, answer = self._controls.popleft()
             try:
-                fut.set_result(conn.execute(sql, params).fetchall())
+                answer.set_result(self._db.execute(sql, params).fetchall())
             except BaseException as exc:
-                fut.set_exception(exc)
-        while self._reads and self._reads[0][0] <= self._settled:
-            _, windows, fut = self._reads.popleft()
-            if not fut.set_running_or_notify_cancel():
-                continue  # (its caller stopped waiting)
+                answer.set_exception(exc)
+        while self._reads and self._reads[0].before <= self._settled:
+            read = self._reads.popleft()
+            if not read.answer.set_running_or_notify_cancel():
+                continue
             try:
-                fut.set_result([self._usage_at(conn, *w) for w in windows])
+                read.answer.set_result([self._usage_at(*w) for w in read.windows])
             except BaseException as exc:
-                fut.set_exception(exc)
+                read.answer.set_exception(exc)
 
-    def _usage_at(self, conn: sqlite3.Connection, key_id: str, since_ts: float) -> tuple:
+    def _usage_at(self, key_id: str, since_ts: float) -> tuple[int, int]:
         """A key's charged usage since a time, from the committed rows."""
-        row = conn.execute(usage_sql(served_only=True), (key_id, since_ts)).fetchone()
+        row = self._db.execute(usage_sql(served_only=True), (key_id, since_ts)).fetchone()
         return int(row["n"]), int(row["tokens"])
 
 
@@ -331,7 +430,13 @@ def _busy(conn: sqlite3.Connection, seconds: float) -> None:
     conn.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
 
 
-def _resolve(fut, error: BaseException | None) -> None:
+def _refuse(answer: concurrent.futures.Future[T]) -> None:
+    """Fail a query or read the writer will not run (unless its caller stopped waiting)."""
+    if answer.set_running_or_notify_cancel():
+        answer.set_exception(RuntimeError("store closed"))
+
+
+def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
     if fut.done():
         return
     if error is None:
