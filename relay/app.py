@@ -1,35 +1,52 @@
-"""The relay process: listener, upstreams, background probes, shutdown."""
+"""The relay process: listener, upstreams, background probes, shutdown.
+
+The App holds what the proxy layer reads (`proxy.app_view.AppView`) and what a client
+connection needs besides (`proxy.client.ConnHost`): the configuration and what is built from
+it, the loop, the store, the metrics; the live client connections and the requests' tasks,
+which its drain waits for. A worker process's App is its subclass (relay.workers.worker),
+whose slots, budgets and store are its parent's.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Coroutine, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from relay import reload
-from relay.config import Config, ConfigError
-from relay.errors import shutting_down
+from relay.config import Config, ConfigError, DispatcherConfig, UpstreamConfig
+from relay.http.fields import Headers
 from relay.observe import otel_start
 from relay.observe.log import Log
-from relay.observe.metrics import Registry
+from relay.observe.metrics import Registry, UpstreamMetrics
+from relay.observe.record import Record
 from relay.observe.ui_state import Recent, Trend
 from relay.policy.budget import Budgets, window_bounds
 from relay.policy.cors import Cors
 from relay.policy.keys import Auth
 from relay.policy.routing import Router
-from relay.proxy import settle
+from relay.proxy.app_view import RemoteView
+from relay.proxy.body_memory import BodyBytes
 from relay.proxy.client import LINGER_S, ClientConn
+from relay.proxy.deadlines import Deadlines
 from relay.proxy.dispatch import Dispatcher
 from relay.proxy.health import probe_once
+from relay.proxy.request import Request
 from relay.proxy.upstreams import Upstream
+from relay.reload import Summary
+from relay.store.admissions import AdmissionId
+from relay.store.interface import RowStore
 from relay.store.sqlite import Store
-from relay.stream.deadlines import Deadlines
 from relay.stream.stall import StallPolicy
 
+if TYPE_CHECKING:
+    from relay.observe.otel import Telemetry
 
-def run(coro) -> int:
+
+def run(coro: Coroutine[object, object, int]) -> int:
     """Run the relay's main coroutine on uvloop when it is installed."""
     try:
         import uvloop
@@ -46,10 +63,12 @@ def worker_count(setting: int | str) -> int:
         return int(setting)
     try:
         cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # (not Linux)
+    except AttributeError:
+        # Not Linux.
         cores = os.cpu_count() or 1
     try:
-        with open("/sys/fs/cgroup/cpu.max") as fh:  # cgroup v2: "<quota> <period>" or "max ..."
+        # cgroup v2: "<quota> <period>" or "max <period>".
+        with open("/sys/fs/cgroup/cpu.max") as fh:
             quota, period = fh.read().split()[:2]
         if quota != "max":
             cores = min(cores, -(-int(quota) // int(period)))
@@ -58,7 +77,7 @@ def worker_count(setting: int | str) -> int:
     return max(1, min(cores, 512))
 
 
-def make_store(config: Config, log: Log):
+def make_store(config: Config, log: Log) -> RowStore:
     """SQLite (`[store].path`), or PostgreSQL shared by several relays (`[store].url`)."""
     if config.store.url is None:
         return Store(config.store.path, retention_days=config.store.retention_days, log=log)
@@ -67,8 +86,21 @@ def make_store(config: Config, log: Log):
     return PgStore.configured(config.store, log)
 
 
+class Listening(Protocol):
+    """The listening side as the App starts and stops it: an asyncio.Server, or the socket a
+    parent hands to its workers (relay.workers.parent)."""
+
+    @property
+    def sockets(self) -> Sequence[socket.socket]: ...
+
+    async def start_serving(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class App:
-    role = "relay"  # its log events' prefix: relay_listening, relay_draining, relay_stopped
+    # Its log events' prefix: relay_listening, relay_draining, relay_stopped.
+    role = "relay"
 
     def __init__(self, config: Config, log: Log | None = None) -> None:
         if not config.upstream:
@@ -87,41 +119,64 @@ class App:
         self.registry = Registry()
         for up in self.upstreams.values():
             self.registry.add(up.metrics)
-        self.store = self.make_store(config)
+        self.store: RowStore = self.make_store(config)
         self.dispatcher = Dispatcher(self)
-        self.ui_recent = Recent()  # the operator page's figures (observe.ui_state)
+        # The relay-wide bound on request-body bytes held.
+        self.bodies = BodyBytes(config.server.max_buffered_body_bytes)
+        # The operator page's figures (observe.ui_state).
+        self.ui_recent = Recent()
         self.ui_trend = Trend()
-        self.otel = None  # OpenTelemetry (observe.otel), when [otel] or OTEL_* say: at start
-        # a worker process answers the relay's own views from its parent (relay.workers)
-        self.remote_view: Callable[..., Awaitable[None]] | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.deadlines: Deadlines | None = None
-        self.server: Any = None  # (App.listen's: an asyncio.Server, or a parent's listener)
+        # OpenTelemetry (observe.otel), when [otel] or OTEL_* say so: made at start.
+        self.otel: Telemetry | None = None
+        # A worker process answers the relay's own views from its parent (relay.workers).
+        self.remote_view: RemoteView | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._deadlines: Deadlines | None = None
+        self.server: Listening | None = None
         self.clients: set[ClientConn] = set()
-        self.tasks: set[asyncio.Task] = set()
-        self.background: list[asyncio.Task] = []
-        self.retired: list[Upstream] = []  # removed by a reload, pool closed once idle
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.background: list[asyncio.Task[None]] = []
+        # Upstreams a reload removed: their pools are closed once idle.
+        self.retired: list[Upstream] = []
         self.draining = False
         self._hurry = asyncio.Event()
-        self._reloading = asyncio.Lock()  # one reload at a time (reload_async)
-        self._closed = asyncio.Event()  # set when a client connection is lost
+        # One reload at a time (reload_async).
+        self._reloading = asyncio.Lock()
+        # Set when a client connection is lost.
+        self._closed = asyncio.Event()
         self.port = 0
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop the relay runs on (from `start`; a test driving the App's state without
+        starting it sets it)."""
+        assert self._loop is not None
+        return self._loop
+
+    @loop.setter
+    def loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    @property
+    def deadlines(self) -> Deadlines:
+        """Every stream's stall guard, on one loop timer (from `start`)."""
+        assert self._deadlines is not None
+        return self._deadlines
+
     # ---- what a worker process (relay.workers) holds in another way ----------------------
-    def new_upstream(self, cfg, d) -> Upstream:
+    def new_upstream(self, cfg: UpstreamConfig, d: DispatcherConfig) -> Upstream:
         """An upstream as this process holds it (at start and for a reload)."""
         return Upstream(cfg, d.upstream_keepalive_s, d.prewarm, d.connect_timeout_s)
 
     def make_budgets(self, config: Config) -> Budgets:
         return Budgets(config.key)
 
-    def make_store(self, config: Config):
+    def make_store(self, config: Config) -> RowStore:
         return make_store(config, self.log)
 
-    async def listen(self) -> asyncio.Server:
+    async def listen(self) -> Listening:
         """The listening server, not serving yet."""
         s = self.config.server
-        assert self.loop is not None
         return await self.loop.create_server(
             lambda: ClientConn(self),
             s.host,
@@ -131,7 +186,7 @@ class App:
             start_serving=False,
         )
 
-    def gauged(self) -> list:
+    def gauged(self) -> list[UpstreamMetrics]:
         """The upstreams' metrics with their live gauges (slots, queue, state) refreshed: for
         the relay's own views (`endpoints.admin_view`) and OpenTelemetry's reader (its
         thread). A worker has none to give: its parent answers both."""
@@ -145,27 +200,29 @@ class App:
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        # (without the `otel` extra, [otel] fails here, before anything is bound or opened)
+        loop = self._loop = asyncio.get_running_loop()
+        # Without the `otel` extra, [otel] fails here, before anything is bound or opened.
         self.otel = otel_start.start(self.config.otel, self.log, self.gauged, os.environ)
-        self.deadlines = Deadlines(self.loop)  # every stream's stall guard, on one loop timer
+        self._deadlines = Deadlines(loop)
         s = self.config.server
-        # bind first: a relay that cannot listen (the address is in use: another relay?)
-        # fails before it touches the database; serving starts once budgets are rebuilt
-        self.server = await self.listen()
-        self.port = self.server.sockets[0].getsockname()[1]
+        # Bind first: a relay that cannot listen (the address is in use: another relay?)
+        # fails before it touches the database; serving starts once budgets are rebuilt.
+        server = self.server = await self.listen()
+        self.port = server.sockets[0].getsockname()[1]
         try:
-            self.store.start()  # the database's lock, then recovery (StoreLocked: in use)
-            if self.store.recovered:  # the relay died mid-request: those requests are charged
+            # The database's lock, then recovery (StoreLocked: in use).
+            self.store.start()
+            if self.store.recovered:
+                # The relay died mid-request: those requests are charged.
                 self.log.event("admissions_recovered", rows=self.store.recovered)
             self._restore_budgets()
         except BaseException:
-            self.server.close()
+            server.close()
             raise
-        await self.server.start_serving()
+        await server.start_serving()
         self.start_probes()
-        self.background.append(self.loop.create_task(self._sample_tokens()))
-        self.background.append(self.loop.create_task(self.store.maintain(self)))
+        self.background.append(loop.create_task(self._sample_tokens()))
+        self.background.append(loop.create_task(self.store.maintain(self.budgets)))
         self.log.event(
             f"{self.role}_listening", host=s.host, port=self.port, upstreams=list(self.upstreams)
         )
@@ -200,11 +257,11 @@ class App:
             requests, tokens = self.store.usage_since(key_id, start, served_only=True)
             self.budgets.restore(key_id, kind, requests, tokens, now)
 
-    def reload(self, config: Config) -> dict:
+    def reload(self, config: Config) -> Summary:
         """Apply a new configuration: see `relay.reload` (the store read in this thread)."""
         return reload.apply(self, config)
 
-    async def reload_async(self, config: Config) -> dict:
+    async def reload_async(self, config: Config) -> Summary:
         """Apply a new configuration (SIGHUP), the store read off the event loop."""
         async with self._reloading:
             return await reload.apply_async(self, config)
@@ -217,55 +274,31 @@ class App:
         self.draining = True
         if self.server is not None:
             self.server.close()
-        # a request whose last bytes came in this same loop pass is dispatched by a callback
-        # already queued: let it run, so the drain counts (and answers) it
+        # A request whose last bytes came in this same loop pass is dispatched by a callback
+        # already queued: it runs first, so the drain counts (and answers) it.
         await asyncio.sleep(0)
         for client in list(self.clients):
-            if not client.busy and not client.gone:
-                if client.head is not None or (
-                    client.h11 is not None and client.h11.trailing_data[0]
-                ):
-                    # a request half-read gets its answer with the lingering close (the
-                    # client may still be sending: a plain close would reset the connection
-                    # and destroy the answer); the connection closes on its bounded timer
-                    client._reject(shutting_down())
-                    continue
-                client.gone = True
-                if client.transport is not None:
-                    client.transport.close()
+            client.stop_idle()
         for up in self.all_upstreams():
-            up.slots.close()  # queued requests are answered 503 shutting_down now
+            # Queued requests are answered 503 shutting_down now.
+            up.slots.close()
         pending = self._live_tasks()
         self.log.event(f"{self.role}_draining", in_flight=len(pending), timeout_s=drain_timeout_s)
         pending = await self._drain_wait(pending, drain_timeout_s)
         for client in list(self.clients):
-            if client.exchange is not None:
-                client.exchange.shutdown()  # cut: the client sees the truncation
+            client.cut()
         pending = await self._drain_wait(pending, 2.0)
-        pending |= self._live_tasks()  # any request that began despite the drain
-        for task in pending:
-            task.cancel()  # still waiting for a head or a slow client: settled as shut down
-        if pending:
-            await asyncio.wait(pending, timeout=2.0)
-        for task in self.background:
-            task.cancel()
-        for up in self.all_upstreams():
-            if up.probe_task is not None:
-                up.probe_task.cancel()
-        for up in self.all_upstreams():
-            up.pool.close()
-        await self._linger_wait(LINGER_S + 0.5)  # refused clients read their answer first
+        pending |= await self._cancel_the_rest()
+        self._stop_background()
+        # Refused clients read their answer first.
+        await self._linger_wait(LINGER_S + 0.5)
         for client in list(self.clients):
-            if client.transport is not None:
-                client.transport.close()
-        late = self._live_tasks()  # none should be left: their rows go in before the close
-        if late:
-            for task in late:
-                task.cancel()
-            await asyncio.wait(late, timeout=2.0)
-            pending |= late
+            client.close()
+        # None should be left: their rows go in before the store closes.
+        pending |= await self._cancel_the_rest()
         await self.store.aclose()
-        if self.otel is not None:  # the last spans and points, waited a bounded time
+        if self.otel is not None:
+            # The last spans and points, waited for a bounded time.
             await self.otel.aclose()
         self.log.event(
             f"{self.role}_stopped",
@@ -275,7 +308,26 @@ class App:
         )
         self.log.flush()
 
-    def _live_tasks(self) -> set:
+    async def _cancel_the_rest(self) -> set[asyncio.Task[None]]:
+        """Requests still running (waiting for a head, a slow client, or begun despite the
+        drain) are cancelled, settled as shut down; waited for a bounded time."""
+        left = self._live_tasks()
+        for task in left:
+            task.cancel()
+        if left:
+            await asyncio.wait(left, timeout=2.0)
+        return left
+
+    def _stop_background(self) -> None:
+        for task in self.background:
+            task.cancel()
+        for up in self.all_upstreams():
+            if up.probe_task is not None:
+                up.probe_task.cancel()
+        for up in self.all_upstreams():
+            up.pool.close()
+
+    def _live_tasks(self) -> set[asyncio.Task[None]]:
         return {t for t in self.tasks if not t.done()}
 
     async def _linger_wait(self, timeout: float) -> None:
@@ -296,16 +348,13 @@ class App:
                 for w in waiters:
                     w.cancel()
 
-    def forget(self, client: ClientConn) -> None:
-        """A client connection is lost."""
-        self.clients.discard(client)
-        self._closed.set()
-
     def hurry(self) -> None:
         """End a drain now (the rows are still settled and flushed)."""
         self._hurry.set()
 
-    async def _drain_wait(self, pending: set, timeout: float) -> set:
+    async def _drain_wait(
+        self, pending: set[asyncio.Task[None]], timeout: float
+    ) -> set[asyncio.Task[None]]:
         """Wait until the tasks are done, `timeout` ran out, or `hurry()`; the tasks left."""
         left = {t for t in pending if not t.done()}
         if not left or self._hurry.is_set():
@@ -323,18 +372,34 @@ class App:
             hurry.cancel()
         return left
 
-    def all_upstreams(self) -> list:
+    def all_upstreams(self) -> list[Upstream]:
         """The configured upstreams and those a reload removed whose streams still run."""
         return list(self.upstreams.values()) + self.retired
 
-    # ---- requests ----------------------------------------------------------------------
-    def track(self, task: asyncio.Task) -> None:
+    # ---- connections and requests (proxy.client.ConnHost) ------------------------------
+    def connected(self, client: ClientConn) -> None:
+        self.clients.add(client)
+
+    def forget(self, client: ClientConn) -> None:
+        """A client connection is lost."""
+        self.clients.discard(client)
+        self._closed.set()
+
+    def handle(self, client: ClientConn, req: Request) -> Coroutine[object, object, None]:
+        return self.dispatcher.handle(client, req)
+
+    def request_id(self, headers: Headers) -> bytes:
+        return self.dispatcher.request_id(headers)
+
+    def track(self, task: asyncio.Task[None]) -> None:
         """A request's task, counted by the drain from the moment it is created (a task
         cancelled before its first step still ends, and leaves the set)."""
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    def keep(self, rec, admission=None, trend: bool | None = None) -> None:
+    def put_row(
+        self, rec: Record, admission: AdmissionId | None = None, trend: bool | None = None
+    ) -> None:
         """A settled request's row: into the page's recent rows and its trend (`trend`: whether
         it generates; None: no upstream was involved), and into the store (replacing its
         admission record). A worker process sends it to its parent, which keeps it here."""
@@ -343,14 +408,11 @@ class App:
         self.ui_recent.add(rec)
         self.store.put_record(rec, admission)
 
-    def rejected(self, client: ClientConn, err) -> None:
-        """A request refused before it was read whole (400/408/413/431): a row all the same."""
-        settle.rejected(self.dispatcher, client, err)
-
     # ---- background ----------------------------------------------------------------------
     async def _probe(self, up: Upstream) -> None:
         wake = asyncio.Event()
-        up.health.on_down = wake.set  # a request saw it down: probe now, then often
+        # A request saw it down: probed now, then often.
+        up.health.on_down = wake.set
         while True:
             d = self.config.dispatcher
             wake.clear()
@@ -383,18 +445,19 @@ class App:
             now = time.monotonic()
             for client in list(self.clients):
                 ex = client.exchange
-                if ex is not None and ex.scanner is not None:
-                    n = ex.scanner.content_events - ex.counted
-                    up = self.upstreams.get(ex.upstream_name)
-                    if n and up is not None:
-                        ex.counted += n
-                        up.metrics.add_tokens(n, now)
+                if ex is None:
+                    continue
+                n = ex.new_tokens()
+                up = self.upstreams.get(ex.upstream_name)
+                if n and up is not None:
+                    up.metrics.add_tokens(n, now)
             self.ui_trend.sample(time.time(), now, self.registry)
             self._close_retired()
 
     def _close_retired(self) -> None:
         """Pools of upstreams a reload removed are closed once their streams are done."""
         for up in list(self.retired):
-            up.pool.close()  # idle connections now; the one a finishing stream frees later
+            # Idle connections now; the one a finishing stream frees, later.
+            up.pool.close()
             if up.slots.in_flight == 0 and not up.slots.queued:
                 self.retired.remove(up)

@@ -10,12 +10,17 @@ import asyncio
 import signal
 import sqlite3
 import sys
+from typing import TYPE_CHECKING
 
 from relay.app import run
-from relay.config import ConfigError, load_config, parse_config
+from relay.config import Config, ConfigError, load_config, parse_config
+
+if TYPE_CHECKING:
+    from relay.app import App
+    from relay.observe.log import Log
 
 
-def _serve_parser(sub) -> None:
+def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run the relay")
     p.add_argument("--config", help="TOML config file")
     p.add_argument("--host", help="listen address (overrides [server].host)")
@@ -34,14 +39,14 @@ def _serve_parser(sub) -> None:
     )
 
 
-def _count(text: str):
+def _count(text: str) -> int:
     try:
         return int(text)
     except ValueError:
         raise ConfigError(f"--workers: a number or auto, not {text!r}") from None
 
 
-def build_config(args, sim_url: str | None = None):
+def build_config(args: argparse.Namespace, sim_url: str | None = None) -> Config:
     data = load_config(args.config) if args.config else {}
     server = data.setdefault("server", {})
     if args.host is not None:
@@ -62,12 +67,12 @@ def build_config(args, sim_url: str | None = None):
     return parse_config(data)
 
 
-async def _serve(args) -> int:
+async def _serve(args: argparse.Namespace) -> int:
     from relay.app import App, worker_count
     from relay.observe.log import Log
 
     log = Log()
-    # what asyncio would print as text (a callback's exception, ...) is a JSON line too
+    # What asyncio would print as text (a callback's exception, ...) is a JSON line too.
     asyncio.get_running_loop().set_exception_handler(
         lambda _loop, ctx: log.event(
             "loop_error", message=str(ctx.get("message")), error=repr(ctx.get("exception"))[:300]
@@ -76,7 +81,8 @@ async def _serve(args) -> int:
     sim = None
     sim_url = None
     if args.demo:
-        from relay.sim.server import SimDefaults, Simulator
+        from relay.sim.server import Simulator
+        from relay.sim.state import SimDefaults
 
         sim = Simulator(defaults=SimDefaults(interval_ms=40.0, tokens=24))
         await sim.start()
@@ -88,7 +94,8 @@ async def _serve(args) -> int:
         if workers > 1:
             from relay.workers.parent import ParentApp
 
-            log.shared()  # (its lines whole beside the workers')
+            # Its lines whole beside the workers'.
+            log.shared()
             app: App = ParentApp(config, log, workers)
         else:
             app = App(config, log)
@@ -101,27 +108,21 @@ async def _serve(args) -> int:
             await sim.stop()
         return 2
     if args.demo:
-        host = app.config.server.host
-        log.event(
-            "demo_try",
-            command=(
-                f"curl -N http://{host}:{app.port}/v1/chat/completions "
-                '-H \'Content-Type: application/json\' -d \'{"model":"demo","stream":true,'
-                '"messages":[{"role":"user","content":"hi"}]}\''
-            ),
-        )
+        _demo_try(app, log)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
     def on_stop() -> None:
-        if stop.is_set():  # a second SIGTERM/SIGINT: end the drain now (rows still flushed)
+        # A second SIGTERM or SIGINT ends the drain now (the rows are still flushed).
+        if stop.is_set():
             log.event("relay_hurry")
             app.hurry()
         stop.set()
 
-    reloads: set[asyncio.Task] = set()
+    reloads: set[asyncio.Task[None]] = set()
 
-    def on_hup() -> None:  # (a task: a reload waits for the store off the loop)
+    # A task: a reload waits for the store off the loop.
+    def on_hup() -> None:
         if not stop.is_set():
             task = loop.create_task(reload_config(app, args, sim_url, log))
             reloads.add(task)
@@ -137,7 +138,20 @@ async def _serve(args) -> int:
     return 0
 
 
-async def reload_config(app, args, sim_url: str | None, log) -> None:
+def _demo_try(app: App, log: Log) -> None:
+    """The demo's first request, as a command to paste."""
+    host = app.config.server.host
+    log.event(
+        "demo_try",
+        command=(
+            f"curl -N http://{host}:{app.port}/v1/chat/completions "
+            '-H \'Content-Type: application/json\' -d \'{"model":"demo","stream":true,'
+            '"messages":[{"role":"user","content":"hi"}]}\''
+        ),
+    )
+
+
+async def reload_config(app: App, args: argparse.Namespace, sim_url: str | None, log: Log) -> None:
     """SIGHUP: read the file again (flags still override it) and apply it, or keep the
     running configuration and say why."""
     try:

@@ -25,23 +25,71 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ssl
 import time
 from dataclasses import dataclass
+from typing import Protocol, TypedDict
 
-from relay.config import Config, ConfigError
+from relay.config import Config, ConfigError, DispatcherConfig, UpstreamConfig
 from relay.http.to_upstream import fixed_headers
-from relay.policy.budget import window_bounds
+from relay.observe.metrics import Registry
+from relay.policy.budget import Budgets, window_bounds
 from relay.policy.cors import Cors
 from relay.policy.keys import Auth
 from relay.policy.routing import Router
+from relay.proxy.body_memory import BodyBytes
 from relay.proxy.upstreams import (
+    Upstream,
     upstream_auth,
     upstream_keepalive,
     upstream_tls,
 )
+from relay.store.interface import RowStore
 from relay.stream.stall import StallPolicy
 
 RESTORE_WAIT_S = 2.0
+
+
+class Reloadable(Protocol):
+    """What a reload reads and replaces of the relay process (relay.app.App)."""
+
+    config: Config
+    upstreams: dict[str, Upstream]
+    retired: list[Upstream]
+    router: Router
+    auth: Auth
+    cors: Cors
+    policy: StallPolicy
+
+    @property
+    def budgets(self) -> Budgets: ...
+    @property
+    def store(self) -> RowStore: ...
+    @property
+    def registry(self) -> Registry: ...
+    @property
+    def bodies(self) -> BodyBytes: ...
+    @property
+    def draining(self) -> bool: ...
+
+    def new_upstream(self, cfg: UpstreamConfig, d: DispatcherConfig) -> Upstream: ...
+
+    def start_probes(self) -> None: ...
+
+
+class Summary(TypedDict):
+    """What a reload changed: the upstreams now, those added, removed and changed (a new URL
+    under the same name), and how many keys."""
+
+    upstreams: list[str]
+    added: list[str]
+    removed: list[str]
+    changed: list[str]
+    keys: int
+
+
+# An upstream kept across the reload, with what it gets: its configuration, key and TLS.
+_InPlace = tuple[Upstream, UpstreamConfig, tuple[bytes, bytes] | None, ssl.SSLContext | None]
 
 
 @dataclass
@@ -50,24 +98,26 @@ class _Plan:
 
     old: Config
     new: Config
-    generation: int  # the budgets' when it was built
-    ups: dict
-    in_place: list
-    added: list
-    changed: list
+    # The budgets' generation when it was built.
+    generation: int
+    ups: dict[str, Upstream]
+    in_place: list[_InPlace]
+    added: list[str]
+    changed: list[str]
     router: Router
     auth: Auth
     cors: Cors
     policy: StallPolicy
-    fresh: list[tuple[str, str]]  # the (key, kind) windows it creates
+    # The (key, kind) windows it creates.
+    fresh: list[tuple[str, str]]
 
 
-def apply(app, new: Config) -> dict:
+def apply(app: Reloadable, new: Config) -> Summary:
     """Apply `new` to `app`, or raise ConfigError leaving it as it was; a summary. New
     windows' rows are waited for in the calling thread (`apply_async` waits off the loop:
     SIGHUP's way)."""
     plan = prepare(app, new)
-    rebuilt = {}
+    rebuilt: dict[tuple[str, str], tuple[int, int]] = {}
     if plan.fresh:
         asked = _ask_rows(app, plan)
         try:
@@ -79,20 +129,22 @@ def apply(app, new: Config) -> dict:
     return swap(app, plan, rebuilt)
 
 
-async def apply_async(app, new: Config) -> dict:
+async def apply_async(app: Reloadable, new: Config) -> Summary:
     """As `apply`; the event loop goes on while the store reads the rows of new windows
     (a locked database, a PostgreSQL that does not answer: the reload is refused after
     RESTORE_WAIT_S, and nothing else waited for it)."""
     plan = prepare(app, new)
-    rebuilt = {}
+    rebuilt: dict[tuple[str, str], tuple[int, int]] = {}
     if plan.fresh:
         asked = _ask_rows(app, plan)
         try:
             used = await asyncio.wait_for(asyncio.wrap_future(asked), RESTORE_WAIT_S)
         except asyncio.CancelledError:
-            app.budgets.unstage()  # (the relay stops)
+            # The relay stops.
+            app.budgets.unstage()
             raise
-        except Exception as exc:  # (waited for in vain: the read is cancelled)
+        except Exception as exc:
+            # Waited for in vain: the read is cancelled.
             app.budgets.unstage()
             raise _cannot(exc) from None
         if app.draining or app.config is not plan.old or app.budgets.generation != plan.generation:
@@ -105,7 +157,7 @@ async def apply_async(app, new: Config) -> dict:
     return swap(app, plan, rebuilt)
 
 
-def _ask_rows(app, plan: _Plan) -> concurrent.futures.Future:
+def _ask_rows(app: Reloadable, plan: _Plan) -> concurrent.futures.Future[list[tuple[int, int]]]:
     """The used figures of the windows the plan creates, in its order, from the rows of the
     requests settled until now: the store's writer reads them at this point of its queue,
     and a request settled meanwhile is charged by the budgets instead (`Budgets.stage`)."""
@@ -121,7 +173,7 @@ def _cannot(exc: BaseException) -> ConfigError:
     )
 
 
-def prepare(app, new: Config) -> _Plan:
+def prepare(app: Reloadable, new: Config) -> _Plan:
     """Build and check everything `new` needs (ConfigError: nothing has changed)."""
     old = app.config
     for what, a, b in (
@@ -138,9 +190,10 @@ def prepare(app, new: Config) -> _Plan:
     if not new.upstream:
         raise ConfigError("upstream: at least one [[upstream]] is required")
     d = new.dispatcher
-    ups: dict = {}
-    in_place: list = []
-    added, changed = [], []
+    ups: dict[str, Upstream] = {}
+    in_place: list[_InPlace] = []
+    added: list[str] = []
+    changed: list[str] = []
     for cfg in new.upstream:
         cur = app.upstreams.get(cfg.name)
         if cur is not None and cur.cfg.url == cfg.url:
@@ -149,7 +202,8 @@ def prepare(app, new: Config) -> _Plan:
             continue
         up = app.new_upstream(cfg, d)
         if cur is not None:
-            up.metrics = cur.metrics  # same name: its counters carry on
+            # The same name: its counters carry on.
+            up.metrics = cur.metrics
             up.metrics.parallel = cfg.parallel
             changed.append(cfg.name)
         else:
@@ -171,7 +225,7 @@ def prepare(app, new: Config) -> _Plan:
     )
 
 
-def swap(app, plan: _Plan, rebuilt: dict) -> dict:
+def swap(app: Reloadable, plan: _Plan, rebuilt: dict[tuple[str, str], tuple[int, int]]) -> Summary:
     """Apply a plan (cannot fail: one synchronous step); `rebuilt`: its new windows' used
     figures (`_ask_rows`)."""
     new, d, ups = plan.new, plan.new.dispatcher, plan.ups
@@ -192,7 +246,8 @@ def swap(app, plan: _Plan, rebuilt: dict) -> dict:
     app.auth = plan.auth
     app.cors = plan.cors
     app.policy = plan.policy
-    app.dispatcher.bodies.limit = new.server.max_buffered_body_bytes  # bodies held stay held
+    # Bodies held stay held.
+    app.bodies.limit = new.server.max_buffered_body_bytes
     app.registry.set_upstreams([up.metrics for up in ups.values()])
     app.store.retention_days = new.store.retention_days
     app.budgets.reload(new.key, rebuilt, time.time())

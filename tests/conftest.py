@@ -48,7 +48,7 @@ def llama_fixtures():
 async def make_relay(sim):
     """Build a relay on a free port in front of `sim` (or `url`), with field overrides.
 
-    Config structs are built directly, so bounds below DESIGN.md's start-up ranges (tiny
+    Config structs are built directly, so bounds below the ranges docs/configuration.md gives (tiny
     timeouts) are allowed here: tests drive time with small bounds instead of sleeping.
     """
     apps = []

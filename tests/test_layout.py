@@ -116,7 +116,7 @@ def test_few_end_of_line_comments():
 
 def test_end_of_line_comments_are_counted():
     source = '"""Doc\nstring."""\n# above\nx = 1  # beside\ny = (\n    2  # inside\n)\n'
-    assert layout.comment_counts(source) == (2, 5)
+    assert layout.comment_counts(source) == (2, 6)
 
 
 def test_many_end_of_line_comments_are_found(copy):

@@ -10,12 +10,26 @@ back until complete, so the client is always either between chunks or inside chu
 
 from __future__ import annotations
 
-SIZE, DATA, DATA_END, TRAILER, DONE = range(5)
+from enum import IntEnum
+
+
+class ChunkState(IntEnum):
+    """Where the tracker stands in the framing: before a size line, inside chunk data, at a
+    chunk's closing CRLF, in the trailer section, or past the end of the body."""
+
+    SIZE = 0
+    DATA = 1
+    DATA_END = 2
+    TRAILER = 3
+    DONE = 4
+
+
+SIZE, DATA, DATA_END, TRAILER, DONE = ChunkState
 _MAX_LINE = 4096
 _HEX = b"0123456789abcdefABCDEF"
 
-
-SIZES: dict[bytes, int] = {}  # chunk-size text -> value: the same few sizes recur
+# Chunk-size text to its value: the same few sizes recur.
+SIZES: dict[bytes, int] = {}
 
 
 def chunk_size(text: bytes) -> int:
@@ -49,9 +63,12 @@ class ChunkTracker:
 
     def __init__(self) -> None:
         self.state = SIZE
-        self.remaining = 0  # chunk-data bytes still owed by the current chunk
-        self.held = b""  # received, not yet safe to forward
-        self.extra = b""  # bytes after the end of the body (upstream misbehaving)
+        # The chunk-data bytes still owed by the current chunk.
+        self.remaining = 0
+        # Bytes received that are not yet safe to forward.
+        self.held = b""
+        # Bytes after the end of the body (the upstream misbehaving).
+        self.extra = b""
 
     @property
     def done(self) -> bool:
@@ -73,7 +90,8 @@ class ChunkTracker:
             if nl <= pos:
                 return None
             size = chunk_size(data[pos:nl])
-            if size <= 0:  # the last chunk (or junk): the general path ends the body
+            if size <= 0:
+                # The last chunk (or junk): the general path ends the body.
                 return None
             start = nl + 2
             end = start + size
@@ -84,74 +102,101 @@ class ChunkTracker:
             pos = end + 2
         return out
 
+    @property
+    def between_chunks(self) -> bool:
+        """Nothing of a chunk is owed or held: the next byte starts a chunk-size line."""
+        return self.state == SIZE and not self.held
+
     def feed(self, data: bytes) -> tuple[bytes, list[bytes]]:
         """Take received bytes; return (bytes safe to forward now, chunk payloads found)."""
+        out, spans = self.feed_spans(data)
+        return out, [out[spans[i] : spans[i + 1]] for i in range(0, len(spans), 2)]
+
+    def feed_spans(self, data: bytes) -> tuple[bytes, list[int]]:
+        """Take received bytes; return (bytes safe to forward now, the bounds of the chunk
+        payloads in them: [a0, b0, a1, b1, ...])."""
         return self._feed(self.held + data if self.held else data)
 
-    def _feed(self, buf: bytes) -> tuple[bytes, list[bytes]]:
-        payloads: list[bytes] = []
+    def _feed(self, buf: bytes) -> tuple[bytes, list[int]]:
+        spans: list[int] = []
         n = len(buf)
         pos = safe = 0
         while pos < n:
-            st = self.state
-            if st == DATA:
-                take = min(self.remaining, n - pos)
-                payloads.append(buf[pos : pos + take])
-                pos += take
-                self.remaining -= take
-                safe = pos
-                if self.remaining:
-                    break
-                self.state = DATA_END
-            elif st == SIZE:
-                nl = buf.find(b"\n", pos)
-                if nl < 0:
-                    if n - pos > _MAX_LINE:
-                        raise ChunkError("chunk-size line too long")
-                    break
-                line = buf[pos:nl].rstrip(b"\r").split(b";", 1)[0].strip(b" \t")
-                size = chunk_size(line)
-                if size < 0:
-                    raise ChunkError(f"bad chunk size {line[:20]!r}")
-                pos = nl + 1
-                if size == 0:
-                    self.state = TRAILER  # hold the last chunk until its trailer ends
-                else:
-                    self.state = DATA
-                    self.remaining = size
-                    safe = pos
-            elif st == DATA_END:
-                if buf.startswith(b"\r\n", pos):
-                    pos += 2
-                elif buf.startswith(b"\n", pos):
-                    pos += 1
-                elif n - pos == 1 and buf[pos] == 13:
-                    break  # a lone CR: wait for its LF
-                else:
-                    raise ChunkError("chunk data not followed by CRLF")
-                safe = pos
-                self.state = SIZE
-            elif st == TRAILER:
-                nl = buf.find(b"\n", pos)
-                if nl < 0:
-                    if n - pos > _MAX_LINE:
-                        raise ChunkError("trailer line too long")
-                    break
-                empty = nl == pos or (nl == pos + 1 and buf[pos] == 13)
-                pos = nl + 1
-                if empty:
-                    self.state = DONE
-                    safe = pos
-                    self.extra = buf[pos:]
-                    pos = n
-            else:  # DONE
+            if self.state == DONE:
                 self.extra += buf[pos:]
                 break
+            pos = self._step(buf, pos, spans)
+            if pos < 0:
+                break
+            # Everything read is safe to forward, but a last chunk and its trailer, which
+            # go out only once the trailer has ended.
+            if self.state != TRAILER:
+                safe = pos
         if safe == n:
             self.held = b""
-            return buf, payloads
+            return buf, spans
         self.held = buf[safe:] if self.state != DONE else b""
-        return buf[:safe], payloads
+        return buf[:safe], spans
+
+    def _step(self, buf: bytes, pos: int, spans: list[int]) -> int:
+        """Read what the state expects at `pos`: the position after it, or -1 when the rest
+        of it is not in `buf` yet."""
+        st = self.state
+        if st == DATA:
+            take = min(self.remaining, len(buf) - pos)
+            spans.append(pos)
+            spans.append(pos + take)
+            # Data still owed after this read means the read is all taken (pos + take is
+            # its end).
+            self.remaining -= take
+            if not self.remaining:
+                self.state = DATA_END
+            return pos + take
+        if st == SIZE:
+            return self._size_line(buf, pos)
+        if st == DATA_END:
+            return self._data_end(buf, pos)
+        return self._trailer_line(buf, pos)
+
+    def _size_line(self, buf: bytes, pos: int) -> int:
+        nl = buf.find(b"\n", pos)
+        if nl < 0:
+            if len(buf) - pos > _MAX_LINE:
+                raise ChunkError("chunk-size line too long")
+            return -1
+        line = buf[pos:nl].rstrip(b"\r").split(b";", 1)[0].strip(b" \t")
+        size = chunk_size(line)
+        if size < 0:
+            raise ChunkError(f"bad chunk size {line[:20]!r}")
+        if size == 0:
+            self.state = TRAILER
+        else:
+            self.state = DATA
+            self.remaining = size
+        return nl + 1
+
+    def _data_end(self, buf: bytes, pos: int) -> int:
+        if buf.startswith(b"\r\n", pos):
+            pos += 2
+        elif buf.startswith(b"\n", pos):
+            pos += 1
+        elif len(buf) - pos == 1 and buf[pos] == 13:
+            # A lone CR: its LF is in the next read.
+            return -1
+        else:
+            raise ChunkError("chunk data not followed by CRLF")
+        self.state = SIZE
+        return pos
+
+    def _trailer_line(self, buf: bytes, pos: int) -> int:
+        nl = buf.find(b"\n", pos)
+        if nl < 0:
+            if len(buf) - pos > _MAX_LINE:
+                raise ChunkError("trailer line too long")
+            return -1
+        if nl == pos or (nl == pos + 1 and buf[pos] == 13):
+            self.state = DONE
+        return nl + 1
 
     def close_with(self, payload: bytes) -> bytes:
         """Bytes that end the body cleanly from where the client stands, carrying `payload`.
@@ -162,13 +207,15 @@ class ChunkTracker:
         parsers). Held-back bytes are dropped.
         """
         if self.state == DONE:
-            return b""  # the body is already whole: nothing may follow it
+            # The body is already whole: nothing may follow it.
+            return b""
         out = []
         if self.state == DATA:
             owed = self.remaining
             if owed >= len(payload):
+                # With no blank line in the payload, the padding goes first.
                 at = payload.find(b"\n\n")
-                at = at + 2 if at >= 0 else 0  # (no blank line: the padding goes first)
+                at = at + 2 if at >= 0 else 0
                 pad = b"\n" * (owed - len(payload))
                 out.append(payload[:at] + pad + payload[at:] + b"\r\n")
                 payload = b""

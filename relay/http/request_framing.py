@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-from relay.errors import RelayError
+from relay.errors import Code, RelayError
 from relay.http.fields import HeaderPairs, lower_names
 
 _HEAD_END = re.compile(rb"\n\r?\n")
@@ -59,18 +59,18 @@ def framing_error(headers: HeaderPairs, http11: bool) -> RelayError | None:
     if te:
         if cl:
             return RelayError(
-                "bad_request", "Transfer-Encoding and Content-Length together: ambiguous framing"
+                Code.BAD_REQUEST, "Transfer-Encoding and Content-Length together: ambiguous framing"
             )
         if not http11:
-            return RelayError("bad_request", "Transfer-Encoding on an HTTP/1.0 request")
+            return RelayError(Code.BAD_REQUEST, "Transfer-Encoding on an HTTP/1.0 request")
         codings = [c.strip().lower() for v in te for c in v.split(b",")]
         if codings != [b"chunked"]:
             return RelayError(
-                "not_implemented", "only a single Transfer-Encoding: chunked is supported"
+                Code.NOT_IMPLEMENTED, "only a single Transfer-Encoding: chunked is supported"
             )
     values = {v.strip() for raw in cl for v in raw.split(b",")}
     if len(values) > 1:
-        return RelayError("bad_request", "conflicting Content-Length values")
+        return RelayError(Code.BAD_REQUEST, "conflicting Content-Length values")
     if values and not _DIGITS.match(next(iter(values))):
-        return RelayError("bad_request", "Content-Length is not a number")
+        return RelayError(Code.BAD_REQUEST, "Content-Length is not a number")
     return None

@@ -2,28 +2,49 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import NamedTuple
 
 from relay.http.chunked import LAST_CHUNK, ChunkTracker, frame
 from relay.http.fields import Headers, get, has_token
 from relay.http.response_head import is_chunked, is_length
 
-# Upstream body kinds
-EMPTY, LENGTH, CHUNKED, UNTIL_CLOSE = "empty", "length", "chunked", "close"
-# Client carriage
-PASS = "pass"  # bytes as they come (chunked->chunked raw, length->length, close->close)
-DECHUNK = "dechunk"  # chunked upstream to an HTTP/1.0 client: payloads, then close
-CHUNK = "chunk"  # close-delimited upstream to an HTTP/1.1 client: the relay frames chunks
-# The client's head went out before this upstream's (heartbeats, see hold.py): payloads, which
-# the relay frames as chunks itself; a chunked upstream goes back to PASS at a chunk boundary.
-REFRAME = "reframe"
+
+class BodyKind(StrEnum):
+    """How the upstream delimits its response body."""
+
+    EMPTY = "empty"
+    LENGTH = "length"
+    CHUNKED = "chunked"
+    UNTIL_CLOSE = "close"
+
+
+class Carriage(StrEnum):
+    """How an upstream body is carried to the client.
+
+    - PASS: bytes as they come (chunked to chunked raw, length to length, close to close);
+    - DECHUNK: a chunked upstream to an HTTP/1.0 client: payloads, then the close;
+    - CHUNK: a close-delimited upstream to an HTTP/1.1 client: the relay frames chunks;
+    - REFRAME: the client's head went out before this upstream's (heartbeats,
+      `stream.content_hold`): payloads, which the relay frames as chunks itself; a chunked
+      upstream goes back to PASS at a chunk boundary.
+    """
+
+    PASS = "pass"
+    DECHUNK = "dechunk"
+    CHUNK = "chunk"
+    REFRAME = "reframe"
+
+
+EMPTY, LENGTH, CHUNKED, UNTIL_CLOSE = BodyKind
+PASS, DECHUNK, CHUNK, REFRAME = Carriage
 
 
 class FramingError(ValueError):
     pass
 
 
-def upstream_body(method: bytes, status: int, headers: Headers) -> tuple[str, int]:
+def upstream_body(method: bytes, status: int, headers: Headers) -> tuple[BodyKind, int]:
     """(kind, content length) of an upstream response body (RFC 9112 section 6.3)."""
     if method == b"HEAD" or status < 200 or status in (204, 304):
         return EMPTY, 0
@@ -46,7 +67,7 @@ def upstream_body(method: bytes, status: int, headers: Headers) -> tuple[str, in
     return UNTIL_CLOSE, -1
 
 
-def carriage(kind: str, client_http11: bool) -> str:
+def carriage(kind: BodyKind, client_http11: bool) -> Carriage:
     if kind == CHUNKED and not client_http11:
         return DECHUNK
     if kind == UNTIL_CLOSE and client_http11:
@@ -54,7 +75,7 @@ def carriage(kind: str, client_http11: bool) -> str:
     return PASS
 
 
-def committed_carriage(kind: str, client_http11: bool) -> str:
+def committed_carriage(kind: BodyKind, client_http11: bool) -> Carriage:
     """The carriage when the client's head is already out: chunks of the relay's own for an
     HTTP/1.1 client, a close-delimited body (payloads) for HTTP/1.0."""
     if client_http11:
@@ -62,27 +83,33 @@ def committed_carriage(kind: str, client_http11: bool) -> str:
     return DECHUNK if kind == CHUNKED else PASS
 
 
-def client_chunked(kind: str, mode: str) -> bool:
+def client_chunked(kind: BodyKind, mode: Carriage) -> bool:
     """Whether the client sees Transfer-Encoding: chunked."""
     return (kind == CHUNKED and mode == PASS) or mode in (CHUNK, REFRAME)
 
 
-def payload_of(kind: str, mode: str, sent: bytes) -> bytes:
-    """The body payload in bytes that were to go to the client as they are (chunk framing
-    included when the client's body is chunked)."""
-    if not client_chunked(kind, mode):
+def relay_frames(mode: Carriage) -> bool:
+    """Whether the relay frames the client's chunks itself (else bytes go as they are)."""
+    return mode is CHUNK or mode is REFRAME
+
+
+def payload_of(kind: BodyKind, mode: Carriage, pieces: list[bytes]) -> bytes:
+    """The body payload in pieces that were to go to the client: the upstream's own chunks
+    (a chunked body passed through) are undone; others are payload already."""
+    sent = b"".join(pieces)
+    if not (kind is CHUNKED and mode is PASS):
         return sent
     _, payloads = ChunkTracker().feed(sent)
     return b"".join(payloads)
 
 
-def self_delimited(kind: str, mode: str) -> bool:
+def self_delimited(kind: BodyKind, mode: Carriage) -> bool:
     """Whether the client can tell where the body ends without a close (keep-alive possible)."""
     return kind in (EMPTY, LENGTH) or client_chunked(kind, mode)
 
 
 def closing_bytes(
-    kind: str, mode: str, tracker: ChunkTracker | None, payload: bytes
+    kind: BodyKind, mode: Carriage, tracker: ChunkTracker | None, payload: bytes
 ) -> tuple[bytes, bool]:
     """The bytes that end a body early carrying `payload` (a stall frame), and whether the
     client can still tell where the body ends (keep-alive possible) afterwards."""
@@ -91,21 +118,24 @@ def closing_bytes(
     if mode in (CHUNK, REFRAME):
         return frame(payload) + LAST_CHUNK, True
     if kind == LENGTH:
-        return b"", False  # a declared length cannot grow: the body is cut
-    return payload, False  # close-delimited to the client
+        # A declared length cannot grow: the body is cut.
+        return b"", False
+    return payload, False
 
 
 class Plan(NamedTuple):
     """How one upstream response travels: decided once, from its head."""
 
-    kind: str
-    remaining: int  # the declared length (LENGTH)
-    mode: str
+    kind: BodyKind
+    # The declared length (LENGTH).
+    remaining: int
+    mode: Carriage
     sse: bool
     json: bool
     upstream_keep_alive: bool
     client_keep_alive: bool
-    holdable: bool  # a 2xx event stream: held until its first content event
+    # A 2xx event stream: held until its first content event.
+    holdable: bool
 
 
 def plan(
@@ -117,8 +147,9 @@ def plan(
     client_keep_alive: bool,
     committed: bool,
 ) -> Plan:
-    """`committed`: the client's head already went out (heartbeats): this body continues it."""
-    kind, remaining = upstream_body(method, status, headers)  # (FramingError: the caller's)
+    """`committed`: the client's head already went out (heartbeats): this body continues it.
+    A FramingError is the caller's to handle."""
+    kind, remaining = upstream_body(method, status, headers)
     ctype = (get(headers, b"content-type") or b"").lower()
     sse = ctype.startswith(b"text/event-stream")
     if committed:

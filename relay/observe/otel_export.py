@@ -84,12 +84,11 @@ class CountingExporter(SpanExporter):
 
 
 def span_exporter(s: Settings) -> SpanExporter:
-    """The span exporter of the configured protocol. The gRPC one is the `otel-grpc` extra's:
-    where it is not installed mypy finds no module (hence the ignore), where it is the ignore
-    is unused."""
+    """The span exporter of the configured protocol. The gRPC one is the `otel-grpc` extra's
+    (pyproject.toml tells mypy it may be missing)."""
     if s.traces_protocol == "grpc":
         try:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[import-not-found,unused-ignore]
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
                 OTLPSpanExporter,
             )
         except ImportError:
@@ -107,7 +106,7 @@ def metric_exporter(s: Settings) -> MetricExporter:
     """The metric exporter of the configured protocol (gRPC: as `span_exporter`)."""
     if s.metrics_protocol == "grpc":
         try:
-            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (  # type: ignore[import-not-found,unused-ignore]
+            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
                 OTLPMetricExporter,
             )
         except ImportError:

@@ -3,17 +3,32 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from enum import StrEnum
 from itertools import compress, repeat
 from operator import attrgetter, is_not
 
-from relay.http.fields import get
+from relay.errors import Outcome
+from relay.http.fields import HeaderPairs, get
 from relay.stream.usage import Usage
 
-CRASHED = "relay_crashed"  # error_code of a request a crash cut (store.admissions)
-RESERVED = "reserved"  # tokens_source: the reservation charged, no count known
+
+class TokensSource(StrEnum):
+    """Where a row's token figures come from: the upstream's usage, the relay's count of
+    content events (higher than the usage, or alone), or the reservation (no count known)."""
+
+    EXACT = "exact"
+    APPROX = "approx"
+    RESERVED = "reserved"
 
 
-@dataclass(slots=True)  # one per request, alive for the whole stream: no instance dict
+# The error code of a request a crash cut (store.admissions), and the tokens source of a row
+# charged its reservation.
+CRASHED = Outcome.RELAY_CRASHED
+RESERVED = TokensSource.RESERVED
+
+
+# One per request, alive for the whole stream: slots, no instance dict.
+@dataclass(slots=True)
 class Record:
     ts: float
     request_id: str
@@ -28,41 +43,49 @@ class Record:
     status: int | None = None
     ok: bool = False
     error_code: str | None = None
-    error: str | None = None  # what failed, in words (e.g. a TLS reason), when known
+    # What failed, in words (a TLS reason, say), when known.
+    error: str | None = None
     queue_ms: float | None = None
     ttft_ms: float | None = None
     total_ms: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
-    tokens_source: str | None = None
+    tokens_source: TokensSource | None = None
     bytes_out: int = 0
     client_closed: bool = False
-    # benchmark timings (observe.row_timings), ms measured at the relay on the client side
+    # Benchmark timings (observe.row_timings), ms measured at the relay on the client side:
+    # to the first byte out, to the end of the response, to the read holding the last
+    # content event; per output token; the gaps between content events, and their buckets
+    # (stream.itl), which `relay report` pools.
     first_byte_ms: float | None = None
-    e2e_ms: float | None = None  # to the end of the response
-    last_content_ms: float | None = None  # to the read holding the last content event
+    e2e_ms: float | None = None
+    last_content_ms: float | None = None
     tpot_ms: float | None = None
     itl_p50_ms: float | None = None
     itl_p99_ms: float | None = None
     itl_max_ms: float | None = None
-    itl_hist: str | None = None  # the gaps' buckets (stream.itl), pooled by `relay report`
-    # the upstream's own `timings` (llama-server), when it sent them
+    itl_hist: str | None = None
+    # The upstream's own `timings` (llama-server), when it sent them.
     prompt_ms: float | None = None
     prompt_per_second: float | None = None
     predicted_per_second: float | None = None
-    outcome: str | None = None  # log only: done, client_closed, stall, upstream_dropped, ...
-    client_addr: str | None = None  # log only: the client's address
-    user_agent: str | None = None  # log only: its User-Agent, bounded (MAX_AGENT_CHARS)
+    # For the access line only: how the request ended, the client's address, and its
+    # User-Agent, bounded (MAX_AGENT_CHARS).
+    outcome: Outcome | None = None
+    client_addr: str | None = None
+    user_agent: str | None = None
 
-    def row(self) -> dict:
-        out = dict(zip(ROW_FIELDS, _row_values(self)))  # (one C call reads every field)
+    def row(self) -> dict[str, object]:
+        # One C call reads every field.
+        out = dict(zip(ROW_FIELDS, _row_values(self)))
         for k in ("stream", "ok", "client_closed"):
             out[k] = int(out[k])
         return out
 
-    def log_fields(self) -> dict:
-        # (dataclasses.asdict deep-copies every value: 60 us a call on an edge box)
-        values = _log_values(self)  # (the None ones left out, in C: ~40 fields)
+    def log_fields(self) -> dict[str, object]:
+        # dataclasses.asdict deep-copies every value (60 us a call on an edge box); here the
+        # None values are left out in C, of about 40 fields.
+        values = _log_values(self)
         return dict(compress(zip(LOG_FIELDS, values), map(is_not, values, repeat(None))))
 
     def set_tokens(
@@ -75,11 +98,13 @@ class Record:
             counted = approx_completion or 0
             self.completion_tokens = max(exact.completion_tokens, counted)
             self.prompt_tokens = exact.prompt_tokens
-            self.tokens_source = "exact" if exact.completion_tokens >= counted else "approx"
+            self.tokens_source = (
+                TokensSource.EXACT if exact.completion_tokens >= counted else TokensSource.APPROX
+            )
         elif approx_completion is not None:
             self.completion_tokens = approx_completion
             self.prompt_tokens = approx_prompt
-            self.tokens_source = "approx"
+            self.tokens_source = TokensSource.APPROX
 
     def set_reserved(self, prompt: int, completion: int) -> None:
         """No usable figure for a request that was served: it is charged what it reserved
@@ -93,7 +118,8 @@ class Record:
 
 
 FIELDS = tuple(f.name for f in fields(Record))
-field_values = attrgetter(*FIELDS)  # every field, in order: Record(*field_values(rec))
+# Every field, in order: Record(*field_values(rec)) is a copy.
+field_values = attrgetter(*FIELDS)
 LOG_FIELDS = tuple(f.name for f in fields(Record) if f.name not in ("ts", "itl_hist"))
 ROW_FIELDS = tuple(
     f.name for f in fields(Record) if f.name not in ("outcome", "client_addr", "user_agent")
@@ -103,12 +129,12 @@ _log_values = attrgetter(*LOG_FIELDS)
 MAX_AGENT_CHARS = 200
 
 
-def user_agent(headers) -> str | None:
+def user_agent(headers: HeaderPairs) -> str | None:
     """The request's User-Agent for the access log: bounded, control characters replaced."""
     v = get(headers, b"user-agent")
     if v is None:
         return None
     text = v[:MAX_AGENT_CHARS].decode("latin-1")
-    if text.isprintable() and text.isascii():  # (the usual agent: nothing to replace)
+    if text.isprintable() and text.isascii():
         return text
     return "".join(c if " " <= c != "\x7f" else "?" for c in text)

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import msgspec
 
-from relay.errors import RelayError
+from relay.errors import Code, RelayError
 from relay.http.fields import Headers
 from relay.policy import admin_access as access
 from relay.policy.keys import Auth
@@ -45,24 +45,6 @@ PAGE_HEADERS = NO_STORE + [
 _cache: dict[str, bytes] = {}
 
 
-class PageClient(Protocol):
-    """What a page's answer uses of the client connection (`relay.proxy.client`)."""
-
-    @property
-    def peer_host(self) -> str | None: ...
-
-    def respond(
-        self,
-        status: int,
-        body: bytes,
-        request_id: bytes | None,
-        keep_alive: bool,
-        extra: Headers,
-        content_type: bytes,
-        /,
-    ) -> None: ...
-
-
 class PageRequest(Protocol):
     """What a page's answer reads of the request (`relay.proxy.request`)."""
 
@@ -74,9 +56,6 @@ class PageRequest(Protocol):
 
     @property
     def method(self) -> bytes: ...
-
-    @property
-    def keep_alive(self) -> bool: ...
 
 
 def is_page(path: str) -> bool:
@@ -98,11 +77,14 @@ def page(path: str) -> tuple[bytes, bytes] | None:
     return body, ctype
 
 
-def answer(auth: Auth, client: PageClient, req: PageRequest, rid: bytes, listen_host: str) -> None:
-    """Answer a request for a page file: no data in them, so no key is needed for them when an
-    admin key guards the data; loopback peers naming the relay (`listen_host`: `[server].host`)
-    only when keys exist without one."""
-    refused = access.loopback_refusal(auth, req.headers, client.peer_host, listen_host)
+def answer(
+    auth: Auth, peer_host: str | None, req: PageRequest, listen_host: str
+) -> tuple[bytes, bytes]:
+    """The body and content type answering a request for a page file: no data in them, so no
+    key is needed for them when an admin key guards the data; loopback peers naming the
+    relay (`listen_host`: `[server].host`) only when keys exist without one. RelayError for
+    a refused caller or a file that does not exist."""
+    refused = access.loopback_refusal(auth, req.headers, peer_host, listen_host)
     if refused is not None:
         raise RelayError(*refused)
     found: tuple[bytes, bytes] | None
@@ -111,5 +93,5 @@ def answer(auth: Auth, client: PageClient, req: PageRequest, rid: bytes, listen_
     else:
         found = page(req.path) if req.method in (b"GET", b"HEAD") else None
     if found is None:
-        raise RelayError("not_found", f"no such endpoint {req.path}")
-    client.respond(200, found[0], rid, req.keep_alive, PAGE_HEADERS, found[1])
+        raise RelayError(Code.NOT_FOUND, f"no such endpoint {req.path}")
+    return found

@@ -34,6 +34,7 @@ from relay.config import KeyConfig
 from relay.observe.metrics import Registry, UpstreamMetrics
 from relay.observe.record import RESERVED, Record
 from relay.policy.admission import generates
+from relay.policy.budget import WindowUsage
 from relay.stream import itl as G
 
 # The requests that generate kept for the page, newest first.
@@ -76,7 +77,7 @@ class KeysConfig(Protocol):
 
 
 # A key's use: window kind (daily, monthly) -> figure (requests, tokens, ...) -> count.
-KeyUsage = Mapping[str, Mapping[str, int]]
+KeyUsage = Mapping[str, WindowUsage]
 
 
 class BudgetUsage(Protocol):
@@ -492,15 +493,15 @@ def budgets(
         for kind, (req_limit, tok_limit) in limits.items():
             if not (req_limit or tok_limit):
                 continue
-            u = used.get(kind, {})
+            u = used.get(kind)
             windows.append(
                 {
                     "window": kind,
-                    "requests": u.get("requests", 0),
+                    "requests": u.get("requests", 0) if u is not None else 0,
                     "requests_limit": req_limit,
-                    "tokens": u.get("tokens", 0),
+                    "tokens": u.get("tokens", 0) if u is not None else 0,
                     "tokens_limit": tok_limit,
-                    "reserved_tokens": u.get("reserved_tokens", 0),
+                    "reserved_tokens": u.get("reserved_tokens", 0) if u is not None else 0,
                 }
             )
         out.append({"key": k.id, "windows": windows})

@@ -30,6 +30,7 @@ import ipaddress
 import re
 from typing import NamedTuple
 
+from relay.errors import Code
 from relay.http.fields import HeaderPairs, lower_names, values_of
 from relay.policy.keys import Auth
 
@@ -57,14 +58,14 @@ class Refusal(NamedTuple):
     """An admin request refused: the error code (`relay.errors`) and the message; a tuple,
     so `RelayError(*refusal)` answers it."""
 
-    code: str
+    code: Code
     message: str
 
 
-_FAR_PEER = Refusal("forbidden", NOT_LOOPBACK)
-_NOT_OUR_NAME = Refusal("forbidden", NOT_OUR_HOST)
-_CROSS_SITE = Refusal("forbidden", OTHER_ORIGIN)
-_NO_ADMIN_KEY = Refusal("invalid_api_key", "admin key required")
+_FAR_PEER = Refusal(Code.FORBIDDEN, NOT_LOOPBACK)
+_NOT_OUR_NAME = Refusal(Code.FORBIDDEN, NOT_OUR_HOST)
+_CROSS_SITE = Refusal(Code.FORBIDDEN, OTHER_ORIGIN)
+_NO_ADMIN_KEY = Refusal(Code.INVALID_API_KEY, "admin key required")
 
 
 def is_relay_admin(path: str) -> bool:

@@ -34,7 +34,7 @@ from typing import TypeVar
 import msgspec
 import msgspec.structs
 
-from relay.errors import RelayError
+from relay.errors import Code, RelayError
 from relay.http import fields
 from relay.http.fields import HeaderPairs
 from relay.http.request_path import bounded
@@ -167,21 +167,21 @@ def head_check(
         return None, None
     key_id = auth.identify(headers)
     if key_id is None:
-        return None, RelayError("invalid_api_key", "missing or unknown API key")
+        return None, RelayError(Code.INVALID_API_KEY, "missing or unknown API key")
     return key_id, None
 
 
 def _invalid(reason: str) -> RelayError:
     """400 `invalid_json`, saying why."""
     return RelayError(
-        "invalid_json", bounded(f"request body is not valid JSON: {reason}", MAX_ECHO)
+        Code.INVALID_JSON, bounded(f"request body is not valid JSON: {reason}", MAX_ECHO)
     )
 
 
 def _bad_field(name: str, why: str) -> RelayError:
     """400 `bad_request` for the member `name` the relay cannot read as it must."""
     return RelayError(
-        "bad_request", bounded(f"invalid request field: {why} - at `$.{name}`", MAX_ECHO)
+        Code.BAD_REQUEST, bounded(f"invalid request field: {why} - at `$.{name}`", MAX_ECHO)
     )
 
 
@@ -214,7 +214,7 @@ def peek_body(method: bytes, headers: HeaderPairs, body: bytes, llm: bool) -> Pe
     except (B.Ambiguous, msgspec.DecodeError) as exc:
         raise _invalid(str(exc)) from None
     except B.TooManyMembers as exc:
-        raise RelayError("bad_request", f"request body not read: {exc}") from None
+        raise RelayError(Code.BAD_REQUEST, f"request body not read: {exc}") from None
     return Peek(
         model=_typed(_str, m.model, "model") if m.model else None,
         stream=_typed(_bool, m.stream, "stream") if m.stream else None,

@@ -15,7 +15,7 @@ from itertools import chain
 from typing import Protocol
 
 from relay.config import ServerConfig
-from relay.errors import RelayError
+from relay.errors import Code, RelayError
 from relay.http import fields, request_framing
 from relay.http.fields import HeaderPairs
 from relay.http.request_path import bounded, route_path
@@ -78,9 +78,11 @@ def judge(
     bound on body bytes held."""
     # h11 bounds only a head still incomplete; one that came whole in a read is measured here.
     if head_size(method, target, headers) > server.max_header_bytes:
-        return HeadVerdict(RelayError("headers_too_large", "request head is too large"))
+        return HeadVerdict(RelayError(Code.HEADERS_TOO_LARGE, "request head is too large"))
     if folded:
-        return HeadVerdict(RelayError("bad_request", "obs-fold (a folded header line) in the head"))
+        return HeadVerdict(
+            RelayError(Code.BAD_REQUEST, "obs-fold (a folded header line) in the head")
+        )
     http11 = http_version == b"1.1"
     err = request_framing.framing_error(headers, http11)
     if err is not None:
@@ -104,23 +106,23 @@ def judge(
 def malformed(status_hint: int, why: str) -> RelayError:
     """The answer to a head h11 could not parse (its status hint: 431, 501, else 400)."""
     if status_hint == 431:
-        return RelayError("headers_too_large", "request head is too large")
+        return RelayError(Code.HEADERS_TOO_LARGE, "request head is too large")
     if status_hint == 501:
-        return RelayError("not_implemented", bounded(why))
-    return RelayError("bad_request", bounded(f"malformed HTTP request: {why}"))
+        return RelayError(Code.NOT_IMPLEMENTED, bounded(why))
+    return RelayError(Code.BAD_REQUEST, bounded(f"malformed HTTP request: {why}"))
 
 
 def too_large(limit: int) -> RelayError:
     """413: a body over `max_body_bytes` (`limit`)."""
     return RelayError(
-        "request_too_large", f"request body is over {limit} bytes", {"limit_bytes": limit}
+        Code.REQUEST_TOO_LARGE, f"request body is over {limit} bytes", {"limit_bytes": limit}
     )
 
 
 def too_many_chunks(limit: int) -> RelayError:
     """413: a chunked body in more than `max_body_chunks` (`limit`) chunks."""
     return RelayError(
-        "request_too_large",
+        Code.REQUEST_TOO_LARGE,
         f"request body is sent in more than {limit} chunks",
         {"limit_chunks": limit},
     )
@@ -129,7 +131,7 @@ def too_many_chunks(limit: int) -> RelayError:
 def busy(limit: int) -> RelayError:
     """503: the relay-wide body memory (`limit` bytes) cannot hold this body now."""
     return RelayError(
-        "server_busy",
+        Code.SERVER_BUSY,
         "the relay holds too many request bodies; retry later",
         {"limit_bytes": limit},
         [(b"Retry-After", b"1")],

@@ -11,17 +11,28 @@ from __future__ import annotations
 import asyncio
 import time
 
-from relay.errors import RelayError, shutting_down
+from relay.errors import Code, Details, RelayError, shutting_down
 from relay.http.to_upstream import request_bytes, upstream_request_headers
 from relay.http.upstream_url import TargetError
 from relay.observe.record import Record
 from relay.observe.row_timings import round3
 from relay.policy.model_map import served_name, with_model
-from relay.proxy.exchange import Exchange
+from relay.proxy.app_view import AppView
+from relay.proxy.client import ClientConn
+from relay.proxy.exchange import (
+    ClientGone,
+    Exchange,
+    Hop,
+    Relaying,
+    RelayShutdown,
+    UpstreamBadHead,
+    UpstreamGone,
+)
 from relay.proxy.ledger import Ledger
-from relay.proxy.pool import ConnectError
+from relay.proxy.pool import ConnectError, UpstreamConn
+from relay.proxy.request import Request
 from relay.proxy.slots import Busy, SlotsClosed
-from relay.stream import endings as E
+from relay.proxy.upstreams import Upstream
 
 
 class Retry(Exception):
@@ -32,23 +43,25 @@ class Retry(Exception):
         self.err = err
 
 
-def unavailable(up, message: str, **details) -> Retry:
-    return Retry(RelayError("upstream_unavailable", message, {"upstream": up.name, **details}))
+def unavailable(up: Upstream, message: str, **details: str | int) -> Retry:
+    facts: Details = {"upstream": up.name, **details}
+    return Retry(RelayError(Code.UPSTREAM_UNAVAILABLE, message, facts))
 
 
-async def take_slot(app, up, rec: Record, ledger: Ledger) -> None:
+async def take_slot(app: AppView, up: Upstream, rec: Record, ledger: Ledger) -> None:
     """Wait for one of the upstream's slots (the queue wait goes in the row and metrics)."""
     d = app.config.dispatcher
     q0 = time.perf_counter()
     try:
         ledger.slot = await up.slots.acquire(d.pool_timeout_s, ledger.admission)
-    except SlotsClosed:  # the relay began draining while this request queued
+    except SlotsClosed:
+        # The relay began draining while this request queued.
         raise shutting_down() from None
     except Busy as exc:
         retry_after = max(1, int(d.pool_timeout_s + 0.999))
         raise Retry(
             RelayError(
-                "upstream_busy",
+                Code.UPSTREAM_BUSY,
                 f"upstream {up.name} is busy: {exc}",
                 {"upstream": up.name},
                 [(b"Retry-After", b"%d" % retry_after)],
@@ -60,21 +73,23 @@ async def take_slot(app, up, rec: Record, ledger: Ledger) -> None:
         up.metrics.observe_queue_wait(waited)
 
 
-def request_to(app, up, req, rid: bytes, ledger: Ledger) -> bytes:
+def request_to(app: AppView, up: Upstream, req: Request, rid: bytes, ledger: Ledger) -> bytes:
     """The request's bytes as this upstream gets them: the target under its path prefix, the
     model under its name for it, the headers that cross."""
     try:
-        target = up.target.join(req.target)  # under the URL's path prefix, if any
+        # Under the URL's path prefix, if any.
+        target = up.target.join(req.target)
     except TargetError as exc:
         raise RelayError(
-            "bad_request", f"upstream {up.name}: {exc}", {"upstream": up.name}
+            Code.BAD_REQUEST, f"upstream {up.name}: {exc}", {"upstream": up.name}
         ) from None
     body = req.body
     name = served_name(up.cfg.model_map, ledger.model)
-    if name is not None:  # this upstream knows the model by another name
+    if name is not None:
+        # This upstream knows the model by another name.
         body = with_model(body, name)
-    # the caller's credential is the upstream's to check unless the relay checked it
-    # (API keys, or its admin key on an admin call) or sends its own
+    # The caller's credential is the upstream's to check unless the relay checked it (API
+    # keys, or its admin key on an admin call) or sends its own.
     auth = app.auth
     mine = auth.enabled or (ledger.admin and auth.admin is not None)
     head = upstream_request_headers(
@@ -91,8 +106,9 @@ def request_to(app, up, req, rid: bytes, ledger: Ledger) -> bytes:
 
 
 async def open_exchange(
-    app, client, req, up, rid: bytes, rec: Record, on_content, ledger: Ledger
-) -> Exchange:
+    app: AppView, client: ClientConn, req: Request, up: Upstream, rid: bytes, ledger: Ledger,
+    hop: Hop,
+) -> Exchange:  # fmt: skip
     """Connect (pooled or new), send the request, wait for the response head.
 
     The exchange starts relaying the body as soon as the head is in, without waiting for
@@ -102,12 +118,13 @@ async def open_exchange(
     a fresh connection: llama-server closes after every stream.
     """
     d = app.config.dispatcher
-    hold = ledger.hold
-    assert hold is not None  # (the request's, made before its first candidate)
+    reply = ledger.reply
+    assert reply is not None
     sent = request_to(app, up, req, rid, ledger)
     fresh = False
     while True:
-        if app.draining:  # no upstream stream starts once the drain began
+        if app.draining:
+            # No upstream stream starts once the drain began.
             raise shutting_down()
         try:
             conn, reused = await up.pool.acquire(d.connect_timeout_s, fresh=fresh)
@@ -116,66 +133,67 @@ async def open_exchange(
             raise unavailable(
                 up, f"upstream {up.name} is unavailable: {exc}", error=str(exc)
             ) from None
-        ex = Exchange(
-            app.loop,
-            conn,
-            client,
-            req.method,
-            rid,
-            app.policy,
-            d.write_timeout_s,
-            rec.path,
-            rec.model or "",
-            up.name,
-            hold,
-            app.deadlines,
-        )
-        ex.on_content = on_content
+        relaying = Relaying(app.loop, app.deadlines, app.policy, d.write_timeout_s)
+        ex = Exchange(relaying, conn, req, reply, hop)
         ledger.exchange = ex
         conn.used = True
         conn.handler = ex
         client.exchange = ex
-        conn.transport.write(sent)
-        timer = app.loop.call_later(d.direct_read_timeout_s, ex.head_timeout)
-        head_fut = ex.head_fut
-        assert head_fut is not None  # (made with the exchange; dropped once seen)
+        transport = conn.transport
+        assert transport is not None
+        transport.write(sent)
         try:
-            await head_fut
-            ex.head_fut = None  # (seen: not kept for the stream)
-            up.health.answered()
-            return ex
-        except E.UpstreamGone as exc:
+            await _head(app, ex, d.direct_read_timeout_s)
+        except UpstreamGone as exc:
+            client.exchange = None
             conn.abort()
             if reused and exc.silent and not fresh:
                 fresh = True
-                ex.head_fut = None  # (it holds the exception, whose frames hold `ex`)
                 continue
             raise unavailable(up, str(exc), error="closed") from None
-        except E.UpstreamBadHead as exc:
-            conn.abort()
-            raise Retry(
-                RelayError(
-                    "upstream_bad_response",
-                    "upstream sent a malformed response",
-                    {"upstream": up.name, "error": str(exc)[:200]},
-                )
-            ) from None
-        except E.ClientGone:
-            raise asyncio.CancelledError from None
-        except E.RelayShutdown:
-            rec.outcome = rec.error_code = E.SHUTDOWN  # as a stream cut by shutdown is
-            raise shutting_down() from None
-        except TimeoutError:
-            conn.abort()
-            raise Retry(
-                RelayError(
-                    "upstream_timeout",
-                    f"upstream {up.name} sent no response head within {d.direct_read_timeout_s}s",
-                    {"upstream": up.name},
-                )
-            ) from None
+        except (UpstreamBadHead, TimeoutError, ClientGone, RelayShutdown) as exc:
+            client.exchange = None
+            raise _head_failure(up, conn, exc, d.direct_read_timeout_s) from None
         except BaseException:
             client.exchange = None
             raise
-        finally:
-            timer.cancel()
+        up.health.answered()
+        return ex
+
+
+def _head_failure(
+    up: Upstream, conn: UpstreamConn, exc: Exception, timeout: float
+) -> BaseException:
+    """What a wait for a head that ended without one raises: the next candidate's turn
+    (`Retry`), the relay's drain (503), or the request's cancel (the client left)."""
+    if isinstance(exc, ClientGone):
+        return asyncio.CancelledError()
+    if isinstance(exc, RelayShutdown):
+        return shutting_down()
+    conn.abort()
+    if isinstance(exc, UpstreamBadHead):
+        err = RelayError(
+            Code.UPSTREAM_BAD_RESPONSE,
+            "upstream sent a malformed response",
+            {"upstream": up.name, "error": str(exc)[:200]},
+        )
+    else:
+        err = RelayError(
+            Code.UPSTREAM_TIMEOUT,
+            f"upstream {up.name} sent no response head within {timeout}s",
+            {"upstream": up.name},
+        )
+    return Retry(err)
+
+
+async def _head(app: AppView, ex: Exchange, timeout: float) -> None:
+    """The exchange's response head, or its failure raised (TimeoutError past `timeout`)."""
+    timer = app.loop.call_later(timeout, ex.head_timeout)
+    fut = ex.head_fut
+    assert fut is not None
+    try:
+        await fut
+    finally:
+        timer.cancel()
+        # Seen (or failed, holding an exception whose frames hold the exchange): not kept.
+        ex.head_fut = None

@@ -1,9 +1,10 @@
 """The client side: an asyncio.Protocol reading requests with h11, one at a time.
 
-h11 parses each request head and body; responses are written as raw bytes by the exchange or
-by the relay itself. Once a request is read whole its h11 connection is dropped (whatever the
-client sent past it waits in the inbox: pipelining), and the next request's first byte makes
-a fresh one, so h11 never has to be told about a body it did not frame.
+h11 parses each request head and body; every byte the client gets goes through the
+connection's one writer (`client_writer.ClientWriter`), made with the connection. Once a
+request is read whole its h11 connection is dropped (whatever the client sent past it waits
+in the inbox: pipelining), and the next request's first byte makes a fresh one, so h11
+never has to be told about a body it did not frame.
 
 Received bytes wait in an inbox and are handed to h11 in bounded slices, a bounded number of
 events per loop turn, so one client sending a body in tiny chunks cannot hold the event loop;
@@ -15,66 +16,141 @@ body memory bound (`body_memory`).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from enum import Enum, auto
+from typing import TYPE_CHECKING, Protocol, cast
 
 import h11
 
-from relay.errors import RelayError, reason_phrase
+from relay.errors import Code, RelayError, shutting_down
 from relay.http import fields, request_framing
-from relay.http.to_client import relay_response
 from relay.policy import request_head
+from relay.proxy import settle
+from relay.proxy.app_view import AppView
+from relay.proxy.client_writer import ClientWriter
 from relay.proxy.request import Request
 
-_READ_BUFFER_LIMIT = 64 * 1024  # bytes received but not parsed before reading pauses
-WRITE_HIGH_WATER = 64 * 1024
-_SLICE = 16 * 1024  # bytes handed to h11 at a time
-_TURN_EVENTS = 256  # h11 events handled for one connection per loop turn
-_TURN_BYTES = 128 * 1024  # bytes handed to h11 for one connection per loop turn
-LINGER_S = 2.0  # how long a refused client's input is read and discarded before the close
-_NEED, _STOP, _MORE = 0, 1, 2  # what _process leaves: wants bytes / stopped / out of turn
+if TYPE_CHECKING:
+    from relay.proxy.exchange import Exchange
+
+# Bytes received but not parsed before reading pauses.
+_READ_BUFFER_LIMIT = 64 * 1024
+# Bytes handed to h11 at a time, h11 events handled for one connection per loop turn, and
+# bytes handed to h11 for one connection per loop turn.
+_SLICE = 16 * 1024
+_TURN_EVENTS = 256
+_TURN_BYTES = 128 * 1024
+# How long a refused client's input is read and discarded before the close.
+LINGER_S = 2.0
+
+
+class _Parse(Enum):
+    """What one pass of the parser leaves: it wants bytes, it stopped, or its turn ran out."""
+
+    NEED = auto()
+    STOP = auto()
+    MORE = auto()
+
+
+class _Wait(Enum):
+    """What the connection's timer bounds: nothing, a request's head and body, or the idle
+    time between requests."""
+
+    NONE = auto()
+    HEAD = auto()
+    IDLE = auto()
+
+
+class ConnHost(AppView, Protocol):
+    """What a client connection needs of the relay: the App's figures, and the relay's own
+    bookkeeping of connections and requests."""
+
+    def handle(self, client: ClientConn, req: Request) -> Coroutine[object, object, None]:
+        """The request's life, as a task (`dispatch.Dispatcher.handle`)."""
+        ...
+
+    def request_id(self, headers: fields.Headers) -> bytes: ...
+
+    def connected(self, client: ClientConn) -> None: ...
+
+    def forget(self, client: ClientConn) -> None: ...
 
 
 class ClientConn(asyncio.Protocol):
     # One per open client connection, alive as long as it: no instance dict.
-    # fmt: off
     __slots__ = (
-        "app", "awaiting_head", "body", "body_size", "busy", "chunks", "drain_waiter",
-        "exchange", "gone", "h11", "head", "head_bytes", "held", "http11", "inbox", "key_id",
-        "lingering", "loop", "path", "peer_host", "raw", "task", "timer", "timer_kind",
-        "transport", "turn", "wants_keep_alive",
+        "app",
+        "awaiting_head",
+        "body",
+        "body_size",
+        "busy",
+        "chunks",
+        "exchange",
+        "h11",
+        "head",
+        "head_bytes",
+        "held",
+        "http11",
+        "inbox",
+        "key_id",
+        "lingering",
+        "loop",
+        "out",
+        "path",
+        "peer_host",
+        "raw",
+        "task",
+        "timer",
+        "transport",
+        "turn",
+        "wait",
+        "wants_keep_alive",
     )
-    # fmt: on
-    transport: asyncio.Transport  # set by connection_made, before anything reads it
+    # Set by connection_made, before anything reads them.
+    transport: asyncio.Transport
+    out: ClientWriter
 
-    def __init__(self, app) -> None:
+    def __init__(self, app: ConnHost) -> None:
         self.app = app
         self.loop = app.loop
         # The h11 connection parsing the next request: made when its first byte arrives and
         # dropped once the request is read whole (a stream being relayed, or a connection
         # idle between requests, holds none: about 1 KB each).
         self.h11: h11.Connection | None = None
-        self.busy = False  # a request is being served
-        self.inbox = bytearray()  # bytes received and not yet handed to h11
-        self.turn: asyncio.Handle | None = None  # a scheduled continuation of the parsing
-        self.gone = False
-        self.lingering = False  # answered an error mid-request: discard input, then close
-        self.exchange = None  # the Exchange relaying to us, for flow control and close
-        self.drain_waiter: asyncio.Future | None = None
-        self.task: asyncio.Task | None = None
+        # A request is being served.
+        self.busy = False
+        # Bytes received and not yet handed to h11, and a scheduled continuation of the
+        # parsing.
+        self.inbox = bytearray()
+        self.turn: asyncio.Handle | None = None
+        # Answered an error mid-request: input is read and discarded, then the close.
+        self.lingering = False
+        # The exchange relaying to this connection (flow control, the client leaving).
+        self.exchange: Exchange | None = None
+        self.task: asyncio.Task[None] | None = None
         self.timer: asyncio.TimerHandle | None = None
-        self.timer_kind = ""
+        self.wait = _Wait.NONE
         self.head: h11.Request | None = None
-        self.raw: list = []  # the head's headers (headers.HeaderList)
-        self.head_bytes = bytearray()  # bytes handed to h11 since the last head (obs-fold check)
+        self.raw: fields.Headers = []
+        # Bytes handed to h11 since the last head (the obs-fold check).
+        self.head_bytes = bytearray()
         self.awaiting_head = True
         self.key_id: str | None = None
-        self.peer_host: str | None = None  # the client's address (admin access: relay.access)
+        # The client's address (the admin rule reads it).
+        self.peer_host: str | None = None
         self.path = ""
         self.body = bytearray()
         self.body_size = 0
         self.chunks = 0
-        self.held = 0  # body bytes taken from the relay-wide bound
+        # Body bytes taken from the relay-wide bound.
+        self.held = 0
         self.http11 = True
         self.wants_keep_alive = True
+
+    @property
+    def gone(self) -> bool:
+        """The connection is closed or closing: nothing more is read or written."""
+        return self.out.gone
 
     def _new_h11(self) -> h11.Connection:
         return h11.Connection(
@@ -82,25 +158,26 @@ class ClientConn(asyncio.Protocol):
         )
 
     # ---- asyncio callbacks -----------------------------------------------------------
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream transport: uvloop's is not an asyncio.Transport subclass, but offers all
+        # it does.
+        self.transport = cast(asyncio.Transport, transport)
+        self.out = ClientWriter(self.loop, self.transport)
         peer = transport.get_extra_info("peername")
         self.peer_host = peer[0] if isinstance(peer, tuple) and peer else None
-        self.app.clients.add(self)
+        self.app.connected(self)
         if self.app.draining:
-            self.gone = True
-            transport.close()
+            self._close()
             return
-        self._arm("head", self.app.config.server.header_timeout_s)
+        self._arm(_Wait.HEAD, self.app.config.server.header_timeout_s)
 
     def data_received(self, data: bytes) -> None:
         if self.lingering:
             return
         if not (self.busy or self.inbox or self.turn) and len(data) <= _SLICE:
-            # the common case: a small read while idle goes to h11 without a copy
-            if self.timer_kind == "idle":
-                self._arm("head", self.app.config.server.header_timeout_s)
+            # The common case: a small read while idle goes to h11 without a copy.
+            if self.wait is _Wait.IDLE:
+                self._arm(_Wait.HEAD, self.app.config.server.header_timeout_s)
             self._give(data)
             self._pump()
             return
@@ -109,29 +186,28 @@ class ClientConn(asyncio.Protocol):
             self.transport.pause_reading()
         if self.busy or self.turn is not None:
             return
-        if self.timer_kind == "idle":  # first byte of a next request: its head is now due
-            self._arm("head", self.app.config.server.header_timeout_s)
+        if self.wait is _Wait.IDLE:
+            # The first byte of a next request: its head is due now.
+            self._arm(_Wait.HEAD, self.app.config.server.header_timeout_s)
         self._pump()
 
-    def eof_received(self):
-        # A client that closes its end is gone: stop the upstream at once.
+    def eof_received(self) -> bool:
+        # A client that closes its end is gone: the upstream stops at once.
         return False
 
-    def connection_lost(self, exc) -> None:
-        self.gone = True
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.out.closed()
         self.app.forget(self)
         self._disarm()
         self._cancel_turn()
         self.inbox = bytearray()
-        if self.drain_waiter is not None and not self.drain_waiter.done():
-            self.drain_waiter.set_result(None)
         if self.exchange is not None:
             self.exchange.client_gone()
         elif self.task is not None and not self.task.done():
             self.task.cancel()
         if self.busy and self.task is not None and not self.task.done():
-            # the request being served gives its body back when it ends (even if its task is
-            # cancelled before it ever ran); no next request can start on this connection
+            # The request being served gives its body back when it ends (even if its task is
+            # cancelled before it ever ran); no next request can start on this connection.
             self.task.add_done_callback(lambda _t: self._release_body())
         else:
             self._release_body()
@@ -143,46 +219,21 @@ class ClientConn(asyncio.Protocol):
     def resume_writing(self) -> None:
         if self.exchange is not None:
             self.exchange.client_resumed()
-        if self.drain_waiter is not None and not self.drain_waiter.done():
-            self.drain_waiter.set_result(None)
-
-    async def drained(self, timeout: float) -> str:
-        """Wait until everything written has left for the client (or it is gone / too slow).
-
-        With the low-water mark at 0 the transport calls resume_writing only once its buffer
-        is empty; the slot is held until then, as llama-server's client has not read it all.
-        """
-        if self.gone:
-            return "gone"
-        if self.transport.get_write_buffer_size() == 0:
-            return "drained"
-        self.drain_waiter = self.loop.create_future()
-        self.transport.set_write_buffer_limits(high=1, low=0)
-        try:
-            await asyncio.wait_for(self.drain_waiter, timeout)
-        except TimeoutError:
-            self.gone = True
-            self.transport.abort()
-            return "timeout"
-        finally:
-            self.drain_waiter = None
-            if not self.gone:
-                self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
-        return "gone" if self.gone else "drained"
+        self.out.resumed()
 
     # ---- request reading ---------------------------------------------------------------
     def _pump(self) -> None:
         """Parse what the inbox holds, within one turn's bounds; continue in a later turn."""
         self.turn = None
-        budget, fed, state = _TURN_EVENTS, 0, _NEED
+        budget, fed, state = _TURN_EVENTS, 0, _Parse.NEED
         while not (self.busy or self.gone or self.lingering):
             state, budget = self._process(budget)
-            if state != _NEED or not self.inbox or fed >= _TURN_BYTES:
+            if state is not _Parse.NEED or not self.inbox or fed >= _TURN_BYTES:
                 break
             fed += self._feed()
         if self.busy or self.gone or self.lingering:
             return
-        if state == _MORE or (state == _NEED and self.inbox):
+        if state is _Parse.MORE or (state is _Parse.NEED and self.inbox):
             self.turn = self.loop.call_soon(self._pump)
         elif len(self.inbox) <= _READ_BUFFER_LIMIT:
             self.transport.resume_reading()
@@ -205,32 +256,34 @@ class ClientConn(asyncio.Protocol):
             self.turn.cancel()
             self.turn = None
 
-    def _process(self, budget: int) -> tuple[int, int]:
+    def _process(self, budget: int) -> tuple[_Parse, int]:
         conn = self.h11
-        if conn is None:  # no byte of a next request yet
-            return _NEED, budget
+        if conn is None:
+            # No byte of a next request yet.
+            return _Parse.NEED, budget
         try:
             while budget > 0:
                 ev = conn.next_event()
                 budget -= 1
                 if ev is h11.NEED_DATA:
-                    return _NEED, budget
+                    return _Parse.NEED, budget
                 if isinstance(ev, h11.Request):
                     self._on_head(conn, ev)
                     if self.busy or self.gone:
-                        return _STOP, budget
+                        return _Parse.STOP, budget
                 elif isinstance(ev, h11.Data):
                     if not self._on_data(ev):
-                        return _STOP, budget
+                        return _Parse.STOP, budget
                 elif isinstance(ev, h11.EndOfMessage):
                     self._dispatch(conn)
-                    return _STOP, budget
-                else:  # PAUSED or ConnectionClosed: nothing more to read on this connection
-                    return _STOP, budget
-            return _MORE, 0
+                    return _Parse.STOP, budget
+                else:
+                    # PAUSED or ConnectionClosed: nothing more to read on this connection.
+                    return _Parse.STOP, budget
+            return _Parse.MORE, 0
         except h11.RemoteProtocolError as exc:
             self._reject(request_head.malformed(exc.error_status_hint, str(exc)))
-            return _STOP, budget
+            return _Parse.STOP, budget
 
     def _on_head(self, conn: h11.Connection, ev: h11.Request) -> None:
         self.head = ev
@@ -250,7 +303,7 @@ class ClientConn(asyncio.Protocol):
             raw,
             folded,
             self.peer_host,
-            app.dispatcher.bodies,
+            app.bodies,
         )
         self.http11, self.wants_keep_alive = verdict.http11, verdict.keep_alive
         self.path, self.key_id = verdict.path, verdict.key_id
@@ -258,7 +311,9 @@ class ClientConn(asyncio.Protocol):
             self._reject(verdict.refusal)
             return
         if conn.they_are_waiting_for_100_continue:
-            self.transport.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+            continue_ = conn.send(h11.InformationalResponse(status_code=100, headers=[]))
+            if continue_ is not None:
+                self.out.send_answer(continue_)
 
     def _on_data(self, ev: h11.Data) -> bool:
         """Buffer one piece of body; False when the request was refused instead."""
@@ -273,7 +328,7 @@ class ClientConn(asyncio.Protocol):
         if self.body_size > cfg.max_body_bytes:
             self._reject(request_head.too_large(cfg.max_body_bytes))
             return False
-        bodies = self.app.dispatcher.bodies
+        bodies = self.app.bodies
         if not bodies.take(n):
             self._reject(request_head.busy(bodies.limit))
             return False
@@ -284,13 +339,13 @@ class ClientConn(asyncio.Protocol):
     def _release_body(self) -> None:
         self.body = bytearray()
         if self.held:
-            self.app.dispatcher.bodies.give(self.held)
+            self.app.bodies.give(self.held)
             self.held = 0
 
     def _dispatch(self, conn: h11.Connection) -> None:
         self._disarm()
         ev = self.head
-        assert ev is not None  # (the head came before its end: `_on_head`)
+        assert ev is not None
         body = bytes(self.body)
         self.body = bytearray()
         req = Request(
@@ -310,8 +365,10 @@ class ClientConn(asyncio.Protocol):
         # in the inbox with what arrives meanwhile, and h11 itself is dropped (see __init__).
         self.inbox[:0] = conn.trailing_data[0]
         self.h11 = None
-        self.task = self.loop.create_task(self.app.dispatcher.handle(self, req))
-        self.app.track(self.task)  # in the drain's count from now, not from its first step
+        self.out.begin()
+        self.task = self.loop.create_task(self.app.handle(self, req))
+        # In the drain's count from now, not from its first step.
+        self.app.track(self.task)
 
     def _reject(self, err: RelayError) -> None:
         """An error before the request could be read whole: answer and close."""
@@ -320,38 +377,23 @@ class ClientConn(asyncio.Protocol):
         self.busy = True
         self.inbox = bytearray()
         self._release_body()
-        self.app.rejected(self, err)
-        self.respond(err.status, err.body(), None, keep_alive=False, extra=err.headers)
+        head = self.head
+        rid = self.app.request_id(head.headers.raw_items() if head is not None else [])
+        self.out.begin()
+        cors = settle.rejected(self.app, head, rid, self.peer_host, err)
+        self.out.answer(err.status, err.body(), None, False, err.headers + cors)
         self.exchange = None
         self.task = None
         if self.gone:
             return
-        # Lingering close: the client may still be sending; closing with its bytes unread
-        # would reset the connection and could destroy the answer before it is read.
+        # A lingering close: the client may still be sending, and closing with its bytes
+        # unread would reset the connection and could destroy the answer before it is read.
         self.lingering = True
         self.transport.resume_reading()
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
+        self.out.end_output()
         self.timer = self.loop.call_later(LINGER_S, self.transport.close)
 
-    # ---- responding --------------------------------------------------------------------
-    def respond(
-        self,
-        status: int,
-        body: bytes,
-        request_id: bytes | None,
-        keep_alive: bool,
-        extra=(),
-        content_type: bytes = b"application/json",
-    ) -> None:
-        if self.gone:
-            return
-        self.transport.write(
-            relay_response(
-                status, reason_phrase(status), body, request_id, keep_alive, extra, content_type
-            )
-        )
-
+    # ---- the end of a request ----------------------------------------------------------
     def finish(self, keep_alive: bool) -> None:
         """The response is written: read the next request, or close."""
         self.exchange = None
@@ -360,39 +402,64 @@ class ClientConn(asyncio.Protocol):
         if self.gone:
             return
         if not keep_alive or self.app.draining:
-            self.gone = True
-            self.transport.close()
+            self._close()
             return
-        self.h11 = None  # (already, unless the request was answered before it was read whole)
+        # (Already None, unless the request was answered before it was read whole.)
+        self.h11 = None
         self.awaiting_head = True
         self.head_bytes = bytearray()
         self.busy = False
         self.transport.resume_reading()
-        self._arm("idle", self.app.config.server.keepalive_timeout_s)
+        self._arm(_Wait.IDLE, self.app.config.server.keepalive_timeout_s)
         if self.inbox:
-            self._arm("head", self.app.config.server.header_timeout_s)
+            self._arm(_Wait.HEAD, self.app.config.server.header_timeout_s)
             self._pump()
 
+    def _close(self) -> None:
+        self.out.closed()
+        self.transport.close()
+
+    # ---- the relay's drain ---------------------------------------------------------------
+    def stop_idle(self) -> None:
+        """The drain began: a connection between requests closes; a request half read is
+        answered 503 with a lingering close (the client may still be sending: a plain close
+        would reset the connection and destroy the answer)."""
+        if self.busy or self.gone:
+            return
+        if self.head is not None or (self.h11 is not None and self.h11.trailing_data[0]):
+            self._reject(shutting_down())
+            return
+        self._close()
+
+    def cut(self) -> None:
+        """The drain's time is up: the stream being relayed is cut (the client sees the
+        truncation)."""
+        if self.exchange is not None:
+            self.exchange.shutdown()
+
+    def close(self) -> None:
+        """The relay stops: the connection closes, whatever it was doing."""
+        self._close()
+
     # ---- timers --------------------------------------------------------------------
-    def _arm(self, kind: str, delay: float) -> None:
+    def _arm(self, wait: _Wait, delay: float) -> None:
         self._disarm()
-        self.timer_kind = kind
+        self.wait = wait
         self.timer = self.loop.call_later(delay, self._timeout)
 
     def _disarm(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        self.timer_kind = ""
+        self.wait = _Wait.NONE
 
     def _timeout(self) -> None:
-        kind = self.timer_kind
+        wait = self.wait
         self.timer = None
-        self.timer_kind = ""
+        self.wait = _Wait.NONE
         if self.gone or self.busy:
             return
-        if kind == "idle":
-            self.gone = True
-            self.transport.close()
+        if wait is _Wait.IDLE:
+            self._close()
             return
-        self._reject(RelayError("request_timeout", "request head/body not received in time"))
+        self._reject(RelayError(Code.REQUEST_TIMEOUT, "request head/body not received in time"))

@@ -13,62 +13,74 @@ import time
 
 import msgspec
 
-from relay.errors import RelayError
+from relay.errors import Code, RelayError
 from relay.observe import ui_page, ui_state
 from relay.policy import admin_access
 from relay.policy.routing import model_list
+from relay.proxy.app_view import AppView, ViewAnswer
+from relay.proxy.client_writer import ClientWriter
 from relay.proxy.ledger import Ledger
+from relay.proxy.request import Request
 
 PROMETHEUS_TEXT = b"text/plain; version=0.0.4; charset=utf-8"
 JSON = b"application/json"
 
 
-def answer(app, client, req, rid: bytes, ledger: Ledger):
-    """Answer the request if it is one of the relay's own endpoints (True, or in a worker
-    process an awaitable that answers it); raise RelayError for a refused admin call; False
-    when it goes upstream."""
+async def answer(
+    app: AppView, out: ClientWriter, peer_host: str | None, req: Request, rid: bytes,
+    ledger: Ledger,
+) -> bool:  # fmt: skip
+    """Answer the request if it is one of the relay's own endpoints (True); raise RelayError
+    for a refused admin call; False when it goes upstream."""
     cors = ledger.cors
-    path = req.path  # normalised and bounded (it is echoed in a 404)
+    # Normalised and bounded: it is echoed in a 404.
+    path = req.path
     if ui_page.is_page(path):
-        ui_page.answer(app.auth, client, req, rid, app.config.server.host)
+        body, ctype = ui_page.answer(app.auth, peer_host, req, app.config.server.host)
+        out.answer(200, body, rid, req.keep_alive, ui_page.PAGE_HEADERS, ctype)
         return True
     relay_admin = admin_access.is_relay_admin(path)
     if relay_admin or admin_access.is_upstream_admin(req.method, path):
-        refused = admin_access.admin_refusal(  # `[server].host`: a name a Host may give it
-            app.auth, req.method, req.headers, client.peer_host, app.config.server.host
+        # `[server].host` is a name a Host may give the relay.
+        refused = admin_access.admin_refusal(
+            app.auth, req.method, req.headers, peer_host, app.config.server.host
         )
         if refused is not None:
             raise RelayError(*refused)
-        ledger.admin = True  # an admin call: no API key needed on top
+        # An admin call: no API key is needed on top.
+        ledger.admin = True
     if relay_admin:
-        remote = app.remote_view  # a worker process: the whole relay's figures are its parent's
-        if remote is not None:
-            return remote(client, req, rid, cors, path)  # (awaited by the dispatcher)
-        status, body, ctype, extra = admin_view(app, path, req.target)
-        client.respond(status, body, rid, req.keep_alive, cors + extra, content_type=ctype)
+        # In a worker process the whole relay's figures are its parent's.
+        remote = app.remote_view
+        view = await remote(path, req.target) if remote is not None else admin_view(app, path)
+        out.answer(
+            view.status, view.body, rid, req.keep_alive, cors + view.headers, view.content_type
+        )
         return True
     if path in ("/v1/models", "/models") and req.method == b"GET" and app.router.models:
         if app.auth.enabled and app.auth.identify(req.headers) is None:
-            raise RelayError("invalid_api_key", "missing or unknown API key")
-        client.respond(200, model_list(app.router.models), rid, req.keep_alive, cors)
+            raise RelayError(Code.INVALID_API_KEY, "missing or unknown API key")
+        out.answer(200, model_list(app.router.models), rid, req.keep_alive, cors)
         return True
     return False
 
 
-def admin_view(app, path: str, target: bytes) -> tuple[int, bytes, bytes, list]:
-    """One of the relay's own views of `app`'s figures: (status, body, content type, extra
-    headers); RelayError `not_found` for another path. `target`: the request's, query kept."""
+def admin_view(app: AppView, path: str) -> ViewAnswer:
+    """One of the relay's own views of `app`'s figures; RelayError `not_found` for another
+    path."""
     now = time.monotonic()
-    app.gauged()  # (the live gauges: slots, queue, state)
+    # The live gauges: slots, queue, state.
+    app.gauged()
     registry = app.registry
-    registry.rows_dropped = app.store.rows_dropped
-    registry.rows_pending = app.store.pending
-    registry.rows_spilled = getattr(app.store, "spilled", None)
+    store = app.store
+    registry.rows_dropped = store.rows_dropped
+    registry.rows_pending = store.pending
+    registry.rows_spilled = store.spilled
     if path == "/metrics":
-        return 200, registry.prometheus(now), PROMETHEUS_TEXT, []
+        return ViewAnswer(200, registry.prometheus(now), PROMETHEUS_TEXT, [])
     if path == "/api/slots/metrics":
-        return 200, registry.json(now), JSON, []
+        return ViewAnswer(200, registry.json(now), JSON, [])
     if path == ui_page.STATE_PATH:
         body = msgspec.json.encode(ui_state.state(app, time.time(), now))
-        return 200, body, JSON, list(ui_page.NO_STORE)
-    raise RelayError("not_found", f"no such endpoint {path}")
+        return ViewAnswer(200, body, JSON, list(ui_page.NO_STORE))
+    raise RelayError(Code.NOT_FOUND, f"no such endpoint {path}")

@@ -1,161 +1,239 @@
 """One request on one upstream connection: wait for the head, then relay the body.
 
-This is the hot path. Upstream bytes go to the client transport unchanged as they arrive
-(chunked framing passed through raw while `ChunkTracker` follows it); the SSE scanner watches
-the payload in passing; the stall guard is one deadline (`stream.deadlines`: one loop timer
-for every stream) re-armed lazily from the last read time. What the exchange holds, its
-output and its one way out, `_end(outcome)`, are `proxy.exchange_state`'s.
+This is the hot path. While the body flows the exchange is the upstream transport's protocol
+itself (uvloop binds `data_received` at set_protocol time: no hop). Each read goes to the
+body's reader (`http.body`, chosen once from the head), its payloads to the observer
+(`stream.observer`: scanner, gaps, usage, first and last content), and its bytes to the
+client: through the request's reply while the hold keeps them (`proxy.reply`), then through
+the connection's writer (`proxy.client_writer`), unchanged but for the framing the client's
+side needs. The usual read, whole chunks of whole token events, is recognised in one go
+(`Observer.fast`) and written as it came. The stall guard (`proxy.stall_guard`) is one
+deadline among every stream's.
+
+Every way out goes through `_end(ending)`, exactly once: it resolves `done` and freezes what
+the exchange came to in its `summary` (`stream.summary.ExchangeSummary`), which settlement
+reads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 from time import perf_counter as _perf
+from typing import NamedTuple
 
+from relay.errors import Outcome
 from relay.http import response_framing as framing
-from relay.http.chunked import LAST_CHUNK, ChunkError, ChunkTracker, frame
+from relay.http.body import BodyReader, ChunkError, reader_for
+from relay.http.response_framing import PASS, REFRAME, BodyKind, Carriage
 from relay.http.response_head import BadHead, HeadReader, ResponseHead
-from relay.proxy.exchange_state import ExchangeState
+from relay.proxy.client_flow import ClientFlow
+from relay.proxy.client_writer import ClientWriter
+from relay.proxy.deadlines import Deadlines
+from relay.proxy.pool import UpstreamConn
+from relay.proxy.reply import Reply
+from relay.proxy.request import Request
+from relay.proxy.stall_guard import StallGuard
 from relay.stream import dialect
-from relay.stream.client_flow import ClientFlow
-from relay.stream.endings import (
-    BAD_FRAMING,
-    CLIENT_GONE,
-    CLIENT_SLOW,
-    DONE,
-    DROPPED,
-    SHUTDOWN,
-    STALL,
-    ClientGone,
-    RelayShutdown,
-    UpstreamBadHead,
-    UpstreamGone,
-)
-from relay.stream.fastpath import events_in, learn
-from relay.stream.itl import Gaps
-from relay.stream.sse import SseScanner
+from relay.stream.content_hold import Took
+from relay.stream.observer import Observer
+from relay.stream.stall import Stall, StallPolicy, StallReason
+from relay.stream.summary import ExchangeSummary
 from relay.stream.terminal import stall_frame
-from relay.stream.usage import JsonBody
+from relay.stream.usage import exact_usage
+
+DONE = Outcome.DONE
+ContentHook = Callable[[float], None]
 
 
-class Exchange(ExchangeState):
+class Relaying(NamedTuple):
+    """What every exchange of the relay shares: its loop, the stall guards' deadlines and
+    rule, and how long a client may take a write."""
+
+    loop: asyncio.AbstractEventLoop
+    deadlines: Deadlines
+    policy: StallPolicy
+    write_timeout_s: float
+
+
+class Hop(NamedTuple):
+    """One candidate's part of a request: the upstream's name, the public model name (a
+    stall frame's), whether another candidate is left (a failure before content may then
+    quietly move on), and what hears the first content event's time once it is written."""
+
+    upstream: str
+    model: str
+    more: bool
+    on_content: ContentHook | None = None
+
+
+# The ways the wait for an upstream's head can end other than with the head.
+class UpstreamGone(Exception):
+    """The upstream closed before a whole response head; `silent` if not one byte came."""
+
+    def __init__(self, silent: bool) -> None:
+        super().__init__("upstream closed the connection before a response head")
+        self.silent = silent
+
+
+class UpstreamBadHead(Exception):
+    """The upstream's head is malformed (`http.response_head.BadHead` says why)."""
+
+
+class ClientGone(Exception):
+    """The client left while its request waited for the upstream's head."""
+
+
+class RelayShutdown(Exception):
+    """The relay stopped while this request still waited for its upstream head."""
+
+
+def _ended_data(data: bytes) -> None:
+    """What an ended exchange leaves where its own bound methods were (its data_received:
+    the transport reads into its UpstreamConn again; its flow's on_stuck)."""
+
+
+def _ended_flow() -> None:
+    """What an ended exchange leaves as its client flow's `on_stuck`."""
+
+
+class Exchange(asyncio.BaseProtocol):
     """Reads the upstream: its head (handed to the dispatcher), then the body, relayed as it
     comes; the stall guard, client flow control and the other ways an exchange is cut."""
 
-    __slots__ = ()
+    # Slots: the body path reads several fields per event, and an exchange lives as long as
+    # its stream.
+    __slots__ = (
+        "_closed_early",
+        "_leftover",
+        "body_started",
+        "carriage",
+        "client_keep_alive",
+        "conn",
+        "counted",
+        "data_received",
+        "discard",
+        "done",
+        "ending",
+        "fast",
+        "flow",
+        "got_bytes",
+        "guard",
+        "head_fut",
+        "head_reader",
+        "head_resp",
+        "loop",
+        "model",
+        "more",
+        "observer",
+        "on_content",
+        "path",
+        "reader",
+        "released_fut",
+        "reply",
+        "request",
+        "sse",
+        "stall",
+        "status",
+        "summary",
+        "upstream_keep_alive",
+        "upstream_name",
+        "whole",
+        "write_timeout_s",
+        "writer",
+    )
+
+    def __init__(
+        self, relaying: Relaying, conn: UpstreamConn, request: Request, reply: Reply, hop: Hop
+    ) -> None:
+        loop = self.loop = relaying.loop
+        self.conn = conn
+        self.request = request
+        self.path = request.path
+        self.model = hop.model
+        self.upstream_name = hop.upstream
+        self.more = hop.more
+        self.on_content = hop.on_content
+        self.write_timeout_s = relaying.write_timeout_s
+        # The request's reply while the hold keeps what this exchange would write; None once
+        # the first content event is out (then `writer`).
+        self.reply: Reply | None = reply
+        self.writer: ClientWriter = reply.writer
+        self.guard = StallGuard(loop, relaying.deadlines, relaying.policy, self._stalled)
+        # Made the first time the client falls behind.
+        self.flow: ClientFlow | None = None
+        # The head, as it comes: resolved once it is in (the dispatcher waits for it; None
+        # once it has seen it), and the parsed head until the hold opens.
+        self.head_reader: HeadReader | None = HeadReader()
+        self.head_fut: asyncio.Future[None] | None = loop.create_future()
+        self.head_resp: ResponseHead | None = None
+        self.got_bytes = False
+        self.body_started = False
+        self._leftover = b""
+        self._closed_early = False
+        # Set from the head: the status, the body's reader and carriage, what reads it.
+        self.status = 0
+        self.reader: BodyReader | None = None
+        self.carriage: Carriage = PASS
+        self.sse = False
+        self.observer: Observer | None = None
+        self.upstream_keep_alive = False
+        self.client_keep_alive = False
+        # The hold committed (heartbeats) but this response cannot continue it (not a 2xx
+        # event stream): its body is read, never written; the dispatcher answers in-band.
+        self.discard = False
+        # The next read may be recognised by the fast path (`Observer.fast`).
+        self.fast = False
+        self.done: asyncio.Future[Outcome] = loop.create_future()
+        self.released_fut: asyncio.Future[None] | None = None
+        self.ending: Outcome | None = None
+        self.summary: ExchangeSummary | None = None
+        # The client left once the stream's own end event reached it.
+        self.whole = False
+        self.stall: Stall | None = None
+        # Tokens already added to the upstream's rate window (`new_tokens`).
+        self.counted = 0
+        self.data_received: Callable[[bytes], None] = self.upstream_data
 
     # ---- upstream callbacks (UpstreamConn) -----------------------------------------
     def upstream_data(self, data: bytes) -> None:
         if not self.body_started:
-            self.read_at = _perf()  # (a first content event may come with the head)
             if self.head_reader is not None:
                 self._head_data(self.head_reader, data)
-            else:  # head parsed, body not started yet: keep for start_body
+            else:
+                # The head is parsed, the body not started yet: kept for start_body.
                 self._leftover += data
             return
-        self.last_read = self.loop.time()  # (the deadlines' clock)
-        now = _perf()  # when the bytes were read, to the microsecond (`stream.itl`)
-        if self.fast:  # the usual read, whole token events: see `stream.fastpath`
-            shape = self.shape
-            n = events_in(data, shape) if shape is not None else 0
-            if n or (n := self._token_read(data)):
-                sc, gp = self.scanner, self.gaps  # (`fast`: an SSE stream has both)
-                assert sc is not None and gp is not None
-                sc.content_events += n
-                g = now - gp.last  # one inter-token gap (`stream.itl`)
-                gp.last = now
-                if gp.lo <= g < gp.hi:  # in the last gap's bucket again
-                    gp.run += 1
-                    if g > gp.max:
-                        gp.max = g
-                else:
-                    gp.add(g)
-                if n != 1:  # the others came with it: gaps of 0 (Gaps.events)
-                    gp.zeros += n - 1
-                self.bytes_out += len(data)
-                self._write(data)
+        self.guard.last_read = self.loop.time()
+        # When the bytes were read, to the microsecond (`stream.itl`).
+        now = _perf()
+        if self.fast:
+            obs = self.observer
+            assert obs is not None
+            if obs.fast(data, now):
+                self.writer.relay(data)
                 return
-        gp, sc = self.gaps, self.scanner
-        self.read_at = now  # (TTFT: the read holding the first content event, as `gaps`)
-        if gp is None or sc is None:  # (an SSE stream has both)
-            self._body_read(data)
+        self._body_read(data, now)
+
+    def _body_read(self, data: bytes, now: float) -> None:
+        """Any read the fast path did not take: the reader, the observer, then out."""
+        reader, obs = self.reader, self.observer
+        assert reader is not None and obs is not None
+        try:
+            wire, spans, whole = reader.read(data)
+        except ChunkError:
+            self._upstream_failed(Outcome.UPSTREAM_BAD_FRAMING)
             return
-        before = sc.content_events
-        self._body_read(data)
-        if sc.content_events != before:
-            gp.events(now, before, sc.content_events)
+        obs.scan(wire, spans, now)
+        self._emit(wire if self.carriage is PASS else reader.payload(wire, spans))
+        if whole:
+            self.upstream_keep_alive &= reader.reusable
+            self._end(DONE)
+        else:
+            self._check_fast()
 
-    def _body_read(self, data: bytes) -> None:
-        """Any read the fast path did not take: chunk tracker, scanner, then forward."""
-        kind = self.kind
-        if kind == framing.CHUNKED:
-            tracker = self.tracker
-            assert tracker is not None  # (made with the chunked kind: `start_body`)
-            spans = tracker.spans(data)
-            if spans is not None:  # whole chunks: forward as is, scan in place
-                scanner = self.scanner
-                if scanner is not None:
-                    if len(spans) == 2:
-                        scanner.feed_span(data, spans[0], spans[1])
-                    else:
-                        feed = scanner.feed_span
-                        for i in range(0, len(spans), 2):
-                            feed(data, spans[i], spans[i + 1])
-                if self.mode == framing.PASS:
-                    self._emit(data)
-                else:
-                    self._emit(
-                        b"".join(data[spans[i] : spans[i + 1]] for i in range(0, len(spans), 2))
-                    )
-                self._check_fast()
-                return
-            try:
-                out, payloads = tracker.feed(data)
-            except ChunkError:
-                self._upstream_failed(BAD_FRAMING)
-                return
-            scanner = self.scanner
-            if scanner is not None:
-                for p in payloads:
-                    scanner.feed(p)
-            if self.mode != framing.PASS:  # DECHUNK, REFRAME: payloads only
-                out = b"".join(payloads)
-            self._emit(out)
-            if tracker.state == 4:  # DONE
-                self.upstream_keep_alive &= not tracker.extra
-                self._end(DONE)
-            else:
-                self._check_fast()
-        elif kind == framing.LENGTH:
-            if len(data) >= self.remaining:
-                if len(data) > self.remaining:
-                    data = data[: self.remaining]
-                    self.upstream_keep_alive = False
-                self.remaining = 0
-            else:
-                self.remaining -= len(data)
-            if self.scanner is not None:
-                self.scanner.feed(data)
-            self._emit(data)
-            if not self.remaining:
-                self._end(DONE)
-        elif kind == framing.UNTIL_CLOSE:
-            if self.scanner is not None:
-                self.scanner.feed(data)
-            self._emit(frame(data) if self.mode == framing.CHUNK else data)
-
-    def _token_read(self, data: bytes) -> int:
-        """A read that missed the stream's shape: its token events by a shape learned from
-        itself (kept for the next reads then), or 0."""
-        shape = learn(data)
-        if shape is None:
-            return 0
-        n = events_in(data, shape)
-        if n:
-            self.shape = shape
-        return n
-
-    def upstream_closed(self, exc) -> None:
+    def upstream_closed(self, exc: BaseException | None) -> None:
         if self.head_reader is not None:
             self._head_failed(UpstreamGone(silent=not self.got_bytes))
             self.head_reader = None
@@ -163,15 +241,26 @@ class Exchange(ExchangeState):
         if not self.body_started:
             self._closed_early = True
             return
-        if self.outcome is not None:
+        if self.ending is not None:
             return
-        if self.kind == framing.UNTIL_CLOSE:
+        reader = self.reader
+        if reader is not None and reader.eof():
             self.upstream_keep_alive = False
-            if self.mode == framing.CHUNK:
-                self._emit(LAST_CHUNK)
             self._end(DONE)
         else:
-            self._upstream_failed(DROPPED)
+            self._upstream_failed(Outcome.UPSTREAM_DROPPED)
+
+    def eof_received(self) -> bool | None:
+        return self.conn.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.conn.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """Towards the upstream a request is one write: nothing to pause."""
+
+    def resume_writing(self) -> None:
+        """As pause_writing."""
 
     # ---- head ----------------------------------------------------------------------
     def _head_data(self, reader: HeadReader, data: bytes) -> None:
@@ -180,178 +269,344 @@ class Exchange(ExchangeState):
             parsed = reader.feed(data)
         except BadHead as exc:
             self.head_reader = None
-            self.conn.abort()  # read no more of it (an endless head would pile up meanwhile)
+            # Read no more of it: an endless head would pile up meanwhile.
+            self.conn.abort()
             self._head_failed(UpstreamBadHead(str(exc)))
             return
         if parsed is None:
             return
         resp, self._leftover = parsed
         self.head_reader = None
-        self.head_at = self.last_read = self.loop.time()
+        self.guard.head_in(self.loop.time())
         self.head_resp = resp
-        if self.head_fut is None or self.head_fut.done():
+        fut = self.head_fut
+        if fut is None or fut.done():
             return
         status = resp.status_code
-        more = self.hold is not None and self.hold.more  # (the hold is the request's till now)
-        if not (more and (status == 429 or status >= 500)):
-            self.start_body(resp)  # at once: the dispatcher only awaits `done` from here
-        self.head_fut.set_result(None)  # (the head is `head_resp`, dropped once the hold opens)
-
-    def eof_received(self):
-        return self.conn.eof_received()
-
-    def connection_lost(self, exc) -> None:
-        self.conn.connection_lost(exc)
-
-    def pause_writing(self) -> None:  # (towards the upstream: a request is one write)
-        pass
-
-    resume_writing = pause_writing
+        if not (self.more and (status == 429 or status >= 500)):
+            # At once: from here the dispatcher only awaits `done`.
+            self.start_body(resp)
+        fut.set_result(None)
 
     def start_body(self, resp: ResponseHead) -> None:
         """Decide framing, hold (or write) the head, and relay what came with it."""
-        if self.outcome is not None:
+        if self.ending is not None:
             return
         self.body_started = True
         transport = self.conn.transport
         if transport is not None and not transport.is_closing():
             transport.set_protocol(self)
-        hold = self.hold
-        assert hold is not None  # (the request's, until the first content event is out)
+        reply = self.reply
+        assert reply is not None
         self.status = resp.status_code
+        req = self.request
         try:
             p = framing.plan(
-                self.method,
+                req.method,
                 self.status,
                 resp.http_version,
                 resp.headers,
-                self.client.http11,
-                self.client.wants_keep_alive,
-                hold.committed,
+                req.http11,
+                req.keep_alive,
+                reply.committed,
             )
-        except framing.FramingError:  # (`response_head` refuses these first) nothing is sent
+        except framing.FramingError:
+            # (`response_head` refuses these first.) Nothing is sent.
             self.conn.abort()
-            self._upstream_failed(BAD_FRAMING)
+            self._upstream_failed(Outcome.UPSTREAM_BAD_FRAMING)
             return
-        self.kind, self.remaining, self.mode, self.sse = p.kind, p.remaining, p.mode, p.sse
+        self.reader = reader_for(p.kind, p.remaining)
+        self.carriage, self.sse = p.mode, p.sse
         self.upstream_keep_alive, self.client_keep_alive = (
             p.upstream_keep_alive,
             p.client_keep_alive,
         )
-        if hold.committed:  # only comments reached the client: this body continues it
-            hold.swallow = not p.holdable  # answered in-band by the dispatcher instead
-        else:
-            hold.head = hold.client_head(
-                resp, framing.client_chunked(self.kind, self.mode), self.client_keep_alive
-            )
-            if p.holdable:
-                hold.on_commit = self._commit_early
-        if self.kind == framing.CHUNKED:
-            self.tracker = ChunkTracker()
-        if self.sse:
-            self.scanner = SseScanner(self._first_content, dialect.from_path(self.path))
-            self.gaps = Gaps()
-        elif p.json:  # a whole JSON body: keep it (bounded) to read usage
-            self.scanner = self.body_copy = JsonBody()
-        self._write = self.client.transport.write
-        if self.kind == framing.EMPTY:
-            # bytes after a head with no body: the upstream is out of step, do not reuse it
+        self._hold_head(reply, resp, p)
+        self.observer = self._observer(p)
+        if p.kind is BodyKind.EMPTY:
+            # Bytes after a head with no body: the upstream is out of step, not reused.
             self.upstream_keep_alive &= not self._leftover
             self._end(DONE)
             return
         leftover, self._leftover = self._leftover, b""
         if leftover:
             self.upstream_data(leftover)
-        if not p.holdable and self.hold is not None and not hold.committed and self.outcome is None:
-            self._release_hold(hold)  # (still the request's: self.hold is hold)
-        if self.outcome is None:
-            self._arm()  # (after the first write: it is not in the client's wait)
+        if not p.holdable and self.reply is not None and not reply.committed:
+            self._release(reply)
+        if self.ending is None:
+            # After the first write: it is not in the client's wait.
+            self.guard.arm()
         if self._closed_early:
             self.upstream_closed(None)
 
-    def _commit_early(self) -> None:
-        """A heartbeat is due while this upstream's head and events are held."""
-        hold, resp = self.hold, self.head_resp
-        assert hold is not None and resp is not None  # (armed by start_body, while held)
-        held, sent = hold.commit_upstream(resp, self.kind, self.mode)
-        self.mode = framing.committed_carriage(self.kind, self.client.http11)
-        self.client_keep_alive = self.client.wants_keep_alive and self.client.http11
-        self.bytes_out -= sent  # counted again, as payload
+    def _hold_head(self, reply: Reply, resp: ResponseHead, p: framing.Plan) -> None:
+        """What the client's head will be, kept by the reply until the first content event;
+        or, when the reply already committed a head (heartbeats), whether this body can
+        continue it."""
+        if reply.committed:
+            self.discard = not p.holdable
+            return
+        head = reply.hold.client_head(
+            resp, framing.client_chunked(p.kind, p.mode), self.client_keep_alive
+        )
+        reply.hold_head(head, framing.relay_frames(p.mode), self if p.holdable else None)
+
+    def _observer(self, p: framing.Plan) -> Observer:
+        """What reads the body in passing: the SSE scanner for an event stream, a bounded
+        copy of a whole JSON body (its usage), nothing for another."""
+        if self.sse:
+            return Observer.of_stream(dialect.from_path(self.path))
+        if p.json:
+            return Observer.of_json()
+        return Observer(None, None)
+
+    def commit_early(self) -> None:
+        """A heartbeat is due while this upstream's head and pieces are held: commit with the
+        head, re-framed as the relay's chunks, and go on as a committed response."""
+        reply, resp, reader = self.reply, self.head_resp, self.reader
+        assert reply is not None and resp is not None and reader is not None
+        held = reply.commit_upstream(resp, reader.kind, self.carriage)
+        req = self.request
+        self.carriage = framing.committed_carriage(reader.kind, req.http11)
+        self.client_keep_alive = req.keep_alive and req.http11
         if held:
             self._emit(held)
 
-    # ---- body ----------------------------------------------------------------------
-    def _first_content(self) -> None:
-        # the held head goes out with this read (_emit: one write), then the metrics hear; its
-        # time is the read's, as every event of it (`stream.itl`): TTFT <= the last content
-        self.first_content_at = self.read_at
+    # ---- output ----------------------------------------------------------------------
+    def _emit(self, piece: bytes) -> None:
+        if piece:
+            reply = self.reply
+            if reply is None:
+                self.writer.body(piece)
+            elif not self.discard:
+                self._held(reply, piece)
+        if self.on_content is not None:
+            obs = self.observer
+            at = obs.first_content_at if obs is not None else None
+            if at is not None:
+                report, self.on_content = self.on_content, None
+                report(at)
 
-    # ---- stall guard -----------------------------------------------------------------
-    def _arm(self) -> None:
-        self.timer = self.deadlines.add(
-            self.policy.next_check(self.head_at, self.last_read), self._check_stall
+    def _held(self, reply: Reply, piece: bytes) -> None:
+        obs = self.observer
+        assert obs is not None
+        error_first = obs.error_first
+        took = reply.take(piece, obs.first_content_at is not None, error_first, self.more)
+        if took is Took.RELEASED:
+            self._write_directly()
+        elif took is Took.ERROR:
+            # An error first event: the next upstream serves, or the error is told in-band.
+            self.conn.abort()
+            self._end(Outcome.UPSTREAM_ERROR_EVENT)
+
+    def _release(self, reply: Reply) -> None:
+        """What the reply holds of this exchange goes out: the client is open from here."""
+        reply.release()
+        self._write_directly()
+
+    def released(self) -> asyncio.Future[None]:
+        """A future resolved once the hold is open (content reached the client: nothing is
+        swapped any more) or the exchange ended, whichever comes first."""
+        fut = self.released_fut = self.loop.create_future()
+        if self.reply is None or self.ending is not None:
+            self._resolve_released()
+        return fut
+
+    def _resolve_released(self) -> None:
+        fut, self.released_fut = self.released_fut, None
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def _write_directly(self) -> None:
+        """The hold is over: from here the exchange writes to the client itself."""
+        reply, self.reply = self.reply, None
+        if reply is not None:
+            reply.detach(self)
+        # Its headers were written: not kept for the stream.
+        self.head_resp = None
+        self._resolve_released()
+
+    def _check_fast(self) -> None:
+        """Whether the next read may take the fast path: streaming, between chunks and events."""
+        reader = self.reader
+        if self.carriage is not PASS:
+            if (
+                self.carriage is not REFRAME
+                or self.reply is not None
+                or reader is None
+                or not reader.between_chunks
+            ):
+                self.fast = False
+                return
+            # Both sides stand between chunks: the upstream's own pass as they are again.
+            self.carriage = PASS
+            self.writer.pass_upstream_chunks()
+        obs = self.observer
+        sc = obs.scanner if obs is not None else None
+        self.fast = (
+            self.reply is None
+            and self.ending is None
+            and sc is not None
+            and sc.shortcut
+            and sc.content_events > 0
+            and not sc.pending
+            and reader is not None
+            and reader.between_chunks
         )
 
-    def _check_stall(self) -> None:
-        self.timer = None
-        if self.outcome is not None:
+    def _upstream_failed(self, ending: Outcome) -> None:
+        """The upstream broke the body: the client sees the truncation (no clean end). While
+        held, only comments reached the client: the caller answers or tries another upstream."""
+        self.client_keep_alive = False
+        self._end(ending)
+
+    # ---- the one way out ---------------------------------------------------------------
+    def _end(self, ending: Outcome) -> None:
+        if self.ending is not None:
             return
-        now = self.loop.time()
+        self.ending = ending
+        self.fast = False
+        self.guard.cancel()
+        reply = self.reply
+        if reply is not None:
+            # Ended before content: the hold says what the client gets.
+            self.reply = None
+            reply.detach(self)
+            if ending is DONE and not self.discard:
+                reply.finish()
+        elif ending is DONE:
+            self.writer.end()
+        self._unbind()
+        self.summary = self._summary(ending)
+        if not self.done.done():
+            self.done.set_result(ending)
+        self._resolve_released()
+
+    def _unbind(self) -> None:
+        """The upstream connection is its own protocol again, and nothing of this exchange is
+        held by it or by a bound method of its own: the exchange, the client connection and
+        the transports it reaches are freed at once, not by the cyclic collector."""
+        conn = self.conn
+        if conn.handler is self:
+            conn.handler = None
+        transport = conn.transport
+        if transport is not None and transport.get_protocol() is self:
+            transport.set_protocol(conn)
+        self.data_received = _ended_data
         flow = self.flow
-        if flow is not None and flow.paused:  # the client is the slow side: reads are not owed
-            self.last_read = now
-        reason = self.policy.due(now, self.head_at, self.last_read)
-        if reason is None:
-            self._arm()
-            return
+        if flow is not None:
+            flow.cancel()
+            flow.on_stuck = _ended_flow
+            if flow.paused and transport is not None:
+                transport.resume_reading()
+        if self.observer is not None:
+            self.observer.end()
+
+    def _summary(self, ending: Outcome) -> ExchangeSummary:
+        obs = self.observer
+        reader = self.reader
+        reusable = (
+            ending is DONE
+            and self.upstream_keep_alive
+            and (reader is None or reader.kind is not BodyKind.UNTIL_CLOSE)
+        )
+        api = dialect.from_path(self.path)
+        if obs is None:
+            return ExchangeSummary(
+                self.upstream_name, ending, self.status, self.whole, reusable, self.sse, api
+            )
+        sc, gaps = obs.scanner, obs.gaps
+        body = obs.body
+        doc = body.document() if body is not None else None
+        if sc is not None:
+            usage = obs.stream_usage()
+            api = sc.dialect
+        else:
+            usage = exact_usage(doc) if doc is not None and ending is DONE else None
+        first = obs.first_content_at
+        return ExchangeSummary(
+            self.upstream_name,
+            ending,
+            self.status,
+            self.whole,
+            reusable,
+            self.sse,
+            api,
+            first_content_at=first,
+            last_content_at=gaps.last if gaps is not None and first is not None else None,
+            gaps=gaps,
+            content_events=sc.content_events if sc is not None else None,
+            error_only=sc is not None and sc.error_first and not sc.content_events,
+            usage=usage,
+            body=doc,
+            meta_event=sc.meta if sc is not None else b"",
+            stall=self.stall,
+            counted=self.counted,
+        )
+
+    def new_tokens(self) -> int:
+        """The content events counted since the last call, for the upstream's rate window
+        while the stream runs (settlement adds the rest, `summary.counted`)."""
+        obs = self.observer
+        if self.ending is not None or obs is None:
+            return 0
+        n = obs.content_events - self.counted
+        self.counted += n
+        return n
+
+    # ---- stall guard -----------------------------------------------------------------
+    def _stalled(self, reason: StallReason, now: float) -> None:
         self.trip(reason, now)
 
-    def trip(self, reason: str, now: float) -> None:
-        self.stall_reason = reason
-        self.stall_elapsed = self.policy.elapsed(reason, now, self.head_at, self.last_read)
+    def trip(self, reason: StallReason, now: float) -> None:
+        self.stall = Stall(reason, self.guard.elapsed(reason, now))
         self.conn.abort()
-        hold = self.hold
-        if hold is not None:
-            if hold.more or hold.swallow:  # only comments reached the client: the next
-                self._end(STALL)  # upstream, or an in-band error
+        reply = self.reply
+        if reply is not None:
+            if self.more or self.discard:
+                # Only comments reached the client: the next upstream, or an in-band error.
+                self._end(Outcome.STALL)
                 return
-            self._release_hold(hold)
-        if not self.sse:  # non-SSE bodies are cut: nothing injected
+            self._release(reply)
+        if not self.sse:
+            # A body that is not an event stream is cut: nothing injected.
             self.client_keep_alive = False
         else:
-            sc = self.scanner
-            payload = stall_frame(  # b"" after the stream's own end
-                sc if isinstance(sc, SseScanner) else None,
+            obs = self.observer
+            payload = stall_frame(
+                obs.scanner if obs is not None else None,
                 dialect.from_path(self.path),
                 self.model,
                 reason,
-                self.stall_elapsed,
+                self.stall.elapsed_s,
                 self.upstream_name,
                 int(time.time()),
             )
-            tail, delimited = framing.closing_bytes(self.kind, self.mode, self.tracker, payload)
+            reader = self.reader
+            kind = reader.kind if reader is not None else BodyKind.EMPTY
+            tracker = reader.tracker if reader is not None else None
+            tail, delimited = framing.closing_bytes(kind, self.carriage, tracker, payload)
             self.client_keep_alive &= delimited
-            if tail:
-                self.bytes_out += len(tail)
-                self.client.transport.write(tail)
-        self._end(STALL)
+            self.writer.close_with(tail)
+        self._end(Outcome.STALL)
 
     # ---- flow control (client transport) -------------------------------------------
     def client_paused(self) -> None:
         if self.flow is None:
             self.flow = ClientFlow(self.loop, self.write_timeout_s, self._write_stuck)
-        self.flow.pause(self.conn.transport if self.outcome is None else None)
+        self.guard.pause()
+        self.flow.pause(self.conn.transport if self.ending is None else None)
 
     def client_resumed(self) -> None:
-        self.last_read = self.loop.time()
+        self.guard.resume(self.loop.time())
         if self.flow is not None:
-            self.flow.resume(self.conn.transport if self.outcome is None else None)
+            self.flow.resume(self.conn.transport if self.ending is None else None)
 
     def _write_stuck(self) -> None:
-        if self.outcome is None:
+        if self.ending is None:
             self.conn.abort()
             self.client_keep_alive = False
-            self._end(CLIENT_SLOW)
+            self._end(Outcome.CLIENT_WRITE_TIMEOUT)
 
     def _head_failed(self, exc: BaseException) -> bool:
         """The head will not come: the dispatcher's wait ends with `exc` (if it still waits)."""
@@ -373,16 +628,19 @@ class Exchange(ExchangeState):
         self.client_keep_alive = False
         if self._head_failed(ClientGone()):
             self.head_reader = None
-        if self.outcome is None and self.head_at:
-            sc = self.scanner
-            self.whole = self.hold is None and isinstance(sc, SseScanner) and sc.done_seen
-            self._end(DONE if self.whole else CLIENT_GONE)
+        if self.ending is None and self.guard.head_seen:
+            obs = self.observer
+            sc = obs.scanner if obs is not None else None
+            self.whole = self.reply is None and sc is not None and sc.done_seen
+            self._end(DONE if self.whole else Outcome.CLIENT_CLOSED)
 
     def shutdown(self) -> None:
-        if self.outcome is not None:
+        """The relay's drain cuts this exchange (waiting for its head, or relaying)."""
+        if self.ending is not None:
             return
         self.conn.abort()
-        if self.head_at:
-            self._upstream_failed(SHUTDOWN)
+        if self.guard.head_seen:
+            self._upstream_failed(Outcome.SHUTDOWN)
         elif self._head_failed(RelayShutdown()):
             self.head_reader = None
+            self._end(Outcome.SHUTDOWN)

@@ -12,24 +12,26 @@ import ssl
 from collections.abc import Callable
 
 from relay.http.tls import describe
+from relay.observe.metrics import UpstreamState
 
-READY, SERVING, LOADING, DOWN = "ready", "serving", "loading", "down"
+READY, SERVING, LOADING, DOWN = UpstreamState
 
 
 class Health:
     def __init__(self) -> None:
-        self.probe = READY  # READY (answers), LOADING (503 on /health) or DOWN
+        # READY (it answers), LOADING (503 on /health) or DOWN.
+        self.probe = READY
         self.last_error = ""
-        self.on_down: Callable[[], object] | None = (
-            None  # called when a request finds the upstream down (wakes the probe)
-        )
-        self.on_up: Callable[[], object] | None = None  # a request got an answer while down
+        # Called when a request finds the upstream down (it wakes the probe), and when a
+        # request got an answer from it while it was down.
+        self.on_down: Callable[[], object] | None = None
+        self.on_up: Callable[[], object] | None = None
 
     def probe_delay(self, interval_s: float, down_interval_s: float) -> float:
         """Seconds until the next probe: sooner while down, to see it come back."""
         return min(interval_s, down_interval_s) if self.probe == DOWN else interval_s
 
-    def state(self, in_flight: int) -> str:
+    def state(self, in_flight: int) -> UpstreamState:
         if self.probe != READY:
             return self.probe
         return SERVING if in_flight else READY
@@ -40,7 +42,8 @@ class Health:
             self.probe, self.last_error = DOWN, error
         elif status == 503:
             self.probe = LOADING
-        else:  # any answer means the server is there (a server without /health gives 404)
+        else:
+            # Any answer means the server is there (a server without /health gives 404).
             self.probe, self.last_error = READY, ""
 
     def connect_failed(self, error: str) -> None:
@@ -56,15 +59,22 @@ class Health:
 
 
 async def probe_once(
-    host: str, port: int, host_header: bytes, timeout: float, tls=None, path: bytes = b"/health"
+    host: str,
+    port: int,
+    host_header: bytes,
+    timeout: float,
+    tls: ssl.SSLContext | None = None,
+    path: bytes = b"/health",
 ) -> tuple[int | None, str]:
     """GET /health (under the URL's path prefix; over TLS for an https upstream): (status
     code, ""), or (None, why) on connect failure / TLS failure / timeout / garbage."""
     writer = None
-    conn = {} if tls is None else {"ssl": tls, "server_hostname": host}
     try:
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, **conn), timeout
+            asyncio.open_connection(
+                host, port, ssl=tls, server_hostname=host if tls is not None else None
+            ),
+            timeout,
         )
         writer.write(
             b"GET "

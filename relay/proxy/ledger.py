@@ -10,8 +10,13 @@ on every exit path. It holds:
   row without a usable figure are charged (`prompt_est`, `completion_est`), and the number
   of completions it asks for (`completions`: prompts x choices);
 - what served it: the upstream (`up`, kept here because a reload may remove it from the
-  relay's list meanwhile), the last `exchange` and the request's `hold` (before the first
-  content event), and the CORS headers every answer of this request carries (`cors`);
+  relay's list meanwhile), the last attempt's `exchange`, the request's `reply` (the
+  response before its first content event), the CORS headers every answer of this request
+  carries (`cors`), and the API its stream speaks (`api`: the path's guess, then what its
+  events said);
+- the facts its outcome is decided from at settlement (`policy.outcome`): the error it was
+  `answered` with, a `cut` (the client left, or the drain ended it), what the wait for the
+  client to read a finished response said (`drained`), a `bug`;
 - its OpenTelemetry span (`trace`, when that is on: ended at settlement).
 """
 
@@ -19,37 +24,46 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # (annotations only: the ledger imports no behaviour)
-    from relay.http.fields import Headers
+from relay.errors import Outcome, RelayError
+from relay.http.fields import Headers
+from relay.stream.dialect import Api
+
+if TYPE_CHECKING:
     from relay.observe.otel import Trace
     from relay.policy.budget import Reservation
     from relay.proxy.exchange import Exchange
-    from relay.proxy.slots import Slot
+    from relay.proxy.reply import Reply
+    from relay.proxy.slots import SlotLease
     from relay.proxy.upstreams import Upstream
     from relay.store.admissions import AdmissionId
-    from relay.stream.content_hold import Hold
 
 
 class Ledger:
     __slots__ = (
         "admin",
         "admission",
+        "answered",
+        "api",
+        "bug",
         "completion_est",
         "completions",
         "cors",
+        "cut",
+        "drained",
         "exchange",
         "generates",
-        "hold",
         "model",
         "prompt_est",
+        "reply",
         "reservation",
         "slot",
         "trace",
         "up",
     )
 
-    def __init__(self, cors: Headers) -> None:
+    def __init__(self, cors: Headers, api: Api) -> None:
         self.cors = cors
+        self.api = api
         self.admin = False
         self.model: str | None = None
         self.generates = False
@@ -58,11 +72,20 @@ class Ledger:
         self.completions = 1
         self.reservation: Reservation | None = None
         self.admission: AdmissionId | None = None
-        self.slot: Slot | None = None
+        self.slot: SlotLease | None = None
         self.up: Upstream | None = None
         self.exchange: Exchange | None = None
-        self.hold: Hold | None = None
-        self.trace: Trace | None = None  # its OpenTelemetry span, when that is on
+        self.reply: Reply | None = None
+        self.answered: RelayError | None = None
+        self.cut: Outcome | None = None
+        self.drained: Outcome | None = None
+        self.bug = False
+        self.trace: Trace | None = None
+
+    @property
+    def content_out(self) -> bool:
+        """Content reached the client: nothing is swapped any more."""
+        return self.reply is not None and self.reply.open
 
     def release_slot(self) -> None:
         """Give the slot back (between candidates, and at settlement): at most once."""

@@ -19,11 +19,20 @@ import fcntl
 import ssl
 import struct
 import termios
+from typing import Protocol, cast
 
 from relay.http.tls import describe
 
 
-def unread_bytes(transport) -> int:
+class Handler(Protocol):
+    """The exchange using a connection: it receives the bytes and the close."""
+
+    def upstream_data(self, data: bytes) -> None: ...
+
+    def upstream_closed(self, exc: BaseException | None) -> None: ...
+
+
+def unread_bytes(transport: asyncio.BaseTransport) -> int:
     """Bytes waiting in the socket's receive queue, not yet read by the loop (FIONREAD).
 
     (On a TLS connection these are TLS records: application bytes, or the rare post-handshake
@@ -32,12 +41,15 @@ def unread_bytes(transport) -> int:
     sock = transport.get_extra_info("socket")
     if sock is None:
         return 0
-    buf = bytearray(4)  # (a writable buffer: ioctl takes it at its first try, no error built)
+    # A writable buffer: ioctl takes it at its first try, with no error built.
+    buf = bytearray(4)
     try:
         fcntl.ioctl(sock.fileno(), termios.FIONREAD, buf)
-        return struct.unpack("i", buf)[0]
+        n: int = struct.unpack("i", buf)[0]
+        return n
     except OSError:
-        return 1  # a socket that cannot say is not trusted with a request
+        # A socket that cannot say is not trusted with a request.
+        return 1
 
 
 class UpstreamConn(asyncio.Protocol):
@@ -45,32 +57,37 @@ class UpstreamConn(asyncio.Protocol):
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
+        # (asyncio and uvloop both set TCP_NODELAY on TCP sockets.)
         self.transport: asyncio.Transport | None = None
-        self.handler = None  # the exchange using this connection
+        self.handler: Handler | None = None
         self.alive = True
         self.idle_timer: asyncio.TimerHandle | None = None
-        self.used = False  # carried a request (a spare that never did is not replaced)
+        # It carried a request (a spare that never did is not replaced).
+        self.used = False
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport  # (asyncio and uvloop both set TCP_NODELAY on TCP sockets)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream transport: uvloop's is not an asyncio.Transport subclass, but offers all
+        # it does.
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         handler = self.handler
         if handler is not None:
             handler.upstream_data(data)
-        else:  # bytes on an idle pooled connection: it cannot be trusted any more
+        else:
+            # Bytes on an idle pooled connection: it cannot be trusted any more.
             self.alive = False
             self.abort()
 
-    def eof_received(self):
+    def eof_received(self) -> bool:
         self._closed(None)
         return False
 
-    def connection_lost(self, exc) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         self._closed(exc)
         self.pool.forget(self, replace=self.used)
 
-    def _closed(self, exc) -> None:
+    def _closed(self, exc: BaseException | None) -> None:
         self.alive = False
         handler, self.handler = self.handler, None
         if handler is not None:
@@ -110,21 +127,26 @@ class Pool:
         self.prewarm = prewarm and keepalive_s > 0
         self.connect_timeout_s = connect_timeout_s
         self.idle: list[UpstreamConn] = []
-        self.connects = 0  # new connections opened, TLS handshakes included (tests, metrics)
-        self.burns = False  # the upstream closes connections after use (llama-server streams)
+        # New connections opened, TLS handshakes included (tests, metrics).
+        self.connects = 0
+        # The upstream closes its connections after use (llama-server after a stream).
+        self.burns = False
         self.closed = False
         self._warming = False
 
     def use_tls(self, tls: ssl.SSLContext | None) -> None:
-        """New connections use this context (a reload); pooled ones keep theirs."""
-        self.ssl = tls  # (SNI and the hostname checked: the URL's host)
+        """New connections use this context (a reload); pooled ones keep theirs. SNI and the
+        hostname checked are the URL's host."""
+        self.ssl = tls
 
     async def acquire(self, timeout: float, fresh: bool = False) -> tuple[UpstreamConn, bool]:
         """(connection, reused). Raises ConnectError."""
         if not fresh and self.burns:
-            self._warm_spare(taking=True)  # this request takes the spare: ready the next one
+            # This request takes the spare: the next one is readied.
+            self._warm_spare(taking=True)
         while self.idle and not fresh:
-            conn = self.idle.pop()  # most recently used first: the likeliest alive
+            # The most recently used first: the likeliest alive.
+            conn = self.idle.pop()
             if conn.idle_timer is not None:
                 conn.idle_timer.cancel()
                 conn.idle_timer = None
@@ -132,13 +154,14 @@ class Pool:
             if conn.alive and transport is not None and not transport.is_closing():
                 if not unread_bytes(transport):
                     return conn, True
-                conn.abort()  # unsolicited bytes, not read yet: out of step with us
+                # Unsolicited bytes, not read yet: out of step with us.
+                conn.abort()
         loop = asyncio.get_running_loop()
         # The deadline cancels this task, as asyncio.timeout would, at a third of its cost
         # (no extra task either, unlike wait_for in 3.11).
         task = asyncio.current_task()
-        expired = []
-        assert task is not None  # (acquire runs in the request's task)
+        expired: list[bool] = []
+        assert task is not None
         timer = loop.call_later(timeout, lambda: expired.append(task.cancel()))
         try:
             _, conn = await loop.create_connection(
@@ -150,9 +173,11 @@ class Pool:
             )
         except asyncio.CancelledError:
             if not expired or task.uncancel() > 0:
-                raise  # cancelled from outside: not ours to swallow
+                # Cancelled from outside: not ours to swallow.
+                raise
             raise ConnectError(f"connect timed out after {timeout}s") from None
-        except ssl.SSLError as exc:  # (an OSError too) a refused certificate, a bad handshake
+        except ssl.SSLError as exc:
+            # (An OSError too.) A refused certificate, a bad handshake.
             raise ConnectError(f"TLS handshake failed: {describe(exc)}") from None
         except OSError as exc:
             raise ConnectError(f"connect failed: {exc.strerror or exc}") from None
@@ -197,7 +222,8 @@ class Pool:
         try:
             conn, _ = await self.acquire(self.connect_timeout_s, fresh=True)
         except ConnectError:
-            return  # the request path reports it, and marks the upstream down
+            # The request path reports it, and marks the upstream down.
+            return
         finally:
             self._warming = False
         if self.closed:
@@ -216,7 +242,8 @@ class Pool:
             if conn.idle_timer is not None:
                 conn.idle_timer.cancel()
                 conn.idle_timer = None
-            if replace:  # the upstream closed it after a response (llama-server after a stream)
+            # The upstream closed it after a response (llama-server after a stream).
+            if replace:
                 self.burns = True
                 self._warm_spare()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from relay.http.fields import Headers
 from relay.http.request_path import route_path
 
 
@@ -10,21 +11,22 @@ class Request:
 
     def __init__(
         self,
-        method,
-        target,
-        headers,
-        body,
-        http11,
-        keep_alive,
+        method: bytes,
+        target: bytes,
+        headers: Headers,
+        body: bytes,
+        http11: bool,
+        keep_alive: bool,
         key_id: str | None = None,
         path: str | None = None,
     ) -> None:
-        self.method: bytes = method
-        self.target: bytes = target
-        self.headers: list[tuple[bytes, bytes]] = headers
-        self.body: bytes = body
-        self.http11: bool = http11
-        self.keep_alive: bool = keep_alive
-        self.key_id = key_id  # the caller's key, identified on the head (None: auth off)
-        # the path the upstream routes on, bounded for echoes and rows
+        self.method = method
+        self.target = target
+        self.headers = headers
+        self.body = body
+        self.http11 = http11
+        self.keep_alive = keep_alive
+        # The caller's key, identified on the head (None: auth off).
+        self.key_id = key_id
+        # The path the upstream routes on, bounded for echoes and rows.
         self.path = path if path is not None else route_path(target)

@@ -1,8 +1,9 @@
 """Settlement: what a request used, written down exactly once on every exit path.
 
-From the request's `Ledger`: release the slot, replace the budget reservation with actual
-usage, write one request row (replacing its admission record, `store.admissions`), update
-the metrics, log the access line. A request refused before it was read whole has no ledger:
+From the request's `Ledger`: release the slot, decide how the request ended from the facts
+recorded on the way (`policy.outcome`), replace the budget reservation with actual usage,
+write one request row (replacing its admission record, `store.admissions`), update the
+metrics, log the access line. A request refused before it was read whole has no ledger:
 `rejected` writes its row.
 """
 
@@ -10,100 +11,114 @@ from __future__ import annotations
 
 import time
 
-from relay.errors import RelayError
+import h11
+
+from relay.errors import Code, Outcome, RelayError
+from relay.http.fields import Headers
 from relay.http.request_path import bounded, route_path
 from relay.observe import row_timings as timing
-from relay.observe.record import RESERVED, Record, user_agent
+from relay.observe.record import Record, TokensSource, user_agent
+from relay.policy.outcome import decide
 from relay.proxy import telemetry
-from relay.proxy.exchange import Exchange
+from relay.proxy.app_view import AppView
+from relay.proxy.client_writer import ClientWriter
 from relay.proxy.ledger import Ledger
-from relay.stream import endings as E
-from relay.stream.sse import SseScanner
-from relay.stream.usage import Usage, stream_usage
+from relay.stream.summary import ExchangeSummary
+from relay.stream.usage import Usage
 
 # Refusals decided before any upstream is chosen or contacted (counted relay-wide).
 ADMISSION_CODES = frozenset(
     {
-        "invalid_api_key",
-        "invalid_json",
-        "bad_request",
-        "model_not_found",
-        "budget_exceeded",
-        "not_found",
-        "forbidden",
+        Code.INVALID_API_KEY,
+        Code.INVALID_JSON,
+        Code.BAD_REQUEST,
+        Code.MODEL_NOT_FOUND,
+        Code.BUDGET_EXCEEDED,
+        Code.NOT_FOUND,
+        Code.FORBIDDEN,
     }
 )
 
 
-def settle(app, client, rec: Record, ledger: Ledger, t0: float) -> None:
-    """Release the slot, settle the budget, write the row and the access line: once."""
+def settle(app: AppView, out: ClientWriter, rec: Record, ledger: Ledger, t0: float) -> None:
+    """Release the slot, settle the budget, write the row and the access line: once. `out`:
+    the client connection's writer (whether the client is gone, what the response's body
+    took on the wire, when its first byte went out)."""
     ledger.release_slot()
     ex = ledger.exchange
-    exact = None
+    summary = ex.summary if ex is not None else None
+    verdict = decide(
+        summary, ledger.content_out, ledger.answered, ledger.cut, ledger.drained, ledger.bug
+    )
     rec.total_ms = timing.round3((time.perf_counter() - t0) * 1000)
-    rec.client_closed = client.gone and rec.outcome in (E.CLIENT_GONE, E.CLIENT_SLOW)
-    served_ex = ex if ex is not None and rec.upstream_served is not None else None
-    if served_ex is not None:
-        rec.bytes_out = served_ex.bytes_out
-        if served_ex.first_content_at is not None:
-            rec.ttft_ms = timing.round3((served_ex.first_content_at - t0) * 1000)
-        exact = _tokens(rec, served_ex, ledger)
-        if served_ex.outcome == E.STALL:
-            rec.error_code = f"stream_stall_{served_ex.stall_reason}"
+    rec.outcome, rec.error_code, rec.status, rec.ok = (
+        verdict.outcome,
+        verdict.code,
+        verdict.status,
+        verdict.ok,
+    )
+    rec.client_closed = out.gone and verdict.outcome in (
+        Outcome.CLIENT_CLOSED,
+        Outcome.CLIENT_WRITE_TIMEOUT,
+    )
+    answered = ledger.answered
+    if answered is not None and answered.reason is not None:
+        rec.error = bounded(answered.reason)
+    exact = None
+    served = summary if verdict.served else None
+    if served is not None:
+        rec.upstream_served = served.upstream
+        rec.bytes_out = out.sent
+        if served.first_content_at is not None:
+            rec.ttft_ms = timing.round3((served.first_content_at - t0) * 1000)
+        exact = _tokens(rec, served, ledger)
+        if served.stall is not None:
             app.log.event(
                 "stream_stall_guard_tripped",
-                reason=served_ex.stall_reason,
-                elapsed_s=served_ex.stall_elapsed,
-                upstream=served_ex.upstream_name,
+                reason=served.stall.reason,
+                elapsed_s=served.stall.elapsed_s,
+                upstream=served.upstream,
                 request_id=rec.request_id,
             )
-        elif rec.outcome not in (E.DONE, None):
-            rec.error_code = rec.error_code or rec.outcome
-        elif (
-            isinstance(served_ex.scanner, SseScanner)
-            and served_ex.scanner.error_first
-            and not served_ex.scanner.content_events
-        ):
-            rec.outcome = rec.error_code = E.ERROR_EVENT  # a 200 that carried only an error
-    rec.ok = rec.outcome == E.DONE and rec.status is not None and rec.status < 400
-    hold = ledger.hold
-    timing.fill(
-        rec,
-        t0,
-        hold.first_out if hold is not None else None,
-        served_ex.gaps if served_ex is not None else None,
-        exact,
-    )
-    if rec.error_code is None and rec.status is not None and rec.status >= 400:
-        rec.error_code = f"upstream_{rec.status}"
+    timing.fill(rec, t0, out.first_at, served.gaps if served is not None else None, exact)
     res = ledger.reservation
     if res is not None:
-        app.budgets.settle(res, *charge(rec), time.time())
-    served = ledger.up or app.upstreams.get(rec.upstream_requested or "")
-    trend = None  # the page's trend takes the requests an upstream was involved in
-    if rec.error_code in ADMISSION_CODES or served is None:
-        app.registry.rejected(rec.error_code or "unknown")  # no upstream involved
-    else:
-        m = served.metrics
-        trend = ledger.generates  # /health, /v1/models, tokenize...: apart, in no latency figure
-        if trend:
-            m.request_done(rec.ok, rec.error_code)
-            ttft, tpot, e2e = rec.ttft_ms, rec.tpot_ms, rec.e2e_ms
-            m.observe_timings(
-                None if ttft is None else ttft / 1000,
-                None if tpot is None else tpot / 1000,
-                None if e2e is None else e2e / 1000,
-            )
-        else:
-            m.other_request_done()
-        if ex is not None and ex.outcome == E.STALL and ex.stall_reason is not None:
-            m.stall(ex.stall_reason)
+        app.budgets.spend(res, *charge(rec), time.time())
+    trend = _metrics(app, rec, ledger, summary)
     if rec.key_id is not None:
         app.registry.key_used(rec.key_id, rec.prompt_tokens, rec.completion_tokens)
-    if app.otel is not None:  # OpenTelemetry on: the span ends, the metric points (once)
-        telemetry.settled(app, rec, ledger, t0)
-    app.keep(rec, ledger.admission, trend)  # the row replaces the admission, in one commit
+    if app.otel is not None:
+        # OpenTelemetry on: the span ends, the metric points are recorded (once).
+        telemetry.settled(app.otel, rec, ledger, summary, out.first_at)
+    # The row replaces the admission record, in one commit.
+    app.put_row(rec, ledger.admission, trend)
     app.log.record("access", rec.log_fields())
+
+
+def _metrics(
+    app: AppView, rec: Record, ledger: Ledger, summary: ExchangeSummary | None
+) -> bool | None:
+    """The upstream's figures of a settled request; whether the page's trend takes it as a
+    generating request (None: no upstream was involved)."""
+    up = ledger.up or app.upstreams.get(rec.upstream_requested or "")
+    if rec.error_code in ADMISSION_CODES or up is None:
+        app.registry.rejected(rec.error_code or "unknown")
+        return None
+    m = up.metrics
+    # /health, /v1/models, tokenize...: counted apart, in no latency figure.
+    if ledger.generates:
+        m.request_done(rec.ok, rec.error_code)
+        ttft, tpot, e2e = rec.ttft_ms, rec.tpot_ms, rec.e2e_ms
+        m.observe_timings(
+            None if ttft is None else ttft / 1000,
+            None if tpot is None else tpot / 1000,
+            None if e2e is None else e2e / 1000,
+        )
+    else:
+        m.other_request_done()
+    if summary is not None and summary.stall is not None:
+        m.stall(summary.stall.reason)
+    return ledger.generates
 
 
 def charge(rec: Record) -> tuple[int, int]:
@@ -114,66 +129,64 @@ def charge(rec: Record) -> tuple[int, int]:
     return 1, rec.total_tokens
 
 
-def _tokens(rec: Record, ex: Exchange, ledger: Ledger) -> Usage | None:
+def _tokens(rec: Record, ex: ExchangeSummary, ledger: Ledger) -> Usage | None:
     """The row's tokens from what the exchange read (exact usage, counted events), else
     the reservation; the upstream's token figures follow."""
-    scanner = ex.scanner
     exact = None
     approx = None
-    if ex.body_copy is not None:
-        # a body answering several prompts / choices: its usage may cover one of them
-        # (llama-server's /v1/completions), so no usable figure - the reservation is charged
-        if ex.outcome == E.DONE and ledger.completions <= 1:
-            exact = ex.body_copy.usage()
-    elif isinstance(scanner, SseScanner):
-        exact = stream_usage(scanner.meta, scanner.meta_first) if scanner.meta else None
-        approx = scanner.content_events
+    if ex.sse:
+        exact = ex.usage
+        approx = ex.content_events
+    elif ledger.completions <= 1:
+        # A body answering several prompts or choices may give the usage of one of them
+        # (llama-server's /v1/completions): no usable figure then, the reservation is
+        # charged.
+        exact = ex.usage
     if (
         exact is not None
         and exact.completion_tokens is None
         and exact.prompt_tokens is not None
         and ledger.completion_est == 0
     ):
-        exact = Usage(exact.prompt_tokens, 0)  # embeddings / rerank: no completion tokens
+        # Embeddings and rerank: no completion tokens.
+        exact = Usage(exact.prompt_tokens, 0)
     rec.set_tokens(exact, approx, ledger.prompt_est)
     if rec.tokens_source is None and ledger.generates and 200 <= ex.status < 300:
-        # served, nothing counted (a body too big to keep, a body that is not JSON, ...):
-        # unknown means reserved
+        # Served, nothing counted (a body too big to keep, a body that is not JSON, ...):
+        # unknown means reserved.
         rec.set_reserved(ledger.prompt_est, ledger.completion_est)
-    assert ledger.up is not None  # (an exchange was opened on it)
-    metrics = ledger.up.metrics
+    up = ledger.up
+    assert up is not None
+    metrics = up.metrics
     if exact is not None:
         metrics.set_flm(exact.decoding_speed_tps, exact.kv_occupancy_pct)
-    if rec.completion_tokens is not None and rec.tokens_source != RESERVED:
-        delta = rec.completion_tokens - ex.counted
-        ex.counted = rec.completion_tokens
-        metrics.add_tokens(delta, time.monotonic())
+    if rec.completion_tokens is not None and rec.tokens_source != TokensSource.RESERVED:
+        metrics.add_tokens(rec.completion_tokens - ex.counted, time.monotonic())
     return exact
 
 
-def rejected(dispatcher, client, err: RelayError) -> None:
-    """A request refused before it was read whole (400/408/413/431): a row all the same."""
-    app = dispatcher.app
-    head = client.head
-    path = route_path(head.target) if head is not None else ""
-    rid = (
-        dispatcher.request_id(head.headers.raw_items()) if head is not None else dispatcher.new_id()
-    )
+def rejected(
+    app: AppView, head: h11.Request | None, request_id: bytes, peer_host: str | None,
+    err: RelayError,
+) -> Headers:  # fmt: skip
+    """A request refused before it was read whole (400/408/413/431): a row all the same; the
+    CORS headers its answer carries."""
+    headers = head.headers.raw_items() if head is not None else []
     rec = Record(
         ts=time.time(),
-        request_id=rid.decode(),
-        path=path,
+        request_id=request_id.decode(),
+        path=route_path(head.target) if head is not None else "",
         method=bounded(head.method.decode("latin-1"), 32) if head is not None else "",
         status=err.status,
         error_code=err.code,
-        outcome="rejected",
-        client_addr=client.peer_host,
-        user_agent=user_agent(head.headers) if head is not None else None,
+        outcome=Outcome.REJECTED,
+        client_addr=peer_host,
+        user_agent=user_agent(headers) if head is not None else None,
     )
-    if head is not None:  # the answer carries the CORS headers too (client.py writes it)
-        err.headers = err.headers + app.cors.headers(head.headers.raw_items())
     app.registry.rejected(err.code)
-    if app.otel is not None:  # its span begins and ends here
-        app.otel.rejected(rec, head.headers.raw_items() if head is not None else ())
-    app.keep(rec)
+    if app.otel is not None:
+        # Its span begins and ends here.
+        app.otel.rejected(rec, headers)
+    app.put_row(rec)
     app.log.record("access", rec.log_fields())
+    return app.cors.headers(headers) if head is not None else []

@@ -68,7 +68,7 @@ class SlotPool:
         self.parallel = parallel
         self.queue = queue
         self.in_flight = 0
-        self.waiters: deque[asyncio.Future] = deque()
+        self.waiters: deque[asyncio.Future[None]] = deque()
         self.closed = False
 
     def close(self) -> None:
@@ -109,21 +109,22 @@ class SlotPool:
             await asyncio.wait_for(asyncio.shield(fut), timeout)
         except TimeoutError:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                # granted just as the wait ran out
+                # Granted just as the wait ran out.
                 return Slot(self)
             fut.cancel()
             self._forget(fut)
             raise Busy(f"no slot free within {timeout}s") from None
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self._free()  # granted, but the caller is gone: pass it on
+                # Granted, but the caller is gone: it is passed on.
+                self._free()
             else:
                 fut.cancel()
                 self._forget(fut)
             raise
         return Slot(self)
 
-    def _forget(self, fut: asyncio.Future) -> None:
+    def _forget(self, fut: asyncio.Future[None]) -> None:
         try:
             self.waiters.remove(fut)
         except ValueError:
@@ -133,6 +134,7 @@ class SlotPool:
         while self.waiters and self.in_flight <= self.parallel:
             fut = self.waiters.popleft()
             if not fut.done():
-                fut.set_result(None)  # the slot moves on: in_flight unchanged
+                # The slot moves on: in_flight is unchanged.
+                fut.set_result(None)
                 return
         self.in_flight -= 1

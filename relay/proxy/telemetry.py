@@ -1,41 +1,48 @@
 """A settled request told to OpenTelemetry (`relay.observe.otel`, when it is on).
 
 `settle.settle` calls `settled` once, when the row is complete; this module reads what the
-request's ledger and exchange know (the upstream's address, the response's last JSON
-document, a stall, heartbeats) so the observe layer gets plain values.
+request's ledger and its last exchange came to (the upstream's address, the response's last
+JSON document, a stall, heartbeats) so the observe layer gets plain values.
 """
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from relay.observe.record import Record
 from relay.proxy.ledger import Ledger
-from relay.stream import endings as E
-from relay.stream.sse import SseScanner, event_json
+from relay.stream.sse import event_json
+from relay.stream.summary import ExchangeSummary
+
+if TYPE_CHECKING:
+    # Only when OpenTelemetry is on is any of it imported.
+    from relay.observe.otel import Telemetry
 
 
-def settled(app, rec: Record, ledger: Ledger, t0: float) -> None:
+def settled(
+    otel: Telemetry, rec: Record, ledger: Ledger, summary: ExchangeSummary | None,
+    first_out: float | None,
+) -> None:  # fmt: skip
+    """`summary`: the last attempt's exchange; `first_out`: the perf_counter time the
+    response's first byte went out."""
     up = ledger.up
-    ex = ledger.exchange
     doc = None
     stall = None
-    if ex is not None and rec.upstream_served is not None:
-        scanner = ex.scanner
-        if ex.body_copy is not None:
-            body = ex.body_copy
-            if body.size <= body.LIMIT:
-                doc = b"".join(body.parts)
-        elif isinstance(scanner, SseScanner) and scanner.meta:
-            doc = event_json(scanner.meta)
-        if ex.outcome == E.STALL and ex.stall_reason is not None:
-            stall = (ex.stall_reason, ex.stall_elapsed)
-    hold = ledger.hold
-    beats = hold.beats if hold is not None else 0
+    if summary is not None and rec.upstream_served is not None:
+        if summary.body is not None:
+            doc = summary.body
+        elif summary.meta_event:
+            doc = event_json(summary.meta_event)
+        if summary.stall is not None:
+            stall = (summary.stall.reason, summary.stall.elapsed_s)
+    reply = ledger.reply
+    beats = reply.beats if reply is not None else 0
     first_out_ns = None
-    if beats and hold is not None and hold.first_out is not None:  # (perf_counter -> wall)
-        first_out_ns = time.time_ns() - int((time.perf_counter() - hold.first_out) * 1e9)
-    app.otel.settled(
+    if beats and first_out is not None:
+        # perf_counter to the wall clock.
+        first_out_ns = time.time_ns() - int((time.perf_counter() - first_out) * 1e9)
+    otel.settled(
         rec,
         ledger.trace,
         upstream=up.name if up is not None else None,

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 
 from relay.config import ConfigError, UpstreamConfig, parse_target_url
 from relay.http.tls import client_context
 from relay.http.to_upstream import check_header_value, fixed_headers
 from relay.http.upstream_url import Target
-from relay.observe.metrics import UpstreamMetrics
+from relay.observe.metrics import UpstreamMetrics, UpstreamState
 from relay.proxy.health import Health
 from relay.proxy.pool import Pool
-from relay.proxy.slots import SlotPool
+from relay.proxy.slots import SlotPool, Slots
 
 # An idle pooled connection to an https upstream (a hosted API keeps one open for minutes,
 # and a new one costs a TLS handshake) is kept this long unless `keepalive_s` says otherwise.
@@ -38,10 +39,11 @@ def upstream_auth(cfg: UpstreamConfig) -> tuple[bytes, bytes] | None:
         check_header_value(value)
     except ValueError as exc:
         raise ConfigError(f"{where}: the value has {exc}") from None
-    return cfg.auth_header.encode(), os.fsencode(value)  # (its bytes as the environment holds them)
+    # Its bytes as the environment holds them.
+    return cfg.auth_header.encode(), os.fsencode(value)
 
 
-def upstream_tls(cfg: UpstreamConfig, target: Target):
+def upstream_tls(cfg: UpstreamConfig, target: Target) -> ssl.SSLContext | None:
     """The TLS context of an https upstream (None for http); ConfigError naming ca_file."""
     if not target.tls:
         return None
@@ -86,15 +88,16 @@ class Upstream:
             connect_timeout_s,
             self.tls,
         )
-        self.slots = SlotPool(cfg.parallel, cfg.queue)
+        self.slots: Slots = SlotPool(cfg.parallel, cfg.queue)
         self.health = Health()
         self.metrics = UpstreamMetrics(cfg.name, cfg.parallel)
         self.auth = upstream_auth(cfg)
-        self.static = fixed_headers(cfg.headers)  # sent with every request
-        self.probe_task: asyncio.Task | None = None
+        # Sent with every request.
+        self.static = fixed_headers(cfg.headers)
+        self.probe_task: asyncio.Task[None] | None = None
 
     @property
-    def state(self) -> str:
+    def state(self) -> UpstreamState:
         return self.health.state(self.slots.in_flight)
 
     def refresh_metrics(self) -> None:

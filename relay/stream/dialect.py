@@ -24,7 +24,20 @@ the `delta` string of the `*.delta` events (`output_text`, `reasoning_text`,
 
 from __future__ import annotations
 
-CHAT, TEXT, NATIVE, MESSAGES, RESPONSES = "chat", "text", "native", "messages", "responses"
+from enum import StrEnum
+
+
+class Api(StrEnum):
+    """A streaming API the relay reads (docs/apis.md)."""
+
+    CHAT = "chat"
+    TEXT = "text"
+    NATIVE = "native"
+    MESSAGES = "messages"
+    RESPONSES = "responses"
+
+
+CHAT, TEXT, NATIVE, MESSAGES, RESPONSES = Api
 
 # A value that starts with a quote and is not the empty string: `"content":"x`.
 MARKERS = (
@@ -37,7 +50,7 @@ MARKERS = (
 )
 RESPONSES_MARKERS = (b'"delta":"',)
 
-_PATHS = {
+_PATHS: dict[str, Api] = {
     "/v1/completions": TEXT,
     "/completions": TEXT,
     "/completion": NATIVE,
@@ -49,7 +62,7 @@ _PATHS = {
 }
 
 
-def from_path(path: str) -> str:
+def from_path(path: str) -> Api:
     """The API a request path names (CHAT for any other: the relay's historical shape)."""
     return _PATHS.get(path, CHAT)
 
@@ -72,7 +85,7 @@ def event_name(ev: bytes) -> bytes:
     return ev[start : nl if nl >= 0 else len(ev)].strip()
 
 
-def recognise(ev: bytes) -> str | None:
+def recognise(ev: bytes) -> Api | None:
     """The API an event belongs to, when it names one (None: a comment, an error, ...)."""
     name = event_name(ev)
     if name.startswith((b"message_", b"content_block_")):

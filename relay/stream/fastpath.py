@@ -31,15 +31,18 @@ from __future__ import annotations
 from relay.http.chunked import SIZES, chunk_size
 from relay.stream.sse import content_event_at
 
-_HEADS = 32  # size line + prefix kept for this many chunk lengths (per prefix)
+# The size line + prefix is kept for this many chunk lengths (per prefix).
+_HEADS = 32
 # The size line + prefix strings by prefix, shared by the streams whose token events start
 # alike: llama-server's (its `id` comes after the text) start the same for every stream of a
 # model, so its streams hold none of their own; vLLM's and OpenAI's start with the stream's
 # id, and each such stream keeps its own (at most _HEADS, ~270 bytes each). Forgotten all at
 # once past _PREFIXES (a live stream keeps its dict).
-_SHARED: dict[bytes, tuple[bytes, dict[int, bytes]]] = {}  # prefix -> (prefix, its heads)
+# prefix -> (prefix, its heads).
+_SHARED: dict[bytes, tuple[bytes, dict[int, bytes]]] = {}
 _PREFIXES = 256
-_META_WORDS = (b"usage", b"timings")  # a text that, quoted, reads as a usage/timings key
+# A text that, quoted, reads as a usage or timings key.
+_META_WORDS = (b"usage", b"timings")
 
 
 class Shape:
@@ -51,16 +54,20 @@ class Shape:
     __slots__ = ("heads", "lp", "prefix", "s1", "s2", "s2c", "sfx", "sfxc", "split")
 
     def __init__(self, prefix: bytes, sfx: bytes) -> None:
-        shared = _SHARED.get(prefix)  # (one prefix object and one heads dict for all alike)
+        # One prefix object and one heads dict (chunk length -> size line + prefix) for all
+        # streams alike.
+        shared = _SHARED.get(prefix)
         if shared is None:
             if len(_SHARED) >= _PREFIXES:
                 _SHARED.clear()
-            shared = _SHARED[prefix] = (prefix, {})  # heads: chunk length -> size line + prefix
+            shared = _SHARED[prefix] = (prefix, {})
         self.prefix, self.heads = shared
         self.lp, self.sfx = len(prefix), sfx
-        self.sfxc = sfx + b"\r\n"  # a one-event chunk ends so
+        # A one-event chunk ends so.
+        self.sfxc = sfx + b"\r\n"
+        # The suffix around its varying value, set together.
         self.s1: bytes | None = None
-        self.s2 = self.s2c = b""  # (set with s1)
+        self.s2 = self.s2c = b""
         self.split = False
 
     def vary(self) -> bytes | None:
@@ -71,7 +78,8 @@ class Shape:
             sfx = self.sfx
             r2 = sfx.rfind(b'"')
             r1 = sfx.rfind(b'"', 0, r2)
-            if r1 > 0 and sfx[r1 - 1] == 58 and 92 not in sfx[r1:r2]:  # `:"value"` (58: `:`)
+            # `:"value"` (58 is `:`, 92 a backslash).
+            if r1 > 0 and sfx[r1 - 1] == 58 and 92 not in sfx[r1:r2]:
                 self.s1, self.s2 = sfx[: r1 + 1], sfx[r2:]
                 self.s2c = self.s2 + b"\r\n"
         return self.s1
@@ -98,7 +106,8 @@ def learn(data: bytes) -> Shape | None:
 def closing_quote(data: bytes, t: int, end: int) -> int:
     """Where the JSON string whose text starts at `t` ends (its unescaped quote), or -1."""
     q = data.find(b'"', t, end)
-    while q > t and data[q - 1] == 92:  # escaped if an odd run of backslashes precedes it
+    # A quote is escaped if an odd run of backslashes precedes it.
+    while q > t and data[q - 1] == 92:
         b = q - 1
         while b > t and data[b - 1] == 92:
             b -= 1
@@ -136,13 +145,12 @@ def events_in(data: bytes, shape: Shape) -> int:
             heads[n] = head
     if data.startswith(head):
         h = len(head)
-        if data.endswith(shape.sfxc):  # one event, its suffix the learned one
+        # One event, its suffix the learned one; else its last value may vary.
+        if data.endswith(shape.sfxc):
             text = data[h : n - len(shape.sfxc)]
             if text and not (34 in text or 10 in text or 13 in text or text in _META_WORDS):
                 return 1
-        elif (
-            (shape.split or shape.vary()) and shape.s1 is not None and data.endswith(shape.s2c)
-        ):  # its last value varies
+        elif (shape.split or shape.vary()) and shape.s1 is not None and data.endswith(shape.s2c):
             q = data.find(b'"', h)
             text = data[h:q]
             if (
@@ -186,8 +194,9 @@ def several(data: bytes, shape: Shape) -> int:
         start = nl + 2
         end = start + size
         pos = end + 2
+        # The last chunk (size 0) ends the body: it is never here.
         if size <= lp or not data.startswith(prefix, start) or data[end:pos] != b"\r\n":
-            return 0  # (the last chunk, size 0, ends the body: not here)
+            return 0
         if data.startswith(sfx, end - ls):
             text = data[start + lp : end - ls]
             if text and not (34 in text or 10 in text or 13 in text or text in _META_WORDS):
@@ -211,7 +220,8 @@ def tokens(data: bytes, t: int, end: int, shape: Shape) -> int:
         q = data.find(b'"', t, end)
         if q <= t:
             return 0
-        if data[q - 1] == 92:  # an escaped quote in the text
+        # An escaped quote in the text.
+        if data[q - 1] == 92:
             q = closing_quote(data, t, end)
             if q < 0:
                 return 0

@@ -46,8 +46,10 @@ def close_event(pending: bytes | bytearray) -> bytes:
         closer = close_json(value[1:] if value.startswith(b" ") else value)
         if closer is not None:
             return closer + b"\n\n"
-        return b"\n\n"  # (not JSON the relay can finish: as before)
-    end = b"\n" if line else b""  # the half line (a name, an id, a comment) ends here
+        # Not JSON the relay can finish: a blank line, as before.
+        return b"\n\n"
+    # The half line (a name, an id, a comment) ends here.
+    end = b"\n" if line else b""
     if has_data:
         return end + b"\n"
     return end + (PING if named else b"\n")
@@ -57,77 +59,118 @@ def close_json(prefix: bytes) -> bytes | None:
     """The shortest bytes that make the JSON text `prefix` was the start of whole, or None
     when `prefix` cannot start a JSON value."""
     stripped = prefix.strip(_WS)
-    if len(stripped) > 1 and b"[DONE]".startswith(stripped):  # (`[` alone: an array)
+    # `[` alone is an array.
+    if len(stripped) > 1 and b"[DONE]".startswith(stripped):
         return b"[DONE]"[len(stripped) :]
     if not stripped:
         return b"{}"
-    closers: list[int] = []  # the brackets to close, innermost last
-    in_str = esc = key = False
-    hex_left = 0
-    expect = b"v"  # v: a value; k: a key or the end; K: a key; c: a colon; e: a comma or end
-    token = b""  # a literal or number being read
+    cut = _Cut()
     for c in prefix:
-        if in_str:
-            if hex_left:
-                hex_left = hex_left - 1 if c in _HEX else -1
-                if hex_left < 0:
-                    return None
-            elif esc:
-                esc = False
-                hex_left = 4 if c == 0x75 else 0  # \u
-            elif c == 0x5C:
-                esc = True
-            elif c == 0x22:
-                in_str = False
-                expect = b"c" if key else b"e"
-            continue
-        if token and (c in _WS or c in b",]}:"):
-            token, expect = b"", b"e"
+        if not cut.read(c):
+            return None
+    tail = bytes(reversed(cut.closers))
+    if cut.in_str:
+        return _close_string(prefix, cut, tail)
+    return _close_value(prefix, cut, tail)
+
+
+class _Cut:
+    """Where a JSON text cut short stands, read a byte at a time: the brackets to close
+    (innermost last), inside a string (a key's?) and its escape, the hex digits a `\\u`
+    escape still owes, a literal or number being read, and what may come next (`expect`:
+    v a value; k a key or the end; K a key; c a colon; e a comma or the end)."""
+
+    __slots__ = ("closers", "esc", "expect", "hex_left", "in_str", "key", "token")
+
+    def __init__(self) -> None:
+        self.closers: list[int] = []
+        self.in_str = self.esc = self.key = False
+        self.hex_left = 0
+        self.expect = b"v"
+        self.token = b""
+
+    def read(self, c: int) -> bool:
+        """One more byte; False when the text can no longer be JSON."""
+        if self.in_str:
+            return self._in_string(c)
+        if self.token and (c in _WS or c in b",]}:"):
+            self.token, self.expect = b"", b"e"
         if c in _WS:
-            continue
+            return True
         if c == 0x22:
-            if expect not in b"vkK":
-                return None
-            in_str, key = True, expect in b"kK"
-        elif c in b"{[":
+            if self.expect not in b"vkK":
+                return False
+            self.in_str, self.key = True, self.expect in b"kK"
+            return True
+        if c in b"{[]}:,":
+            return self._structural(c)
+        if self.expect == b"v" or self.token:
+            self.token += bytes((c,))
+            return True
+        return False
+
+    def _in_string(self, c: int) -> bool:
+        if self.hex_left:
+            self.hex_left = self.hex_left - 1 if c in _HEX else -1
+            return self.hex_left >= 0
+        if self.esc:
+            self.esc = False
+            # `\u` owes four hex digits.
+            self.hex_left = 4 if c == 0x75 else 0
+        elif c == 0x5C:
+            self.esc = True
+        elif c == 0x22:
+            self.in_str = False
+            self.expect = b"c" if self.key else b"e"
+        return True
+
+    def _structural(self, c: int) -> bool:
+        closers, expect = self.closers, self.expect
+        if c in b"{[":
             if expect != b"v":
-                return None
+                return False
             closers.append(0x7D if c == 0x7B else 0x5D)
-            expect = b"k" if c == 0x7B else b"v"
+            self.expect = b"k" if c == 0x7B else b"v"
         elif c in b"}]":
             if not closers or closers.pop() != c:
-                return None
-            expect = b"e"
+                return False
+            self.expect = b"e"
         elif c == 0x3A:
             if expect != b"c":
-                return None
-            expect = b"v"
-        elif c == 0x2C:
-            if expect != b"e" or not closers:
-                return None
-            expect = b"K" if closers[-1] == 0x7D else b"v"
-        elif expect == b"v" or token:
-            token += bytes((c,))
+                return False
+            self.expect = b"v"
         else:
-            return None
-    tail = bytes(reversed(closers))
-    if in_str:
-        # the string's end: a cut character or escape finished first; a \u escape cut after
-        # (or in) a high surrogate needs its low one (a lone surrogate is not JSON)
-        utf8 = _utf8_rest(prefix)
-        escs = [b"\\", b"udc00"] if esc else [b""]  # a lone `\`: `\\`, or a low surrogate
-        pads = [b"0" * hex_left, b"dc00"[4 - hex_left :]] if hex_left else [b""]
-        rest = (b":null" if key else b"") + tail
-        for e in escs:
-            for pad in pads:
-                for low in (b"", b"\\udc00"):
-                    out = utf8 + e + pad + low + b'"' + rest
-                    if _is_json(prefix + out):
-                        return out
-        return None
+            if expect != b"e" or not closers:
+                return False
+            self.expect = b"K" if closers[-1] == 0x7D else b"v"
+        return True
+
+
+def _close_string(prefix: bytes, cut: _Cut, tail: bytes) -> bytes | None:
+    """The string's end: a cut character or escape finished first; a \\u escape cut after
+    (or in) a high surrogate needs its low one (a lone surrogate is not JSON)."""
+    utf8 = _utf8_rest(prefix)
+    # A lone `\` becomes `\\`, or the start of a low surrogate.
+    escs = [b"\\", b"udc00"] if cut.esc else [b""]
+    hex_left = cut.hex_left
+    pads = [b"0" * hex_left, b"dc00"[4 - hex_left :]] if hex_left else [b""]
+    rest = (b":null" if cut.key else b"") + tail
+    for e in escs:
+        for pad in pads:
+            for low in (b"", b"\\udc00"):
+                out = utf8 + e + pad + low + b'"' + rest
+                if _is_json(prefix + out):
+                    return out
+    return None
+
+
+def _close_value(prefix: bytes, cut: _Cut, tail: bytes) -> bytes | None:
+    """What ends a text cut outside a string: a literal or number finished, a missing value
+    (`null`: after a colon, after a comma in an array) or member, then the brackets."""
     out = b""
-    if token:
-        finished = _finish_scalar(token)
+    expect, closers = cut.expect, cut.closers
+    if cut.token:
+        finished = _finish_scalar(cut.token)
         if finished is None:
             return None
         out = finished
@@ -135,10 +178,10 @@ def close_json(prefix: bytes) -> bytes | None:
         out = b":null"
     elif expect == b"K":
         out = b'"":null'
-    elif expect == b"v" and closers and closers[-1] == 0x7D:
-        out = b"null"  # after a colon
-    elif expect == b"v" and prefix.rstrip(_WS).endswith(b","):
-        out = b"null"  # after a comma in an array
+    elif expect == b"v" and (
+        (closers and closers[-1] == 0x7D) or prefix.rstrip(_WS).endswith(b",")
+    ):
+        out = b"null"
     out += tail
     return out if _is_json(prefix + out) else None
 
@@ -159,7 +202,8 @@ def _utf8_rest(prefix: bytes) -> bytes:
             break
         b = prefix[-back]
         if b & 0xC0 == 0x80:
-            continue  # a continuation byte: the lead is further back
+            # A continuation byte: the lead is further back.
+            continue
         need = 2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4 if b & 0xF8 == 0xF0 else 1
         missing = need - back
         if missing <= 0:

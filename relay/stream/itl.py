@@ -22,6 +22,7 @@ buckets (`relay report` pools every gap of every request, as vLLM's ITL does).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from math import ceil, frexp, ldexp
 
 
@@ -43,7 +44,8 @@ class Gaps:
 
     def __init__(self) -> None:
         self.buckets: dict[int, int] = {}
-        self.last = 0.0  # perf_counter of the read that held the last content event
+        # The perf_counter time of the read that held the last content event.
+        self.last = 0.0
         self.max = 0.0
         self.zeros = 0
         # The bucket of the last gap, [lo, hi), and gaps counted into it since (`run`, not yet
@@ -58,7 +60,7 @@ class Gaps:
         self.key2 = 0
         self.run2 = 0
 
-    def add(self, g: float, _frexp=frexp) -> None:
+    def add(self, g: float, _frexp: Callable[[float], tuple[float, int]] = frexp) -> None:
         """One gap of `g` seconds."""
         if g > 0.0:
             if g > self.max:
@@ -71,13 +73,16 @@ class Gaps:
                 self.run, self.run2 = self.run2 + 1, self.run
             else:
                 m, e = _frexp(g)
-                k = (e << 5) + int(m * 64.0)  # int(m*64) is 32..63: key = 32(e+1) + sub-bucket
-                if self.run2:  # the older bucket's run goes to the dict; the last one is older
+                # int(m*64) is 32..63: the key is 32(e+1) + the sub-bucket. The older bucket's
+                # run goes to the dict; the last one becomes the older.
+                k = (e << 5) + int(m * 64.0)
+                if self.run2:
                     b = self.buckets
                     b[self.key2] = b.get(self.key2, 0) + self.run2
                 self.lo2, self.hi2, self.key2, self.run2 = self.lo, self.hi, self.key, self.run
                 self.key, self.run = k, 1
-                self.lo, self.hi = _bounds(k)  # (exactly the gaps frexp puts in k)
+                # Exactly the gaps frexp puts in k.
+                self.lo, self.hi = _bounds(k)
         else:
             self.zeros += 1
 
@@ -122,8 +127,9 @@ class Gaps:
         return encode(self.buckets, self.zeros) if self.count else None
 
 
-SUB = 32  # buckets per octave
-MARK = "o32"  # the first word of an encoded row in these buckets
+# Buckets per octave, and the first word of an encoded row in these buckets.
+SUB = 32
+MARK = "o32"
 
 
 def bucket_bounds(k: int) -> tuple[float, float]:
@@ -145,7 +151,8 @@ def _old_key(k: int) -> int:
     return key_of(ldexp((17 + 2 * sub) / 32.0, e))
 
 
-_BOUNDS: dict[int, tuple[float, float]] = {}  # bucket_bounds by key (a few hundred at most)
+# bucket_bounds by key (a few hundred at most).
+_BOUNDS: dict[int, tuple[float, float]] = {}
 
 
 def _bounds(k: int) -> tuple[float, float]:
@@ -161,7 +168,8 @@ def quantile_of(
     total = zeros + sum(buckets.values())
     if total <= 0:
         return None
-    rank = max(1, min(total, ceil(round(q * total, 9))))  # nearest rank
+    # The nearest rank.
+    rank = max(1, min(total, ceil(round(q * total, 9))))
     if rank <= zeros:
         return 0.0
     seen = zeros
@@ -171,7 +179,8 @@ def quantile_of(
             lo, hi = bucket_bounds(k)
             mid = (lo + hi) / 2
             return min(mid, cap) if cap else mid
-    return cap  # not reached
+    # (Not reached: the ranks add up to `total`.)
+    return cap
 
 
 def encode(buckets: dict[int, int], zeros: int) -> str:

@@ -17,11 +17,15 @@ bytes, so scanning stays linear however an event is split.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 
 from relay.stream import dialect as D
+from relay.stream.dialect import Api
 
-_MAX_PENDING = 1 << 20  # an event larger than this is not scanned (still relayed)
+# An event larger than this is not scanned (it is still relayed).
+_MAX_PENDING = 1 << 20
 # (a Responses `response.completed` repeats the whole output and the request's instructions
 # and tools: its usage is kept whatever its size up to the scanner's bound)
 _MAX_META = _MAX_PENDING
@@ -36,7 +40,8 @@ def carries_content(event: bytes, markers: tuple[bytes, ...] = D.MARKERS) -> boo
         i = event.find(marker)
         while i >= 0:
             j = i + len(marker)
-            if j < len(event) and event[j] != 0x22:  # not `""`
+            # A value that is not the empty string `""`.
+            if j < len(event) and event[j] != 0x22:
                 return True
             i = event.find(marker, j)
     return False
@@ -123,25 +128,37 @@ class SseScanner:
         "started",
     )
 
-    def __init__(self, on_first_content=None, dialect: str = D.CHAT) -> None:
-        self.content_events = 0  # events that carried generated content
-        self.pending: bytes | bytearray = b""  # unfinished event text
-        self.done_seen = False  # the stream's own end went by ([DONE], message_stop, ...)
-        self.error_first = False  # an error event came before any content
-        self.meta = b""  # last event carrying usage/timings
-        self.meta_first = b""  # the first one
+    def __init__(
+        self, on_first_content: Callable[[], None] | None = None, dialect: Api = D.CHAT
+    ) -> None:
+        # The events that carried generated content, and the unfinished event's text.
+        self.content_events = 0
+        self.pending: bytes | bytearray = b""
+        # The stream's own end went by ([DONE], message_stop, ...); an error event came
+        # before any content.
+        self.done_seen = False
+        self.error_first = False
+        # The last event carrying usage or timings, and the first one.
+        self.meta = b""
+        self.meta_first = b""
         self.oversized = False
-        self.on_first_content = on_first_content  # called once, at the first content event
+        # Called once, at the first content event.
+        self.on_first_content = on_first_content
         self.first_event = True
-        self.recognised = False  # an event named the stream's API (`dialect.recognise`)
-        self.started = False  # MESSAGES: message_start went by; RESPONSES: response.created
-        self.blocks: dict[int, str] = {}  # MESSAGES: the open content blocks' types, by index
-        self.delta_seen = False  # MESSAGES: message_delta (the stop reason) went by
-        self.head_event = b""  # RESPONSES: the response.created event
-        self.last_event = b""  # RESPONSES: the last event (its sequence_number goes on)
+        # An event named the stream's API (`dialect.recognise`).
+        self.recognised = False
+        # What a terminal frame must close. MESSAGES: message_start went by, the open content
+        # blocks' types by index, message_delta (the stop reason) went by. RESPONSES:
+        # response.created went by, that event, and the last event (its sequence_number
+        # goes on).
+        self.started = False
+        self.blocks: dict[int, str] = {}
+        self.delta_seen = False
+        self.head_event = b""
+        self.last_event = b""
         self.use(dialect)
 
-    def use(self, dialect: str) -> None:
+    def use(self, dialect: Api) -> None:
         """Read the stream as `dialect` speaks (the path's guess, or what its events say)."""
         self.dialect = dialect
         self.markers = D.RESPONSES_MARKERS if dialect == D.RESPONSES else D.MARKERS
@@ -170,37 +187,49 @@ class SseScanner:
     def feed(self, data: bytes) -> None:
         pending = self.pending
         if pending:
-            # An unfinished event grows in place until a read ends it: only the new bytes
-            # (and the one before them) are searched for its end, and it is joined once, so
-            # an event split over any number of reads costs time linear in its size.
-            # (an int `in` is a memchr: no line end in the new bytes, no event end)
-            if not data.endswith(b"\n\n") and (
-                (10 not in data and 13 not in data)
-                or not (
-                    b"\n\n" in data
-                    or b"\r\r" in data
-                    or b"\n\r" in data
-                    or pending[-1:] + data[:1] in _RAW_ENDS
-                )
-            ):
-                if len(pending) + len(data) > _MAX_PENDING:
-                    self.oversized = True  # give up on this event, keep relaying
-                    self.pending = b""
-                elif isinstance(pending, bytes):
-                    self.pending = bytearray(pending) + data
-                else:
-                    pending += data
+            joined = self._joined(pending, data)
+            if joined is None:
                 return
-            data = (pending if pending.__class__ is bytes else bytes(pending)) + data
-            self.pending = b""
+            data = joined
         if b"\r" in data:
             if data.endswith(b"\r") and not data.endswith((b"\r\r", b"\n\r")):
-                # a lone CR may be half of a CRLF: its meaning waits for the next read (what
-                # comes before it is scanned now: the pending tail never holds an event end)
+                # A lone CR may be half of a CRLF: its meaning waits for the next read (what
+                # comes before it is scanned now: the pending tail never holds an event end).
                 self.feed(data[:-1])
                 self.pending += b"\r"
                 return
             data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        self._events(data)
+
+    def _joined(self, pending: bytes | bytearray, data: bytes) -> bytes | None:
+        """The unfinished event and the new bytes, when the new bytes may end it; else None,
+        the event grown in place. Only the new bytes (and the one before them) are searched
+        for its end, and it is joined once, so an event split over any number of reads
+        costs time linear in its size (an int `in` is a memchr: no line end in the new
+        bytes, no event end)."""
+        if not data.endswith(b"\n\n") and (
+            (10 not in data and 13 not in data)
+            or not (
+                b"\n\n" in data
+                or b"\r\r" in data
+                or b"\n\r" in data
+                or pending[-1:] + data[:1] in _RAW_ENDS
+            )
+        ):
+            if len(pending) + len(data) > _MAX_PENDING:
+                # This event is given up on; relaying goes on.
+                self.oversized = True
+                self.pending = b""
+            elif isinstance(pending, bytes):
+                self.pending = bytearray(pending) + data
+            else:
+                pending += data
+            return None
+        self.pending = b""
+        return (pending if pending.__class__ is bytes else bytes(pending)) + data
+
+    def _events(self, data: bytes) -> None:
+        """Whole events, read; an unfinished one at the end kept for the next read."""
         start = 0
         find = data.find
         while True:
@@ -214,7 +243,8 @@ class SseScanner:
             rest = data[start:] if start else data
             if rest.strip(b"\n"):
                 if len(rest) > _MAX_PENDING:
-                    self.oversized = True  # give up on this event, keep relaying
+                    # This event is given up on; relaying goes on.
+                    self.oversized = True
                 else:
                     self.pending = rest
 
@@ -222,17 +252,8 @@ class SseScanner:
         ev = ev.lstrip(b"\n")
         if not ev:
             return
-        # a comment line (llama-server's ping while it reads a long prompt) is not the first
-        # event: the error a first event may be comes after it
-        if self.first_event and (ev[0] != 0x3A or b"\n" in ev):
-            self.first_event = False
-            self.error_first = ev.startswith(b'data: {"error"') or D.event_name(ev) == b"error"
-        if not self.recognised:  # (until an event names its API: the first, as a rule)
-            api = D.recognise(ev)
-            if api is not None:
-                self.recognised = True
-                if api != self.dialect:
-                    self.use(api)
+        if self.first_event or not self.recognised:
+            self._opening(ev)
         if self.dialect == D.MESSAGES:
             self._message_event(ev)
         elif self.dialect == D.RESPONSES:
@@ -248,11 +269,27 @@ class SseScanner:
             if not self.meta_first:
                 self.meta_first = ev
 
+    def _opening(self, ev: bytes) -> None:
+        """The events that open a stream: the first (an error?), and the first that names
+        its API (the first, as a rule)."""
+        # A comment line (llama-server's ping while it reads a long prompt) is not the first
+        # event: the error a first event may be comes after it.
+        if self.first_event and (ev[0] != 0x3A or b"\n" in ev):
+            self.first_event = False
+            self.error_first = ev.startswith(b'data: {"error"') or D.event_name(ev) == b"error"
+        if not self.recognised:
+            api = D.recognise(ev)
+            if api is not None:
+                self.recognised = True
+                if api != self.dialect:
+                    self.use(api)
+
     def _message_event(self, ev: bytes) -> None:
         """Anthropic's lifecycle: what a terminal frame must close."""
         name = D.event_name(ev)
         if name == b"content_block_delta":
-            return  # (the usual event: nothing to follow)
+            # The usual event: nothing to follow.
+            return
         if name == b"message_start":
             self.started = True
         elif name == b"content_block_start":
@@ -272,7 +309,8 @@ class SseScanner:
             self.delta_seen = True
         elif name == b"message_stop":
             self.done_seen = True
-        elif name == b"error":  # (Anthropic's streamed error ends the stream)
+        elif name == b"error":
+            # Anthropic's streamed error ends the stream.
             self.done_seen = True
             self.error_first = not self.content_events
 
@@ -281,7 +319,8 @@ class SseScanner:
         self.last_event = ev
         name = D.event_name(ev)
         if name.endswith(b".delta"):
-            return  # (the usual event)
+            # The usual event.
+            return
         if name == b"response.created":
             self.started = True
             self.head_event = ev

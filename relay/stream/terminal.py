@@ -50,11 +50,11 @@ def stall_notice(reason: str, elapsed_s: float) -> str:
     return f"\n\n[relay] stall guard: {reason} after {elapsed_s}s"
 
 
-def _stall_info(reason: str, elapsed_s: float, upstream: str) -> dict:
+def _stall_info(reason: str, elapsed_s: float, upstream: str) -> dict[str, object]:
     return {"reason": reason, "elapsed_s": elapsed_s, "upstream": upstream}
 
 
-def _sse(name: str, doc: dict) -> bytes:
+def _sse(name: str, doc: dict[str, object]) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + _encode(doc) + b"\n\n"
 
 
@@ -88,7 +88,7 @@ def stall_frame(
         return lead + b"data: " + _encode(doc) + b"\n\n"
     head = {"id": "relay-stall-guard"}
     if dialect == D.TEXT:
-        choice: dict = {"index": 0, "text": text, "finish_reason": "length"}
+        choice: dict[str, object] = {"index": 0, "text": text, "finish_reason": "length"}
         head["object"] = "text_completion"
     else:
         choice = {
@@ -101,14 +101,16 @@ def stall_frame(
     return lead + b"data: " + _encode(doc) + b"\n\n" + DONE_EVENT
 
 
-def _messages_end(scanner: SseScanner | None, text: str, info: dict) -> bytes:
+def _messages_end(scanner: SseScanner | None, text: str, info: dict[str, object]) -> bytes:
     if scanner is None or not scanner.started:
         return anthropic_error("api_error", text.strip(), info)
     out = []
     blocks = scanner.blocks
     if blocks:
-        last = max(blocks)  # the block being written (llama-server may leave a text block
-        if blocks[last] == "text":  # open under a tool_use one: the notice never goes there)
+        # The block being written: llama-server may leave a text block open under a tool_use
+        # one, and the notice never goes into a tool_use block.
+        last = max(blocks)
+        if blocks[last] == "text":
             delta = {"type": "text_delta", "text": text}
             out.append(
                 _sse(
@@ -139,7 +141,7 @@ class _Seq(msgspec.Struct):
 
 
 class _Created(msgspec.Struct):
-    response: dict = msgspec.field(default_factory=dict)
+    response: dict[str, object] = msgspec.field(default_factory=dict)
 
 
 def _next_sequence(scanner: SseScanner) -> int | None:
@@ -153,7 +155,7 @@ def _next_sequence(scanner: SseScanner) -> int | None:
     return seq + 1 if seq >= 0 else None
 
 
-def _responses_end(scanner: SseScanner | None, text: str, info: dict) -> bytes:
+def _responses_end(scanner: SseScanner | None, text: str, info: dict[str, object]) -> bytes:
     seq = _next_sequence(scanner) if scanner is not None else None
     body = event_json(scanner.head_event) if scanner is not None and scanner.started else None
     try:
@@ -162,7 +164,8 @@ def _responses_end(scanner: SseScanner | None, text: str, info: dict) -> bytes:
         response = None
     if not response or scanner is None:
         return responses_error("server_error", text.strip(), seq, info)
-    response.pop("output", None)  # the client keeps the items it accumulated
+    # The client keeps the items it accumulated.
+    response.pop("output", None)
     usage = response.get("usage")
     told = usage.get("input_tokens") if isinstance(usage, dict) else None
     prompt = told if isinstance(told, int) else 0
@@ -172,25 +175,25 @@ def _responses_end(scanner: SseScanner | None, text: str, info: dict) -> bytes:
         incomplete_details={"reason": "max_output_tokens"},
         usage={"input_tokens": prompt, "output_tokens": out, "total_tokens": prompt + out},
     )
-    doc: dict = {"type": "response.incomplete"}
+    doc: dict[str, object] = {"type": "response.incomplete"}
     if seq is not None:
         doc["sequence_number"] = seq
     doc.update(response=response, x_relay_stall=info)
     return _sse("response.incomplete", doc)
 
 
-def anthropic_error(type_: str, message: str, info: dict | None = None) -> bytes:
-    error: dict = {"type": type_, "message": message}
-    doc: dict = {"type": "error", "error": error}
+def anthropic_error(type_: str, message: str, info: dict[str, object] | None = None) -> bytes:
+    error: dict[str, object] = {"type": type_, "message": message}
+    doc: dict[str, object] = {"type": "error", "error": error}
     if info is not None:
         doc["x_relay_stall"] = info
     return _sse("error", doc)
 
 
 def responses_error(
-    code: str, message: str, seq: int | None = None, info: dict | None = None
+    code: str, message: str, seq: int | None = None, info: dict[str, object] | None = None
 ) -> bytes:
-    doc: dict = {"type": "error", "code": code, "message": message, "param": None}
+    doc: dict[str, object] = {"type": "error", "code": code, "message": message, "param": None}
     if seq is not None:
         doc["sequence_number"] = seq
     if info is not None:

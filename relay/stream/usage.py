@@ -19,9 +19,11 @@ from relay.stream.sse import event_json
 class _Usage(msgspec.Struct):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
-    input_tokens: int | None = None  # Anthropic, Responses
+    # Anthropic, Responses; Anthropic counts its cache reads and writes apart from its
+    # input_tokens.
+    input_tokens: int | None = None
     output_tokens: int | None = None
-    cache_read_input_tokens: int | None = None  # Anthropic: not in its input_tokens
+    cache_read_input_tokens: int | None = None
     cache_creation_input_tokens: int | None = None
     decoding_speed_tps: float | None = None
     kv_token_occupancy_rate_percentage: float | None = None
@@ -52,7 +54,9 @@ class _Timings(msgspec.Struct):
     predicted_per_second: float | None = None
 
 
-class _Inner(msgspec.Struct):  # Anthropic's `message`, Responses' `response`
+class _Inner(msgspec.Struct):
+    """Anthropic's `message`, Responses' `response`."""
+
     usage: _Usage | None = None
     timings: _Timings | None = None
 
@@ -118,7 +122,7 @@ def exact_usage(doc: bytes) -> Usage | None:
         completion = usage.completion()
         tps = usage.decoding_speed_tps
         kv = usage.kv_token_occupancy_rate_percentage
-    timed: tuple = ()
+    timed: tuple[float | None, float | None, float | None] | tuple[()] = ()
     if timings is not None:
         t = timings
         timed = (t.prompt_ms, t.prompt_per_second, t.predicted_per_second)
@@ -177,7 +181,12 @@ class JsonBody:
     def feed_span(self, data: bytes, start: int, end: int) -> None:
         self.feed(data[start:end])
 
-    def usage(self) -> Usage | None:
+    def document(self) -> bytes | None:
+        """The body as kept; None when it was larger than kept."""
         if self.size > self.LIMIT:
             return None
-        return exact_usage(b"".join(self.parts))
+        return b"".join(self.parts)
+
+    def usage(self) -> Usage | None:
+        doc = self.document()
+        return exact_usage(doc) if doc is not None else None

@@ -62,7 +62,7 @@ class Parent(Protocol):
     def budget_generations(self) -> list[tuple[float, int]]:
         """(wall time, budgets' generation) after each reload (`unlimited`)."""
 
-    def keep(
+    def put_row(
         self, rec: Record, admission: AdmissionId | None = None, trend: bool | None = None
     ) -> None: ...
 
@@ -181,7 +181,7 @@ def admit(app: Parent, w: Worker, msg: wire.Admit) -> None:
     if msg.ahead is not None:
         ask_slot(app, w, msg.ahead)
         w.promised.promise(msg.admission, msg.ahead)
-    if res.settled:
+    if res.released:
         # The key has no limits here (a reload removed them): there is nothing to hold.
         w.send(wire.AdmitAnswer(msg.id, AdmitVerdict.OK))
         return
@@ -202,7 +202,7 @@ async def commit(app: Parent, w: Worker, msg: wire.Admit, adm: Admitted) -> None
         if w.admissions.get(msg.admission) is adm:
             del w.admissions[msg.admission]
         w.promised.end(msg.admission)
-        app.budgets.settle(adm.res, 0, 0, time.time())
+        app.budgets.spend(adm.res, 0, 0, time.time())
         w.send(wire.AdmitRefused.of(msg.id, exc))
         return
     except TimeoutError:
@@ -221,7 +221,7 @@ async def commit(app: Parent, w: Worker, msg: wire.Admit, adm: Admitted) -> None
 
 def row(app: Parent, w: Worker, msg: wire.Row) -> None:
     """A settled request's row: its reservation replaced with what it used, then kept as one
-    process keeps it (`App.keep`: the page's figures, the store). A slot asked for with its
+    process keeps it (`App.put_row`: the page's figures, the store). A slot asked for with its
     admission was released already if the request took it; if not, it goes back now."""
     rec, admission = msg.rec, msg.admission
     adm = None
@@ -231,12 +231,12 @@ def row(app: Parent, w: Worker, msg: wire.Row) -> None:
     if adm is None:
         if rec.key_id is not None:
             # A key without limits: charged to the windows a reload made meanwhile.
-            app.budgets.settle(unlimited(app, rec), *charge(rec), time.time())
-        app.keep(rec, None, msg.trend)
+            app.budgets.spend(unlimited(app, rec), *charge(rec), time.time())
+        app.put_row(rec, None, msg.trend)
         return
-    app.budgets.settle(adm.res, *charge(rec), time.time())
+    app.budgets.spend(adm.res, *charge(rec), time.time())
     record_id = adm.record_id
-    adm.then(lambda: app.keep(rec, record_id, msg.trend))
+    adm.then(lambda: app.put_row(rec, record_id, msg.trend))
 
 
 def reclaim(app: Parent, w: Worker) -> int:
@@ -255,7 +255,7 @@ def reclaim(app: Parent, w: Worker) -> int:
         adm.rec.error_code = adm.rec.outcome = CRASHED
         adm.rec.ok = False
         adm.rec.set_reserved(adm.prompt, adm.completion)
-        app.budgets.settle(adm.res, 1, adm.prompt + adm.completion, now)
+        app.budgets.spend(adm.res, 1, adm.prompt + adm.completion, now)
         adm.then(_keeper(app, adm))
     crashed = len(w.admissions)
     w.admissions.clear()
@@ -265,7 +265,7 @@ def reclaim(app: Parent, w: Worker) -> int:
 
 
 def _keeper(app: Parent, adm: Admitted) -> Callable[[], None]:
-    return lambda: app.keep(adm.rec, adm.record_id)
+    return lambda: app.put_row(adm.rec, adm.record_id)
 
 
 def _task(app: Parent, coro: Coroutine[object, object, None]) -> asyncio.Task[None]:
@@ -282,4 +282,4 @@ def unlimited(app: Parent, rec: Record) -> Reservation:
     for at, generation in app.budget_generations:
         if at <= rec.ts:
             gen = generation
-    return Reservation(rec.key_id or "", 0, settled=True, gen=gen, admitted_at=rec.ts)
+    return Reservation(rec.key_id or "", 0, released=True, gen=gen, admitted_at=rec.ts)

@@ -37,12 +37,13 @@ import relay
 from relay import reload
 from relay.app import App
 from relay.config import Config
-from relay.errors import RelayError
+from relay.errors import Code, RelayError
 from relay.observe import metrics_merge
 from relay.observe.log import Log
 from relay.observe.metrics import Registry
 from relay.proxy.endpoints import JSON, admin_view
 from relay.proxy.upstreams import Upstream
+from relay.reload import Summary
 from relay.workers import holdings, wire
 from relay.workers.holdings import Worker
 
@@ -92,8 +93,7 @@ class ParentApp(App):
         self.budget_generations: list[tuple[float, int]] = [(0.0, self.budgets.generation)]
 
     # ---- start -----------------------------------------------------------------------
-    # App.listen's type says asyncio.Server: here, the socket every worker serves.
-    async def listen(self) -> _Listener:  # type: ignore[override]
+    async def listen(self) -> _Listener:
         """One listening socket for every worker: the host's first address (a name is
         resolved as one process resolves it); "" or "::" is every interface, IPv4 and IPv6."""
         s = self.config.server
@@ -226,13 +226,13 @@ class ParentApp(App):
     async def _answer_view(self, w: Worker, ask: wire.ViewAsk) -> None:
         try:
             await self.gather()
-            status, body, ctype, extra = admin_view(self, ask.path, ask.target)
+            status, body, ctype, extra = admin_view(self, ask.path)
         except RelayError as err:
             status, body, ctype, extra = err.status, err.body(), JSON, list(err.headers)
         except Exception as exc:
             # A bug: the worker's client still gets an answer.
             self.log.event("internal_error", error=f"{type(exc).__name__}: {exc}"[:300])
-            bug = RelayError("internal_error", "internal relay error")
+            bug = RelayError(Code.INTERNAL_ERROR, "internal relay error")
             status, body, ctype, extra = bug.status, bug.body(), JSON, []
         w.send(wire.ViewAnswer(ask.id, status, body, ctype, extra))
 
@@ -317,12 +317,12 @@ class ParentApp(App):
             self._close_retired()
 
     # ---- reload and stop -------------------------------------------------------------
-    async def reload_async(self, config: Config) -> dict[str, object]:
+    async def reload_async(self, config: Config) -> Summary:
         """The parent applies the file (a bad one: ConfigError, nothing changed anywhere),
         then every worker does; a worker that cannot drains (its streams finish) and is
         restarted on the new configuration."""
         async with self._reloading:
-            summary: dict[str, object] = await reload.apply_async(self, config)
+            summary = await reload.apply_async(self, config)
             self.budget_generations.append((time.time(), self.budgets.generation))
             awaited: list[tuple[Worker, asyncio.Future[wire.Reloaded]]] = []
             for w in list(self.workers.values()):

@@ -171,10 +171,10 @@ class LooseBudgets(Budgets):
     def reserve(self, key_id: str, tokens: int, now: float) -> Reservation:
         kb = self.keys.get(key_id)
         limited = kb is not None and bool(kb.windows)
-        return Reservation(key_id, tokens, settled=not limited, admitted_at=now)
+        return Reservation(key_id, tokens, released=not limited, admitted_at=now)
 
-    def settle(self, res: Reservation, requests: int, tokens: int, now: float) -> None:
-        res.done = res.settled = True
+    def spend(self, res: Reservation, requests: int, tokens: int, now: float) -> None:
+        res.spent = res.released = True
 
     def restore(self, key_id: str, kind: str, requests: int, tokens: int, now: float) -> None:
         pass
@@ -236,7 +236,7 @@ class RemoteStore:
                 raise RuntimeError(answer.why)
 
     def send_row(self, rec: Record, admission: AdmissionId | None, trend: bool | None) -> None:
-        """The row goes to the parent, which charges its key and keeps it (`App.keep`), and
+        """The row goes to the parent, which charges its key and keeps it (`App.put_row`), and
         gives back a slot asked for with its admission that the request did not take."""
         if admission is not None:
             self.link.ahead.forget(admission)

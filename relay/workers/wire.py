@@ -38,6 +38,7 @@ from typing import Generic, TypeVar
 import msgspec
 
 from relay.config import Config
+from relay.observe.metrics import UpstreamState
 from relay.observe.record import Record
 from relay.policy.budget import BudgetExceeded
 from relay.store.admissions import AdmissionId
@@ -96,7 +97,7 @@ class Admit(msgspec.Struct, tag="admit", array_like=True, frozen=True):
 
 class Row(msgspec.Struct, tag="row", array_like=True, frozen=True):
     """`trend`: whether the request generates, None when no upstream was involved
-    (`App.keep`)."""
+    (`App.put_row`)."""
 
     rec: Record
     admission: AdmissionId | None
@@ -142,7 +143,7 @@ class Configure(msgspec.Struct, tag="config", array_like=True, frozen=True):
 
 class Health(msgspec.Struct, tag="health", array_like=True, frozen=True):
     upstream: str
-    probe: str
+    probe: UpstreamState
     error: str
 
 

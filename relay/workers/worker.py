@@ -8,7 +8,7 @@ The per-event path is this process's alone; what crosses to the parent is per re
 - a keyed request's budget and admission record (`RemoteStore.admit`): one round trip,
   the parent reserving in its `Budgets` and writing the record, as one process does, with
   the slot of its first upstream asked for in the same message (relay.workers.ahead);
-- the row (`WorkerApp.keep`): a message, never awaited;
+- the row (`WorkerApp.put_row`): a message, never awaited;
 - the relay's own views (`/metrics`, `/api/slots/metrics`, `/api/ui/state`): answered by
   the parent from every worker's figures.
 The parent probes the upstreams and tells every worker each verdict. A worker whose parent
@@ -31,15 +31,14 @@ import msgspec
 
 from relay.app import App, run
 from relay.config import Config, ConfigError, DispatcherConfig, UpstreamConfig
-from relay.errors import RelayError
-from relay.http.fields import Headers
+from relay.errors import Code, RelayError
 from relay.observe.log import Log, shared_stderr
 from relay.observe.metrics import UpstreamMetrics
 from relay.observe.record import Record
 from relay.policy.budget import Budgets
+from relay.proxy.app_view import ViewAnswer
 from relay.proxy.client import ClientConn
 from relay.proxy.endpoints import JSON
-from relay.proxy.request import Request
 from relay.proxy.upstreams import Upstream
 from relay.store.admissions import AdmissionId
 from relay.workers import wire
@@ -75,8 +74,7 @@ class WorkerApp(App):
         parent (which probes it now), and one that gets an answer from it again, that it is
         up."""
         up = super().new_upstream(cfg, d)
-        # Upstream.slots is declared a SlotPool; it holds any `Slots` (relay.proxy.slots).
-        up.slots = RemoteSlots(self.link, cfg.name, cfg.parallel, cfg.queue)  # type: ignore[assignment]
+        up.slots = RemoteSlots(self.link, cfg.name, cfg.parallel, cfg.queue)
         up.health.on_down = lambda: self.link.send(wire.Down(up.name, up.health.last_error))
         up.health.on_up = lambda: self.link.send(wire.Up(up.name))
         return up
@@ -93,10 +91,10 @@ class WorkerApp(App):
             lambda: ClientConn(self), sock=self.sock, backlog=4096, start_serving=False
         )
 
-    def keep(
+    def put_row(
         self, rec: Record, admission: AdmissionId | None = None, trend: bool | None = None
     ) -> None:
-        """The row goes to the parent, which keeps it (App.keep) and charges its key."""
+        """The row goes to the parent, which keeps it (App.put_row) and charges its key."""
         self.remote_store.send_row(rec, admission, trend)
 
     def gauged(self) -> list[UpstreamMetrics]:
@@ -109,27 +107,18 @@ class WorkerApp(App):
     def _restore_budgets(self, windows: list[tuple[str, str]] | None = None) -> None:
         """The parent's budgets are rebuilt from the rows; this process keeps none."""
 
-    async def _ask_view(
-        self, client: ClientConn, req: Request, rid: bytes, cors: Headers, path: str
-    ) -> None:
+    async def _ask_view(self, path: str, target: bytes) -> ViewAnswer:
         """One of the relay's own views, answered by the parent from every worker's figures."""
         i, fut = self.link.view_answers.expect()
-        self.link.send(wire.ViewAsk(i, path, req.target))
+        self.link.send(wire.ViewAsk(i, path, target))
         try:
             answer = await asyncio.wait_for(fut, ANSWER_GRACE_S)
         except TimeoutError:
-            err = RelayError("server_busy", "the relay's figures did not come in time")
-            answer = wire.ViewAnswer(i, err.status, err.body(), JSON, [])
+            err = RelayError(Code.SERVER_BUSY, "the relay's figures did not come in time")
+            return ViewAnswer(err.status, err.body(), JSON, [])
         finally:
             self.link.view_answers.forget(i)
-        client.respond(
-            answer.status,
-            answer.body,
-            rid,
-            req.keep_alive,
-            cors + answer.headers,
-            content_type=answer.content_type,
-        )
+        return ViewAnswer(answer.status, answer.body, answer.content_type, answer.headers)
 
     def told(self, message: wire.Told) -> None:
         """A message from the parent that is not an answer. `Drain` is SIGTERM to the parent

@@ -14,8 +14,8 @@ from tests.support import httpc
 from tests.support.fakeup import Scripted
 from tests.support.helpers import closed_port, error_of
 
-# DESIGN.md "Errors the relay itself produces": code -> (status, type)
-DESIGN_TABLE = [
+# docs/operations.md, "Errors the relay answers with": code -> (status, type)
+DOCS_TABLE = [
     ("bad_request", 400, "invalid_request_error"),
     ("invalid_json", 400, "invalid_request_error"),
     ("invalid_api_key", 401, "authentication_error"),
@@ -30,7 +30,7 @@ DESIGN_TABLE = [
 ]
 
 
-@pytest.mark.parametrize("code,status,type_", DESIGN_TABLE)
+@pytest.mark.parametrize("code,status,type_", DOCS_TABLE)
 def test_every_design_code(code, status, type_):
     err = RelayError(code, "msg")
     assert (err.code, err.status, err.type) == (code, status, type_)

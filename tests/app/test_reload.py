@@ -17,7 +17,7 @@ NOW = 1_700_000_000.0
 def test_budget_reload_keeps_used_and_reserved_and_reports_new_windows():
     b = Budgets([KeyConfig(id="k", sha256=SHA, requests_per_day=10)])
     done = b.reserve("k", 5, NOW)
-    b.settle(done, 1, 7, NOW)
+    b.spend(done, 1, 7, NOW)
     flying = b.reserve("k", 3, NOW)
     fresh = b.reload(
         [
@@ -34,7 +34,7 @@ def test_budget_reload_keeps_used_and_reserved_and_reports_new_windows():
     }
     with pytest.raises(BudgetExceeded):  # 1 used + 1 reserved: the new limit of 2 is reached
         b.reserve("k", 1, NOW)
-    b.settle(flying, 1, 2, NOW)  # settles in the window it reserved in
+    b.spend(flying, 1, 2, NOW)  # settles in the window it reserved in
     assert b.usage("k", NOW)["daily"]["requests"] == 2
     b.reload([])  # a removed key: a reservation taken before still settles
     assert b.keys == {}
@@ -44,8 +44,8 @@ def test_budget_settle_after_the_key_was_removed():
     b = Budgets([KeyConfig(id="k", sha256=SHA, requests_per_day=10)])
     res = b.reserve("k", 5, NOW)
     b.reload([])
-    b.settle(res, 1, 5, NOW)  # no KeyError
-    assert res.settled
+    b.spend(res, 1, 5, NOW)  # no KeyError
+    assert res.released
 
 
 async def test_slot_resize_grants_waiters_and_shrinks_on_release():
@@ -118,10 +118,10 @@ async def test_reload_applies_the_buffered_body_bound(make_relay, sim):
     assert (refused.status, refused.json()["error"]["code"]) == (503, "server_busy")
     server = msgspec.structs.replace(app.config.server, max_buffered_body_bytes=65536)
     app.reload(msgspec.structs.replace(app.config, server=server))
-    assert app.dispatcher.bodies.limit == 65536
+    assert app.bodies.limit == 65536
     served = await httpc.fetch(app.port, "POST", "/v1/chat/completions", body)
     assert served.status == 200 and served.complete
-    assert app.dispatcher.bodies.held == 0
+    assert app.bodies.held == 0
 
 
 def test_a_window_a_reload_creates_is_charged_by_requests_in_flight_then():
@@ -147,19 +147,19 @@ def test_a_window_a_reload_creates_is_charged_by_requests_in_flight_then():
     )
     assert fresh == [("free", "daily"), ("k", "monthly")]
     b.restore("free", "daily", 2, 50, NOW)  # what the rows held at the reload
-    b.settle(unlimited, 1, 402, NOW)
-    b.settle(unlimited, 1, 402, NOW)  # once
+    b.spend(unlimited, 1, 402, NOW)
+    b.spend(unlimited, 1, 402, NOW)  # once
     assert b.usage("free", NOW)["daily"] == {
         "requests": 3,
         "tokens": 452,
         "reserved_requests": 0,
         "reserved_tokens": 0,
     }
-    b.settle(daily_only, 1, 40, NOW)
+    b.spend(daily_only, 1, 40, NOW)
     assert b.usage("k", NOW)["daily"]["tokens"] == 40
     assert b.usage("k", NOW)["monthly"]["tokens"] == 40
     after = b.reserve("free", 10, NOW)  # admitted under the new limit: its reservation only
-    b.settle(after, 1, 8, NOW)
+    b.spend(after, 1, 8, NOW)
     assert b.usage("free", NOW)["daily"]["tokens"] == 460
 
 
@@ -225,15 +225,15 @@ def test_requests_settled_while_a_reload_reads_the_rows_are_charged_to_its_windo
     early = b.reserve("k", 0, NOW)
     late = b.reserve("k", 0, NOW)
     b.stage()
-    b.settle(early, 1, 30, NOW)  # settled while the rows are read: its row is not among them
+    b.spend(early, 1, 30, NOW)  # settled while the rows are read: its row is not among them
     new = [KeyConfig(id="k", sha256=SHA, requests_per_day=10)]
     assert b.reload(new, {("k", "daily"): (4, 100)}, NOW) == [("k", "daily")]
     assert b.usage("k", NOW)["daily"]["requests"] == 5
     assert b.usage("k", NOW)["daily"]["tokens"] == 130
-    b.settle(late, 1, 7, NOW)  # in flight at the reload: charged as it settles
+    b.spend(late, 1, 7, NOW)  # in flight at the reload: charged as it settles
     assert b.usage("k", NOW)["daily"]["tokens"] == 137
     b.stage()
-    b.settle(b.reserve("k", 5, NOW), 1, 5, NOW)
+    b.spend(b.reserve("k", 5, NOW), 1, 5, NOW)
     b.unstage()  # refused: the next reload rebuilds from rows that hold that one
     more = [KeyConfig(id="k", sha256=SHA, requests_per_day=10, tokens_per_month=900)]
     assert b.reload(more, {("k", "monthly"): (7, 142)}, NOW) == [("k", "monthly")]

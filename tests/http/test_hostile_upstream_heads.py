@@ -316,8 +316,7 @@ async def test_the_pool_never_hands_out_a_connection_with_unread_bytes():
 async def test_one_large_event_in_small_reads_is_scanned_in_linear_time(make_relay, monkeypatch):
     """The scanner's unfinished event grows in place (it was re-joined on every read: 9.6 s
     of CPU for 20 MB in 1 KB reads); the stream still passes byte for byte."""
-    from relay.proxy import exchange
-    from relay.stream import sse
+    from relay.stream import observer, sse
 
     spent = {"cpu": 0.0, "calls": 0}
 
@@ -330,7 +329,7 @@ async def test_one_large_event_in_small_reads_is_scanned_in_linear_time(make_rel
             spent["cpu"] += time.process_time() - t
             spent["calls"] += 1
 
-    monkeypatch.setattr(exchange, "SseScanner", Timed)
+    monkeypatch.setattr(observer, "SseScanner", Timed)
     first = b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'
     huge = b'data: {"choices":[{"delta":{"content":"' + b"x" * (6 << 20) + b'"}}]}\n\n'
     last = b'data: {"choices":[],"usage":{"completion_tokens":2}}\n\ndata: [DONE]\n\n'

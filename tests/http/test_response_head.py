@@ -1,5 +1,5 @@
-"""relay/http/response_head.py held to h11 as the oracle (DESIGN: "it is held to h11 as the
-oracle by tests").
+"""relay/http/response_head.py held to h11 as the oracle (docs/architecture.md: "Tests hold it
+to h11 as the oracle").
 
 Random response heads - odd status lines and reason phrases, odd header names, values and
 whitespace, obs-fold, bare LFs, Content-Length / Transfer-Encoding combinations, interim 1xx

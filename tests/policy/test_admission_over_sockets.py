@@ -188,7 +188,7 @@ async def test_401_comes_before_the_body_is_sent_and_no_100_continue(make_relay,
         assert await asyncio.wait_for(reader.read(), HEAD_TIMEOUT) == b""  # then closed
     finally:
         writer.close()
-    assert app.dispatcher.bodies.held == 0 and sim.requests == []
+    assert app.bodies.held == 0 and sim.requests == []
     row = (await rows_of(app, 1))[0]
     assert (row["status"], row["error_code"], row["path"]) == (401, "invalid_api_key", CHAT)
 
@@ -215,7 +215,7 @@ async def test_bodies_held_relay_wide_are_bounded_503_and_given_back(make_relay,
     ra, wa = await open_with_head(app.port, len(big), [])
     try:
         wa.write(big[: 40 * 1024])  # A holds 40 KiB, body not complete
-        await wait_for(lambda: app.dispatcher.bodies.held == 40 * 1024)
+        await wait_for(lambda: app.bodies.held == 40 * 1024)
         # B declares more than is left: refused on its head, before its body is read
         rb, wb = await open_with_head(app.port, 32 * 1024, [])
         resp = await asyncio.wait_for(httpc.read_head(rb), HEAD_TIMEOUT)
@@ -234,20 +234,20 @@ async def test_bodies_held_relay_wide_are_bounded_503_and_given_back(make_relay,
         resp = await asyncio.wait_for(httpc.read_head(rc), HEAD_TIMEOUT)
         wc.close()
         assert resp.status == 503
-        assert app.dispatcher.bodies.held == 40 * 1024
+        assert app.bodies.held == 40 * 1024
         wa.write(big[40 * 1024 :])  # A completes and is served
         resp = await asyncio.wait_for(httpc.read_head(ra), HEAD_TIMEOUT)
         await asyncio.wait_for(httpc.read_body(ra, resp), HEAD_TIMEOUT)
         assert resp.status == 200
     finally:
         wa.close()
-    await wait_for(lambda: app.dispatcher.bodies.held == 0)
+    await wait_for(lambda: app.bodies.held == 0)
     # a client leaving mid-body gives its bytes back too
     _rd, wd = await open_with_head(app.port, len(big), [])
     wd.write(big[:20000])
-    await wait_for(lambda: app.dispatcher.bodies.held == 20000)
+    await wait_for(lambda: app.bodies.held == 20000)
     wd.close()
-    await wait_for(lambda: app.dispatcher.bodies.held == 0)
+    await wait_for(lambda: app.bodies.held == 0)
 
 
 # ---- token limits the upstream honours ------------------------------------------------------
@@ -344,7 +344,7 @@ async def test_body_bytes_are_given_back_when_the_client_leaves_mid_request(make
     body took: halfway through sending the body, while at the upstream, while queued for a
     slot."""
     app = await make_relay(parallel=1, queue=4)
-    bodies, slots = app.dispatcher.bodies, app.upstreams["llm"].slots
+    bodies, slots = app.bodies, app.upstreams["llm"].slots
 
     def request(marker: str) -> tuple[bytes, int]:
         body = httpc.chat(2, first_token_delay_ms=5000)  # in flight until the client leaves

@@ -426,8 +426,8 @@ def test_budget_windows_at_month_and_year_edges():
         "resets_at": "2032-01-01T00:00:00Z",
     }
     assert exc.value.retry_after == 1
-    b.settle(res, 1, 30, dec31 + 0.5)
-    b.settle(res, 1, 30, dec31 + 0.5)  # a second settle does nothing
+    b.spend(res, 1, 30, dec31 + 0.5)
+    b.spend(res, 1, 30, dec31 + 0.5)  # a second settle does nothing
     assert b.usage("alpha", dec31 + 0.5)["monthly"] == {
         "requests": 1,
         "tokens": 30,
@@ -439,7 +439,7 @@ def test_budget_windows_at_month_and_year_edges():
     with pytest.raises(BudgetExceeded) as exc:
         b.reserve("alpha", 1, jan1 + 1)
     assert exc.value.details()["resets_at"] == "2032-02-01T00:00:00Z"
-    b.settle(res, 1, 70, jan1 + 2)
+    b.spend(res, 1, 70, jan1 + 2)
     assert b.usage("alpha", jan1 + 2)["monthly"]["tokens"] == 70
 
 

@@ -198,9 +198,9 @@ async def test_heartbeat_off_holds_pings_as_before(make_relay, upstreams):
     up = await upstreams(script)
     app = await make_relay(up.url, heartbeat_s=0)
     c = await Client.post(app.port, body())
-    await wait_for(lambda: hold_of(app) is not None and hold_of(app).parts)  # the ping is in
-    hold = hold_of(app)
-    assert (hold.sent, hold.timer, hold.parts) == (False, None, [F.chunk(PING)])
+    await wait_for(lambda: hold_of(app) is not None and hold_of(app).hold.parts)  # the ping is in
+    reply = hold_of(app)
+    assert (reply.hold.sent, reply.timer, reply.hold.parts) == (False, None, [F.chunk(PING)])
     gate.open(0)
     await c.expect(CLIENT_HEAD + F.chunk(PING) + F.chunk(ROLE) + F.chunk(TOKENS[0]) + REST)
     c.close()
@@ -518,19 +518,20 @@ async def test_openai_client_raises_the_in_band_error(make_relay, upstreams):
 
 
 def hold_of(app):
-    """The hold of the one request in flight (None before its exchange exists)."""
+    """The reply holding the one request in flight (None before its exchange exists, and once
+    the hold opened)."""
     for c in app.clients:
         if c.exchange is not None:
-            return c.exchange.hold
+            return c.exchange.reply
     return None
 
 
 def beats(app) -> int:
     return max(
         (
-            c.exchange.hold.beats
+            c.exchange.reply.beats
             for c in app.clients
-            if c.exchange is not None and c.exchange.hold is not None
+            if c.exchange is not None and c.exchange.reply is not None
         ),
         default=0,
     )

@@ -472,7 +472,7 @@ async def test_openai_client_through_relay_to_tls_upstream(make_relay, pki, tls_
 
 # ---- backpressure holds over TLS too --------------------------------------------------------
 async def test_slow_reader_pauses_the_tls_upstream(make_relay, pki, tls_sim):
-    from relay.proxy.client import WRITE_HIGH_WATER
+    from relay.proxy.client_writer import WRITE_HIGH_WATER
     from tests.support.helpers import settled
     from tests.support.sockets import READ_SIZE, paused_stream
 
@@ -480,7 +480,7 @@ async def test_slow_reader_pauses_the_tls_upstream(make_relay, pki, tls_sim):
     n = 60000
     reader, writer, resp, client, ex = await paused_stream(app, n)
     sent = await settled(lambda: tls_sim.requests[-1].tokens_sent)
-    buffered = client.transport.get_write_buffer_size() + (ex.hold.size if ex.hold else 0)
+    buffered = client.transport.get_write_buffer_size() + (ex.reply.hold.size if ex.reply else 0)
     assert buffered <= WRITE_HIGH_WATER + READ_SIZE, buffered
     assert not ex.conn.transport.is_reading()
     assert sent < n * 0.8  # the simulator was held back: TLS passes the pause on

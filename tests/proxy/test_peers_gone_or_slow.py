@@ -3,7 +3,7 @@
 import asyncio
 import socket
 
-from relay.proxy.client import WRITE_HIGH_WATER
+from relay.proxy.client_writer import WRITE_HIGH_WATER
 from tests.support import httpc
 from tests.support.helpers import settled, wait_for
 from tests.support.sockets import READ_SIZE, open_stream, paused_stream
@@ -73,7 +73,7 @@ async def test_slow_reader_keeps_relay_buffer_bounded(make_relay, sim):
     # while the client reads nothing, the upstream side stays paused and the buffer bounded;
     # the simulator goes on only until the kernel buffers between it and the relay are full
     sent = await settled(lambda: upstream_req.tokens_sent)
-    buffered = client.transport.get_write_buffer_size() + (ex.hold.size if ex.hold else 0)
+    buffered = client.transport.get_write_buffer_size() + (ex.reply.hold.size if ex.reply else 0)
     assert buffered <= WRITE_HIGH_WATER + READ_SIZE, buffered
     assert not ex.conn.transport.is_reading()
     assert sent < n * 0.8  # the simulator was held back too

@@ -1,7 +1,8 @@
 """PostgreSQL frozen (every process of the server SIGSTOPped), not down: it accepts TCP and its
 kernel ACKs every byte, but nothing answers. A keyed request still waits at most the bound of
-DESIGN.md's Budgets (unreachable 2 s: local view), and a relay stopped meanwhile ends within
-drain_timeout_s and a small bound, its rows in the spill file, sent at its next start."""
+docs/postgresql.md's "When PostgreSQL is away" (unreachable 2 s: the local view), and a relay
+stopped meanwhile ends within drain_timeout_s and a small bound, its rows in the spill file,
+sent at its next start."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tests.support.helpers import wait_for
 from tests.support.keys import OTHER_SECRET, sha
 from tests.support.pg_relays import CHAT, Relay, chat, config, headers
 
-BOUND_S = 2.0  # DESIGN.md, Budgets: PostgreSQL unreachable 2 s, then the local view
+BOUND_S = 2.0  # docs/postgresql.md: PostgreSQL unreachable 2 s, then the local view
 MARGIN_S = 0.75  # the relay's own work and the simulator's answer, on a shared CPU
 DRAIN_S = 3.0
 

@@ -13,22 +13,29 @@ chunks per read, with random texts and random damage. Then whole streams go thro
 
 from __future__ import annotations
 
+import asyncio
 import random
 import re
 import types
 
 import pytest
 
-from relay.http import response_framing as framing
+from relay.errors import Outcome
 from relay.http.chunked import SIZE, ChunkTracker
 from relay.proxy import exchange as X
+from relay.proxy.client_writer import ClientWriter
+from relay.proxy.deadlines import Deadlines
+from relay.proxy.reply import Reply
+from relay.proxy.request import Request
 from relay.sim import frames as F
 from relay.sim.completion import timings
-from relay.stream import endings as E
+from relay.stream import observer as O
+from relay.stream.content_hold import Hold
 from relay.stream.fastpath import events_in, learn, size_line
-from relay.stream.itl import Gaps
 from relay.stream.sse import SseScanner, is_meta
+from relay.stream.stall import StallPolicy
 from relay.stream.usage import stream_usage
+from tests.support.fake_loop import FakeLoop
 
 TOKEN = (
     b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"Hi"}}],'
@@ -397,32 +404,43 @@ def test_scanning_a_span_in_place_agrees_with_scanning_a_copy():
 # ---------------------------------------------------------------------------- whole streams
 
 
-class _Clock:
-    def __init__(self) -> None:
+class _Loop(FakeLoop):
+    """The exchange's loop: a fake clock and timers, and futures of a loop that never runs."""
+
+    def __init__(self, futures: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
         self.now = 100.0
+        self.futures = futures
 
-    def time(self) -> float:
-        return self.now
+    def create_future(self) -> asyncio.Future:
+        return self.futures.create_future()
 
 
-def _exchange(clock: _Clock, out: list) -> X.Exchange:
-    """An exchange standing where start_body leaves a chunked SSE stream with its hold
-    released: the body path only (upstream_data and what it calls)."""
-    ex = X.Exchange.__new__(X.Exchange)
-    transport = types.SimpleNamespace(
-        write=out.append, is_closing=lambda: False, get_protocol=lambda: None
-    )
-    ex.loop, ex.client = clock, types.SimpleNamespace(transport=transport)
-    ex.conn = types.SimpleNamespace(handler=None, transport=None)
-    ex.flow = types.SimpleNamespace(paused=False, cancel=lambda: None)
-    ex.done = types.SimpleNamespace(done=lambda: False, set_result=lambda r: None)
-    ex.body_started, ex.head_reader, ex.hold, ex.outcome, ex.timer = True, None, None, None, None
-    ex.kind, ex.mode, ex.tracker = framing.CHUNKED, framing.PASS, ChunkTracker()
-    ex.scanner, ex.gaps, ex.sse = SseScanner(), Gaps(), True
-    ex.fast, ex.shape, ex.bytes_out, ex.on_content, ex.first_content_at = False, None, 0, None, None
-    ex.upstream_keep_alive = ex.client_keep_alive = True
-    ex.open_fut = None  # nobody waits for the hold to open
-    ex._write = out.append
+class _Transport:
+    """The client connection's transport: what is written to it is kept."""
+
+    def __init__(self, out: list) -> None:
+        self.write = out.append
+
+    def set_write_buffer_limits(self, high=None, low=None) -> None:
+        pass
+
+
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def _exchange(loop: _Loop, out: list) -> X.Exchange:
+    """An exchange relaying a chunked SSE stream to a client connection's writer, over a fake
+    upstream connection and a fake client transport: the head is in, the hold keeps the body
+    until its first content event."""
+    writer = ClientWriter(loop, _Transport(out))
+    req = Request(b"POST", b"/v1/chat/completions", [], b"", True, True)
+    reply = Reply(loop, writer, Hold(b"r1"), 0.0)
+    conn = types.SimpleNamespace(handler=None, transport=None, abort=lambda: None)
+    relaying = X.Relaying(loop, Deadlines(loop), StallPolicy(300.0, 0.0, 300.0), 10.0)
+    ex = X.Exchange(relaying, conn, req, reply, X.Hop("llm", "m", False))
+    ex.upstream_data(HEAD)
+    assert ex.body_started
     return ex
 
 
@@ -442,27 +460,33 @@ def _stream(f: F.StreamFrames, n: int, rng: random.Random, batch: int | None) ->
 def _run(body: bytes, reads: list[int], gaps: list[float], fast: bool, monkeypatch):
     taken = []  # token events the fast path counted
     if fast:
-        real = X.events_in
-        monkeypatch.setattr(X, "events_in", lambda d, s: taken.append(real(d, s)) or taken[-1])
+        real = O.events_in
+        monkeypatch.setattr(O, "events_in", lambda d, s: taken.append(real(d, s)) or taken[-1])
     else:
-        monkeypatch.setattr(X, "learn", lambda data: None)
-    clock, out = _Clock(), []
-    monkeypatch.setattr(X, "_perf", clock.time)  # (the gaps' clock, read once a read)
-    ex = _exchange(clock, out)
+        monkeypatch.setattr(O, "learn", lambda data: None)
+    futures = asyncio.new_event_loop()
+    loop, out = _Loop(futures), []
+    monkeypatch.setattr(X, "_perf", loop.time)  # (the gaps' clock, read once a read)
+    ex = _exchange(loop, out)
     pos = 0
     for cut, g in zip(reads, gaps):
-        clock.now += g
+        loop.now += g
         ex.upstream_data(body[pos:cut])
         pos = cut
     monkeypatch.undo()
+    futures.close()
+    sent = b"".join(out)
+    assert sent.startswith(b"HTTP/1.1 200 OK\r\n")
+    summary = ex.summary
+    assert summary is not None and summary.gaps is not None
     return (
-        b"".join(out),
-        ex.scanner.content_events,
-        stream_usage(ex.scanner.meta),
-        ex.gaps.encode(),
-        ex.gaps.max,
-        ex.bytes_out,
-        ex.outcome,
+        sent[sent.index(b"\r\n\r\n") + 4 :],
+        summary.content_events,
+        stream_usage(summary.meta_event),
+        summary.gaps.encode(),
+        summary.gaps.max,
+        ex.writer.sent,
+        summary.ending,
     ), sum(taken)
 
 
@@ -487,7 +511,7 @@ def test_whole_streams_give_the_same_bytes_tokens_usage_and_gaps_either_way(fram
         assert fast == ref and none == 0
         fast_tokens[n % 2] += taken
         all_tokens[n % 2] += tokens
-        assert fast[0] == body and fast[1] == tokens and fast[-1] == E.DONE
+        assert fast[0] == body and fast[1] == tokens and fast[-1] == Outcome.DONE
         if framing_[2] or framing_[1] == "llama":  # usage (or llama-server's timings) read
             assert fast[2] is not None and fast[2].completion_tokens == tokens
     assert fast_tokens[0] > all_tokens[0] / 2 and fast_tokens[1] > all_tokens[1] / 2  # (it ran)

@@ -472,7 +472,7 @@ async def test_a_client_too_slow_to_read_is_not_a_stalled_upstream(make_relay):
     ex = conn.exchange
     assert ex.flow.paused and not ex.conn.transport.is_reading()
     await asyncio.sleep(3 * idle)  # the client reads nothing for three idle bounds
-    assert ex.outcome is None and ex.flow.paused  # not tripped: still waiting on the client
+    assert ex.ending is None and ex.flow.paused  # not tripped: still waiting on the client
     assert app.log.of("stream_stall_guard_tripped") == []
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
     reader, writer = await asyncio.open_connection(sock=sock)

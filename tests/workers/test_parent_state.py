@@ -8,6 +8,7 @@ import asyncio
 import time
 
 from relay.config import parse_config
+from relay.errors import Outcome
 from relay.observe.log import quiet
 from relay.observe.metrics import Registry, UpstreamMetrics
 from relay.observe.record import Record, field_values
@@ -60,7 +61,7 @@ async def test_a_row_right_behind_its_admission_settles_it(tmp_path):
         w = Worker(0, _Proc(), _Writer(), time.monotonic())
         rec = Record(time.time(), "r1", "/v1/chat/completions", "POST", key_id="alpha")
         gone = Record(*field_values(rec))
-        gone.outcome = gone.error_code = "client_gone"
+        gone.outcome, gone.error_code = Outcome.CLIENT_CLOSED, "client_gone"
         reader = asyncio.StreamReader()
         reader.feed_data(
             wire.frame(wire.Admit(7, 1, rec, 10, 20)) + wire.frame(wire.Row(gone, 1, True))

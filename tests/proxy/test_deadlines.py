@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from relay.stream.deadlines import Deadlines
+from relay.proxy.deadlines import Deadlines
 from relay.stream.stall import StallPolicy
 from tests.support.fake_loop import FakeLoop
 

@@ -19,27 +19,42 @@ from __future__ import annotations
 from collections.abc import Callable
 from heapq import heapify, heappop, heappush
 from itertools import count
+from typing import Protocol
 
-_SLACK = 0.001  # a loop timer may fire up to a clock tick early (uvloop counts whole ms)
+# A loop timer may fire up to a clock tick early (uvloop counts whole ms).
+_SLACK = 0.001
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Clock(Protocol):
+    """What the deadlines ask of the loop (a fake one in tests)."""
+
+    def time(self) -> float: ...
+
+    def call_at(self, when: float, callback: Callable[[], None], /) -> Cancellable: ...
+
+    def call_exception_handler(self, context: dict[str, object], /) -> None: ...
 
 
 class Deadlines:
     __slots__ = ("_heap", "_live", "_loop", "_seq", "_timer", "_timer_at")
 
-    def __init__(self, loop) -> None:
+    def __init__(self, loop: Clock) -> None:
         self._loop = loop
         self._heap: list[tuple[float, int]] = []
-        self._live: dict[
-            int, Callable[[], object]
-        ] = {}  # seq -> callback, for deadlines not cancelled
+        # seq -> callback, for the deadlines not cancelled.
+        self._live: dict[int, Callable[[], object]] = {}
         self._seq = count()
-        self._timer = None
+        self._timer: Cancellable | None = None
         self._timer_at = float("inf")
 
     def __len__(self) -> int:
         return len(self._live)
 
-    def add(self, when: float, callback) -> int:
+    def add(self, when: float, callback: Callable[[], object]) -> int:
         """Call `callback()` at loop time `when`; the id returned cancels it."""
         seq = next(self._seq)
         heappush(self._heap, (when, seq))
@@ -63,7 +78,7 @@ class Deadlines:
     def _fire(self) -> None:
         self._timer, self._timer_at = None, float("inf")
         heap, live = self._heap, self._live
-        due = []
+        due: list[Callable[[], object]] = []
         now = self._loop.time() + _SLACK
         while heap and heap[0][0] <= now:
             cb = live.pop(heappop(heap)[1], None)
@@ -71,14 +86,16 @@ class Deadlines:
                 due.append(cb)
         while heap and heap[0][1] not in live:
             heappop(heap)
-        if heap:  # armed for what is left first: a callback's new deadline re-arms if earlier
+        # Armed for what is left first: a callback's new deadline re-arms if earlier.
+        if heap:
             self._arm(heap[0][0])
-        # the callbacks run after the heap is read: one that adds a deadline (a guard not
-        # due yet looks again later) lands in the heap for the next firing, not in this one
+        # The callbacks run after the heap is read: one that adds a deadline (a guard not
+        # due yet looks again later) lands in the heap for the next firing, not in this one.
         for cb in due:
             try:
                 cb()
-            except Exception as exc:  # (a bug in one guard must not leave the others unarmed)
+            except Exception as exc:
+                # A bug in one guard must not leave the others unarmed.
                 self._loop.call_exception_handler(
                     {"message": "stall deadline callback failed", "exception": exc}
                 )

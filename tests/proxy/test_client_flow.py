@@ -1,8 +1,8 @@
-"""relay/stream/client_flow.py without sockets: pause, resume, and a client stuck too long."""
+"""relay.proxy.client_flow.py without sockets: pause, resume, and a client stuck too long."""
 
 from __future__ import annotations
 
-from relay.stream.client_flow import ClientFlow
+from relay.proxy.client_flow import ClientFlow
 from tests.support.fake_loop import FakeLoop
 
 

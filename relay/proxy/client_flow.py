@@ -7,18 +7,40 @@ them. A client that cannot take a write for `write_timeout_s` is given up on (`o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
+
+class Timers(Protocol):
+    """What the flow asks of the loop (a fake one in tests)."""
+
+    def call_later(self, delay: float, callback: Callable[[], None], /) -> Cancellable: ...
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Reading(Protocol):
+    """The upstream transport whose reads the client's flow pauses."""
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
 
 class ClientFlow:
     __slots__ = ("loop", "on_stuck", "paused", "timeout_s", "timer")
 
-    def __init__(self, loop, timeout_s: float, on_stuck) -> None:
+    def __init__(self, loop: Timers, timeout_s: float, on_stuck: Callable[[], None]) -> None:
         self.loop = loop
         self.timeout_s = timeout_s
         self.on_stuck = on_stuck
-        self.paused = False  # the client is the slow side: upstream reads are not owed
-        self.timer = None
+        # The client is the slow side: upstream reads are not owed.
+        self.paused = False
+        self.timer: Cancellable | None = None
 
-    def pause(self, upstream) -> None:
+    def pause(self, upstream: Reading | None) -> None:
         """`upstream`: the upstream transport to stop reading, or None."""
         self.paused = True
         if upstream is not None:
@@ -26,7 +48,7 @@ class ClientFlow:
         if self.timer is None:
             self.timer = self.loop.call_later(self.timeout_s, self._stuck)
 
-    def resume(self, upstream) -> None:
+    def resume(self, upstream: Reading | None) -> None:
         self.paused = False
         self.cancel()
         if upstream is not None:

@@ -1,0 +1,146 @@
+"""A request's response until its first content event: the hold's steps written to the client,
+and the heartbeat's timer.
+
+The hold (`stream.content_hold`) decides what is held and what goes out; a `Reply` writes each
+step through the connection's `ClientWriter` and keeps the heartbeat: a streamed request
+that got nothing for `heartbeat_s` gets a 200 event-stream head and a heartbeat comment each
+`heartbeat_s` until content. The timer is re-armed lazily from the last write to the client.
+When a heartbeat falls due while an exchange holds its upstream's head, the exchange commits
+with that head (`EarlyCommit`, attached while it holds one); otherwise the relay's own head
+goes out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+from relay.errors import UpstreamErrorFields
+from relay.http.response_framing import BodyKind, Carriage
+from relay.http.response_head import ResponseHead
+from relay.proxy.client_writer import ClientWriter
+from relay.stream.content_hold import NOTHING, Hold, Took
+from relay.stream.dialect import Api
+
+
+class EarlyCommit(Protocol):
+    """An exchange holding its upstream's head: it commits with it when a heartbeat is due."""
+
+    def commit_early(self) -> None: ...
+
+
+class Reply:
+    __slots__ = ("hold", "holder", "interval", "loop", "since", "timer", "timer_at", "writer")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, writer: ClientWriter, hold: Hold, interval: float
+    ) -> None:
+        self.loop = loop
+        self.writer = writer
+        self.hold = hold
+        # heartbeat_s; 0: never commit early.
+        self.interval = interval
+        self.holder: EarlyCommit | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = 0.0
+        self.since = 0.0
+
+    # ---- what the hold says ----------------------------------------------------------
+    @property
+    def open(self) -> bool:
+        return self.hold.open
+
+    @property
+    def committed(self) -> bool:
+        return self.hold.committed
+
+    @property
+    def beats(self) -> int:
+        return self.hold.beats
+
+    def error(self) -> UpstreamErrorFields | None:
+        return self.hold.error()
+
+    # ---- heartbeat ---------------------------------------------------------------------
+    def start(self) -> None:
+        if self.interval > 0:
+            self.since = self.loop.time()
+            self._arm(self.since + self.interval)
+
+    def _arm(self, at: float) -> None:
+        self.timer_at = at
+        self.timer = self.loop.call_at(at, self._tick)
+
+    def _tick(self) -> None:
+        self.timer = None
+        hold, writer = self.hold, self.writer
+        if hold.over or writer.gone:
+            return
+        due = max(self.since, writer.last_at) + self.interval
+        if due > self.timer_at:
+            # Something went out since: look again then.
+            self._arm(due)
+            return
+        if self.holder is not None and not hold.committed:
+            self.holder.commit_early()
+            if not hold.committed:
+                return
+        writer.write(hold.beat())
+        self._arm(writer.last_at + self.interval)
+
+    def close(self) -> None:
+        """No more heartbeats (the hold opened, or the request ends)."""
+        self.holder = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    # ---- the exchange holding its head -------------------------------------------------
+    def hold_head(self, head: bytes, frames: bool, holder: EarlyCommit | None) -> None:
+        """The head an exchange would send (`frames`: the relay frames the body after it);
+        `holder` commits with it if a heartbeat falls due meanwhile."""
+        self.hold.hold_head(head, frames)
+        self.holder = holder
+
+    def detach(self, holder: EarlyCommit) -> None:
+        if self.holder is holder:
+            self.holder = None
+
+    def commit_upstream(self, resp: ResponseHead, kind: BodyKind, mode: Carriage) -> bytes:
+        """Commit with the upstream's own head; what was held comes back as body payload."""
+        self.holder = None
+        out, held = self.hold.commit_upstream(resp, kind, mode)
+        self.writer.write(out)
+        return held
+
+    # ---- body pieces -------------------------------------------------------------------
+    def take(self, piece: bytes, content: bool, error_first: bool, more: bool) -> Took:
+        took, out = self.hold.take(piece, content, error_first, more)
+        if out is not NOTHING:
+            self.writer.write(out)
+        if took is Took.RELEASED:
+            self.close()
+        return took
+
+    def release(self) -> None:
+        """What is held goes out: the client is open from here."""
+        self.writer.write(self.hold.release())
+        self.close()
+
+    def finish(self) -> None:
+        """The upstream's body ended cleanly while held: it all goes out, and the end."""
+        self.writer.write(self.hold.finish())
+        self.close()
+
+    def fail(self, message: str, type_: str, code: str | None, api: Api) -> bool:
+        """End the committed response with one in-band error; whether the connection may
+        stay open."""
+        out, keep_alive = self.hold.fail(message, type_, code, api)
+        self.writer.write(out)
+        self.close()
+        return keep_alive
+
+    def retry(self) -> None:
+        """The next candidate starts."""
+        self.holder = None
+        self.hold.retry()

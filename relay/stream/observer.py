@@ -1,0 +1,135 @@
+"""What one relayed response body says, read in passing: the stream's observation in one
+object.
+
+An event stream is read by the SSE scanner (`sse`: content events, its API, its end, an error
+first, the events with usage or timings) and its content events' gaps are kept (`itl`); a
+whole JSON body is kept, bounded, to read its usage once it ended (`usage.JsonBody`); any
+other body is not read. The observer stamps the first content event's read (TTFT) and the
+last one's (`gaps.last`), and learns the stream's token events (`fastpath`) so that the usual
+read is counted in one go (`fast`). It never changes a byte and writes nothing: the exchange
+(relay.proxy.exchange) hands it each read and its time, one `perf_counter` reading per read.
+"""
+
+from __future__ import annotations
+
+from relay.stream.dialect import Api
+from relay.stream.fastpath import Shape, events_in, learn
+from relay.stream.itl import Gaps
+from relay.stream.sse import SseScanner
+from relay.stream.usage import JsonBody, Usage, stream_usage
+
+
+class Observer:
+    __slots__ = ("body", "first_content_at", "gaps", "read_at", "scanner", "shape")
+
+    def __init__(self, scanner: SseScanner | None, body: JsonBody | None) -> None:
+        self.scanner = scanner
+        self.body = body
+        # An event stream's gaps between content events.
+        self.gaps: Gaps | None = Gaps() if scanner is not None else None
+        # The perf_counter time of the read being scanned, and of the read that held the
+        # first content event.
+        self.read_at = 0.0
+        self.first_content_at: float | None = None
+        # This stream's token events up to their text, once learned (`fastpath.learn`).
+        self.shape: Shape | None = None
+
+    @classmethod
+    def of_stream(cls, api: Api) -> Observer:
+        """An event stream's observer, its API guessed as `api` until its events say."""
+        obs = cls(None, None)
+        obs.scanner = SseScanner(obs._first_content, api)
+        obs.gaps = Gaps()
+        return obs
+
+    @classmethod
+    def of_json(cls) -> Observer:
+        """A whole JSON body's observer: the body kept (bounded) for its usage."""
+        return cls(None, JsonBody())
+
+    def _first_content(self) -> None:
+        # The first content event's time is its read's, as every event of that read's is
+        # (`stream.itl`): TTFT is never after the last content event.
+        self.first_content_at = self.read_at
+
+    # ---- reads -----------------------------------------------------------------------
+    def scan(self, wire: bytes, spans: list[int], now: float) -> None:
+        """The payloads `wire[spans[0]:spans[1]]`, ... of one read made at `now`."""
+        self.read_at = now
+        sc = self.scanner
+        if sc is not None:
+            before = sc.content_events
+            feed = sc.feed_span
+            for i in range(0, len(spans), 2):
+                feed(wire, spans[i], spans[i + 1])
+            if sc.content_events != before:
+                gaps = self.gaps
+                assert gaps is not None
+                gaps.events(now, before, sc.content_events)
+        elif self.body is not None:
+            body = self.body
+            for i in range(0, len(spans), 2):
+                body.feed(wire[spans[i] : spans[i + 1]])
+
+    def fast(self, data: bytes, now: float) -> int:
+        """The token events of a read of whole chunks of whole token events (the usual read,
+        `fastpath.events_in`), counted with their gaps; 0 when the read is anything else
+        (then `scan` reads it). Called only once a content event went by."""
+        shape = self.shape
+        n = events_in(data, shape) if shape is not None else 0
+        if not n:
+            n = self._learned(data)
+            if not n:
+                return 0
+        sc, gp = self.scanner, self.gaps
+        assert sc is not None and gp is not None
+        sc.content_events += n
+        # One inter-token gap, counted without a call when it falls in the last gap's
+        # bucket again (`Gaps.add` otherwise); the other events of the read came with it.
+        g = now - gp.last
+        gp.last = now
+        if gp.lo <= g < gp.hi:
+            gp.run += 1
+            if g > gp.max:
+                gp.max = g
+        else:
+            gp.add(g)
+        if n != 1:
+            gp.zeros += n - 1
+        return n
+
+    def _learned(self, data: bytes) -> int:
+        """The token events of a read that missed the stream's shape, by a shape learned from
+        the read itself (kept for the next reads then), or 0."""
+        shape = learn(data)
+        if shape is None:
+            return 0
+        n = events_in(data, shape)
+        if n:
+            self.shape = shape
+        return n
+
+    # ---- what it says ----------------------------------------------------------------
+    @property
+    def content_events(self) -> int:
+        sc = self.scanner
+        return sc.content_events if sc is not None else 0
+
+    @property
+    def error_first(self) -> bool:
+        """The body's first event (or document) is an error."""
+        sc = self.scanner
+        return sc.error_first if sc is not None else False
+
+    def stream_usage(self) -> Usage | None:
+        """An event stream's exact figures, from its events with usage or timings."""
+        sc = self.scanner
+        if sc is None or not sc.meta:
+            return None
+        return stream_usage(sc.meta, sc.meta_first)
+
+    def end(self) -> None:
+        """The body is over: the scanner's callback (a bound method of this observer) goes,
+        so that nothing of the exchange is kept alive by a reference cycle."""
+        if self.scanner is not None:
+            self.scanner.on_first_content = None
