@@ -1,14 +1,16 @@
 """Instructions per request of the relay process (callgrind), the ttft load.
 
-    python -m bench.req_profile [--warm 50] [--requests 100] [--repeat 1]
+    python -m bench.req_profile [--warm 50] [--requests 100] [--repeat 1] [--baseline REV]
 
 The simulator and one relay (`python -m relay serve` under `valgrind --tool=callgrind`) on
 127.0.0.1; the ttft load (one stream at a time, a new connection each, 4 tokens at 5 ms) runs
 `--warm` requests, then the counters are dumped and zeroed (`callgrind_control --dump`), then
 `--requests` more and a second dump: its instruction total ÷ `--requests` is the figure.
 Instruction counts do not depend on what else the machine runs (CPU time does), so two builds
-compare within about 1 % (event-loop turns still depend on timing). `--keep DIR` keeps the
-callgrind files for `callgrind_annotate`.
+compare within about 1 % (event-loop turns still depend on timing). `--baseline REV` also
+measures the relay of git revision REV (its package unpacked, first on the relay's path),
+the two builds alternating repeat by repeat, with the ratio of each repeat. `--keep DIR`
+keeps the callgrind files for `callgrind_annotate`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 from pathlib import Path
 
 from bench import procs, relay_conf
+from bench.__main__ import extract_baseline
 from bench.upstreams import SimUpstream
 
 HOST = "127.0.0.1"
@@ -77,7 +80,8 @@ def _total(path: Path) -> int:
     raise ValueError(f"no total in {path}")
 
 
-def measure(a, tmp: Path) -> float:
+def measure(a, tmp: Path, root: Path | None = None) -> float:
+    """Instructions per request of the working tree's relay, or of the package under `root`."""
     sim = SimUpstream(HOST)
     sim.start(tmp)
     relay = None
@@ -100,6 +104,7 @@ def measure(a, tmp: Path) -> float:
                 str(tmp / "relay.toml"),
             ],
             tmp,
+            env={"PYTHONPATH": str(root)} if root is not None else None,
         )
         relay.wait_http(HOST, port, "/health", timeout=120)
         _load(port, a.warm)
@@ -126,14 +131,27 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=100)
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--keep", default="", help="copy the measured callgrind file here")
+    p.add_argument("--baseline", default="", help="also measure the relay of git revision REV")
     a = p.parse_args(argv)
-    figures = []
-    for _ in range(a.repeat):
-        with tempfile.TemporaryDirectory(prefix="relay-reqprof-") as d:
-            figures.append(measure(a, Path(d)))
-        print(f"instructions per request: {figures[-1] / 1e6:.4f} M", flush=True)
+    with tempfile.TemporaryDirectory(prefix="relay-reqprof-base-") as base:
+        root = extract_baseline(a.baseline, Path(base)) if a.baseline else None
+        figures, baseline = [], []
+        for _ in range(a.repeat):
+            with tempfile.TemporaryDirectory(prefix="relay-reqprof-") as d:
+                figures.append(measure(a, Path(d)))
+            print(f"instructions per request: {figures[-1] / 1e6:.4f} M", flush=True)
+            if root is not None:
+                with tempfile.TemporaryDirectory(prefix="relay-reqprof-") as d:
+                    baseline.append(measure(a, Path(d), root))
+                print(
+                    f"baseline ({a.baseline}): {baseline[-1] / 1e6:.4f} M; "
+                    f"ratio {figures[-1] / baseline[-1]:.3f}",
+                    flush=True,
+                )
     if len(figures) > 1:
         print("median: %.4f M" % (sorted(figures)[len(figures) // 2] / 1e6))
+    if len(baseline) > 1:
+        print("baseline median: %.4f M" % (sorted(baseline)[len(baseline) // 2] / 1e6))
     return 0
 
 

@@ -18,12 +18,11 @@ from typing import TYPE_CHECKING, Protocol
 
 from relay import reload
 from relay.config import Config, ConfigError, DispatcherConfig, UpstreamConfig
-from relay.http.fields import Headers
 from relay.observe import otel_start
 from relay.observe.log import Log
 from relay.observe.metrics import Registry, UpstreamMetrics
 from relay.observe.record import Record
-from relay.observe.ui_state import Recent, Trend
+from relay.observe.ui_state import Recent, Trend, Trended
 from relay.policy.budget import Budgets, window_bounds
 from relay.policy.cors import Cors
 from relay.policy.keys import Auth
@@ -34,7 +33,6 @@ from relay.proxy.client import LINGER_S, ClientConn
 from relay.proxy.deadlines import Deadlines
 from relay.proxy.dispatch import Dispatcher
 from relay.proxy.health import probe_once
-from relay.proxy.request import Request
 from relay.proxy.upstreams import Upstream
 from relay.reload import Summary
 from relay.store.admissions import AdmissionId
@@ -130,8 +128,10 @@ class App:
         self.otel: Telemetry | None = None
         # A worker process answers the relay's own views from its parent (relay.workers).
         self.remote_view: RemoteView | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._deadlines: Deadlines | None = None
+        # The loop the relay runs on, and every stream's stall guard on one loop timer: both
+        # from `start` (a test driving the App's state without starting it sets the loop).
+        self.loop: asyncio.AbstractEventLoop
+        self.deadlines: Deadlines
         self.server: Listening | None = None
         self.clients: set[ClientConn] = set()
         self.tasks: set[asyncio.Task[None]] = set()
@@ -145,23 +145,6 @@ class App:
         # Set when a client connection is lost.
         self._closed = asyncio.Event()
         self.port = 0
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        """The loop the relay runs on (from `start`; a test driving the App's state without
-        starting it sets it)."""
-        assert self._loop is not None
-        return self._loop
-
-    @loop.setter
-    def loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-
-    @property
-    def deadlines(self) -> Deadlines:
-        """Every stream's stall guard, on one loop timer (from `start`)."""
-        assert self._deadlines is not None
-        return self._deadlines
 
     # ---- what a worker process (relay.workers) holds in another way ----------------------
     def new_upstream(self, cfg: UpstreamConfig, d: DispatcherConfig) -> Upstream:
@@ -200,10 +183,10 @@ class App:
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
-        loop = self._loop = asyncio.get_running_loop()
+        loop = self.loop = asyncio.get_running_loop()
         # Without the `otel` extra, [otel] fails here, before anything is bound or opened.
         self.otel = otel_start.start(self.config.otel, self.log, self.gauged, os.environ)
-        self._deadlines = Deadlines(loop)
+        self.deadlines = Deadlines(loop)
         s = self.config.server
         # Bind first: a relay that cannot listen (the address is in use: another relay?)
         # fails before it touches the database; serving starts once budgets are rebuilt.
@@ -385,12 +368,6 @@ class App:
         self.clients.discard(client)
         self._closed.set()
 
-    def handle(self, client: ClientConn, req: Request) -> Coroutine[object, object, None]:
-        return self.dispatcher.handle(client, req)
-
-    def request_id(self, headers: Headers) -> bytes:
-        return self.dispatcher.request_id(headers)
-
     def track(self, task: asyncio.Task[None]) -> None:
         """A request's task, counted by the drain from the moment it is created (a task
         cancelled before its first step still ends, and leaves the set)."""
@@ -398,13 +375,13 @@ class App:
         task.add_done_callback(self.tasks.discard)
 
     def put_row(
-        self, rec: Record, admission: AdmissionId | None = None, trend: bool | None = None
+        self, rec: Record, admission: AdmissionId | None = None, trend: Trended = Trended.NONE
     ) -> None:
-        """A settled request's row: into the page's recent rows and its trend (`trend`: whether
-        it generates; None: no upstream was involved), and into the store (replacing its
-        admission record). A worker process sends it to its parent, which keeps it here."""
-        if trend is not None:
-            self.ui_trend.add(rec, trend)
+        """A settled request's row: into the page's recent rows and its trend (`trend`: as
+        what, if at all), and into the store (replacing its admission record). A worker
+        process sends it to its parent, which keeps it here."""
+        if trend is not Trended.NONE:
+            self.ui_trend.add(rec, trend is Trended.GENERATING)
         self.ui_recent.add(rec)
         self.store.put_record(rec, admission)
 
@@ -448,7 +425,7 @@ class App:
                 if ex is None:
                     continue
                 n = ex.new_tokens()
-                up = self.upstreams.get(ex.upstream_name)
+                up = self.upstreams.get(ex.hop.upstream)
                 if n and up is not None:
                     up.metrics.add_tokens(n, now)
             self.ui_trend.sample(time.time(), now, self.registry)

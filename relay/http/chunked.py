@@ -115,17 +115,33 @@ class ChunkTracker:
     def feed_spans(self, data: bytes) -> tuple[bytes, list[int]]:
         """Take received bytes; return (bytes safe to forward now, the bounds of the chunk
         payloads in them: [a0, b0, a1, b1, ...])."""
-        return self._feed(self.held + data if self.held else data)
-
-    def _feed(self, buf: bytes) -> tuple[bytes, list[int]]:
+        buf = self.held + data if self.held else data
         spans: list[int] = []
         n = len(buf)
         pos = safe = 0
         while pos < n:
-            if self.state == DONE:
+            st = self.state
+            if st == DATA:
+                # Chunk data, the usual state, is read here; the other states' lines are
+                # read by a method each.
+                take = min(self.remaining, n - pos)
+                spans.append(pos)
+                spans.append(pos + take)
+                pos += take
+                self.remaining -= take
+                if not self.remaining:
+                    self.state = DATA_END
+                safe = pos
+                continue
+            if st == DONE:
                 self.extra += buf[pos:]
                 break
-            pos = self._step(buf, pos, spans)
+            if st == SIZE:
+                pos = self._size_line(buf, pos)
+            elif st == DATA_END:
+                pos = self._data_end(buf, pos)
+            else:
+                pos = self._trailer_line(buf, pos)
             if pos < 0:
                 break
             # Everything read is safe to forward, but a last chunk and its trailer, which
@@ -137,26 +153,6 @@ class ChunkTracker:
             return buf, spans
         self.held = buf[safe:] if self.state != DONE else b""
         return buf[:safe], spans
-
-    def _step(self, buf: bytes, pos: int, spans: list[int]) -> int:
-        """Read what the state expects at `pos`: the position after it, or -1 when the rest
-        of it is not in `buf` yet."""
-        st = self.state
-        if st == DATA:
-            take = min(self.remaining, len(buf) - pos)
-            spans.append(pos)
-            spans.append(pos + take)
-            # Data still owed after this read means the read is all taken (pos + take is
-            # its end).
-            self.remaining -= take
-            if not self.remaining:
-                self.state = DATA_END
-            return pos + take
-        if st == SIZE:
-            return self._size_line(buf, pos)
-        if st == DATA_END:
-            return self._data_end(buf, pos)
-        return self._trailer_line(buf, pos)
 
     def _size_line(self, buf: bytes, pos: int) -> int:
         nl = buf.find(b"\n", pos)

@@ -26,6 +26,7 @@ import math
 import random
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from enum import StrEnum
 from typing import NamedTuple, Protocol, TypedDict
 
 import msgspec
@@ -170,6 +171,16 @@ class RecentRow(TypedDict):
     tokens: int | None
     outcome: str | None
     ok: bool
+
+
+class Trended(StrEnum):
+    """How a settled row goes into the page's trend: as a request that could make its
+    upstream generate, as another (`/health`, tokenize, ...), or not at all (no upstream
+    was involved: a refusal before any was chosen)."""
+
+    GENERATING = "generating"
+    OTHER = "other"
+    NONE = "none"
 
 
 class Recent:

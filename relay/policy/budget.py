@@ -101,14 +101,14 @@ class BudgetExceeded(Exception):
 
 @dataclass
 class Reservation:
-    """What one request holds of its key's windows. `released`: it holds nothing (any more,
+    """What one request holds of its key's windows. `empty`: it holds nothing (any more,
     or from the start when no window applied); `windows`: those it holds, kept here since a
     reload may replace a key's list, with the start of each when it was taken (`starts`);
     `gen`: `Budgets.generation` then; `spent`: `Budgets.spend` ran."""
 
     key_id: str
     tokens: int
-    released: bool = False
+    empty: bool = False
     starts: tuple[float, ...] = ()
     windows: tuple[_Window, ...] = ()
     gen: int = 0
@@ -217,7 +217,7 @@ class Budgets:
         kb = self.keys.get(key_id)
         if kb is None or not kb.windows:
             # No limits: nothing to hold (a reload adding some charges it when it settles).
-            return Reservation(key_id, 0, released=True, gen=self.generation, admitted_at=now)
+            return Reservation(key_id, 0, empty=True, gen=self.generation, admitted_at=now)
         for w in kb.windows:
             w.roll(now)
             if w.req_limit and w.used_req + w.res_req + 1 > w.req_limit:
@@ -245,8 +245,8 @@ class Budgets:
         if res.spent:
             return
         res.spent = True
-        if not res.released:
-            res.released = True
+        if not res.empty:
+            res.empty = True
             # Usage counts in the window the request was admitted in, as its row does (its
             # ts is the admission time).
             for w, start in zip(res.windows, res.starts):

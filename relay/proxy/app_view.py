@@ -16,7 +16,7 @@ from relay.http.fields import Headers
 from relay.observe.log import Log
 from relay.observe.metrics import Registry, UpstreamMetrics
 from relay.observe.record import Record
-from relay.observe.ui_state import Recent, Trend
+from relay.observe.ui_state import Recent, Trend, Trended
 from relay.policy.budget import Budgets
 from relay.policy.cors import Cors
 from relay.policy.keys import Auth
@@ -89,7 +89,7 @@ class AppView(Protocol):
         ...
 
     def put_row(
-        self, rec: Record, admission: AdmissionId | None = None, trend: bool | None = None
+        self, rec: Record, admission: AdmissionId | None = None, trend: Trended = Trended.NONE
     ) -> None:
         """A settled request's row."""
         ...

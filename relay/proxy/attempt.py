@@ -142,8 +142,11 @@ async def open_exchange(
         transport = conn.transport
         assert transport is not None
         transport.write(sent)
+        timer = app.loop.call_later(d.direct_read_timeout_s, ex.head_timeout)
+        head = ex.head_fut
+        assert head is not None
         try:
-            await _head(app, ex, d.direct_read_timeout_s)
+            await head
         except UpstreamGone as exc:
             client.exchange = None
             conn.abort()
@@ -157,6 +160,10 @@ async def open_exchange(
         except BaseException:
             client.exchange = None
             raise
+        finally:
+            timer.cancel()
+            # Seen (or failed, holding an exception whose frames hold the exchange): not kept.
+            ex.head_fut = None
         up.health.answered()
         return ex
 
@@ -184,16 +191,3 @@ def _head_failure(
             {"upstream": up.name},
         )
     return Retry(err)
-
-
-async def _head(app: AppView, ex: Exchange, timeout: float) -> None:
-    """The exchange's response head, or its failure raised (TimeoutError past `timeout`)."""
-    timer = app.loop.call_later(timeout, ex.head_timeout)
-    fut = ex.head_fut
-    assert fut is not None
-    try:
-        await fut
-    finally:
-        timer.cancel()
-        # Seen (or failed, holding an exception whose frames hold the exchange): not kept.
-        ex.head_fut = None

@@ -61,15 +61,28 @@ class _Wait(Enum):
     IDLE = auto()
 
 
-class ConnHost(AppView, Protocol):
-    """What a client connection needs of the relay: the App's figures, and the relay's own
-    bookkeeping of connections and requests."""
+# Module-level names for the members the per-request code compares: an enum member looked up
+# on its class costs Python 3.11 a lookup through the class's metaclass each time.
+_NEED, _STOP, _MORE = _Parse
+_NO_WAIT, _HEAD, _IDLE = _Wait
+
+
+class RequestHandler(Protocol):
+    """What serves a request read whole (`dispatch.Dispatcher`)."""
 
     def handle(self, client: ClientConn, req: Request) -> Coroutine[object, object, None]:
-        """The request's life, as a task (`dispatch.Dispatcher.handle`)."""
+        """The request's life, as a task."""
         ...
 
     def request_id(self, headers: fields.Headers) -> bytes: ...
+
+
+class ConnHost(AppView, Protocol):
+    """What a client connection needs of the relay: the App's figures, what serves its
+    requests, and the relay's own bookkeeping of connections."""
+
+    @property
+    def dispatcher(self) -> RequestHandler: ...
 
     def connected(self, client: ClientConn) -> None: ...
 
@@ -129,7 +142,7 @@ class ClientConn(asyncio.Protocol):
         self.exchange: Exchange | None = None
         self.task: asyncio.Task[None] | None = None
         self.timer: asyncio.TimerHandle | None = None
-        self.wait = _Wait.NONE
+        self.wait = _NO_WAIT
         self.head: h11.Request | None = None
         self.raw: fields.Headers = []
         # Bytes handed to h11 since the last head (the obs-fold check).
@@ -146,11 +159,6 @@ class ClientConn(asyncio.Protocol):
         self.held = 0
         self.http11 = True
         self.wants_keep_alive = True
-
-    @property
-    def gone(self) -> bool:
-        """The connection is closed or closing: nothing more is read or written."""
-        return self.out.gone
 
     def _new_h11(self) -> h11.Connection:
         return h11.Connection(
@@ -169,15 +177,15 @@ class ClientConn(asyncio.Protocol):
         if self.app.draining:
             self._close()
             return
-        self._arm(_Wait.HEAD, self.app.config.server.header_timeout_s)
+        self._arm(_HEAD, self.app.config.server.header_timeout_s)
 
     def data_received(self, data: bytes) -> None:
         if self.lingering:
             return
         if not (self.busy or self.inbox or self.turn) and len(data) <= _SLICE:
             # The common case: a small read while idle goes to h11 without a copy.
-            if self.wait is _Wait.IDLE:
-                self._arm(_Wait.HEAD, self.app.config.server.header_timeout_s)
+            if self.wait is _IDLE:
+                self._arm(_HEAD, self.app.config.server.header_timeout_s)
             self._give(data)
             self._pump()
             return
@@ -186,9 +194,9 @@ class ClientConn(asyncio.Protocol):
             self.transport.pause_reading()
         if self.busy or self.turn is not None:
             return
-        if self.wait is _Wait.IDLE:
+        if self.wait is _IDLE:
             # The first byte of a next request: its head is due now.
-            self._arm(_Wait.HEAD, self.app.config.server.header_timeout_s)
+            self._arm(_HEAD, self.app.config.server.header_timeout_s)
         self._pump()
 
     def eof_received(self) -> bool:
@@ -225,15 +233,15 @@ class ClientConn(asyncio.Protocol):
     def _pump(self) -> None:
         """Parse what the inbox holds, within one turn's bounds; continue in a later turn."""
         self.turn = None
-        budget, fed, state = _TURN_EVENTS, 0, _Parse.NEED
-        while not (self.busy or self.gone or self.lingering):
+        budget, fed, state = _TURN_EVENTS, 0, _NEED
+        while not (self.busy or self.out.gone or self.lingering):
             state, budget = self._process(budget)
-            if state is not _Parse.NEED or not self.inbox or fed >= _TURN_BYTES:
+            if state is not _NEED or not self.inbox or fed >= _TURN_BYTES:
                 break
             fed += self._feed()
-        if self.busy or self.gone or self.lingering:
+        if self.busy or self.out.gone or self.lingering:
             return
-        if state is _Parse.MORE or (state is _Parse.NEED and self.inbox):
+        if state is _MORE or (state is _NEED and self.inbox):
             self.turn = self.loop.call_soon(self._pump)
         elif len(self.inbox) <= _READ_BUFFER_LIMIT:
             self.transport.resume_reading()
@@ -260,30 +268,30 @@ class ClientConn(asyncio.Protocol):
         conn = self.h11
         if conn is None:
             # No byte of a next request yet.
-            return _Parse.NEED, budget
+            return _NEED, budget
         try:
             while budget > 0:
                 ev = conn.next_event()
                 budget -= 1
                 if ev is h11.NEED_DATA:
-                    return _Parse.NEED, budget
+                    return _NEED, budget
                 if isinstance(ev, h11.Request):
                     self._on_head(conn, ev)
-                    if self.busy or self.gone:
-                        return _Parse.STOP, budget
+                    if self.busy or self.out.gone:
+                        return _STOP, budget
                 elif isinstance(ev, h11.Data):
                     if not self._on_data(ev):
-                        return _Parse.STOP, budget
+                        return _STOP, budget
                 elif isinstance(ev, h11.EndOfMessage):
                     self._dispatch(conn)
-                    return _Parse.STOP, budget
+                    return _STOP, budget
                 else:
                     # PAUSED or ConnectionClosed: nothing more to read on this connection.
-                    return _Parse.STOP, budget
-            return _Parse.MORE, 0
+                    return _STOP, budget
+            return _MORE, 0
         except h11.RemoteProtocolError as exc:
             self._reject(request_head.malformed(exc.error_status_hint, str(exc)))
-            return _Parse.STOP, budget
+            return _STOP, budget
 
     def _on_head(self, conn: h11.Connection, ev: h11.Request) -> None:
         self.head = ev
@@ -366,7 +374,7 @@ class ClientConn(asyncio.Protocol):
         self.inbox[:0] = conn.trailing_data[0]
         self.h11 = None
         self.out.begin()
-        self.task = self.loop.create_task(self.app.handle(self, req))
+        self.task = self.loop.create_task(self.app.dispatcher.handle(self, req))
         # In the drain's count from now, not from its first step.
         self.app.track(self.task)
 
@@ -378,13 +386,13 @@ class ClientConn(asyncio.Protocol):
         self.inbox = bytearray()
         self._release_body()
         head = self.head
-        rid = self.app.request_id(head.headers.raw_items() if head is not None else [])
+        rid = self.app.dispatcher.request_id(head.headers.raw_items() if head is not None else [])
         self.out.begin()
         cors = settle.rejected(self.app, head, rid, self.peer_host, err)
         self.out.answer(err.status, err.body(), None, False, err.headers + cors)
         self.exchange = None
         self.task = None
-        if self.gone:
+        if self.out.gone:
             return
         # A lingering close: the client may still be sending, and closing with its bytes
         # unread would reset the connection and could destroy the answer before it is read.
@@ -399,7 +407,7 @@ class ClientConn(asyncio.Protocol):
         self.exchange = None
         self.task = None
         self._release_body()
-        if self.gone:
+        if self.out.gone:
             return
         if not keep_alive or self.app.draining:
             self._close()
@@ -410,9 +418,9 @@ class ClientConn(asyncio.Protocol):
         self.head_bytes = bytearray()
         self.busy = False
         self.transport.resume_reading()
-        self._arm(_Wait.IDLE, self.app.config.server.keepalive_timeout_s)
+        self._arm(_IDLE, self.app.config.server.keepalive_timeout_s)
         if self.inbox:
-            self._arm(_Wait.HEAD, self.app.config.server.header_timeout_s)
+            self._arm(_HEAD, self.app.config.server.header_timeout_s)
             self._pump()
 
     def _close(self) -> None:
@@ -424,7 +432,7 @@ class ClientConn(asyncio.Protocol):
         """The drain began: a connection between requests closes; a request half read is
         answered 503 with a lingering close (the client may still be sending: a plain close
         would reset the connection and destroy the answer)."""
-        if self.busy or self.gone:
+        if self.busy or self.out.gone:
             return
         if self.head is not None or (self.h11 is not None and self.h11.trailing_data[0]):
             self._reject(shutting_down())
@@ -451,15 +459,15 @@ class ClientConn(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        self.wait = _Wait.NONE
+        self.wait = _NO_WAIT
 
     def _timeout(self) -> None:
         wait = self.wait
         self.timer = None
-        self.wait = _Wait.NONE
-        if self.gone or self.busy:
+        self.wait = _NO_WAIT
+        if self.out.gone or self.busy:
             return
-        if wait is _Wait.IDLE:
+        if wait is _IDLE:
             self._close()
             return
         self._reject(RelayError(Code.REQUEST_TIMEOUT, "request head/body not received in time"))

@@ -16,7 +16,8 @@ import itertools
 import os
 import re
 import time
-from typing import NamedTuple
+
+import msgspec
 
 from relay.errors import Code, Outcome, RelayError, shutting_down, upstream_error
 from relay.http.fields import Headers
@@ -25,7 +26,7 @@ from relay.http.request_path import bounded
 from relay.observe.record import Record, user_agent
 from relay.policy import admission as A
 from relay.policy.budget import BudgetExceeded, Reservation
-from relay.policy.outcome import FAILED_BEFORE_CONTENT
+from relay.policy.outcome import Next, after_hold
 from relay.policy.routing import NoRoute
 from relay.proxy import endpoints, settle
 from relay.proxy.app_view import AppView
@@ -50,12 +51,19 @@ ADMIT_WAIT_S = 0.5
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
 
 
-class Relayed(NamedTuple):
-    """Where a request stands once its answer is under way: whether the client connection
-    may stay, or the exchange still relaying its body (then `handle` waits for its end)."""
+class Ended(msgspec.Struct, frozen=True, gc=False):
+    """The request's answer is written: whether the client connection may stay."""
 
     keep_alive: bool
-    streaming: Exchange | None = None
+
+
+class Streaming(msgspec.Struct, frozen=True, gc=False):
+    """The exchange still relays its body to the client: `handle` waits for its end."""
+
+    exchange: Exchange
+
+
+Relayed = Ended | Streaming
 
 
 def exceeded(exc: BudgetExceeded) -> RelayError:
@@ -106,14 +114,17 @@ class Dispatcher:
                 # Before any key is asked for.
                 out.send_answer(app.cors.preflight(req.headers, rid, keep_alive))
                 return
-            if await endpoints.answer(app, out, client.peer_host, req, rid, ledger):
+            own = endpoints.claim(app, client.peer_host, req, ledger)
+            if own is not None:
+                await endpoints.answer(own, app, out, client.peer_host, req, rid, ledger.cors)
                 return
             relayed = await self._serve(client, req, rid, rec, ledger, t0)
-            keep_alive = relayed.keep_alive
-            ex = relayed.streaming
-            if ex is not None:
+            if isinstance(relayed, Ended):
+                keep_alive = relayed.keep_alive
+            else:
                 # The body streams to the client: its end is waited for here, with no frame
                 # but this one (the request was sent: not kept either).
+                ex = relayed.exchange
                 del req, relayed
                 await ex.done
                 up = ledger.up
@@ -132,7 +143,7 @@ class Dispatcher:
             reply = ledger.reply
             if reply is not None:
                 reply.close()
-            if ledger.answered is not None or ledger.cut is not None or ledger.exchange:
+            if ledger.answered is not None or ledger.cut is not None or ledger.exchange is not None:
                 # Once per request.
                 settle.settle(app, out, rec, ledger, t0)
             client.finish(keep_alive)
@@ -140,9 +151,14 @@ class Dispatcher:
     def _cancelled(self, client: ClientConn, rid: bytes, ledger: Ledger) -> None:
         """The task was cancelled (the client left, or the drain's last step): the row still
         says what reached the client, and a client that got nothing yet gets an answer."""
-        draining = self.app.draining and not client.gone
-        ledger.cut = Outcome.SHUTDOWN if draining else Outcome.CLIENT_CLOSED
+        draining = self.app.draining and not client.out.gone
         ex = ledger.exchange
+        if ex is not None and ex.ending is not None:
+            # The exchange had ended (its response waited for the client to read it): the
+            # row says what it came to; its upstream connection is not reused.
+            ex.conn.abort()
+            return
+        ledger.cut = Outcome.SHUTDOWN if draining else Outcome.CLIENT_CLOSED
         if ex is not None:
             # It ends: its timers stop, its figures stay.
             ex.shutdown()
@@ -175,7 +191,8 @@ class Dispatcher:
         if reply is not None:
             reply.close()
             if reply.committed:
-                return reply.fail(err.message, err.type, err.code, ledger.api) and keep_alive
+                api = ledger.stream_api
+                return reply.fail(err.message, err.type, err.code, api) and keep_alive
         keep_alive = keep_alive and err.status < 500 and err.status != 408
         client.out.answer(err.status, err.body(), rid, keep_alive, err.headers + ledger.cors)
         return keep_alive
@@ -197,9 +214,16 @@ class Dispatcher:
         # removes a fallback meanwhile must not leave a candidate with no upstream behind
         # its name.
         upstreams = app.upstreams
-        candidates = await self._admitted(req, rec, ledger)
+        # A large body gives the other streams their turn between its passes.
+        large = len(req.body) > A.LARGE_BODY
+        if large:
+            await asyncio.sleep(0)
+        peek, candidates = self._routed(req, rec, ledger)
+        if large:
+            await asyncio.sleep(0)
+        self._reserve(req, rec, ledger, peek)
         res = ledger.reservation
-        if res is not None and not res.released:
+        if res is not None and not res.empty:
             # On disk before any slot or upstream.
             await self._admit(rec, ledger, res)
         reply = ledger.reply = Reply(
@@ -222,21 +246,16 @@ class Dispatcher:
                 ledger.release_slot()
                 if more:
                     self._fell_back(rec, ledger, up, candidates[i + 1], retry.err)
+                    # (The last candidate's exchange is settlement's, its stall included.)
+                    ledger.exchange = None
         # Every candidate failed: the last one's error is the answer.
         assert last is not None
         raise last.err
 
-    async def _admitted(self, req: Request, rec: Record, ledger: Ledger) -> list[str]:
-        """What the body says (model, stream, limits), the candidates it is routed to, and
-        its reservation: the checks before any slot or upstream (400, 404, 429)."""
-        app = self.app
+    def _routed(self, req: Request, rec: Record, ledger: Ledger) -> tuple[A.Peek, list[str]]:
+        """What the body says (model, stream, limits) and the candidates it is routed to: the
+        checks before any slot or upstream (400, 404)."""
         path = req.path
-        # Any POST but a known cheap route.
-        slot_path = A.generates(req.method, path)
-        # A large body gives the other streams their turn between its passes.
-        large = len(req.body) > A.LARGE_BODY
-        if large:
-            await asyncio.sleep(0)
         peek = A.peek_body(req.method, req.headers, req.body, A.json_route(path))
         rec.model, rec.stream = bounded(peek.model, A.MAX_ECHO), bool(peek.stream)
         # The public name, whole (model_map looks it up).
@@ -244,7 +263,7 @@ class Dispatcher:
         if ledger.trace is not None:
             ledger.trace.max_tokens = A.completion_limit(peek, path)
         try:
-            candidates = app.router.candidates(peek.model)
+            candidates = self.app.router.candidates(peek.model)
         except NoRoute:
             raise RelayError(
                 Code.MODEL_NOT_FOUND,
@@ -252,8 +271,13 @@ class Dispatcher:
                 {"model": rec.model},
             ) from None
         rec.upstream_requested = candidates[0]
-        if large:
-            await asyncio.sleep(0)
+        return peek, candidates
+
+    def _reserve(self, req: Request, rec: Record, ledger: Ledger, peek: A.Peek) -> None:
+        """The request's estimates and its key's reservation (400 for uncountable prompts,
+        429 for a spent key)."""
+        app = self.app
+        path = req.path
         cap = app.config.budget.default_max_tokens
         prompt_est, completion_est, completions, prompts = A.estimates(req.body, peek, cap, path)
         budgeted = rec.key_id is not None and app.budgets.limits_tokens(rec.key_id)
@@ -267,7 +291,8 @@ class Dispatcher:
         if budgeted and A.json_route(path) and A.completion_limit(peek, path) is None:
             # The upstream must honour what is reserved.
             req.body = A.with_limit(req.body, peek, cap, path)
-        ledger.generates = slot_path
+        # Any POST but a known cheap route.
+        ledger.generates = A.generates(req.method, path)
         ledger.completion_est = completion_est
         ledger.completions = completions
         ledger.prompt_est = prompt_est
@@ -278,7 +303,6 @@ class Dispatcher:
                 )
             except BudgetExceeded as exc:
                 raise exceeded(exc) from None
-        return candidates
 
     def _fell_back(
         self, rec: Record, ledger: Ledger, up: Upstream, next_name: str, err: RelayError
@@ -288,6 +312,11 @@ class Dispatcher:
             up.metrics.request_done(False, err.code)
         else:
             up.metrics.other_request_done()
+        ex = ledger.exchange
+        summary = ex.summary if ex is not None else None
+        if summary is not None and summary.stall is not None:
+            # It stalled before content: its stall is its own, though the request goes on.
+            up.metrics.stall(summary.stall.reason)
         if ledger.trace is not None:
             ledger.trace.fallback(up.name, next_name, err.code)
         self.app.log.event(
@@ -308,7 +337,6 @@ class Dispatcher:
         d = app.config.dispatcher
         # Kept: a config reload may remove it from app.upstreams meanwhile.
         ledger.up = up
-        ledger.exchange = None
         if up.health.probe == DOWN and d.health_interval_s > 0:
             # Probed often while down.
             err = up.health.last_error
@@ -333,12 +361,12 @@ class Dispatcher:
         assert reply is not None
         if ex.ending is None and not reply.open:
             # The first content event is out, or the exchange ended.
-            await ex.released()
+            await ex.past_hold()
         if ex.ending is None:
             # Streaming, nothing is swapped any more: `handle` waits for the end (only its
             # frame stays with a long stream, not the admission's).
-            return Relayed(True, ex)
-        return Relayed(await self._ended(client, ledger, up, ex, more))
+            return Streaming(ex)
+        return Ended(await self._ended(client, ledger, up, ex, more))
 
     async def _ended(
         self, client: ClientConn, ledger: Ledger, up: Upstream, ex: Exchange, more: bool
@@ -365,35 +393,20 @@ class Dispatcher:
                 ledger.drained = Outcome.CLIENT_WRITE_TIMEOUT if timeout else Outcome.CLIENT_CLOSED
                 keep_alive = False
         up.pool.release(ex.conn, summary.reusable)
-        return keep_alive and not client.gone
+        return keep_alive and not client.out.gone
 
     def _failed_before_content(
         self, ledger: Ledger, reply: Reply, up: Upstream, ex: Exchange, more: bool
     ) -> None:
         """An exchange that ended while nothing but comments reached the client: the next
-        candidate's turn (`Retry`), or the error the request is answered with (raised)."""
+        candidate's turn (`Retry`), or the error the request is answered with (raised), as
+        `policy.outcome.after_hold` says."""
         summary = ex.summary
         assert summary is not None
-        ending = summary.ending
-        if ending in FAILED_BEFORE_CONTENT:
-            err = RelayError(
-                Code.UPSTREAM_UNAVAILABLE,
-                "upstream failed before the first content event",
-                {"upstream": up.name, "error": ending},
-            )
-            if more and ending is not Outcome.SHUTDOWN:
-                raise Retry(err)
-            if ending is Outcome.UPSTREAM_ERROR_EVENT:
-                # The upstream's own words, in-band.
-                err = upstream_error(
-                    summary.status,
-                    reply.error(),
-                    Code.UPSTREAM_ERROR,
-                    f"upstream {up.name} answered with an error",
-                )
-            raise err
-        if reply.committed and ending is Outcome.DONE:
-            # A response that cannot continue the event stream.
+        then = after_hold(summary.ending, reply.committed, more)
+        if then is Next.SERVED:
+            return
+        if then is Next.CANNOT_CONTINUE:
             status = summary.status
             sse = 200 <= status < 300
             raise upstream_error(
@@ -403,6 +416,20 @@ class Dispatcher:
                 f"upstream {up.name} answered {status}"
                 + (" without an event stream" if sse else ""),
             )
+        if then is Next.UPSTREAM_ERROR:
+            # The upstream's own words, in-band.
+            raise upstream_error(
+                summary.status,
+                reply.error(),
+                Code.UPSTREAM_ERROR,
+                f"upstream {up.name} answered with an error",
+            )
+        err = RelayError(
+            Code.UPSTREAM_UNAVAILABLE,
+            "upstream failed before the first content event",
+            {"upstream": up.name, "error": summary.ending},
+        )
+        raise Retry(err) if then is Next.RETRY else err
 
     async def _admit(self, rec: Record, ledger: Ledger, res: Reservation) -> None:
         """A key with limits: its admission is on disk before the upstream is contacted (a

@@ -10,35 +10,39 @@ is asked for on top and its credential is not passed on.
 from __future__ import annotations
 
 import time
+from enum import Enum, auto
 
 import msgspec
 
 from relay.errors import Code, RelayError
+from relay.http.fields import Headers
 from relay.observe import ui_page, ui_state
 from relay.policy import admin_access
 from relay.policy.routing import model_list
 from relay.proxy.app_view import AppView, ViewAnswer
-from relay.proxy.client_writer import ClientWriter
+from relay.proxy.client_writer import JSON, ClientWriter
 from relay.proxy.ledger import Ledger
 from relay.proxy.request import Request
 
 PROMETHEUS_TEXT = b"text/plain; version=0.0.4; charset=utf-8"
-JSON = b"application/json"
 
 
-async def answer(
-    app: AppView, out: ClientWriter, peer_host: str | None, req: Request, rid: bytes,
-    ledger: Ledger,
-) -> bool:  # fmt: skip
-    """Answer the request if it is one of the relay's own endpoints (True); raise RelayError
-    for a refused admin call; False when it goes upstream."""
-    cors = ledger.cors
+class Own(Enum):
+    """Which of the relay's own endpoints answers a request."""
+
+    PAGE = auto()
+    VIEW = auto()
+    MODELS = auto()
+
+
+def claim(app: AppView, peer_host: str | None, req: Request, ledger: Ledger) -> Own | None:
+    """Which of the relay's own endpoints answers the request; None when it goes upstream.
+    An admin call is judged here (RelayError for a refused caller) and marked `admin` on the
+    ledger, whether the relay answers it or the upstream does."""
     # Normalised and bounded: it is echoed in a 404.
     path = req.path
     if ui_page.is_page(path):
-        body, ctype = ui_page.answer(app.auth, peer_host, req, app.config.server.host)
-        out.answer(200, body, rid, req.keep_alive, ui_page.PAGE_HEADERS, ctype)
-        return True
+        return Own.PAGE
     relay_admin = admin_access.is_relay_admin(path)
     if relay_admin or admin_access.is_upstream_admin(req.method, path):
         # `[server].host` is a name a Host may give the relay.
@@ -50,19 +54,32 @@ async def answer(
         # An admin call: no API key is needed on top.
         ledger.admin = True
     if relay_admin:
+        return Own.VIEW
+    if path in ("/v1/models", "/models") and req.method == b"GET" and app.router.models:
+        return Own.MODELS
+    return None
+
+
+async def answer(
+    own: Own, app: AppView, out: ClientWriter, peer_host: str | None, req: Request, rid: bytes,
+    cors: Headers,
+) -> None:  # fmt: skip
+    """Answer a request one of the relay's own endpoints claimed (RelayError: refused)."""
+    path = req.path
+    if own is Own.PAGE:
+        body, ctype = ui_page.answer(app.auth, peer_host, req, app.config.server.host)
+        out.answer(200, body, rid, req.keep_alive, ui_page.PAGE_HEADERS, ctype)
+    elif own is Own.VIEW:
         # In a worker process the whole relay's figures are its parent's.
         remote = app.remote_view
         view = await remote(path, req.target) if remote is not None else admin_view(app, path)
         out.answer(
             view.status, view.body, rid, req.keep_alive, cors + view.headers, view.content_type
         )
-        return True
-    if path in ("/v1/models", "/models") and req.method == b"GET" and app.router.models:
+    else:
         if app.auth.enabled and app.auth.identify(req.headers) is None:
             raise RelayError(Code.INVALID_API_KEY, "missing or unknown API key")
         out.answer(200, model_list(app.router.models), rid, req.keep_alive, cors)
-        return True
-    return False
 
 
 def admin_view(app: AppView, path: str) -> ViewAnswer:

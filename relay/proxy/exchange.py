@@ -21,12 +21,13 @@ import asyncio
 import time
 from collections.abc import Callable
 from time import perf_counter as _perf
-from typing import NamedTuple
+
+import msgspec
 
 from relay.errors import Outcome
 from relay.http import response_framing as framing
 from relay.http.body import BodyReader, ChunkError, reader_for
-from relay.http.response_framing import PASS, REFRAME, BodyKind, Carriage
+from relay.http.response_framing import EMPTY, PASS, REFRAME, UNTIL_CLOSE, Carriage
 from relay.http.response_head import BadHead, HeadReader, ResponseHead
 from relay.proxy.client_flow import ClientFlow
 from relay.proxy.client_writer import ClientWriter
@@ -36,7 +37,8 @@ from relay.proxy.reply import Reply
 from relay.proxy.request import Request
 from relay.proxy.stall_guard import StallGuard
 from relay.stream import dialect
-from relay.stream.content_hold import Took
+from relay.stream.content_hold import ERROR, WRITTEN
+from relay.stream.dialect import Api
 from relay.stream.observer import Observer
 from relay.stream.stall import Stall, StallPolicy, StallReason
 from relay.stream.summary import ExchangeSummary
@@ -47,7 +49,7 @@ DONE = Outcome.DONE
 ContentHook = Callable[[float], None]
 
 
-class Relaying(NamedTuple):
+class Relaying(msgspec.Struct, frozen=True, gc=False):
     """What every exchange of the relay shares: its loop, the stall guards' deadlines and
     rule, and how long a client may take a write."""
 
@@ -57,7 +59,7 @@ class Relaying(NamedTuple):
     write_timeout_s: float
 
 
-class Hop(NamedTuple):
+class Hop(msgspec.Struct, frozen=True):
     """One candidate's part of a request: the upstream's name, the public model name (a
     stall frame's), whether another candidate is left (a failure before content may then
     quietly move on), and what hears the first content event's time once it is written."""
@@ -89,13 +91,10 @@ class RelayShutdown(Exception):
     """The relay stopped while this request still waited for its upstream head."""
 
 
-def _ended_data(data: bytes) -> None:
+def _ended(*_: object) -> None:
     """What an ended exchange leaves where its own bound methods were (its data_received:
-    the transport reads into its UpstreamConn again; its flow's on_stuck)."""
-
-
-def _ended_flow() -> None:
-    """What an ended exchange leaves as its client flow's `on_stuck`."""
+    the transport reads into its UpstreamConn again; its flow's on_stuck): nothing of the
+    exchange is kept alive by them."""
 
 
 class Exchange(asyncio.BaseProtocol):
@@ -123,22 +122,21 @@ class Exchange(asyncio.BaseProtocol):
         "head_fut",
         "head_reader",
         "head_resp",
+        "hop",
+        "http11",
+        "keep_alive",
         "loop",
-        "model",
-        "more",
+        "method",
         "observer",
         "on_content",
+        "past_hold_fut",
         "path",
         "reader",
-        "released_fut",
         "reply",
-        "request",
-        "sse",
         "stall",
         "status",
         "summary",
         "upstream_keep_alive",
-        "upstream_name",
         "whole",
         "write_timeout_s",
         "writer",
@@ -149,18 +147,19 @@ class Exchange(asyncio.BaseProtocol):
     ) -> None:
         loop = self.loop = relaying.loop
         self.conn = conn
-        self.request = request
-        self.path = request.path
-        self.model = hop.model
-        self.upstream_name = hop.upstream
-        self.more = hop.more
+        # Of the request, only what its response's framing and a stall frame need: it is not
+        # kept for the stream (its body, the prompt, may be large).
+        self.method, self.path = request.method, request.path
+        self.http11, self.keep_alive = request.http11, request.keep_alive
+        self.hop = hop
+        # Called once with the first content event's time, once it is written.
         self.on_content = hop.on_content
         self.write_timeout_s = relaying.write_timeout_s
         # The request's reply while the hold keeps what this exchange would write; None once
         # the first content event is out (then `writer`).
         self.reply: Reply | None = reply
         self.writer: ClientWriter = reply.writer
-        self.guard = StallGuard(loop, relaying.deadlines, relaying.policy, self._stalled)
+        self.guard = StallGuard(loop, relaying.deadlines, relaying.policy, self.trip)
         # Made the first time the client falls behind.
         self.flow: ClientFlow | None = None
         # The head, as it comes: resolved once it is in (the dispatcher waits for it; None
@@ -176,7 +175,6 @@ class Exchange(asyncio.BaseProtocol):
         self.status = 0
         self.reader: BodyReader | None = None
         self.carriage: Carriage = PASS
-        self.sse = False
         self.observer: Observer | None = None
         self.upstream_keep_alive = False
         self.client_keep_alive = False
@@ -185,8 +183,8 @@ class Exchange(asyncio.BaseProtocol):
         self.discard = False
         # The next read may be recognised by the fast path (`Observer.fast`).
         self.fast = False
-        self.done: asyncio.Future[Outcome] = loop.create_future()
-        self.released_fut: asyncio.Future[None] | None = None
+        self.done: asyncio.Future[None] = loop.create_future()
+        self.past_hold_fut: asyncio.Future[None] | None = None
         self.ending: Outcome | None = None
         self.summary: ExchangeSummary | None = None
         # The client left once the stream's own end event reached it.
@@ -227,6 +225,9 @@ class Exchange(asyncio.BaseProtocol):
             return
         obs.scan(wire, spans, now)
         self._emit(wire if self.carriage is PASS else reader.payload(wire, spans))
+        if self.ending is not None:
+            # What it emitted ended it (an error first event): nothing more is its to write.
+            return
         if whole:
             self.upstream_keep_alive &= reader.reusable
             self._end(DONE)
@@ -283,7 +284,7 @@ class Exchange(asyncio.BaseProtocol):
         if fut is None or fut.done():
             return
         status = resp.status_code
-        if not (self.more and (status == 429 or status >= 500)):
+        if not (self.hop.more and (status == 429 or status >= 500)):
             # At once: from here the dispatcher only awaits `done`.
             self.start_body(resp)
         fut.set_result(None)
@@ -299,15 +300,14 @@ class Exchange(asyncio.BaseProtocol):
         reply = self.reply
         assert reply is not None
         self.status = resp.status_code
-        req = self.request
         try:
             p = framing.plan(
-                req.method,
+                self.method,
                 self.status,
                 resp.http_version,
                 resp.headers,
-                req.http11,
-                req.keep_alive,
+                self.http11,
+                self.keep_alive,
                 reply.committed,
             )
         except framing.FramingError:
@@ -316,14 +316,14 @@ class Exchange(asyncio.BaseProtocol):
             self._upstream_failed(Outcome.UPSTREAM_BAD_FRAMING)
             return
         self.reader = reader_for(p.kind, p.remaining)
-        self.carriage, self.sse = p.mode, p.sse
+        self.carriage = p.mode
         self.upstream_keep_alive, self.client_keep_alive = (
             p.upstream_keep_alive,
             p.client_keep_alive,
         )
         self._hold_head(reply, resp, p)
         self.observer = self._observer(p)
-        if p.kind is BodyKind.EMPTY:
+        if p.kind is EMPTY:
             # Bytes after a head with no body: the upstream is out of step, not reused.
             self.upstream_keep_alive &= not self._leftover
             self._end(DONE)
@@ -354,11 +354,9 @@ class Exchange(asyncio.BaseProtocol):
     def _observer(self, p: framing.Plan) -> Observer:
         """What reads the body in passing: the SSE scanner for an event stream, a bounded
         copy of a whole JSON body (its usage), nothing for another."""
-        if self.sse:
-            return Observer.of_stream(dialect.from_path(self.path))
-        if p.json:
-            return Observer.of_json()
-        return Observer(None, None)
+        if p.sse:
+            return Observer(dialect.from_path(self.path))
+        return Observer(json=p.json)
 
     def commit_early(self) -> None:
         """A heartbeat is due while this upstream's head and pieces are held: commit with the
@@ -366,9 +364,8 @@ class Exchange(asyncio.BaseProtocol):
         reply, resp, reader = self.reply, self.head_resp, self.reader
         assert reply is not None and resp is not None and reader is not None
         held = reply.commit_upstream(resp, reader.kind, self.carriage)
-        req = self.request
-        self.carriage = framing.committed_carriage(reader.kind, req.http11)
-        self.client_keep_alive = req.keep_alive and req.http11
+        self.carriage = framing.committed_carriage(reader.kind, self.http11)
+        self.client_keep_alive = self.keep_alive and self.http11
         if held:
             self._emit(held)
 
@@ -380,6 +377,11 @@ class Exchange(asyncio.BaseProtocol):
                 self.writer.body(piece)
             elif not self.discard:
                 self._held(reply, piece)
+            elif self.observer is not None and self.observer.error_first:
+                # A body that cannot continue the committed response, whose first event is an
+                # error: the next upstream serves, or the error is told in-band.
+                self.conn.abort()
+                self._end(Outcome.UPSTREAM_ERROR_EVENT)
         if self.on_content is not None:
             obs = self.observer
             at = obs.first_content_at if obs is not None else None
@@ -391,10 +393,10 @@ class Exchange(asyncio.BaseProtocol):
         obs = self.observer
         assert obs is not None
         error_first = obs.error_first
-        took = reply.take(piece, obs.first_content_at is not None, error_first, self.more)
-        if took is Took.RELEASED:
+        took = reply.take(piece, obs.first_content_at is not None, error_first, self.hop.more)
+        if took is WRITTEN:
             self._write_directly()
-        elif took is Took.ERROR:
+        elif took is ERROR:
             # An error first event: the next upstream serves, or the error is told in-band.
             self.conn.abort()
             self._end(Outcome.UPSTREAM_ERROR_EVENT)
@@ -404,16 +406,16 @@ class Exchange(asyncio.BaseProtocol):
         reply.release()
         self._write_directly()
 
-    def released(self) -> asyncio.Future[None]:
-        """A future resolved once the hold is open (content reached the client: nothing is
-        swapped any more) or the exchange ended, whichever comes first."""
-        fut = self.released_fut = self.loop.create_future()
+    def past_hold(self) -> asyncio.Future[None]:
+        """A future resolved once the hold is over for this exchange (content reached the
+        client: nothing is swapped any more) or the exchange ended, whichever comes first."""
+        fut = self.past_hold_fut = self.loop.create_future()
         if self.reply is None or self.ending is not None:
-            self._resolve_released()
+            self._resolve_past_hold()
         return fut
 
-    def _resolve_released(self) -> None:
-        fut, self.released_fut = self.released_fut, None
+    def _resolve_past_hold(self) -> None:
+        fut, self.past_hold_fut = self.past_hold_fut, None
         if fut is not None and not fut.done():
             fut.set_result(None)
 
@@ -424,7 +426,7 @@ class Exchange(asyncio.BaseProtocol):
             reply.detach(self)
         # Its headers were written: not kept for the stream.
         self.head_resp = None
-        self._resolve_released()
+        self._resolve_past_hold()
 
     def _check_fast(self) -> None:
         """Whether the next read may take the fast path: streaming, between chunks and events."""
@@ -477,10 +479,14 @@ class Exchange(asyncio.BaseProtocol):
         elif ending is DONE:
             self.writer.end()
         self._unbind()
-        self.summary = self._summary(ending)
-        if not self.done.done():
-            self.done.set_result(ending)
-        self._resolve_released()
+        try:
+            self.summary = self._summary(ending)
+        finally:
+            # Whatever happened above, whoever waits for the end hears of it: a request
+            # never strands with its slot and reservation.
+            if not self.done.done():
+                self.done.set_result(None)
+            self._resolve_past_hold()
 
     def _unbind(self) -> None:
         """The upstream connection is its own protocol again, and nothing of this exchange is
@@ -492,11 +498,11 @@ class Exchange(asyncio.BaseProtocol):
         transport = conn.transport
         if transport is not None and transport.get_protocol() is self:
             transport.set_protocol(conn)
-        self.data_received = _ended_data
+        self.data_received = _ended
         flow = self.flow
         if flow is not None:
             flow.cancel()
-            flow.on_stuck = _ended_flow
+            flow.on_stuck = _ended
             if flow.paused and transport is not None:
                 transport.resume_reading()
         if self.observer is not None:
@@ -508,13 +514,12 @@ class Exchange(asyncio.BaseProtocol):
         reusable = (
             ending is DONE
             and self.upstream_keep_alive
-            and (reader is None or reader.kind is not BodyKind.UNTIL_CLOSE)
+            and (reader is None or reader.kind is not UNTIL_CLOSE)
         )
-        api = dialect.from_path(self.path)
+        name = self.hop.upstream
         if obs is None:
-            return ExchangeSummary(
-                self.upstream_name, ending, self.status, self.whole, reusable, self.sse, api
-            )
+            api = dialect.from_path(self.path)
+            return ExchangeSummary(name, ending, self.status, self.whole, reusable, False, api)
         sc, gaps = obs.scanner, obs.gaps
         body = obs.body
         doc = body.document() if body is not None else None
@@ -523,17 +528,16 @@ class Exchange(asyncio.BaseProtocol):
             api = sc.dialect
         else:
             usage = exact_usage(doc) if doc is not None and ending is DONE else None
-        first = obs.first_content_at
+            api = dialect.from_path(self.path)
         return ExchangeSummary(
-            self.upstream_name,
+            name,
             ending,
             self.status,
             self.whole,
             reusable,
-            self.sse,
+            sc is not None,
             api,
-            first_content_at=first,
-            last_content_at=gaps.last if gaps is not None and first is not None else None,
+            first_content_at=obs.first_content_at,
             gaps=gaps,
             content_events=sc.content_events if sc is not None else None,
             error_only=sc is not None and sc.error_first and not sc.content_events,
@@ -554,38 +558,42 @@ class Exchange(asyncio.BaseProtocol):
         self.counted += n
         return n
 
-    # ---- stall guard -----------------------------------------------------------------
-    def _stalled(self, reason: StallReason, now: float) -> None:
-        self.trip(reason, now)
+    @property
+    def api(self) -> Api:
+        """The API the stream speaks: what its events said, else what its path says."""
+        obs = self.observer
+        sc = obs.scanner if obs is not None else None
+        return sc.dialect if sc is not None else dialect.from_path(self.path)
 
+    # ---- stall guard -----------------------------------------------------------------
     def trip(self, reason: StallReason, now: float) -> None:
         self.stall = Stall(reason, self.guard.elapsed(reason, now))
         self.conn.abort()
         reply = self.reply
         if reply is not None:
-            if self.more or self.discard:
+            if self.hop.more or self.discard:
                 # Only comments reached the client: the next upstream, or an in-band error.
                 self._end(Outcome.STALL)
                 return
             self._release(reply)
-        if not self.sse:
+        obs, reader = self.observer, self.reader
+        scanner = obs.scanner if obs is not None else None
+        if scanner is None or reader is None:
             # A body that is not an event stream is cut: nothing injected.
             self.client_keep_alive = False
         else:
-            obs = self.observer
             payload = stall_frame(
-                obs.scanner if obs is not None else None,
+                scanner,
                 dialect.from_path(self.path),
-                self.model,
+                self.hop.model,
                 reason,
                 self.stall.elapsed_s,
-                self.upstream_name,
+                self.hop.upstream,
                 int(time.time()),
             )
-            reader = self.reader
-            kind = reader.kind if reader is not None else BodyKind.EMPTY
-            tracker = reader.tracker if reader is not None else None
-            tail, delimited = framing.closing_bytes(kind, self.carriage, tracker, payload)
+            tail, delimited = framing.closing_bytes(
+                reader.kind, self.carriage, reader.tracker, payload
+            )
             self.client_keep_alive &= delimited
             self.writer.close_with(tail)
         self._end(Outcome.STALL)

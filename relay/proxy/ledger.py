@@ -24,8 +24,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from relay.errors import Outcome, RelayError
+from relay.errors import RelayError
 from relay.http.fields import Headers
+from relay.policy.outcome import Cut, Drained
 from relay.stream.dialect import Api
 
 if TYPE_CHECKING:
@@ -77,10 +78,17 @@ class Ledger:
         self.exchange: Exchange | None = None
         self.reply: Reply | None = None
         self.answered: RelayError | None = None
-        self.cut: Outcome | None = None
-        self.drained: Outcome | None = None
+        self.cut: Cut | None = None
+        self.drained: Drained | None = None
         self.bug = False
         self.trace: Trace | None = None
+
+    @property
+    def stream_api(self) -> Api:
+        """The API an in-band error speaks: the live exchange's stream's, else the last one's
+        (`api`, the path's guess until a stream said)."""
+        ex = self.exchange
+        return ex.api if ex is not None and ex.ending is None else self.api
 
     @property
     def content_out(self) -> bool:

@@ -19,7 +19,7 @@ from relay.errors import UpstreamErrorFields
 from relay.http.response_framing import BodyKind, Carriage
 from relay.http.response_head import ResponseHead
 from relay.proxy.client_writer import ClientWriter
-from relay.stream.content_hold import NOTHING, Hold, Took
+from relay.stream.content_hold import COMMITTED, NOTHING, OPEN, Hold, Took
 from relay.stream.dialect import Api
 
 
@@ -48,11 +48,13 @@ class Reply:
     # ---- what the hold says ----------------------------------------------------------
     @property
     def open(self) -> bool:
-        return self.hold.open
+        """Content reached the client."""
+        return self.hold.state is OPEN
 
     @property
     def committed(self) -> bool:
-        return self.hold.committed
+        """A head and comments only reached the client (heartbeats)."""
+        return self.hold.state is COMMITTED
 
     @property
     def beats(self) -> int:
@@ -118,7 +120,7 @@ class Reply:
         took, out = self.hold.take(piece, content, error_first, more)
         if out is not NOTHING:
             self.writer.write(out)
-        if took is Took.RELEASED:
+        if took is Took.WRITTEN:
             self.close()
         return took
 

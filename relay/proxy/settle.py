@@ -17,7 +17,8 @@ from relay.errors import Code, Outcome, RelayError
 from relay.http.fields import Headers
 from relay.http.request_path import bounded, route_path
 from relay.observe import row_timings as timing
-from relay.observe.record import Record, TokensSource, user_agent
+from relay.observe.record import RESERVED, Record, user_agent
+from relay.observe.ui_state import Trended
 from relay.policy.outcome import decide
 from relay.proxy import telemetry
 from relay.proxy.app_view import AppView
@@ -95,15 +96,12 @@ def settle(app: AppView, out: ClientWriter, rec: Record, ledger: Ledger, t0: flo
     app.log.record("access", rec.log_fields())
 
 
-def _metrics(
-    app: AppView, rec: Record, ledger: Ledger, summary: ExchangeSummary | None
-) -> bool | None:
-    """The upstream's figures of a settled request; whether the page's trend takes it as a
-    generating request (None: no upstream was involved)."""
+def _metrics(app: AppView, rec: Record, ledger: Ledger, summary: ExchangeSummary | None) -> Trended:
+    """The upstream's figures of a settled request; how the page's trend takes it."""
     up = ledger.up or app.upstreams.get(rec.upstream_requested or "")
     if rec.error_code in ADMISSION_CODES or up is None:
         app.registry.rejected(rec.error_code or "unknown")
-        return None
+        return Trended.NONE
     m = up.metrics
     # /health, /v1/models, tokenize...: counted apart, in no latency figure.
     if ledger.generates:
@@ -118,7 +116,7 @@ def _metrics(
         m.other_request_done()
     if summary is not None and summary.stall is not None:
         m.stall(summary.stall.reason)
-    return ledger.generates
+    return Trended.GENERATING if ledger.generates else Trended.OTHER
 
 
 def charge(rec: Record) -> tuple[int, int]:
@@ -160,7 +158,7 @@ def _tokens(rec: Record, ex: ExchangeSummary, ledger: Ledger) -> Usage | None:
     metrics = up.metrics
     if exact is not None:
         metrics.set_flm(exact.decoding_speed_tps, exact.kv_occupancy_pct)
-    if rec.completion_tokens is not None and rec.tokens_source != TokensSource.RESERVED:
+    if rec.completion_tokens is not None and rec.tokens_source != RESERVED:
         metrics.add_tokens(rec.completion_tokens - ex.counted, time.monotonic())
     return exact
 

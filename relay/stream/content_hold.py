@@ -12,7 +12,7 @@ request. One Hold per request, fed by each exchange in turn, says where that sta
   heartbeats while the upstream works on a long prompt (`beat`), and the upstream's own
   comment lines (llama-server's pings). From here the body comes in as payloads (`feed`):
   comment blocks go out at once while no event is held, other events are held until the
-  first content event; the relay frames the chunks itself (`chunked`) or, for an HTTP/1.0
+  first content event; the relay frames the chunks itself (`frames`) or, for an HTTP/1.0
   client, the body ends by closing. A failure that would have been an HTTP error becomes one
   in-band error in the stream's API shape and a clean end (`fail`, `terminal.error_events`:
   chat's `{"error": ...}` and `[DONE]`, Anthropic's `event: error`, a Responses `error`
@@ -25,7 +25,6 @@ request. One Hold per request, fed by each exchange in turn, says where that sta
 from __future__ import annotations
 
 from enum import Enum, auto
-from typing import NamedTuple
 
 import msgspec
 
@@ -47,23 +46,23 @@ class HoldState(Enum):
 
 
 class Took(Enum):
-    """What `take` made of body pieces: still held; written (the client gets the rest
-    directly); or this upstream's error, which ends its exchange (the next candidate serves,
-    or the error is told in-band)."""
+    """What `take` made of body pieces: still held; written with what was held (the client
+    gets the rest directly); or this upstream's error, which ends its exchange (the next
+    candidate serves, or the error is told in-band)."""
 
     HELD = auto()
-    RELEASED = auto()
+    WRITTEN = auto()
     ERROR = auto()
 
 
 WAITING, COMMITTED, OPEN, FAILED = HoldState
-HELD, RELEASED, ERROR = Took
+HELD, WRITTEN, ERROR = Took
 # The most bytes held back waiting for the first content event.
 LIMIT = 64 * 1024
 HEARTBEAT = b": relay heartbeat\n\n"
 
 
-class Out(NamedTuple):
+class Out(msgspec.Struct, frozen=True, gc=False):
     """What one step of the hold writes to the client: a response head (b"": none), then body
     pieces, each a chunk of its own when the relay frames the body (`frames`, set with the
     head), then, with `end`, the body's end (the last chunk, when framed)."""
@@ -102,7 +101,6 @@ def synthetic_head(
 class Hold:
     __slots__ = (
         "beats",
-        "chunked",
         "extra",
         "frames",
         "head",
@@ -129,7 +127,8 @@ class Hold:
         self.http11 = http11
         self.keep_alive: bool = keep_alive
         self.state = WAITING
-        # WAITING: the head the exchange would send, and whether the relay frames its body.
+        # WAITING: the head the exchange would send. Whether the relay frames the body after
+        # the head (the exchange's, WAITING; the one the hold committed, COMMITTED).
         self.head = b""
         self.frames = False
         # WAITING: the pieces after the head; COMMITTED: the held events.
@@ -137,8 +136,6 @@ class Hold:
         self.size = 0
         # COMMITTED: an unfinished event.
         self.pending: bytes | bytearray = b""
-        # COMMITTED: the client's body is framed by the relay.
-        self.chunked = False
         self.beats = 0
 
     @property
@@ -183,12 +180,12 @@ class Hold:
         if self.state is COMMITTED:
             opened, out = self.feed(piece, content and not error_first)
             if opened:
-                return RELEASED, out
+                return WRITTEN, out
             return (ERROR if error_first else HELD), out
         if error_first and more:
             return ERROR, NOTHING
         if self.keep(piece) or content:
-            return RELEASED, self.release()
+            return WRITTEN, self.release()
         return HELD, NOTHING
 
     # ---- WAITING -----------------------------------------------------------------------
@@ -218,13 +215,13 @@ class Hold:
     def commit(self, head: bytes | None = None) -> Out:
         """A 200 event-stream head (the upstream's own, re-framed by the caller, or the relay's)
         to send; from here only comments reach the client until the first content event."""
-        self.chunked = self.http11
+        self.frames = self.http11
         if head is None:
-            keep_alive = self.keep_alive and self.chunked
-            head = synthetic_head(self.request_id, self.chunked, keep_alive, self.extra)
+            keep_alive = self.keep_alive and self.frames
+            head = synthetic_head(self.request_id, self.frames, keep_alive, self.extra)
         self.parts, self.size, self.pending, self.head = [], 0, b"", b""
         self.state = COMMITTED
-        return Out(head, frames=self.chunked)
+        return Out(head, frames=self.frames)
 
     def commit_upstream(
         self, resp: ResponseHead, kind: BodyKind, mode: Carriage
@@ -242,7 +239,7 @@ class Hold:
         head first (WAITING), then the heartbeat comment."""
         head = self.commit().head if self.state is WAITING else b""
         self.beats += 1
-        return Out(head, (HEARTBEAT,), self.chunked)
+        return Out(head, (HEARTBEAT,), self.frames)
 
     def feed(self, payload: bytes, content: bool) -> tuple[bool, Out]:
         """Body payload while COMMITTED; `content`: the first content event is in it. True
@@ -286,7 +283,9 @@ class Hold:
             released = self.release()
             return Out(pieces=released.pieces, end=True)
         if self.state is WAITING:
-            return self.release()
+            # A close-delimited body the relay frames ends with its last chunk too.
+            released = self.release()
+            return Out(released.head, released.pieces, released.frames, end=True)
         return NOTHING
 
     def fail(self, message: str, type_: str, code: str | None, api: Api) -> tuple[Out, bool]:
@@ -295,7 +294,7 @@ class Hold:
         self.parts, self.size, self.pending = [], 0, b""
         self.state = FAILED
         out = Out(pieces=(error_events(api, message, type_, code),), end=True)
-        return out, self.chunked and self.keep_alive
+        return out, self.frames and self.keep_alive
 
     def error(self) -> UpstreamErrorFields | None:
         """The error of the first held error event: an upstream's `{"error": ...}`,

@@ -22,30 +22,24 @@ from relay.stream.usage import JsonBody, Usage, stream_usage
 class Observer:
     __slots__ = ("body", "first_content_at", "gaps", "read_at", "scanner", "shape")
 
-    def __init__(self, scanner: SseScanner | None, body: JsonBody | None) -> None:
-        self.scanner = scanner
-        self.body = body
-        # An event stream's gaps between content events.
-        self.gaps: Gaps | None = Gaps() if scanner is not None else None
+    def __init__(self, api: Api | None = None, json: bool = False) -> None:
+        """An event stream's observer (`api`: its API as guessed until its events say), a
+        whole JSON body's (`json`: kept, bounded, for its usage), or one reading nothing."""
+        # An event stream's scanner and gaps between content events; a JSON body's copy.
+        self.scanner: SseScanner | None = None
+        self.gaps: Gaps | None = None
+        self.body: JsonBody | None = None
+        if api is not None:
+            self.scanner = SseScanner(self._first_content, api)
+            self.gaps = Gaps()
+        elif json:
+            self.body = JsonBody()
         # The perf_counter time of the read being scanned, and of the read that held the
         # first content event.
         self.read_at = 0.0
         self.first_content_at: float | None = None
         # This stream's token events up to their text, once learned (`fastpath.learn`).
         self.shape: Shape | None = None
-
-    @classmethod
-    def of_stream(cls, api: Api) -> Observer:
-        """An event stream's observer, its API guessed as `api` until its events say."""
-        obs = cls(None, None)
-        obs.scanner = SseScanner(obs._first_content, api)
-        obs.gaps = Gaps()
-        return obs
-
-    @classmethod
-    def of_json(cls) -> Observer:
-        """A whole JSON body's observer: the body kept (bounded) for its usage."""
-        return cls(None, JsonBody())
 
     def _first_content(self) -> None:
         # The first content event's time is its read's, as every event of that read's is

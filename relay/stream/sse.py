@@ -199,7 +199,23 @@ class SseScanner:
                 self.pending += b"\r"
                 return
             data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        self._events(data)
+        start = 0
+        find = data.find
+        while True:
+            end = find(b"\n\n", start)
+            if end < 0:
+                break
+            if end > start:
+                self._event(data[start:end])
+            start = end + 2
+        if start < len(data):
+            rest = data[start:] if start else data
+            if rest.strip(b"\n"):
+                if len(rest) > _MAX_PENDING:
+                    # This event is given up on; relaying goes on.
+                    self.oversized = True
+                else:
+                    self.pending = rest
 
     def _joined(self, pending: bytes | bytearray, data: bytes) -> bytes | None:
         """The unfinished event and the new bytes, when the new bytes may end it; else None,
@@ -227,26 +243,6 @@ class SseScanner:
             return None
         self.pending = b""
         return (pending if pending.__class__ is bytes else bytes(pending)) + data
-
-    def _events(self, data: bytes) -> None:
-        """Whole events, read; an unfinished one at the end kept for the next read."""
-        start = 0
-        find = data.find
-        while True:
-            end = find(b"\n\n", start)
-            if end < 0:
-                break
-            if end > start:
-                self._event(data[start:end])
-            start = end + 2
-        if start < len(data):
-            rest = data[start:] if start else data
-            if rest.strip(b"\n"):
-                if len(rest) > _MAX_PENDING:
-                    # This event is given up on; relaying goes on.
-                    self.oversized = True
-                else:
-                    self.pending = rest
 
     def _event(self, ev: bytes) -> None:
         ev = ev.lstrip(b"\n")

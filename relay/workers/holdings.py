@@ -16,6 +16,7 @@ from typing import Protocol
 
 from relay.observe.metrics import Registry
 from relay.observe.record import CRASHED, Record
+from relay.observe.ui_state import Trended
 from relay.policy.budget import BudgetExceeded, Budgets, Reservation
 from relay.proxy.dispatch import ADMIT_WAIT_S
 from relay.proxy.settle import charge
@@ -63,7 +64,7 @@ class Parent(Protocol):
         """(wall time, budgets' generation) after each reload (`unlimited`)."""
 
     def put_row(
-        self, rec: Record, admission: AdmissionId | None = None, trend: bool | None = None
+        self, rec: Record, admission: AdmissionId | None = None, trend: Trended = Trended.NONE
     ) -> None: ...
 
     def track(self, task: asyncio.Task[None]) -> None: ...
@@ -181,7 +182,7 @@ def admit(app: Parent, w: Worker, msg: wire.Admit) -> None:
     if msg.ahead is not None:
         ask_slot(app, w, msg.ahead)
         w.promised.promise(msg.admission, msg.ahead)
-    if res.released:
+    if res.empty:
         # The key has no limits here (a reload removed them): there is nothing to hold.
         w.send(wire.AdmitAnswer(msg.id, AdmitVerdict.OK))
         return
@@ -282,4 +283,4 @@ def unlimited(app: Parent, rec: Record) -> Reservation:
     for at, generation in app.budget_generations:
         if at <= rec.ts:
             gen = generation
-    return Reservation(rec.key_id or "", 0, released=True, gen=gen, admitted_at=rec.ts)
+    return Reservation(rec.key_id or "", 0, empty=True, gen=gen, admitted_at=rec.ts)

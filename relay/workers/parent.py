@@ -41,7 +41,8 @@ from relay.errors import Code, RelayError
 from relay.observe import metrics_merge
 from relay.observe.log import Log
 from relay.observe.metrics import Registry
-from relay.proxy.endpoints import JSON, admin_view
+from relay.proxy.client_writer import JSON
+from relay.proxy.endpoints import admin_view
 from relay.proxy.upstreams import Upstream
 from relay.reload import Summary
 from relay.workers import holdings, wire

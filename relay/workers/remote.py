@@ -17,6 +17,7 @@ from typing import Protocol
 
 from relay.observe.log import Log
 from relay.observe.record import Record
+from relay.observe.ui_state import Trended
 from relay.policy.budget import Budgets, Reservation
 from relay.proxy.dispatch import ADMIT_WAIT_S
 from relay.proxy.slots import Busy, SlotsClosed
@@ -171,10 +172,10 @@ class LooseBudgets(Budgets):
     def reserve(self, key_id: str, tokens: int, now: float) -> Reservation:
         kb = self.keys.get(key_id)
         limited = kb is not None and bool(kb.windows)
-        return Reservation(key_id, tokens, released=not limited, admitted_at=now)
+        return Reservation(key_id, tokens, empty=not limited, admitted_at=now)
 
     def spend(self, res: Reservation, requests: int, tokens: int, now: float) -> None:
-        res.spent = res.released = True
+        res.spent = res.empty = True
 
     def restore(self, key_id: str, kind: str, requests: int, tokens: int, now: float) -> None:
         pass
@@ -235,7 +236,7 @@ class RemoteStore:
             case _:
                 raise RuntimeError(answer.why)
 
-    def send_row(self, rec: Record, admission: AdmissionId | None, trend: bool | None) -> None:
+    def send_row(self, rec: Record, admission: AdmissionId | None, trend: Trended) -> None:
         """The row goes to the parent, which charges its key and keeps it (`App.put_row`), and
         gives back a slot asked for with its admission that the request did not take."""
         if admission is not None:
@@ -243,7 +244,7 @@ class RemoteStore:
         self.link.send(wire.Row(rec, admission, trend))
 
     def put_record(self, rec: Record, admission_id: AdmissionId | None = None) -> None:
-        self.send_row(rec, admission_id, None)
+        self.send_row(rec, admission_id, Trended.NONE)
 
     def usage_since(
         self, key_id: str | None, since_ts: float, served_only: bool = False

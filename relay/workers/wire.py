@@ -40,6 +40,7 @@ import msgspec
 from relay.config import Config
 from relay.observe.metrics import UpstreamState
 from relay.observe.record import Record
+from relay.observe.ui_state import Trended
 from relay.policy.budget import BudgetExceeded
 from relay.store.admissions import AdmissionId
 
@@ -96,12 +97,11 @@ class Admit(msgspec.Struct, tag="admit", array_like=True, frozen=True):
 
 
 class Row(msgspec.Struct, tag="row", array_like=True, frozen=True):
-    """`trend`: whether the request generates, None when no upstream was involved
-    (`App.put_row`)."""
+    """`trend`: how the page's trend takes the row (`App.put_row`)."""
 
     rec: Record
     admission: AdmissionId | None
-    trend: bool | None
+    trend: Trended
 
 
 class Down(msgspec.Struct, tag="down", array_like=True, frozen=True):

@@ -35,10 +35,11 @@ from relay.errors import Code, RelayError
 from relay.observe.log import Log, shared_stderr
 from relay.observe.metrics import UpstreamMetrics
 from relay.observe.record import Record
+from relay.observe.ui_state import Trended
 from relay.policy.budget import Budgets
 from relay.proxy.app_view import ViewAnswer
 from relay.proxy.client import ClientConn
-from relay.proxy.endpoints import JSON
+from relay.proxy.client_writer import JSON
 from relay.proxy.upstreams import Upstream
 from relay.store.admissions import AdmissionId
 from relay.workers import wire
@@ -92,7 +93,7 @@ class WorkerApp(App):
         )
 
     def put_row(
-        self, rec: Record, admission: AdmissionId | None = None, trend: bool | None = None
+        self, rec: Record, admission: AdmissionId | None = None, trend: Trended = Trended.NONE
     ) -> None:
         """The row goes to the parent, which keeps it (App.put_row) and charges its key."""
         self.remote_store.send_row(rec, admission, trend)

@@ -45,7 +45,7 @@ def test_budget_settle_after_the_key_was_removed():
     res = b.reserve("k", 5, NOW)
     b.reload([])
     b.spend(res, 1, 5, NOW)  # no KeyError
-    assert res.released
+    assert res.empty
 
 
 async def test_slot_resize_grants_waiters_and_shrinks_on_release():

@@ -265,7 +265,7 @@ def test_waiting_holds_exactly_the_limit_and_releases_one_byte_past_it():
     assert hold.take(b"x" * (LIMIT - 1), False, False) == H.HELD
     assert hold.take(b"x", False, False) == H.HELD  # exactly LIMIT held: still held
     assert out == [] and not hold.sent
-    assert hold.take(b"y", False, False) == H.RELEASED  # LIMIT + 1
+    assert hold.take(b"y", False, False) == H.WRITTEN  # LIMIT + 1
     assert out == [b"HEAD" + b"x" * LIMIT + b"y"] and hold.open
 
 

@@ -12,6 +12,7 @@ from relay.errors import Outcome
 from relay.observe.log import quiet
 from relay.observe.metrics import Registry, UpstreamMetrics
 from relay.observe.record import Record, field_values
+from relay.observe.ui_state import Trended
 from relay.workers import holdings, wire
 from relay.workers.holdings import Worker
 from relay.workers.parent import ParentApp
@@ -64,7 +65,8 @@ async def test_a_row_right_behind_its_admission_settles_it(tmp_path):
         gone.outcome, gone.error_code = Outcome.CLIENT_CLOSED, "client_gone"
         reader = asyncio.StreamReader()
         reader.feed_data(
-            wire.frame(wire.Admit(7, 1, rec, 10, 20)) + wire.frame(wire.Row(gone, 1, True))
+            wire.frame(wire.Admit(7, 1, rec, 10, 20))
+            + wire.frame(wire.Row(gone, 1, Trended.GENERATING))
         )
         reader.feed_eof()
         app.draining = True  # (the stand-in's end is not a crash to restart)
@@ -128,13 +130,13 @@ async def test_a_key_given_limits_by_a_reload_is_charged_what_was_in_flight(tmp_
     limited = [KeyConfig(id="alpha", sha256="0" * 64, requests_per_day=5)]
     app.budgets.reload(limited, {("alpha", "daily"): (0, 0)}, time.time())
     app.budget_generations.append((time.time(), app.budgets.generation))
-    holdings.row(app, w, wire.Row(rec, None, True))
+    holdings.row(app, w, wire.Row(rec, None, Trended.GENERATING))
     usage = app.budgets.usage("alpha", time.time())["daily"]
     assert (usage["requests"], usage["tokens"]) == (1, 7)
     # a request that began after the reload was reserved (and charged) under it: not again
     later = Record(time.time() + 1, "r2", "/v1/chat/completions", "POST", key_id="alpha")
     later.upstream_served = "llm"
-    holdings.row(app, w, wire.Row(later, None, True))
+    holdings.row(app, w, wire.Row(later, None, Trended.GENERATING))
     assert app.budgets.usage("alpha", time.time())["daily"]["requests"] == 1
 
 
@@ -158,7 +160,7 @@ async def test_a_keyed_request_s_slot_comes_with_its_admission_and_goes_with_its
             assert pool.in_flight == 1 and slot_id in w.held  # granted with the admission
             rec.upstream_served = "llm" if takes else None
             done = [wire.frame(wire.Free(slot_id))] if takes else []  # (released at settle)
-            reader.feed_data(b"".join(done) + wire.frame(wire.Row(rec, adm_id, True)))
+            reader.feed_data(b"".join(done) + wire.frame(wire.Row(rec, adm_id, Trended.GENERATING)))
             for _ in range(20):
                 await asyncio.sleep(0)
             assert pool.in_flight == 0 and w.held == {} and w.admissions == {}
