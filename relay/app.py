@@ -84,6 +84,9 @@ def make_store(config: Config, log: Log) -> RowStore:
     return PgStore.configured(config.store, log)
 
 
+_UNTRENDED, _GENERATING = Trended.NONE, Trended.GENERATING
+
+
 class Listening(Protocol):
     """The listening side as the App starts and stops it: an asyncio.Server, or the socket a
     parent hands to its workers (relay.workers.parent)."""
@@ -380,8 +383,8 @@ class App:
         """A settled request's row: into the page's recent rows and its trend (`trend`: as
         what, if at all), and into the store (replacing its admission record). A worker
         process sends it to its parent, which keeps it here."""
-        if trend is not Trended.NONE:
-            self.ui_trend.add(rec, trend is Trended.GENERATING)
+        if trend is not _UNTRENDED:
+            self.ui_trend.add(rec, trend is _GENERATING)
         self.ui_recent.add(rec)
         self.store.put_record(rec, admission)
 

@@ -4,17 +4,19 @@
 a declared length, chunked coding (`chunked.ChunkTracker`), or a body that ends when the
 upstream closes. Each takes the bytes of one read and says what of them may go on to the
 client now with the framing kept (`wire`), where the payloads lie in them (`spans`:
-[a0, b0, a1, b1, ...], so a scanner reads them in place), and whether the body is whole.
+[a0, b0, a1, b1, ...], so a scanner reads them in place), whether the body is whole, and
+whether the read was whole chunks (`chunks`: the usual read of a stream, one token event a
+chunk as a rule).
 `eof` says whether an upstream's close ends the body or cuts it.
 """
 
 from __future__ import annotations
 
 from relay.http.chunked import ChunkError, ChunkTracker
-from relay.http.response_framing import BodyKind
+from relay.http.response_framing import CHUNKED, LENGTH, UNTIL_CLOSE, BodyKind
 
-# What one read holds of a body: (wire, spans, whole).
-BodyRead = tuple[bytes, list[int], bool]
+# What one read holds of a body: (wire, spans, whole, chunks).
+BodyRead = tuple[bytes, list[int], bool, bool]
 
 __all__ = ["BodyRead", "ChunkError", "ChunkedReader", "LengthReader", "UntilCloseReader"]
 
@@ -40,7 +42,7 @@ class LengthReader:
                 self.reusable = False
             n = self.remaining
         self.remaining -= n
-        return data, [0, n], not self.remaining
+        return data, [0, n], not self.remaining, False
 
     def payload(self, wire: bytes, spans: list[int]) -> bytes:
         return wire
@@ -50,25 +52,27 @@ class LengthReader:
         return False
 
 
-class ChunkedReader:
-    """A chunked body, its framing followed as it passes (`ChunkTracker`): whole chunks are
-    read in place; anything else (a chunk split across reads, the last chunk) is tracked,
-    a half-sent size line or chunk end held back until it is whole."""
+class ChunkedReader(ChunkTracker):
+    """A chunked body, its framing followed as it passes (a `ChunkTracker` with the readers'
+    interface): whole chunks are read in place; anything else (a chunk split across reads,
+    the last chunk) is tracked, a half-sent size line or chunk end held back until it is
+    whole."""
 
-    __slots__ = ("tracker",)
+    __slots__ = ()
     kind = BodyKind.CHUNKED
 
-    def __init__(self) -> None:
-        self.tracker = ChunkTracker()
+    @property
+    def tracker(self) -> ChunkTracker:
+        """Where the client stands in the framing (a stall frame is added from there)."""
+        return self
 
     def read(self, data: bytes) -> BodyRead:
         """ChunkError when the framing is broken."""
-        tracker = self.tracker
-        spans = tracker.spans(data)
+        spans = self.spans(data)
         if spans is not None:
-            return data, spans, False
-        wire, spans = tracker.feed_spans(data)
-        return wire, spans, tracker.done
+            return data, spans, False, True
+        wire, spans = self.feed_spans(data)
+        return wire, spans, self.done, False
 
     def payload(self, wire: bytes, spans: list[int]) -> bytes:
         """The payloads of a read, joined (a client whose body the relay frames, or an
@@ -78,13 +82,9 @@ class ChunkedReader:
         return b"".join(wire[spans[i] : spans[i + 1]] for i in range(0, len(spans), 2))
 
     @property
-    def between_chunks(self) -> bool:
-        return self.tracker.between_chunks
-
-    @property
     def reusable(self) -> bool:
         """Nothing came after the body's end."""
-        return not self.tracker.extra
+        return not self.extra
 
     def eof(self) -> bool:
         """The upstream closed before the last chunk: the body is cut."""
@@ -101,7 +101,7 @@ class UntilCloseReader:
     reusable = False
 
     def read(self, data: bytes) -> BodyRead:
-        return data, [0, len(data)], False
+        return data, [0, len(data)], False, False
 
     def payload(self, wire: bytes, spans: list[int]) -> bytes:
         return wire
@@ -116,10 +116,10 @@ BodyReader = LengthReader | ChunkedReader | UntilCloseReader
 
 def reader_for(kind: BodyKind, length: int) -> BodyReader | None:
     """The reader of a body of `kind` (`length`: a LENGTH body's); None for an empty body."""
-    if kind is BodyKind.CHUNKED:
+    if kind is CHUNKED:
         return ChunkedReader()
-    if kind is BodyKind.LENGTH:
+    if kind is LENGTH:
         return LengthReader(length)
-    if kind is BodyKind.UNTIL_CLOSE:
+    if kind is UNTIL_CLOSE:
         return UntilCloseReader()
     return None

@@ -10,21 +10,17 @@ back until complete, so the client is always either between chunks or inside chu
 
 from __future__ import annotations
 
-from enum import IntEnum
+from typing import Final
 
-
-class ChunkState(IntEnum):
-    """Where the tracker stands in the framing: before a size line, inside chunk data, at a
-    chunk's closing CRLF, in the trailer section, or past the end of the body."""
-
-    SIZE = 0
-    DATA = 1
-    DATA_END = 2
-    TRAILER = 3
-    DONE = 4
-
-
-SIZE, DATA, DATA_END, TRAILER, DONE = ChunkState
+# Where the tracker stands in the framing (`ChunkTracker.state`): before a size line, inside
+# chunk data, at a chunk's closing CRLF, in the trailer section, or past the end of the body.
+# Plain ints, named: the tracker compares its state several times a read, and an int compare
+# is the one the interpreter specialises.
+SIZE: Final = 0
+DATA: Final = 1
+DATA_END: Final = 2
+TRAILER: Final = 3
+DONE: Final = 4
 _MAX_LINE = 4096
 _HEX = b"0123456789abcdefABCDEF"
 

@@ -24,7 +24,7 @@ class TokensSource(StrEnum):
 # The error code of a request a crash cut (store.admissions), and the tokens source of a row
 # charged its reservation.
 CRASHED = Outcome.RELAY_CRASHED
-RESERVED = TokensSource.RESERVED
+EXACT, APPROX, RESERVED = TokensSource
 
 
 # One per request, alive for the whole stream: slots, no instance dict.
@@ -98,13 +98,11 @@ class Record:
             counted = approx_completion or 0
             self.completion_tokens = max(exact.completion_tokens, counted)
             self.prompt_tokens = exact.prompt_tokens
-            self.tokens_source = (
-                TokensSource.EXACT if exact.completion_tokens >= counted else TokensSource.APPROX
-            )
+            self.tokens_source = EXACT if exact.completion_tokens >= counted else APPROX
         elif approx_completion is not None:
             self.completion_tokens = approx_completion
             self.prompt_tokens = approx_prompt
-            self.tokens_source = TokensSource.APPROX
+            self.tokens_source = APPROX
 
     def set_reserved(self, prompt: int, completion: int) -> None:
         """No usable figure for a request that was served: it is charged what it reserved

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Coroutine
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Protocol
 
 import h11
 
@@ -167,9 +167,11 @@ class ClientConn(asyncio.Protocol):
 
     # ---- asyncio callbacks -----------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # A stream transport: uvloop's is not an asyncio.Transport subclass, but offers all
-        # it does.
-        self.transport = cast(asyncio.Transport, transport)
+        if TYPE_CHECKING:
+            # A stream transport: uvloop's is not an asyncio.Transport subclass, but offers
+            # all it does (so this is for the type checker only).
+            assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
         self.out = ClientWriter(self.loop, self.transport)
         peer = transport.get_extra_info("peername")
         self.peer_host = peer[0] if isinstance(peer, tuple) and peer else None

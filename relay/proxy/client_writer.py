@@ -40,6 +40,9 @@ class Drain(Enum):
     TIMEOUT = auto()
 
 
+_DRAINED = Drain.DRAINED
+
+
 class ClientWriter:
     __slots__ = (
         "_drain_waiter",
@@ -189,7 +192,7 @@ class ClientWriter:
         if self.gone:
             return Drain.GONE
         if self.transport.get_write_buffer_size() == 0:
-            return Drain.DRAINED
+            return _DRAINED
         self._drain_waiter = self.loop.create_future()
         self.transport.set_write_buffer_limits(high=1, low=0)
         try:

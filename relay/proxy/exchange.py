@@ -219,11 +219,11 @@ class Exchange(asyncio.BaseProtocol):
         reader, obs = self.reader, self.observer
         assert reader is not None and obs is not None
         try:
-            wire, spans, whole = reader.read(data)
+            wire, spans, whole, chunks = reader.read(data)
         except ChunkError:
             self._upstream_failed(Outcome.UPSTREAM_BAD_FRAMING)
             return
-        obs.scan(wire, spans, now)
+        obs.scan(wire, spans, now, chunks)
         self._emit(wire if self.carriage is PASS else reader.payload(wire, spans))
         if self.ending is not None:
             # What it emitted ended it (an error first event): nothing more is its to write.
@@ -392,7 +392,8 @@ class Exchange(asyncio.BaseProtocol):
     def _held(self, reply: Reply, piece: bytes) -> None:
         obs = self.observer
         assert obs is not None
-        error_first = obs.error_first
+        sc = obs.scanner
+        error_first = sc is not None and sc.error_first
         took = reply.take(piece, obs.first_content_at is not None, error_first, self.hop.more)
         if took is WRITTEN:
             self._write_directly()

@@ -19,7 +19,7 @@ import fcntl
 import ssl
 import struct
 import termios
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol
 
 from relay.http.tls import describe
 
@@ -66,9 +66,11 @@ class UpstreamConn(asyncio.Protocol):
         self.used = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # A stream transport: uvloop's is not an asyncio.Transport subclass, but offers all
-        # it does.
-        self.transport = cast(asyncio.Transport, transport)
+        if TYPE_CHECKING:
+            # A stream transport: uvloop's is not an asyncio.Transport subclass, but offers
+            # all it does (so this is for the type checker only).
+            assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
 
     def data_received(self, data: bytes) -> None:
         handler = self.handler

@@ -19,7 +19,7 @@ from relay.errors import UpstreamErrorFields
 from relay.http.response_framing import BodyKind, Carriage
 from relay.http.response_head import ResponseHead
 from relay.proxy.client_writer import ClientWriter
-from relay.stream.content_hold import COMMITTED, NOTHING, OPEN, Hold, Took
+from relay.stream.content_hold import COMMITTED, NOTHING, OPEN, WRITTEN, Hold, Took
 from relay.stream.dialect import Api
 
 
@@ -120,7 +120,7 @@ class Reply:
         took, out = self.hold.take(piece, content, error_first, more)
         if out is not NOTHING:
             self.writer.write(out)
-        if took is Took.WRITTEN:
+        if took is WRITTEN:
             self.close()
         return took
 

@@ -27,6 +27,9 @@ from relay.proxy.ledger import Ledger
 from relay.stream.summary import ExchangeSummary
 from relay.stream.usage import Usage
 
+GENERATING, OTHER = Trended.GENERATING, Trended.OTHER
+# The outcomes of a request the client left (gone, or too slow to read).
+_CLIENT_LEFT = frozenset({Outcome.CLIENT_CLOSED, Outcome.CLIENT_WRITE_TIMEOUT})
 # Refusals decided before any upstream is chosen or contacted (counted relay-wide).
 ADMISSION_CODES = frozenset(
     {
@@ -58,10 +61,7 @@ def settle(app: AppView, out: ClientWriter, rec: Record, ledger: Ledger, t0: flo
         verdict.status,
         verdict.ok,
     )
-    rec.client_closed = out.gone and verdict.outcome in (
-        Outcome.CLIENT_CLOSED,
-        Outcome.CLIENT_WRITE_TIMEOUT,
-    )
+    rec.client_closed = out.gone and verdict.outcome in _CLIENT_LEFT
     answered = ledger.answered
     if answered is not None and answered.reason is not None:
         rec.error = bounded(answered.reason)
@@ -116,7 +116,7 @@ def _metrics(app: AppView, rec: Record, ledger: Ledger, summary: ExchangeSummary
         m.other_request_done()
     if summary is not None and summary.stall is not None:
         m.stall(summary.stall.reason)
-    return Trended.GENERATING if ledger.generates else Trended.OTHER
+    return GENERATING if ledger.generates else OTHER
 
 
 def charge(rec: Record) -> tuple[int, int]:

@@ -47,15 +47,22 @@ class Observer:
         self.first_content_at = self.read_at
 
     # ---- reads -----------------------------------------------------------------------
-    def scan(self, wire: bytes, spans: list[int], now: float) -> None:
-        """The payloads `wire[spans[0]:spans[1]]`, ... of one read made at `now`."""
+    def scan(self, wire: bytes, spans: list[int], now: float, chunks: bool = False) -> None:
+        """The payloads `wire[spans[0]:spans[1]]`, ... of one read made at `now`; `chunks`:
+        the read is whole chunks, one event each as a rule (read in place: `feed_span`)."""
         self.read_at = now
         sc = self.scanner
         if sc is not None:
             before = sc.content_events
-            feed = sc.feed_span
-            for i in range(0, len(spans), 2):
-                feed(wire, spans[i], spans[i + 1])
+            if chunks:
+                span = sc.feed_span
+                for i in range(0, len(spans), 2):
+                    span(wire, spans[i], spans[i + 1])
+            elif len(spans) == 2 and not spans[0] and spans[1] == len(wire):
+                sc.feed(wire)
+            else:
+                for i in range(0, len(spans), 2):
+                    sc.feed(wire[spans[i] : spans[i + 1]])
             if sc.content_events != before:
                 gaps = self.gaps
                 assert gaps is not None

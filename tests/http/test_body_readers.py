@@ -11,7 +11,7 @@ from relay.http.response_framing import BodyKind
 
 
 def payloads(read) -> list[bytes]:
-    wire, spans, _ = read
+    wire, spans = read[0], read[1]
     return [wire[spans[i] : spans[i + 1]] for i in range(0, len(spans), 2)]
 
 
@@ -24,30 +24,30 @@ def test_the_reader_is_chosen_by_the_heads_framing():
 
 def test_a_length_body_ends_at_its_length_and_drops_what_follows():
     r = LengthReader(7)
-    assert r.read(b"abc") == (b"abc", [0, 3], False)
-    assert r.read(b"defgHTTP/1.1") == (b"defg", [0, 4], True)
+    assert r.read(b"abc") == (b"abc", [0, 3], False, False)
+    assert r.read(b"defgHTTP/1.1") == (b"defg", [0, 4], True, False)
     assert not r.reusable and not r.eof()
 
 
 def test_a_length_body_read_exactly_is_reusable():
     r = LengthReader(3)
-    assert r.read(b"abc") == (b"abc", [0, 3], True) and r.reusable
+    assert r.read(b"abc") == (b"abc", [0, 3], True, False) and r.reusable
 
 
 def test_whole_chunks_are_read_in_place():
     r = ChunkedReader()
     data = b"3\r\nabc\r\n2\r\nde\r\n"
     read = r.read(data)
-    assert read[0] is data and payloads(read) == [b"abc", b"de"] and not read[2]
+    assert read[0] is data and payloads(read) == [b"abc", b"de"] and not read[2] and read[3]
     assert r.between_chunks
 
 
 def test_a_chunk_split_across_reads_holds_its_size_line_back():
     r = ChunkedReader()
     assert payloads(r.read(b"5\r\nhel")) == [b"hel"] and not r.between_chunks
-    wire, spans, whole = r.read(b"lo\r\n1")
-    assert (wire, payloads((wire, spans, whole)), whole) == (b"lo\r\n", [b"lo"], False)
-    wire, spans, whole = r.read(b"0\r\n" + b"x" * 16 + b"\r\n0\r\n\r\n")
+    wire, spans, whole, chunks = r.read(b"lo\r\n1")
+    assert (wire, payloads((wire, spans)), whole, chunks) == (b"lo\r\n", [b"lo"], False, False)
+    wire, spans, whole, _ = r.read(b"0\r\n" + b"x" * 16 + b"\r\n0\r\n\r\n")
     assert wire == b"10\r\n" + b"x" * 16 + b"\r\n0\r\n\r\n" and whole and r.reusable
     assert r.payload(wire, spans) == b"x" * 16
 
@@ -64,6 +64,6 @@ def test_broken_chunk_framing_is_an_error():
 
 def test_a_close_ends_only_a_close_delimited_body():
     r = UntilCloseReader()
-    assert r.read(b"anything") == (b"anything", [0, 8], False)
+    assert r.read(b"anything") == (b"anything", [0, 8], False, False)
     assert r.eof() and not r.reusable
     assert not LengthReader(3).eof() and not ChunkedReader().eof()
