@@ -132,6 +132,12 @@ class ChunkTracker:
             if st == DONE:
                 self.extra += buf[pos:]
                 break
+            if st == DATA_END and buf.startswith(b"\r\n", pos):
+                # A chunk's end, as it usually comes.
+                pos += 2
+                self.state = SIZE
+                safe = pos
+                continue
             if st == SIZE:
                 pos = self._size_line(buf, pos)
             elif st == DATA_END:

@@ -67,3 +67,17 @@ def test_a_close_ends_only_a_close_delimited_body():
     assert r.read(b"anything") == (b"anything", [0, 8], False, False)
     assert r.eof() and not r.reusable
     assert not LengthReader(3).eof() and not ChunkedReader().eof()
+
+
+def test_whole_chunks_then_the_last_chunk_are_read_in_place_and_end_the_body():
+    r = ChunkedReader()
+    data = b"3\r\nabc\r\n0\r\n\r\n"
+    read = r.read(data)
+    assert read[0] is data and payloads(read) == [b"abc"] and read[2] and read[3]
+    assert r.done and r.reusable
+    r = ChunkedReader()
+    assert r.read(b"0\r\n\r\n") == (b"0\r\n\r\n", [], True, True)
+    # A trailer is the general path's: it is whole only once the trailer ends.
+    r = ChunkedReader()
+    read = r.read(b"3\r\nabc\r\n0\r\nX-T: 1\r\n\r\n")
+    assert read[2] and not read[3] and payloads(read) == [b"abc"]
