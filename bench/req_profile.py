@@ -6,6 +6,8 @@ The simulator and one relay (`python -m relay serve` under `valgrind --tool=call
 127.0.0.1; the ttft load (one stream at a time, a new connection each, 4 tokens at 5 ms) runs
 `--warm` requests, then the counters are dumped and zeroed (`callgrind_control --dump`), then
 `--requests` more and a second dump: its instruction total ÷ `--requests` is the figure.
+`--tokens N` sets the streams' length (4): the difference of two runs' figures over the
+difference of their tokens is the instructions per relayed event.
 Instruction counts do not depend on what else the machine runs (CPU time does), so two builds
 compare within about 1 % (event-loop turns still depend on timing). `--baseline REV` also
 measures the relay of git revision REV (its package unpacked, first on the relay's path),
@@ -32,7 +34,7 @@ from bench.upstreams import SimUpstream
 HOST = "127.0.0.1"
 
 
-def _load(port: int, n: int) -> dict:
+def _load(port: int, n: int, tokens: int = 4) -> dict:
     out = subprocess.run(
         [
             sys.executable,
@@ -45,7 +47,7 @@ def _load(port: int, n: int) -> dict:
             "--requests",
             str(n),
             "--max-tokens",
-            "4",
+            str(tokens),
             "--interval-ms",
             "5",
         ],
@@ -107,10 +109,10 @@ def measure(a, tmp: Path, root: Path | None = None) -> float:
             env={"PYTHONPATH": str(root)} if root is not None else None,
         )
         relay.wait_http(HOST, port, "/health", timeout=120)
-        _load(port, a.warm)
+        _load(port, a.warm, a.tokens)
         pid = relay.pid
         first = _dump(pid, tmp, set())
-        _load(port, a.requests)
+        _load(port, a.requests, a.tokens)
         second = _dump(pid, tmp, {first})
         per = _total(second) / a.requests
         if a.keep:
@@ -132,6 +134,12 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--keep", default="", help="copy the measured callgrind file here")
     p.add_argument("--baseline", default="", help="also measure the relay of git revision REV")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=4,
+        help="tokens per stream (two runs with different counts give instructions per event)",
+    )
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="relay-reqprof-base-") as base:
         root = extract_baseline(a.baseline, Path(base)) if a.baseline else None
