@@ -32,6 +32,7 @@ import re
 from typing import Literal, NotRequired, TypedDict
 
 from relay.policy.admission import generates
+from relay.report.untrusted import printable
 from relay.stream import itl as gaps
 
 
@@ -274,13 +275,22 @@ def flat(s: BenchGroup) -> dict[str, Cell]:
     return out
 
 
+def _csv_cell(v: Cell) -> str | int | float:
+    """A cell as CSV writes it: text escaped as the other forms print it (a CSV is read in
+    a terminal too, and a quoted line end still starts a line there)."""
+    if v is None:
+        return ""
+    return printable(v) if isinstance(v, str) else v
+
+
 def render_csv(groups: list[BenchGroup], total: BenchGroup) -> str:
+    """One line per group, then the total's; text escaped."""
     records = [flat(g) for g in groups] + [flat(total)]
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=list(records[0]), lineterminator="\n")
     w.writeheader()
     for r in records:
-        w.writerow({k: ("" if v is None else v) for k, v in r.items()})
+        w.writerow({k: _csv_cell(v) for k, v in r.items()})
     return buf.getvalue()
 
 
@@ -289,10 +299,10 @@ def _num(v: float | None, digits: int = 1) -> str:
 
 
 def render_text(groups: list[BenchGroup], total: BenchGroup, by: str) -> str:
-    """Each group's figures as lines of text, then the total's. Times in ms."""
+    """Each group's figures as lines of text, then the total's; names escaped. Times in ms."""
     lines = []
     for s in groups + [total]:
-        name = s["group"] if s["group"] is not None else "-"
+        name = printable(s["group"]) if s["group"] is not None else "-"
         head = f"{by} {name}" if s is not total else "TOTAL"
         lines.append(
             f"== {head}: {s['completed']} completed, {s['failed']} failed, "

@@ -1,7 +1,8 @@
 """Read-only access to the stored rows for `relay report`: a SQLite file (`[store].path`) or
 the PostgreSQL table several relays share (`--db postgresql://...`; the password from libpq's
 PGPASSWORD or ~/.pgpass, never the command line). The SQL is written once in SQLite's
-spelling; store.pg_sql `portable` turns it into PostgreSQL's.
+spelling; store.pg_sql `portable` turns it into PostgreSQL's. A row is read with its id
+(`row_id`), by which the report names a row it leaves out.
 """
 
 from __future__ import annotations
@@ -14,6 +15,20 @@ import sqlite3
 from relay.config import is_pg_url
 from relay.store.schema import DbRow, Params
 from relay.store.sqlite_file import is_memory, open_readonly
+
+# The key a row's id is read under: SQLite's rowid, or the row_id of PostgreSQL's rows.
+ROW_ID = "row_id"
+
+
+def row_id(db: str) -> str:
+    """The SELECT term that reads a row's id under ROW_ID."""
+    return ROW_ID if is_pg_url(db) else f"rowid AS {ROW_ID}"
+
+
+def _text(value: bytes) -> str:
+    """A TEXT value as SQLite gives it, decoded as far as it is UTF-8: another tool may
+    have cast any bytes to TEXT, and one such value must not make the whole read fail."""
+    return value.decode("utf-8", "replace")
 
 
 def shown(db: str) -> str:
@@ -56,6 +71,7 @@ def fetch(db: str, sql: str, params: Params = ()) -> list[DbRow]:
         with psycopg.connect(db, autocommit=True, row_factory=dict_row) as conn:
             return conn.execute(portable(sql), params).fetchall()
     lite = open_readonly(db)
+    lite.text_factory = _text
     try:
         rows: list[DbRow] = lite.execute(sql, params).fetchall()
         return rows

@@ -2,7 +2,8 @@
 
 Aggregation (`aggregate`, `summarize`, `percentile`, `tokens_per_s`) is pure; `main` does the
 I/O: parse flags, read rows read-only (a SQLite file or the shared PostgreSQL table:
-report.rows), print a table or JSON.
+report.rows), print a table or JSON. Stored text is printed escaped and a row whose columns
+do not hold what the schema says is left out, named on stderr (report.untrusted).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Literal, TypedDict, cast
 
 from relay.report import bench as benchview
 from relay.report import rows as stored
+from relay.report.untrusted import BadRow, checked, printable
 
 
 class SummaryRow(TypedDict, total=False):
@@ -190,7 +192,7 @@ _TOKENS: tuple[Literal["completion_tokens", "tokens_exact", "tokens_approx"], ..
 
 
 def _text(v: str | None) -> str:
-    return "-" if v is None else str(v)
+    return "-" if v is None else printable(v)
 
 
 def _measure(v: float | None) -> str:
@@ -198,7 +200,7 @@ def _measure(v: float | None) -> str:
 
 
 def _cells(g: Group) -> list[str]:
-    failures = " ".join(f"{code}:{n}" for code, n in g["failures"].items())
+    failures = " ".join(f"{printable(code)}:{n}" for code, n in g["failures"].items())
     return [
         _text(g["model"]),
         _text(g["upstream"]),
@@ -230,14 +232,15 @@ def render_table(groups: list[Group], total: Group | None = None) -> str:
 
 
 # ---- I/O -------------------------------------------------------------------------------
-def read_rows(path: str, since_ts: float | None) -> list[SummaryRow]:
-    """The rows since a time (None: all). They are SummaryRows: the SELECT names exactly
-    its columns."""
-    sql = f"SELECT {', '.join(READ_COLUMNS)} FROM request"
+def read_rows(path: str, since_ts: float | None) -> tuple[list[SummaryRow], list[BadRow]]:
+    """(the rows since a time (None: all), those left out). They are SummaryRows: the SELECT
+    names exactly its columns (and the row's id), and each holds what its column should."""
+    sql = f"SELECT {stored.row_id(path)}, {', '.join(READ_COLUMNS)} FROM request"
     params: tuple[float, ...] = ()
     if since_ts is not None:
         sql, params = sql + " WHERE ts >= ?", (since_ts,)
-    return cast("list[SummaryRow]", stored.fetch(path, sql, params))
+    rows, bad = checked(stored.fetch(path, sql, params), READ_COLUMNS, stored.ROW_ID)
+    return cast("list[SummaryRow]", rows), bad
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -306,15 +309,32 @@ def window(args: ReportArgs, now: float) -> tuple[float | None, float]:
     return start, end
 
 
-def read_bench_rows(db: str, start: float | None, end: float) -> list[benchview.BenchRow]:
-    """The rows of [start, end] (start None: up to end) for the benchmark view. A database no
-    relay with the timing columns opened yet lacks them: they read NULL. They are BenchRows:
-    the SELECT names exactly its columns."""
+def read_bench_rows(
+    db: str, start: float | None, end: float
+) -> tuple[list[benchview.BenchRow], list[BadRow]]:
+    """(the rows of [start, end] (start None: up to end) for the benchmark view, those left
+    out). A database no relay with the timing columns opened yet lacks them: they read NULL.
+    They are BenchRows: the SELECT names exactly their columns (and the row's id), and each
+    holds what its column should."""
     params: tuple[float, ...] = (end,) if start is None else (end, start)
     have = stored.columns(db)
     cols = ", ".join(c if c in have else f"NULL AS {c}" for c in benchview.READ_COLUMNS)
-    sql = f"SELECT {cols} FROM request WHERE ts <= ?" + ("" if start is None else " AND ts >= ?")
-    return cast("list[benchview.BenchRow]", stored.fetch(db, sql, params))
+    sql = f"SELECT {stored.row_id(db)}, {cols} FROM request WHERE ts <= ?" + (
+        "" if start is None else " AND ts >= ?"
+    )
+    rows, bad = checked(stored.fetch(db, sql, params), benchview.READ_COLUMNS, stored.ROW_ID)
+    return cast("list[benchview.BenchRow]", rows), bad
+
+
+def say(text: str) -> None:
+    """A line on stderr, escaped as every line the report prints."""
+    print(f"relay report: {printable(text)}", file=sys.stderr)
+
+
+def skipped(bad: list[BadRow]) -> None:
+    """One line on stderr for each row left out."""
+    for row in bad:
+        say(row.line())
 
 
 def bench_main(args: ReportArgs, parser: argparse.ArgumentParser) -> int:
@@ -324,10 +344,11 @@ def bench_main(args: ReportArgs, parser: argparse.ArgumentParser) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     try:
-        rows = read_bench_rows(args.db, start, end)
+        rows, bad = read_bench_rows(args.db, start, end)
     except stored.errors() as exc:
-        print(f"relay report: cannot read {stored.shown(args.db)!r}: {exc}", file=sys.stderr)
+        say(f"cannot read {stored.shown(args.db)!r}: {exc}")
         return 2
+    skipped(bad)
     # All rows asked for: the window is the rows' own span.
     if start is None:
         start = min((r["ts"] for r in rows), default=end)
@@ -343,7 +364,7 @@ def bench_main(args: ReportArgs, parser: argparse.ArgumentParser) -> int:
         print(benchview.render_csv(groups, total), end="")
     else:
         print(
-            f"relay report: {stored.shown(args.db)}, {len(rows)} requests from "
+            f"relay report: {printable(stored.shown(args.db))}, {len(rows)} requests from "
             f"{_iso(start)} to {_iso(end)}; times in ms"
         )
         print(benchview.render_text(groups, total, by), end="")
@@ -365,23 +386,25 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     why = stored.missing(args.db)
     if why is not None:
-        print(f"relay report: {why}", file=sys.stderr)
+        say(why)
         return 2
     if args.wants_bench():
         return bench_main(args, parser)
     since_ts = None if since_s is None else time.time() - since_s
     try:
-        rows = read_rows(args.db, since_ts)
+        rows, bad = read_rows(args.db, since_ts)
     except stored.errors() as exc:
-        print(f"relay report: cannot read {stored.shown(args.db)!r}: {exc}", file=sys.stderr)
+        say(f"cannot read {stored.shown(args.db)!r}: {exc}")
         return 2
+    skipped(bad)
     groups = aggregate(rows)
     total = summarize(rows, model="TOTAL")
     if args.json:
         print(json.dumps({"since_s": since_s, "groups": groups, "total": total}, indent=2))
         return 0
     scope = "all rows" if since_s is None else f"last {args.since}"
-    print(f"relay report: {stored.shown(args.db)}, {scope}, {len(rows)} requests; times in ms")
+    shown = printable(stored.shown(args.db))
+    print(f"relay report: {shown}, {scope}, {len(rows)} requests; times in ms")
     print(render_table(groups, total), end="")
     return 0
 
