@@ -55,7 +55,9 @@ class SpanTally:
 
 class CountingProcessor(BatchSpanProcessor):
     """The SDK's batch processor, counting in `tally` the sampled spans it is handed (`on_end`
-    runs on the event loop's thread: spans end there) and those its full queue drops.
+    runs on the event loop's thread: spans end there) and those it drops, the queue full: a
+    span that finds no room is dropped (the SDK would drop the oldest in its place, and
+    could count one it did not drop).
 
     The queue read is the SDK's own (its `_batch_processor`): with an SDK that has none, a
     full queue is not counted as it happens (only at the stop, as not acknowledged), and the
@@ -78,10 +80,16 @@ class CountingProcessor(BatchSpanProcessor):
         self.tally = tally
 
     def on_end(self, span: ReadableSpan) -> None:
-        if span.context is not None and span.context.trace_flags.sampled:
-            self.tally.ended += 1
-            if self._full():
-                self.tally.no_room += 1
+        if span.context is None or not span.context.trace_flags.sampled:
+            super().on_end(span)
+            return
+        self.tally.ended += 1
+        # Only this thread adds to the queue (the export thread takes from it): one with room
+        # now still has room as the span goes in. With none, this span is the one dropped,
+        # here, so that exactly the spans dropped are counted.
+        if self._full():
+            self.tally.no_room += 1
+            return
         super().on_end(span)
 
     def _full(self) -> bool:
