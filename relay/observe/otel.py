@@ -15,8 +15,11 @@ Imported only when OpenTelemetry is on (`otel_env.start`); it needs the `otel` e
 - Export never blocks the event loop: spans go to the SDK's batch processor (a bounded
   queue, a worker thread), metrics to a periodic reader's thread. A span the queue has no
   room for, or one whose export failed (the collector down, too slow), is counted in
-  `relay.otel.spans_dropped` (and in the `otel_stopped` line). The SDK's own warnings
-  become `otel_sdk` JSON lines, the same message at most once a minute.
+  `relay.otel.spans_dropped` as it is lost; at the stop, so is every span the collector has
+  not acknowledged (still queued, or in an export that gets no answer in time), in the
+  last point and the `otel_stopped` line. The SDK's own warnings become `otel_sdk` JSON
+  lines, the same message at most once a minute.
+- The stop waits for the last exports `SHUTDOWN_S` at most in all (`aclose`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from relay.observe.otel_env import Settings
 from relay.observe.otel_export import (
     CountingExporter,
     CountingProcessor,
+    SpanTally,
     bridge,
     metric_exporter,
     sampler,
@@ -51,8 +55,11 @@ from relay.observe.otel_export import (
 from relay.observe.record import Record
 
 _PROPAGATOR = TraceContextTextMapPropagator()
-# The most the relay's stop waits for the last export.
+# The most the relay's stop waits for the last exports, spans and metrics together.
 SHUTDOWN_S = 5.0
+# What is kept of it for the metrics' last export (which carries the final count of the spans
+# lost) when the spans' take long: a collector that does not answer.
+METRICS_SHARE_S = 1.0
 _DEFAULT_BATCH = 512
 
 
@@ -92,12 +99,13 @@ class Telemetry:
         self._tracer: Tracer | None = None
         self._traces: TracerProvider | None = None
         self._processor: CountingProcessor | None = None
-        self._exporter: CountingExporter | None = None
+        self._tally = SpanTally()
+        self._closing: asyncio.Future[None] | None = None
         if s.traces:
-            self._exporter = CountingExporter(span_exporter(s))
             queue = s.bsp_max_queue_size
             self._processor = CountingProcessor(
-                self._exporter,
+                CountingExporter(span_exporter(s), self._tally),
+                self._tally,
                 max_queue_size=queue,
                 schedule_delay_millis=s.bsp_schedule_delay_ms,
                 max_export_batch_size=min(queue, _DEFAULT_BATCH) if queue else None,
@@ -183,7 +191,8 @@ class Telemetry:
             "relay.otel.spans_dropped",
             [lambda _o: [Observation(self.spans_dropped)]],
             unit="{span}",
-            description="Spans not exported: no room in the queue, or the export failed.",
+            description="Spans the collector did not acknowledge: no room in the queue, a "
+            "failed export, or (at the stop) not exported yet.",
         )
 
     def _observe(
@@ -203,8 +212,9 @@ class Telemetry:
 
     @property
     def spans_dropped(self) -> int:
-        p, e = self._processor, self._exporter
-        return (p.dropped if p is not None else 0) + (e.failed if e is not None else 0)
+        """The spans lost: known lost while running, every one not acknowledged once stopped
+        (`otel_export.SpanTally`)."""
+        return self._tally.dropped
 
     # ---- one request ----------------------------------------------------------------------
     def begin(self, headers: Headers, rec: Record) -> Trace | None:
@@ -336,23 +346,43 @@ class Telemetry:
             self._metrics.force_flush(ms)
 
     def shutdown(self, timeout_s: float = SHUTDOWN_S) -> None:
-        """Shut the exporters down within `timeout_s` each: the span processor first, which
-        the provider's own shutdown would wait 30 s for."""
-        ms = int(timeout_s * 1000)
+        """Shut the exporters down within `timeout_s` in all (blocking). The spans' first,
+        which may take all of it but `METRICS_SHARE_S` (the provider's own shutdown would
+        wait 30 s): what the collector has not acknowledged then is lost, and counted. Then
+        the metrics', with what is left: their last export carries that count."""
+        end = time.monotonic() + timeout_s
         if self._processor is not None:
-            self._processor.shutdown_within(ms)
+            keep = min(METRICS_SHARE_S, timeout_s / 2) if self._metrics is not None else 0.0
+            self._processor.shutdown_within(int((timeout_s - keep) * 1000))
+        self._tally.stop()
         if self._traces is not None:
             self._traces.shutdown()
         if self._metrics is not None:
-            self._metrics.shutdown(timeout_millis=ms)
+            left = max(0.0, end - time.monotonic())
+            self._metrics.shutdown(timeout_millis=int(left * 1000))
 
     async def aclose(self, timeout_s: float = SHUTDOWN_S) -> None:
-        """Flush and shut down in a thread of its own, waited `timeout_s` at most: a
-        collector that is down or slow never holds the relay's exit longer. The SDK's errors
-        there never stop the relay's stop, and once the loop is closed nobody waits any
+        """Shut down in a thread of its own, waited `timeout_s` at most: a collector that is
+        down, slow or silent never holds the relay's exit longer. The SDK's errors there never
+        stop the relay's stop, and once the loop is closed nobody waits any more. A second
+        call (a second stop) waits for the first one's end, the same bound, and says nothing
         more."""
+        first = self._closing is None
+        if self._closing is None:
+            self._closing = self._shut_down_in_a_thread(timeout_s)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._closing), timeout_s)
+        except TimeoutError:
+            pass
+        if first:
+            # Done, or given up on: whatever is not acknowledged by now is lost.
+            self._tally.stop()
+            self.log.event("otel_stopped", spans_dropped=self.spans_dropped)
+
+    def _shut_down_in_a_thread(self, timeout_s: float) -> asyncio.Future[None]:
+        """`shutdown` in a daemon thread; the future is done when it has returned."""
         loop = asyncio.get_running_loop()
-        done = loop.create_future()
+        done: asyncio.Future[None] = loop.create_future()
 
         def finished() -> None:
             if not done.done():
@@ -369,8 +399,4 @@ class Telemetry:
                 pass
 
         threading.Thread(target=run, name="relay-otel-shutdown", daemon=True).start()
-        try:
-            await asyncio.wait_for(done, timeout_s + 1.0)
-        except TimeoutError:
-            pass
-        self.log.event("otel_stopped", spans_dropped=self.spans_dropped)
+        return done

@@ -1,10 +1,12 @@
 """How the relay's telemetry leaves the process (`observe.otel`): the OTLP exporters of the
 configured protocol, the sampler `[otel]` names, the batch processor and exporter that count
-the spans lost, and the SDK's own warnings as the relay's JSON lines."""
+what becomes of every span (`SpanTally`), and the SDK's own warnings as the relay's JSON
+lines."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 
@@ -19,16 +21,52 @@ from relay.observe.otel_env import Settings
 GRPC_HINT = "pip install 'relay[otel-grpc]' (opentelemetry-exporter-otlp-proto-grpc)"
 
 
-class CountingProcessor(BatchSpanProcessor):
-    """The SDK's batch processor, counting the spans its full queue drops (`dropped`, read
-    and written on the event loop's thread only: spans end there).
+class SpanTally:
+    """What became of the sampled spans handed to export, counted as it happens: `ended`
+    (handed to the batch processor, on the event loop's thread), `no_room` (a full queue
+    dropped one then), and by the exporting thread, under the SDK's export lock,
+    `acknowledged` (in a batch the collector answered with success) and `failed`.
 
-    The queue read is the SDK's own (its `_batch_processor`): with an SDK that has none,
-    nothing is counted, and the provider's shutdown shuts the processor down."""
+    `dropped` is the spans known lost while the relay runs (`no_room` + `failed`). From
+    `stop` on, it is every span not acknowledged: the stop gives up on the ones still queued
+    and on an export still waiting for its answer, and none of them will reach the collector
+    (a late answer is not waited for: the relay is exiting)."""
+
+    def __init__(self) -> None:
+        self.ended = 0
+        self.no_room = 0
+        self.acknowledged = 0
+        self.failed = 0
+        self._final: int | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def dropped(self) -> int:
+        final = self._final
+        return final if final is not None else self.no_room + self.failed
+
+    def stop(self) -> None:
+        """No more export is waited for: what is not acknowledged now is lost (the count is
+        fixed from here, whichever thread stops it first)."""
+        with self._lock:
+            if self._final is None:
+                self._final = self.ended - self.acknowledged
+
+
+class CountingProcessor(BatchSpanProcessor):
+    """The SDK's batch processor, counting in `tally` the sampled spans it is handed (`on_end`
+    runs on the event loop's thread: spans end there) and those it drops, the queue full: a
+    span that finds no room is dropped (the SDK would drop the oldest in its place, and
+    could count one it did not drop).
+
+    The queue read is the SDK's own (its `_batch_processor`): with an SDK that has none, a
+    full queue is not counted as it happens (only at the stop, as not acknowledged), and the
+    provider's shutdown shuts the processor down."""
 
     def __init__(
         self,
         exporter: SpanExporter,
+        tally: SpanTally,
         max_queue_size: int | None = None,
         schedule_delay_millis: float | None = None,
         max_export_batch_size: int | None = None,
@@ -39,11 +77,19 @@ class CountingProcessor(BatchSpanProcessor):
             schedule_delay_millis=schedule_delay_millis,
             max_export_batch_size=max_export_batch_size,
         )
-        self.dropped = 0
+        self.tally = tally
 
     def on_end(self, span: ReadableSpan) -> None:
-        if span.context is not None and span.context.trace_flags.sampled and self._full():
-            self.dropped += 1
+        if span.context is None or not span.context.trace_flags.sampled:
+            super().on_end(span)
+            return
+        self.tally.ended += 1
+        # Only this thread adds to the queue (the export thread takes from it): one with room
+        # now still has room as the span goes in. With none, this span is the one dropped,
+        # here, so that exactly the spans dropped are counted.
+        if self._full():
+            self.tally.no_room += 1
+            return
         super().on_end(span)
 
     def _full(self) -> bool:
@@ -60,20 +106,22 @@ class CountingProcessor(BatchSpanProcessor):
 
 
 class CountingExporter(SpanExporter):
-    """An OTLP span exporter that counts the spans of the batches it failed to send
-    (`failed`, the worker thread's only)."""
+    """An OTLP span exporter that counts in `tally` the spans of the batches the collector
+    acknowledged, and of those it failed to send."""
 
-    def __init__(self, inner: SpanExporter) -> None:
+    def __init__(self, inner: SpanExporter, tally: SpanTally) -> None:
         self.inner = inner
-        self.failed = 0
+        self.tally = tally
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         try:
             result = self.inner.export(spans)
         except Exception:
             result = SpanExportResult.FAILURE
-        if result is not SpanExportResult.SUCCESS:
-            self.failed += len(spans)
+        if result is SpanExportResult.SUCCESS:
+            self.tally.acknowledged += len(spans)
+        else:
+            self.tally.failed += len(spans)
         return result
 
     def shutdown(self) -> None:

@@ -1,5 +1,6 @@
 """An OTLP/HTTP receiver on 127.0.0.1 for the OpenTelemetry tests: it decodes what it gets
-with the official `opentelemetry-proto` messages, and can answer slowly.
+with the official `opentelemetry-proto` messages, and can answer slowly, or never
+(`answer=False`: a collector that accepts, reads every request whole and never says a word).
 
 `spans()` flattens every span received; `metrics()` gives, per metric name, the data points
 of the latest export that carried it (cumulative temporality: the latest holds the totals).
@@ -40,8 +41,10 @@ def value(v):
 
 
 class Receiver:
-    def __init__(self, delay_s: float = 0.0) -> None:
+    def __init__(self, delay_s: float = 0.0, answer: bool = True) -> None:
         self.delay_s = delay_s  # before each answer: a slow collector
+        self.answer = answer  # False: the requests are read, and held unanswered until `stop`
+        self._held: set[asyncio.StreamWriter] = set()
         self.traces: list[ExportTraceServiceRequest] = []
         self.metric_exports: list[ExportMetricsServiceRequest] = []
         self.requests = 0
@@ -60,6 +63,8 @@ class Receiver:
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
+        for writer in list(self._held):
+            writer.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -75,6 +80,9 @@ class Receiver:
                 if headers.get("content-encoding") == "gzip":
                     body = gzip.decompress(body)
                 self.requests += 1
+                if not self.answer:
+                    self._held.add(writer)
+                    continue
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 if path == "/v1/traces":
