@@ -40,6 +40,11 @@ class ServerConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     # worker processes serving the one listen address ("auto": the cores the process may
     # use); slots, queues, budgets, health, rows and metrics stay relay-wide (relay.workers)
     workers: Annotated[int, Meta(ge=1, le=512)] | Literal["auto"] = 1
+    # workers: one that answers none of the parent's asks for this long is lost (killed, its
+    # requests settled as crash rows, restarted)
+    worker_timeout_s: Annotated[float, Meta(ge=1.0, le=3600.0)] = 5.0
+    # workers: when none has served for this long (none can start), the parent exits 3
+    no_workers_exit_s: Annotated[float, Meta(ge=1.0, le=86400.0)] = 60.0
 
 
 class DispatcherConfig(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -25,6 +25,7 @@ from relay.proxy.upstreams import Upstream
 from relay.store.admissions import AdmissionId
 from relay.workers import wire
 from relay.workers.ahead import Promised
+from relay.workers.liveness import Hearing
 from relay.workers.wire import AdmitVerdict, SlotVerdict
 
 
@@ -95,7 +96,8 @@ class Admitted:
 class Worker:
     """One worker process as the parent holds it: the slot requests still waiting and the
     slots granted, by the worker's exchange id; its admissions, by its admission id; the
-    figures and reloads asked of it; its last metrics."""
+    figures and reloads asked of it; its last metrics; what the parent heard of it
+    (`hearing`), and when it was found not answering (`lost_at`: it is being killed)."""
 
     index: int
     proc: asyncio.subprocess.Process
@@ -112,13 +114,20 @@ class Worker:
     gone: bool = False
     pid: int = 0
     outbox: wire.Outbox[wire.ToWorker | wire.Configure] = field(init=False)
+    hearing: Hearing = field(init=False)
+    lost_at: float | None = None
 
     def __post_init__(self) -> None:
         self.outbox = wire.Outbox(self.writer)
+        self.hearing = Hearing(self.started_at)
         self.promised = Promised(self.unslot)
         asks = itertools.count(1)
         self.figures_asked = wire.Answers(asks)
         self.reloads = wire.Answers(asks)
+
+    @property
+    def serving(self) -> bool:
+        return self.ready.is_set() and not self.gone and self.lost_at is None
 
     def send(self, message: wire.ToWorker | wire.Configure) -> None:
         if not self.gone:

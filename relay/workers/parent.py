@@ -16,14 +16,18 @@ It is the one process holding, exactly as one relay process does and with the sa
   page's recent rows and trend; a dead worker's last figures stay in, so counters never go
   back.
 It restarts a worker that dies (its slots freed, its admitted requests settled as
-`relay_crashed` rows charged their reservation); SIGHUP: the parent applies the file, then
-every worker does (a bad file changes none); SIGTERM/SIGINT: every worker drains, the rows
-are flushed, exit 0; a second signal ends the drains at once.
+`relay_crashed` rows charged their reservation), and one that stops answering the way it
+restarts one that dies, once it has killed it (relay.workers.liveness); restarts of workers
+that cannot start back off, and when none has served for `[server].no_workers_exit_s` the
+parent exits 3 (`NO_WORKERS_EXIT`). SIGHUP: the parent applies the file, then every worker
+does (a bad file changes none); SIGTERM/SIGINT: every worker drains, the rows are flushed,
+exit 0; a second signal ends the drains at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pickle
 import signal
@@ -47,14 +51,19 @@ from relay.proxy.upstreams import Upstream
 from relay.reload import Summary
 from relay.workers import holdings, wire
 from relay.workers.holdings import Worker
+from relay.workers.liveness import Awake, Restarts, Vacancy, stall_slack
 
 # A worker that does not serve by then fails the relay's start.
 START_WAIT_S = 30.0
 # A worker that does not answer in time: its last figures are used.
 FIGURES_WAIT_S = 1.0
 RELOAD_WAIT_S = 10.0
-# A worker that dies within this of its start waits this long before its restart.
-RESTART_BACKOFF_S = 1.0
+# How often the parent looks at its workers' lives (and at its own loop's).
+WATCH_S = 0.25
+# A worker killed for its silence whose socket has not ended by then is cut off from here.
+KILL_WAIT_S = 5.0
+# The parent's exit status when no worker has served for `[server].no_workers_exit_s`.
+NO_WORKERS_EXIT = 3
 
 
 class WorkersFailed(OSError):
@@ -92,6 +101,14 @@ class ParentApp(App):
         # Every worker served once: from then on, one that dies is restarted.
         self.all_served = False
         self.budget_generations: list[tuple[float, int]] = [(0.0, self.budgets.generation)]
+        # Each worker slot's restarts, and its last worker's exit status.
+        self.restarts: dict[int, Restarts] = {}
+        self.exit_codes: dict[int, int] = {}
+        self.vacancy = Vacancy()
+        # Set when the relay stops: a restart waiting out its backoff ends at once.
+        self.stopping = asyncio.Event()
+        self._stopped: asyncio.Task[None] | None = None
+        self._giving_up: asyncio.Task[None] | None = None
 
     # ---- start -----------------------------------------------------------------------
     async def listen(self) -> _Listener:
@@ -127,6 +144,7 @@ class ParentApp(App):
                 _signal(w, signal.SIGKILL)
             raise
         self.all_served = True
+        self.background.append(asyncio.get_running_loop().create_task(self._watch()))
         self.log.event(
             "workers_serving", workers=self.size, pids=[w.pid for w in self.workers.values()]
         )
@@ -174,8 +192,11 @@ class ParentApp(App):
 
     # ---- one worker's messages -------------------------------------------------------
     async def _serve_worker(self, w: Worker, reader: asyncio.StreamReader) -> None:
+        """Every frame a worker sends is a sign of its life (`liveness.Hearing`)."""
+        hearing = w.hearing
         try:
             while (message := await wire.read(reader, wire.FROM_WORKER)) is not None:
+                hearing.heard(time.monotonic())
                 self._heard(w, message)
         finally:
             await self._lost(w)
@@ -251,24 +272,99 @@ class ParentApp(App):
         code = await w.proc.wait()
         if self.draining or not self.all_served:
             return
-        self.log.event("worker_lost", worker=w.index, pid=w.pid, exit_code=code, crash_rows=crashed)
-        await self._restart(w)
+        self.exit_codes[w.index] = code
+        restarts = self.restarts.setdefault(w.index, Restarts())
+        delay = restarts.lost(time.monotonic() - w.started_at, w.ready.is_set())
+        self.log.event(
+            "worker_lost",
+            worker=w.index,
+            pid=w.pid,
+            exit_code=code,
+            crash_rows=crashed,
+            restart_in_s=delay,
+        )
+        await self._restart(w.index, restarts, delay)
 
-    async def _restart(self, w: Worker) -> None:
-        """A new worker in the place of `w`; one that cannot start is not restarted in a loop,
-        and one that dies within a second of its start waits a second first."""
-        delay = RESTART_BACKOFF_S if time.monotonic() - w.started_at < RESTART_BACKOFF_S else 0.0
-        while not self.draining:
-            await asyncio.sleep(delay)
+    async def _restart(self, index: int, restarts: Restarts, delay: float) -> None:
+        """A new worker in slot `index`, after `delay` (`Restarts`: a worker that cannot start
+        is restarted ever less often); none once the relay stops, even mid-wait."""
+        while await self._waited(delay):
             try:
-                new = await self.spawn(w.index)
+                new = await self.spawn(index)
             except OSError as exc:
-                # Out of descriptors, no fork: again, a second later.
-                self.log.event("worker_restart_failed", worker=w.index, error=str(exc)[:300])
-                delay = RESTART_BACKOFF_S
+                # Out of descriptors, no fork: again, later.
+                delay = restarts.failed()
+                self.log.event(
+                    "worker_restart_failed", worker=index, error=str(exc)[:300], restart_in_s=delay
+                )
                 continue
-            self.log.event("worker_restarted", worker=w.index, pid=new.pid)
+            self.log.event("worker_restarted", worker=index, pid=new.pid)
             return
+
+    async def _waited(self, delay: float) -> bool:
+        """`delay` seconds gone by, the relay still running (False: it stops)."""
+        if delay > 0 and not self.draining:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), delay)
+        return not self.draining
+
+    # ---- the workers' lives ------------------------------------------------------------
+    async def _watch(self) -> None:
+        """Every `WATCH_S`: a serving worker that has not answered an ask for
+        `worker_timeout_s` is lost (`_unresponsive`); when none has served for
+        `no_workers_exit_s`, the relay gives up (`_give_up`). Neither counts a time the
+        parent's own loop did not run (`liveness.Awake`)."""
+        awake = Awake(time.monotonic())
+        while not self.draining:
+            await asyncio.sleep(WATCH_S)
+            now = time.monotonic()
+            s = self.config.server
+            awake.tick(now, WATCH_S, stall_slack(s.worker_timeout_s))
+            if self.draining:
+                return
+            for w in list(self.workers.values()):
+                if w.serving and w.hearing.silent_s(now, awake.since) >= s.worker_timeout_s:
+                    self._unresponsive(w, now)
+            self.vacancy.seen(any(w.serving for w in self.workers.values()), now)
+            if self.vacancy.empty_s(now, awake.since) >= s.no_workers_exit_s:
+                self._give_up()
+                return
+
+    def _unresponsive(self, w: Worker, now: float) -> None:
+        """`w` answers nothing: killed, so that it never comes back to write; its socket then
+        ends, and it is lost as a worker that died is (`_lost`: what it held given back, its
+        admitted requests settled, a restart). What it sent before is read first."""
+        w.lost_at = now
+        self.log.event(
+            "worker_unresponsive",
+            worker=w.index,
+            pid=w.pid,
+            silent_s=round(now - w.hearing.heard_at, 3),
+            timeout_s=self.config.server.worker_timeout_s,
+        )
+        _signal(w, signal.SIGKILL)
+        # A process that does not die (stuck in the kernel) still gives its holdings back.
+        asyncio.get_running_loop().call_later(KILL_WAIT_S, w.writer.close)
+
+    def _give_up(self) -> None:
+        """No worker serves, and none could be started for the bound: the relay stops (its
+        rows flushed, the port closed) and exits `NO_WORKERS_EXIT`, for a supervisor to
+        restart it and say so."""
+        bound = self.config.server.no_workers_exit_s
+        self.log.event(
+            "relay_no_workers",
+            reason=f"no worker has served for {bound:g} s",
+            last_exit_codes=dict(self.exit_codes),
+            exit_code=NO_WORKERS_EXIT,
+        )
+        self._giving_up = asyncio.get_running_loop().create_task(self._exit(NO_WORKERS_EXIT))
+
+    async def _exit(self, code: int) -> None:
+        try:
+            await self.stop()
+        finally:
+            self.log.flush()
+            os._exit(code)
 
     # ---- the whole relay's figures ---------------------------------------------------
     def _sum(self, parts: list[Registry]) -> Registry:
@@ -287,11 +383,13 @@ class ParentApp(App):
 
     async def _gather(self) -> None:
         awaited: list[tuple[Worker, asyncio.Future[wire.Figures]]] = []
+        now = time.monotonic()
         for w in list(self.workers.values()):
-            if w.gone or not w.ready.is_set():
+            if not w.serving:
                 continue
             i, fut = w.figures_asked.expect()
             w.send(wire.FiguresAsk(i))
+            w.hearing.asked(now)
             awaited.append((w, fut))
         if awaited:
             await asyncio.wait([f for _, f in awaited], timeout=FIGURES_WAIT_S)
@@ -352,10 +450,17 @@ class ParentApp(App):
 
     async def stop(self, drain_timeout_s: float | None = None) -> None:
         """Every worker drains, bounded by `drain_timeout_s` (and a margin for its last rows);
-        then the parent's own tasks end and the store is flushed."""
+        then the parent's own tasks end and the store is flushed. Once: a stop asked for
+        while one is under way (a signal while the relay gives up) waits for that one."""
+        if self._stopped is None:
+            self._stopped = asyncio.get_running_loop().create_task(self._stop(drain_timeout_s))
+        await asyncio.shield(self._stopped)
+
+    async def _stop(self, drain_timeout_s: float | None) -> None:
         if drain_timeout_s is None:
             drain_timeout_s = self.config.server.drain_timeout_s
         self.draining = True
+        self.stopping.set()
         # The workers' copies of the socket still accept until they stop.
         if self._listen_sock is not None:
             self._listen_sock.close()

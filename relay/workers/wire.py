@@ -248,14 +248,16 @@ class Outbox(Generic[M]):
 
 
 async def read(reader: asyncio.StreamReader, decoder: msgspec.msgpack.Decoder[M]) -> M | None:
-    """The next message, or None at the end of the stream (the other process is gone)."""
+    """The next message, or None at the end of the stream (the other process is gone). A
+    process that ends with messages it never read resets its end (a worker killed while it
+    was stopped): that is the end of the stream too."""
     try:
         head = await reader.readexactly(4)
         (n,) = _LEN.unpack(head)
         if n > MAX_MESSAGE:
             raise ValueError(f"message of {n} bytes")
         return decoder.decode(await reader.readexactly(n))
-    except asyncio.IncompleteReadError:
+    except (asyncio.IncompleteReadError, ConnectionResetError):
         return None
 
 
