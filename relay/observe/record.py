@@ -14,17 +14,20 @@ from relay.stream.usage import Usage
 
 class TokensSource(StrEnum):
     """Where a row's token figures come from: the upstream's usage, the relay's count of
-    content events (higher than the usage, or alone), or the reservation (no count known)."""
+    content events (higher than the usage, or alone), the reservation (no count known), or
+    the count or the reservation charged instead of upstream figures that were no plausible
+    count (`untrusted`: stream.usage)."""
 
     EXACT = "exact"
     APPROX = "approx"
     RESERVED = "reserved"
+    UNTRUSTED = "untrusted"
 
 
 # The error code of a request a crash cut (store.admissions), and the tokens source of a row
 # charged its reservation.
 CRASHED = Outcome.RELAY_CRASHED
-EXACT, APPROX, RESERVED = TokensSource
+EXACT, APPROX, RESERVED, UNTRUSTED = TokensSource
 
 
 # One per request, alive for the whole stream: slots, no instance dict.
@@ -109,6 +112,12 @@ class Record:
         (the rule crash recovery follows, store.admissions)."""
         self.prompt_tokens, self.completion_tokens = prompt, completion
         self.tokens_source = RESERVED
+
+    def set_untrusted(self) -> None:
+        """The upstream sent figures that were no plausible count (stream.usage): the row's
+        tokens, set from what was counted or reserved instead, say so."""
+        if self.tokens_source is not None:
+            self.tokens_source = UNTRUSTED
 
     @property
     def total_tokens(self) -> int:

@@ -73,6 +73,8 @@ def settle(app: AppView, out: ClientWriter, rec: Record, ledger: Ledger, t0: flo
         if served.first_content_at is not None:
             rec.ttft_ms = timing.round3((served.first_content_at - t0) * 1000)
         exact = _tokens(rec, served, ledger)
+        if exact is not None and exact.refused:
+            _untrusted(app, rec, served.upstream, exact)
         if served.stall is not None:
             app.log.event(
                 "stream_stall_guard_tripped",
@@ -140,6 +142,8 @@ def _tokens(rec: Record, ex: ExchangeSummary, ledger: Ledger) -> Usage | None:
         # (llama-server's /v1/completions): no usable figure then, the reservation is
         # charged.
         exact = ex.usage
+    # Figures that were no plausible count are not charged: what was counted or reserved is.
+    untrusted = exact is not None and bool(exact.refused)
     if (
         exact is not None
         and exact.completion_tokens is None
@@ -148,19 +152,34 @@ def _tokens(rec: Record, ex: ExchangeSummary, ledger: Ledger) -> Usage | None:
     ):
         # Embeddings and rerank: no completion tokens.
         exact = Usage(exact.prompt_tokens, 0)
-    rec.set_tokens(exact, approx, ledger.prompt_est)
+    rec.set_tokens(None if untrusted else exact, approx, ledger.prompt_est)
     if rec.tokens_source is None and ledger.generates and 200 <= ex.status < 300:
         # Served, nothing counted (a body too big to keep, a body that is not JSON, ...):
         # unknown means reserved.
         rec.set_reserved(ledger.prompt_est, ledger.completion_est)
+    # The completion tokens counted or told (a reservation is neither).
+    measured = rec.completion_tokens if rec.tokens_source != RESERVED else None
+    if untrusted:
+        rec.set_untrusted()
     up = ledger.up
     assert up is not None
     metrics = up.metrics
     if exact is not None:
         metrics.set_flm(exact.decoding_speed_tps, exact.kv_occupancy_pct)
-    if rec.completion_tokens is not None and rec.tokens_source != RESERVED:
-        metrics.add_tokens(rec.completion_tokens - ex.counted, time.monotonic())
+    if measured is not None:
+        metrics.add_tokens(measured - ex.counted, time.monotonic())
     return exact
+
+
+def _untrusted(app: AppView, rec: Record, upstream: str, exact: Usage) -> None:
+    """The one line of a request whose upstream sent figures that were no plausible count:
+    which, and why (no value: a string figure could hold anything)."""
+    app.log.event(
+        "upstream_usage_untrusted",
+        request_id=rec.request_id,
+        upstream=upstream,
+        figures={r.figure: r.why for r in exact.refused},
+    )
 
 
 def rejected(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sqlite3
 
 from relay.observe.record import CRASHED, RESERVED, Record
+from relay.stream.usage import MAX_TOKENS
 
 # An admission record's id: a number in SQLite; PostgreSQL's are the relay's id and a counter.
 AdmissionId = int | str
@@ -43,6 +44,22 @@ INSERT = f"INSERT INTO admission ({', '.join(FIELDS)}) VALUES ({', '.join('?' fo
 DELETE = "DELETE FROM admission WHERE id = ?"
 # What a budget charges: requests an upstream served, and requests cut by a crash.
 CHARGED = f"(upstream_served IS NOT NULL OR error_code = '{CRASHED}')"
+
+
+def _bounded(column: str) -> str:
+    return (
+        f"CASE WHEN {column} > {MAX_TOKENS} THEN {MAX_TOKENS}"
+        f" WHEN {column} >= 0 THEN CAST({column} AS BIGINT) ELSE 0 END"
+    )
+
+
+# A row's tokens, as a budget counts them on SQLite and PostgreSQL: each figure clamped to a
+# plausible count, 0 to stream.usage MAX_TOKENS. A relay never stores one outside it from the
+# upstream (stream.usage), but an older one did (negative, beyond any count, on SQLite a REAL
+# or a string too): such a row never fails the sum (64 bits hold it) nor gives a key back
+# tokens. NULL counts 0.
+TOKENS = f"({_bounded('prompt_tokens')} + {_bounded('completion_tokens')})"
+
 
 _RECOVER = (
     "INSERT INTO request (ts, request_id, key_id, path, model, stream, upstream_requested,"

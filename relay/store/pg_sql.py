@@ -17,7 +17,9 @@ its rows: a busy key has ~10^5 rows a day and 10^6 a month, and summing them cos
 reservation 31 ms at 10^5 (under the key's lock: every relay's requests of that key waited
 for each other). Windows start at UTC midnight, so a window is whole days; a start inside a
 day (none today) adds that day's rows after it (`relay_used`). A database made before the
-table existed gets it filled from its rows once, with the trigger, in one transaction.
+table existed gets it filled from its rows once, with the trigger, in one transaction. A row's
+tokens count as store.admissions TOKENS clamps them; the table's comment names that rule, and
+one kept by another (an older relay summed the figures unchecked) is summed again once.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 from relay.observe.record import CRASHED, RESERVED
 from relay.store import admissions as durable
 from relay.store.schema import COLUMNS, TYPES
+from relay.stream.usage import MAX_TOKENS
 
 _PG_TYPE = {"REAL": "DOUBLE PRECISION", "INTEGER": "BIGINT", "TEXT": "TEXT"}
 ROW_COLUMNS = COLUMNS + ("row_id",)
@@ -96,10 +99,7 @@ RENEW = f"UPDATE reservation SET expires = {NOW} + %s WHERE relay_id = %s"
 
 # The UTC day of a time (seconds since the epoch).
 DAY = "floor({ts} / 86400) * 86400"
-_CHARGE = (
-    f"CASE WHEN {CHARGED} THEN 1 ELSE 0 END",
-    "coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0)",
-)
+_CHARGE = (f"CASE WHEN {CHARGED} THEN 1 ELSE 0 END", durable.TOKENS)
 
 USAGE_DAY = f"""
 CREATE OR REPLACE FUNCTION relay_usage_day() RETURNS trigger LANGUAGE plpgsql AS $fn$
@@ -128,6 +128,13 @@ BEGIN
 END
 $fn$"""
 
+# usage_day's comment names the rule its tokens were summed by (store.admissions TOKENS)
+USAGE_DAY_RULE = f"relay: the tokens of figures from 0 to {MAX_TOKENS}"
+_FILL = f"""INSERT INTO usage_day (key_id, day, n, t)
+            SELECT key_id, {DAY.format(ts="ts")}, sum({_CHARGE[0]}), sum({_CHARGE[1]})
+            FROM request WHERE key_id IS NOT NULL AND ts IS NOT NULL GROUP BY 1, 2;
+        COMMENT ON TABLE usage_day IS '{USAGE_DAY_RULE}'"""
+
 # once, on a database made before usage_day: the table, filled from the rows, and the trigger
 # in one transaction, writers held off meanwhile (none is counted twice or missed)
 USAGE_DAY_TABLE = f"""
@@ -137,11 +144,23 @@ BEGIN
         LOCK TABLE request IN SHARE ROW EXCLUSIVE MODE;
         CREATE TABLE usage_day (key_id TEXT NOT NULL, day DOUBLE PRECISION NOT NULL,
                                 n BIGINT NOT NULL, t BIGINT NOT NULL, PRIMARY KEY (key_id, day));
-        INSERT INTO usage_day (key_id, day, n, t)
-            SELECT key_id, {DAY.format(ts="ts")}, sum({_CHARGE[0]}), sum({_CHARGE[1]})
-            FROM request WHERE key_id IS NOT NULL AND ts IS NOT NULL GROUP BY 1, 2;
+        {_FILL};
         CREATE TRIGGER relay_usage_day AFTER INSERT OR UPDATE OR DELETE ON request
             FOR EACH ROW EXECUTE FUNCTION relay_usage_day();
+    END IF;
+END
+$do$"""
+
+# once, on a usage_day an older relay kept by another rule (its tokens summed unchecked: an
+# absurd figure counted, and a delete later would take away what the new rule counts): it is
+# summed again from the rows, as USAGE_DAY_TABLE fills it, writers held off meanwhile
+USAGE_DAY_RULED = f"""
+DO $do$
+BEGIN
+    IF obj_description('usage_day'::regclass, 'pg_class') IS DISTINCT FROM '{USAGE_DAY_RULE}' THEN
+        LOCK TABLE request IN SHARE ROW EXCLUSIVE MODE;
+        DELETE FROM usage_day;
+        {_FILL};
     END IF;
 END
 $do$"""
@@ -203,7 +222,7 @@ BEGIN
 END
 $fn$"""
 # the schema and functions, run in order under SCHEMA_LOCK at every relay's start
-SETUP = SCHEMA + (USAGE_DAY, USAGE_DAY_TABLE, USED, FUNCTION)
+SETUP = SCHEMA + (USAGE_DAY, USAGE_DAY_TABLE, USAGE_DAY_RULED, USED, FUNCTION)
 
 RESERVE = "SELECT relay_reserve(" + ", ".join("%s" for _ in range(17)) + ")"
 
@@ -216,8 +235,7 @@ USED_BY_ROWS = (
     " FROM request WHERE key_id = %s AND ts >= %s"
 )
 COUNT = (
-    "SELECT count(*) AS n, coalesce(sum(coalesce(prompt_tokens, 0)"
-    " + coalesce(completion_tokens, 0)), 0) AS tokens"
+    f"SELECT count(*) AS n, coalesce(sum({durable.TOKENS}), 0) AS tokens"
     " FROM request WHERE key_id IS NOT DISTINCT FROM %s AND ts >= %s"
 )
 PRUNE = "DELETE FROM request WHERE ts < %s"

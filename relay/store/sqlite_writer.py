@@ -417,11 +417,10 @@ class RowWriter:
 
 def usage_sql(served_only: bool) -> str:
     """(n, tokens) of a key's rows since a time; `served_only` counts only the requests a
-    budget charges (store.admissions CHARGED)."""
+    budget charges (store.admissions CHARGED); each figure clamped (store.admissions TOKENS)."""
     count = f"SUM({durable.CHARGED})" if served_only else "COUNT(*)"
     return (
-        f"SELECT COALESCE({count}, 0) AS n, COALESCE(SUM(COALESCE(prompt_tokens, 0)"
-        " + COALESCE(completion_tokens, 0)), 0) AS tokens"
+        f"SELECT COALESCE({count}, 0) AS n, COALESCE(SUM({durable.TOKENS}), 0) AS tokens"
         " FROM request WHERE key_id IS ? AND ts >= ?"
     )
 

@@ -6,38 +6,87 @@ it counts apart: the prompt figure is all three) and `output_tokens`, at the top
 a `message_delta`, under `message` in `message_start`; OpenAI Responses' `input_tokens` /
 `output_tokens`, at the top of a body or under `response` in `response.completed`; then
 llama-server's `timings` and native `/completion` figures.
+
+A figure is taken only when it is a plausible count (`token_count`): a JSON integer from 0
+to MAX_TOKENS, and so is a prompt the relay adds up from several. One that is not (negative,
+a float, a bool, a string, beyond the bound) refuses its whole document: the usage then names
+each such figure and why (`Usage.refused`) and carries nothing else, and the request is
+charged what the relay counted or reserved (proxy.settle).
 """
 
 from __future__ import annotations
+
+import enum
+from typing import Annotated
 
 import msgspec
 import msgspec.structs
 
 from relay.stream.sse import event_json
 
+# The most tokens one figure may count: no model's context comes near (the largest hold ~10^7
+# tokens), and a row's few figures stay far within the 64-bit sums of SQLite and PostgreSQL.
+MAX_TOKENS = 10**9
+_MAX_DIGITS = len(str(MAX_TOKENS))
+
+
+class Implausible(enum.StrEnum):
+    """Why a token figure the upstream sent is no plausible count."""
+
+    NEGATIVE = "negative"
+    NOT_INTEGER = "not_integer"
+    TOO_LARGE = "too_large"
+
+
+class Refused(msgspec.Struct, frozen=True):
+    """A figure not trusted: its name (`timings.` before llama-server's timings) and why."""
+
+    figure: str
+    why: Implausible
+
+
+def token_count(raw: bytes) -> int | Implausible | None:
+    """A token figure as sent (its JSON text): the count, None when none was sent (absent or
+    null), or why it is no plausible count."""
+    if not raw or raw == b"null":
+        return None
+    negative = raw[:1] == b"-"
+    digits = raw[1:] if negative else raw
+    if not digits.isdigit():
+        return Implausible.NOT_INTEGER
+    if negative and digits.strip(b"0"):
+        return Implausible.NEGATIVE
+    if len(digits) > _MAX_DIGITS or int(digits) > MAX_TOKENS:
+        return Implausible.TOO_LARGE
+    return int(digits)
+
+
+# A count the typed read takes: the rule `token_count` states, checked in C; a document it
+# fails is read again (`_refused`) to name each figure and why.
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)] | None
+
 
 class _Usage(msgspec.Struct):
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
+    prompt_tokens: Count = None
+    completion_tokens: Count = None
     # Anthropic, Responses; Anthropic counts its cache reads and writes apart from its
     # input_tokens.
-    input_tokens: int | None = None
-    output_tokens: int | None = None
-    cache_read_input_tokens: int | None = None
-    cache_creation_input_tokens: int | None = None
+    input_tokens: Count = None
+    output_tokens: Count = None
+    cache_read_input_tokens: Count = None
+    cache_creation_input_tokens: Count = None
+    # Read to be checked only.
+    total_tokens: Count = None
     decoding_speed_tps: float | None = None
     kv_token_occupancy_rate_percentage: float | None = None
 
-    def prompt(self) -> int | None:
+    def prompt(self) -> int | Refused | None:
         if self.prompt_tokens is not None:
             return self.prompt_tokens
         if self.input_tokens is None:
             return None
-        return (
-            self.input_tokens
-            + (self.cache_read_input_tokens or 0)
-            + (self.cache_creation_input_tokens or 0)
-        )
+        parts = (self.cache_read_input_tokens or 0, self.cache_creation_input_tokens or 0)
+        return _added(self.input_tokens, *parts, figure="input_tokens+cache")
 
     def completion(self) -> int | None:
         if self.completion_tokens is not None:
@@ -46,12 +95,19 @@ class _Usage(msgspec.Struct):
 
 
 class _Timings(msgspec.Struct):
-    prompt_n: int | None = None
-    predicted_n: int | None = None
-    cache_n: int | None = None
+    prompt_n: Count = None
+    predicted_n: Count = None
+    cache_n: Count = None
     prompt_ms: float | None = None
     prompt_per_second: float | None = None
     predicted_per_second: float | None = None
+
+
+def _added(*parts: int, figure: str) -> int | Refused:
+    """A figure the relay adds up from the upstream's (a prompt and its cached tokens): under
+    the same bound."""
+    total = sum(parts)
+    return total if total <= MAX_TOKENS else Refused(figure, Implausible.TOO_LARGE)
 
 
 class _Inner(msgspec.Struct):
@@ -67,8 +123,54 @@ class _Meta(msgspec.Struct):
     message: _Inner | None = None
     response: _Inner | None = None
     # llama-server's native /completion
-    tokens_predicted: int | None = None
-    tokens_evaluated: int | None = None
+    tokens_predicted: Count = None
+    tokens_evaluated: Count = None
+
+
+# The count figures of each place the typed read reads them from (those of the timings named
+# with `timings.` before them), in the order a refusal names them.
+_USAGE_FIGURES = (
+    "prompt_tokens",
+    "completion_tokens",
+    "input_tokens",
+    "output_tokens",
+    "cache_read_input_tokens",
+    "cache_creation_input_tokens",
+    "total_tokens",
+)
+_TIMINGS_FIGURES = ("prompt_n", "predicted_n", "cache_n")
+_NATIVE_FIGURES = ("tokens_predicted", "tokens_evaluated")
+_members_decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def _members(doc: bytes | msgspec.Raw) -> dict[str, msgspec.Raw]:
+    """An object's members as sent; {} for anything else."""
+    try:
+        return _members_decoder.decode(doc)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return {}
+
+
+def _check(
+    members: dict[str, msgspec.Raw], figures: tuple[str, ...], prefix: str, out: list[Refused]
+) -> None:
+    for f in figures:
+        got = token_count(bytes(members.get(f, b"")))
+        if isinstance(got, Implausible):
+            out.append(Refused(prefix + f, got))
+
+
+def _refused(doc: bytes) -> tuple[Refused, ...]:
+    """The figures of a document the typed read failed that are no plausible count, each
+    place it reads (the top, Anthropic's `message`, Responses' `response`) in turn; none
+    when what failed was something else (then the document gives no usage at all)."""
+    top = _members(doc)
+    out: list[Refused] = []
+    for place in (top, _members(top.get("message", b"")), _members(top.get("response", b""))):
+        _check(_members(place.get("usage", b"")), _USAGE_FIGURES, "", out)
+        _check(_members(place.get("timings", b"")), _TIMINGS_FIGURES, "timings.", out)
+    _check(top, _NATIVE_FIGURES, "", out)
+    return tuple(out)
 
 
 class Usage(msgspec.Struct, frozen=True):
@@ -81,9 +183,17 @@ class Usage(msgspec.Struct, frozen=True):
     prompt_ms: float | None = None
     prompt_per_second: float | None = None
     predicted_per_second: float | None = None
+    # The figures that were no plausible count: then no token figure is given.
+    refused: tuple[Refused, ...] = ()
 
     def _replace_tokens(self, other: Usage) -> Usage:
-        """These figures, a token count missing here taken from `other`."""
+        """These figures, a token count missing here taken from `other`; none when either
+        refused a figure."""
+        refused = self.refused + other.refused
+        if refused:
+            return msgspec.structs.replace(
+                self, prompt_tokens=None, completion_tokens=None, refused=refused
+            )
         return msgspec.structs.replace(
             self,
             prompt_tokens=self.prompt_tokens
@@ -110,9 +220,13 @@ def exact_usage(doc: bytes) -> Usage | None:
         return None
     try:
         meta = _decoder.decode(doc)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except msgspec.ValidationError:
+        refused = _refused(doc)
+        return Usage(None, None, refused=refused) if refused else None
+    except msgspec.DecodeError:
         return None
-    prompt = completion = None
+    prompt: int | Refused | None = None
+    completion = None
     tps = kv = None
     inner = meta.response or meta.message
     usage = meta.usage or (inner.usage if inner is not None else None)
@@ -129,7 +243,9 @@ def exact_usage(doc: bytes) -> Usage | None:
         if completion is None:
             completion = t.predicted_n
         if prompt is None and t.prompt_n is not None:
-            prompt = t.prompt_n + (t.cache_n or 0)
+            prompt = _added(t.prompt_n, t.cache_n or 0, figure="timings.prompt_n+cache_n")
+    if isinstance(prompt, Refused):
+        return Usage(None, None, refused=(prompt,))
     if completion is None:
         completion = meta.tokens_predicted
     if prompt is None:
