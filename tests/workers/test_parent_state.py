@@ -14,7 +14,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
-from relay.config import parse_config
+from relay.config import Config, parse_config
 from relay.errors import Outcome
 from relay.observe.log import quiet
 from relay.observe.metrics import Registry, UpstreamMetrics
@@ -71,8 +71,8 @@ def _worker(index: int = 0) -> Worker:
     return Worker(index, _Proc(), _Writer(), time.monotonic())
 
 
-def _parent(tmp_path, **cfg) -> ParentApp:
-    config = parse_config(
+def _config(tmp_path, **cfg) -> Config:
+    return parse_config(
         {
             "server": {"port": 0},
             "store": {"path": str(tmp_path / "relay.db")},
@@ -81,7 +81,10 @@ def _parent(tmp_path, **cfg) -> ParentApp:
             **cfg,
         }
     )
-    app = ParentApp(config, quiet(), 2)
+
+
+def _parent(tmp_path, **cfg) -> ParentApp:
+    app = ParentApp(_config(tmp_path, **cfg), quiet(), 2)
     app.loop = asyncio.get_running_loop()
     return app
 
