@@ -4,8 +4,9 @@ process its own instance (its metric streams apart), the relay-wide slot gauges 
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
+import socket
+from collections import Counter
 
 from relay.sim.server import Simulator
 from tests.support import httpc
@@ -38,14 +39,46 @@ async def test_one_span_per_request_and_one_instance_per_process(tmp_path):
         spans = receiver.spans()
         got = sorted(attrs(s.attributes)["relay.request_id"] for s in spans)
         assert got == sorted(ids)  # exactly one span per request
-        instances = {r.get("service.instance.id") for r in receiver.resources()}
-        # each worker that served is its own instance (which of the two the kernel gave the
-        # connections to is its choice: one may have taken them all)
-        assert 1 <= len(instances) <= 2 and None not in instances
-        assert all(re.fullmatch(r".+:\d+:worker-[01]", i) for i in instances), instances
-        points = receiver.points("gen_ai.server.request.duration")
-        assert sum(p.count for _a, p in points) >= 1
+        workers = {f"{socket.gethostname()}:{proc.pid}:worker-{i}" for i in (0, 1)}
+        # Each process exports its metrics as its own instance: the two workers (whether the
+        # kernel gave them connections or not), and the parent.
+        exported = _latest_by_instance(receiver)
+        (parent,) = set(exported) - workers
+        assert set(exported) == workers | {parent}
+        # (the parent's: the relay-wide gauges, no request of its own)
+        assert "relay.slots.in_flight" in exported[parent]
+        assert "gen_ai.server.request.duration" not in exported[parent]
+        # A request's span and its duration point come from the worker that settled it
+        # (which of the two the kernel gave each connection to is its choice).
+        spans_by = Counter(
+            attrs(rs.resource.attributes)["service.instance.id"]
+            for req in receiver.traces
+            for rs in req.resource_spans
+            for ss in rs.scope_spans
+            for _span in ss.spans
+        )
+        assert set(spans_by) <= workers
+        durations = {
+            i: sum(p.count for p in ms.get("gen_ai.server.request.duration", ()))
+            for i, ms in exported.items()
+        }
+        assert durations == {i: spans_by.get(i, 0) for i in exported}
+        assert sum(durations.values()) == 40
     finally:
         await kill(proc)
         await receiver.stop()
         await sim.stop()
+
+
+def _latest_by_instance(receiver: Receiver) -> dict[str, dict[str, list]]:
+    """Each exporting process's metrics as its last export held them (cumulative: the
+    totals), by its `service.instance.id`: {instance: {metric name: data points}}."""
+    latest: dict[str, dict[str, list]] = {}
+    for req in receiver.metric_exports:
+        for rm in req.resource_metrics:
+            instance = attrs(rm.resource.attributes)["service.instance.id"]
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    points = list(getattr(m, m.WhichOneof("data")).data_points)
+                    latest.setdefault(instance, {})[m.name] = points
+    return latest
