@@ -19,7 +19,7 @@ from relay.config import ConfigError, UpstreamConfig
 from relay.sim.server import SimDefaults, Simulator
 from tests.support import httpc
 from tests.support.fakeup import Scripted, response_of
-from tests.support.fixtures import FIXTURES, needs_fixtures
+from tests.support.fixtures import FIXTURES
 from tests.support.helpers import wait_for
 
 trustme = pytest.importorskip("trustme")
@@ -91,7 +91,6 @@ def replay(raw: bytes, pieces: int = 1, keep: bool = False):
 
 
 # ---- 1. streams byte-identical through the relay ------------------------------------------
-@needs_fixtures
 @pytest.mark.parametrize("name", ["chat_stream.http", "chat_stream_usage.http"])
 async def test_captured_stream_is_byte_identical_through_the_relay_over_tls(make_relay, pki, name):
     raw = response_of((FIXTURES / name).read_bytes())

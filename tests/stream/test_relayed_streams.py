@@ -9,7 +9,7 @@ import pytest
 from relay.http.chunked import frame
 from tests.support import httpc
 from tests.support.fakeup import Scripted, response_of
-from tests.support.fixtures import FIXTURES, needs_fixtures
+from tests.support.fixtures import FIXTURES
 
 
 def split_head(raw: bytes) -> tuple[bytes, bytes]:
@@ -35,7 +35,6 @@ def replay(raw_response: bytes, pieces: int = 1, close: bool = True):
     return script
 
 
-@needs_fixtures
 @pytest.mark.parametrize(
     "name",
     [
