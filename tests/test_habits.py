@@ -23,6 +23,7 @@ import pytest
 
 import relay
 from tests.support.layout import ROOT
+from tests.support.need import missing
 
 # Where a page of docs/ is cited by its path in the repository.
 _CITED = re.compile(rb"docs/([a-z_-]+\.md)")
@@ -157,6 +158,42 @@ def test_a_read_outside_the_repository_is_seen(tmp_path):
     assert code == 0
 
 
+# A skip written in a test instead of through tests/support/need.py, which fails under CI=true.
+_SKIP = re.compile(rb"importorskip|pytest\.skip\b|skipif|mark\.skip\b|unittest\.skip|SkipTest")
+
+
+def _skipping(paths: list[Path]) -> list[str]:
+    return [
+        f"{p.name}:{n}"
+        for p in paths
+        for n, line in enumerate(p.read_bytes().splitlines(), 1)
+        if _SKIP.search(line)
+    ]
+
+
+def test_tests_skip_only_through_need():
+    mine = ROOT / "tests" / "test_habits.py"
+    need = ROOT / "tests" / "support" / "need.py"
+    tests = [p for p in sorted((ROOT / "tests").rglob("*.py")) if p not in (mine, need)]
+    assert _skipping(tests) == []
+    assert _skipping([need]) != []
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        'openai = pytest.importorskip("openai")',
+        '@pytest.mark.skipif(OWN is None, reason="no address")',
+        'pytest.skip("not here")',
+        "@pytest.mark.skip",
+    ],
+)
+def test_a_skip_outside_need_is_seen(tmp_path, line):
+    probe = tmp_path / "test_probe.py"
+    probe.write_text(f"import pytest\n\n{line}\n")
+    assert _skipping([probe]) == ["test_probe.py:3"]
+
+
 def _git(*args: str) -> str:
     return subprocess.run(
         ["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True
@@ -165,10 +202,10 @@ def _git(*args: str) -> str:
 
 def test_commit_subjects_are_at_most_72_characters():
     if shutil.which("git") is None or not (ROOT / ".git").exists():
-        pytest.skip("not a git checkout")
+        missing("needs a git checkout (and git) to read the commit subjects")
     first = _git("log", "--format=%H", "--fixed-strings", f"--grep={_FIRST_HELD}").split()
     if not first:
-        pytest.skip("the first commit held to the bound is not in this history (shallow?)")
+        missing("needs the history from the first commit held to the bound (a shallow clone?)")
     subjects = _git("log", "--format=%s", f"{first[-1]}^..HEAD").splitlines()
     long = [s for s in subjects if len(s) > MAX_SUBJECT]
     assert long == []
