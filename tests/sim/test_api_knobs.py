@@ -266,7 +266,18 @@ async def test_nonstream_tool_call_and_delay(sim, path, body):
 
 def test_frames_are_the_api_modules():
     f = F.StreamFrames("messages", "m", 3, text_n=0, tool=ToolCall("t", ["{}"]))
-    assert isinstance(f.api, M.MessagesFrames) and f.chunk(0) == f.chunk(0)
+    assert isinstance(f.api, M.MessagesFrames)
+    # No text: chunk 0 is the tool_use block's start and its one argument piece, framed as
+    # messages_stream_tool_use.http has them (the id: 32 letters and digits, this call's own).
+    tool_id = f.api.tool_id
+    assert len(tool_id) == 32 and tool_id.isalnum()
+    event = (
+        b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
+        b'"content_block":{"type":"tool_use","id":"%s","name":"t"}}\n\n'
+        b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+        b'"delta":{"type":"input_json_delta","partial_json":"{}"}}\n\n' % tool_id.encode()
+    )
+    assert f.chunk(0) == b"%x\r\n%s\r\n" % (len(event), event)
     assert events(f.event(0))[0].startswith(b"event: content_block_start\n")
     g = F.StreamFrames("responses", "m", 3)
     assert isinstance(g.api, R.ResponsesFrames) and g.done_event == b""
