@@ -33,7 +33,10 @@ PACE = 0.0125
 # ms: the rows' rounding (3 decimals) and the drift of the wall clock (the stamps) against
 # perf_counter (the relay's) over a stream, at NTP's fastest slew.
 EPS = 0.01
-HEALTH = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\n\r\n"
+HEALTH = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\n\r\n"
+    b'{"status":"ok"}'
+)
 
 
 class Paced:
@@ -48,10 +51,13 @@ class Paced:
     async def script(self, up, index, reader, writer) -> None:
         while (head := await up.read_request(reader)) is not None:
             if head.startswith(b"GET "):
-                writer.write(HEALTH + b'{"status":"ok"}')
+                writer.write(HEALTH)
                 continue
             self.asked = time.time()
             frames = StreamFrames(W.Kind.CHAT, "tiny", 3)
+            # The first chunk carries the role event and the first content event, as
+            # llama-server's does.
+            first = W.chunk((frames.role_event() or b"") + frames.event(0))
             writer.write(W.SSE_HEAD)
             for i in range(EVENTS):
                 if i % 5 == 0 and i:
@@ -61,9 +67,8 @@ class Paced:
                     await asyncio.sleep(PACE / 2)
                 elif i:
                     await asyncio.sleep(PACE)
-                data = W.chunk((frames.role_event() or b"") + frames.event(0)) if i == 0 else None
                 self.sent.append(time.time())
-                writer.write(data or frames.chunk(i))
+                writer.write(frames.chunk(i) if i else first)
             writer.write(W.chunk(W.DONE_EVENT) + W.TERMINATOR)
             await writer.drain()
             return
