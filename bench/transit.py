@@ -243,8 +243,8 @@ def _chunk(ev: bytes) -> bytes:
 
 
 class Frames:
-    """llama-server's chat chunks (shared/fixtures/llama-server/chat_stream_usage.http), each
-    content event with ``"t_ns"`` added last."""
+    """llama-server's chat chunks (chat_stream_usage.http of tests/support/captures/llama-server/),
+    each content event with ``"t_ns"`` added last."""
 
     def __init__(self, model: bytes, created: int, rid: bytes):
         self.post = (

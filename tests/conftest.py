@@ -1,5 +1,5 @@
-"""Fixtures for every test: the simulator, relays in this process, the captured llama-server
-fixtures, a PostgreSQL server. Helpers to import live in tests/support/."""
+"""Fixtures for every test: the simulator, relays in this process, a PostgreSQL server. Helpers
+to import live in tests/support/ (the captured llama-server exchanges: fixtures.py)."""
 
 import asyncio
 import os
@@ -16,7 +16,6 @@ from relay.config import (
 )
 from relay.observe.log import quiet
 from relay.sim.server import SimDefaults, Simulator
-from tests.support.fixtures import need_fixtures
 from tests.support.need import extra_hint, missing
 
 
@@ -35,13 +34,6 @@ async def sim_b():
     await s.start()
     yield s
     await s.stop()
-
-
-@pytest.fixture(scope="session")
-def llama_fixtures():
-    """The captured llama-server exchanges' folder (tests/support/fixtures.py); without it the
-    test skips naming where the captures come from, and fails under CI=true."""
-    return need_fixtures()
 
 
 @pytest.fixture

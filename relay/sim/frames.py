@@ -1,7 +1,8 @@
 """The streamed events of one generation: `StreamFrames`, built once per request.
 
-Every event reproduces a real llama.cpp ``llama-server`` stream (see the captures in the
-shared fixtures): compact JSON in llama.cpp's key order, SSE event text, chunked framing.
+Every event reproduces a real llama.cpp ``llama-server`` stream (see the captures in
+tests/support/captures/llama-server/): compact JSON in llama.cpp's key order, SSE event text,
+chunked framing.
 Events are spliced from per-request prefix/suffix bytes so a token costs one small
 concatenation (and the chunk bytes of the 6-token cycle are cached); chat chunks in another
 server's shape come from shapes.py. Pure byte builders, no I/O.

@@ -6,7 +6,7 @@ the modules above pass each other: `Route` (what a request asks for), `Kind` (wh
 generation's body is made of), `Shape` (whose chat chunks), `Finish` (why it ended),
 `ToolCall` and `Timings`.
 
-Pure byte builders in llama-server's wire shape (see the captures in the shared fixtures):
+Pure byte builders in llama-server's wire shape (see tests/support/captures/llama-server/):
 its header set and order, HTTP chunk framing, the fixed SSE events (``[DONE]``, the error
 event), and its error JSON (key order code, message, type).
 """

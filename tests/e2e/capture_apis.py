@@ -7,7 +7,7 @@
 It starts the reference build (``build_llama_server``: the cached pinned llama.cpp, or
 ``$LLAMA_SERVER_BIN``) twice on the tiny deterministic model (``tiny_gguf``), from a temp dir
 holding ``models/tiny.gguf`` (so the server reports ``"model":"models/tiny.gguf"`` as in the
-shared fixtures), with the e2e suite's arguments ``-c 4096 -np 2 -t 1 --metrics``:
+chat/completions captures), with the e2e suite's arguments ``-c 4096 -np 2 -t 1 --metrics``:
 
 * ``plain``: the model's own ChatML template (jinja is on by default in this build), for the
   text streams, the non-streamed bodies, the token counters and the errors;
@@ -18,7 +18,7 @@ shared fixtures), with the e2e suite's arguments ``-c 4096 -np 2 -t 1 --metrics`
   server's parser, which reads the prefill as part of the output, turns the prefill into a
   real ``tool_use`` block / ``function_call`` item.
 
-Each exchange goes over a fresh connection and is written as the shared fixtures are: the
+Each exchange goes over a fresh connection and is written as the chat/completions captures are: the
 request as sent, a line ``======== RESPONSE (raw bytes) ========``, the response exactly as
 read from the socket (chunked framing included): a Content-Length body up to its length, a
 stream up to the server's close.

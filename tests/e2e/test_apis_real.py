@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 
 from tests.support.helpers import rows_of
+from tests.support.need import need_extra
 
 pytestmark = pytest.mark.e2e
 
-anthropic = pytest.importorskip("anthropic")
-openai = pytest.importorskip("openai")
+anthropic = need_extra("test", "anthropic")
+openai = need_extra("test", "openai")
 
 MESSAGES = [{"role": "user", "content": "Hi there"}]
 

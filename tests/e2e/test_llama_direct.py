@@ -1,6 +1,6 @@
 """The real llama-server, spoken to directly over raw asyncio sockets.
 
-These pin down the upstream facts the relay is built on (see shared fixtures/llama-server):
+These pin down the upstream facts the relay is built on (see tests/support/captures/llama-server):
 deterministic text from the tiny model, SSE framing, connection close after streams.
 """
 

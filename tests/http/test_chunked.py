@@ -10,7 +10,7 @@ import pytest
 
 from relay.http import chunked
 from relay.http.chunked import LAST_CHUNK, ChunkError, ChunkTracker, frame
-from tests.support.fixtures import FIXTURES, captured, needs_fixtures
+from tests.support.fixtures import FIXTURES, captured
 
 SEP = b"======== RESPONSE (raw bytes) ========\n"
 HEX = frozenset(b"0123456789abcdefABCDEF")
@@ -227,7 +227,6 @@ def test_random_splits_of_large_body(seed):
     assert dones == [False] * (len(reads) - 1) + [True]
 
 
-@needs_fixtures
 @pytest.mark.parametrize("name", captured(fixture_bodies()))
 def test_fixture_bodies_every_split(name):
     body = fixture_bodies()[name]

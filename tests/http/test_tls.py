@@ -7,6 +7,7 @@ import ssl
 import pytest
 
 from relay.http.tls import client_context, describe
+from tests.support.need import need_extra
 
 
 def test_context_verifies_by_default():
@@ -21,7 +22,7 @@ def test_context_without_verification_only_when_asked():
 
 
 def test_ca_file_replaces_the_system_store(tmp_path):
-    trustme = pytest.importorskip("trustme")
+    trustme = need_extra("test", "trustme")
     ca = trustme.CA()
     pem = tmp_path / "ca.pem"
     ca.cert_pem.write_to_path(str(pem))

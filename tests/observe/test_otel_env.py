@@ -97,13 +97,12 @@ def test_otel_section_is_validated_like_every_other():
         parse_config({"upstream": UP, "otel": {"protocol": "http/json"}})
 
 
-def test_grpc_without_its_exporter_is_refused_naming_it():
-    try:
-        import opentelemetry.exporter.otlp.proto.grpc  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("the gRPC exporter is installed here")
+def test_grpc_without_its_exporter_is_refused_naming_it(monkeypatch):
+    # As if the otel-grpc extra were not installed, also where it is: a None in sys.modules
+    # makes the import fail.
+    grpc = "opentelemetry.exporter.otlp.proto.grpc"
+    for name in [grpc, f"{grpc}.trace_exporter"] + [m for m in sys.modules if m.startswith(grpc)]:
+        monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(ConfigError, match="opentelemetry-exporter-otlp-proto-grpc"):
         start(OtelConfig(protocol="grpc"), quiet(), list, {})
 

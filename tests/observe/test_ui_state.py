@@ -4,7 +4,6 @@ ring, the trend sampler, budgets, and the endpoints' access rules."""
 from __future__ import annotations
 
 import msgspec
-import pytest
 
 from relay.observe import ui_page as ui
 from relay.observe.record import Record
@@ -22,7 +21,8 @@ from relay.observe.ui_state import (
 from relay.stream.itl import Gaps
 from tests.support import httpc
 from tests.support.keys import ADMIN, SECRET, bearer, key, sha
-from tests.support.sockets import OWN, fetch_from
+from tests.support.need import need_own_address
+from tests.support.sockets import fetch_from
 
 CHAT = "/v1/chat/completions"
 
@@ -351,11 +351,11 @@ async def test_no_keys_page_open(make_relay, sim):
     assert all(r.path != "/ui" for r in sim.requests)  # answered by the relay, not forwarded
 
 
-@pytest.mark.skipif(OWN is None, reason="no non-loopback address on this machine")
 async def test_keys_without_admin_key_page_is_loopback_only(make_relay):
+    own = need_own_address()
     app = await make_relay(keys=[key()], host="0.0.0.0")
     for target in ("/ui", "/ui/app.js", "/api/ui/state"):
-        resp = await fetch_from(OWN, app.port, "GET", target, bearer())
+        resp = await fetch_from(own, app.port, "GET", target, bearer())
         assert resp.status == 403, target
         resp = await fetch_from("127.0.0.1", app.port, "GET", target, bearer())
         assert resp.status == 200, target

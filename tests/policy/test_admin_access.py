@@ -24,7 +24,8 @@ from relay.policy.admin_access import (
 from relay.policy.keys import Auth
 from tests.support import httpc
 from tests.support.keys import ADMIN, SECRET, bearer, key, sha
-from tests.support.sockets import OWN, fetch_from
+from tests.support.need import need_own_address
+from tests.support.sockets import fetch_from
 
 ADMIN_UPSTREAM = [
     ("POST", "/props"),
@@ -254,8 +255,8 @@ def test_mutating_methods():
     ]  # fmt: skip
 
 
-@pytest.mark.skipif(OWN is None, reason="no non-loopback address on this machine")
 async def test_keys_without_admin_key_admin_is_loopback_only(make_relay, sim):
+    own = need_own_address()
     app = await make_relay(keys=[key()], host="0.0.0.0")
     seen = len(sim.requests)
     for method, target in [
@@ -263,13 +264,13 @@ async def test_keys_without_admin_key_admin_is_loopback_only(make_relay, sim):
         ("GET", "/api/slots/metrics"),
         ("GET", "/%6detrics"),
     ] + ADMIN_UPSTREAM:
-        resp = await fetch_from(OWN, app.port, method, target, bearer())
+        resp = await fetch_from(own, app.port, method, target, bearer())
         assert resp.status == 403, (method, target, resp.status)
         assert resp.json()["error"]["code"] == "forbidden"
     assert len(sim.requests) == seen  # none of them reached the upstream
     # a key holder from elsewhere still gets inference
     resp = await fetch_from(
-        OWN, app.port, "POST", "/v1/chat/completions", bearer(), httpc.chat(3, stream=False)
+        own, app.port, "POST", "/v1/chat/completions", bearer(), httpc.chat(3, stream=False)
     )
     assert resp.status == 200
     # the loopback peer is the operator: the relay's endpoints and the upstream's admin ones

@@ -17,9 +17,10 @@ from tests.support.api_captures import body_of, replay_parts
 from tests.support.fakeup import Scripted
 from tests.support.helpers import rows_of, wait_for
 from tests.support.keys import bearer, key
+from tests.support.need import need_extra
 
-anthropic = pytest.importorskip("anthropic")
-openai = pytest.importorskip("openai")
+anthropic = need_extra("test", "anthropic")
+openai = need_extra("test", "openai")
 
 MESSAGES_REQ = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
 RESPONSES_REQ = {"model": "tiny", "input": "Hi there", "max_output_tokens": 4}

@@ -20,6 +20,7 @@ from relay.sim import frames as F
 from tests.support import httpc
 from tests.support.fakeup import Scripted
 from tests.support.helpers import closed_port, rows_of, wait_for
+from tests.support.need import need_extra
 
 CHAT = "/v1/chat/completions"
 HB = b": relay heartbeat\n\n"
@@ -483,7 +484,7 @@ async def test_error_event_after_heartbeats_is_told_in_band(make_relay, upstream
 
 
 async def test_openai_client_raises_the_in_band_error(make_relay, upstreams):
-    openai = pytest.importorskip("openai")
+    openai = need_extra("test", "openai")
     err = b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'
 
     async def script(up, index, reader, writer):
@@ -617,7 +618,7 @@ async def test_no_head_in_time_after_heartbeats_is_told_in_band(make_relay, upst
 
 
 async def test_openai_client_streams_through_heartbeats(make_relay, upstreams):
-    openai = pytest.importorskip("openai")
+    openai = need_extra("test", "openai")
 
     async def script(up, index, reader, writer):
         await up.read_request(reader)

@@ -19,10 +19,11 @@ from relay.config import ConfigError, UpstreamConfig
 from relay.sim.server import SimDefaults, Simulator
 from tests.support import httpc
 from tests.support.fakeup import Scripted, response_of
-from tests.support.fixtures import FIXTURES, needs_fixtures
+from tests.support.fixtures import FIXTURES
 from tests.support.helpers import wait_for
+from tests.support.need import need_extra
 
-trustme = pytest.importorskip("trustme")
+trustme = need_extra("test", "trustme")
 
 ROW = (
     "SELECT upstream_requested, upstream_served, fallback_attempts, status, ok, error_code, "
@@ -91,7 +92,6 @@ def replay(raw: bytes, pieces: int = 1, keep: bool = False):
 
 
 # ---- 1. streams byte-identical through the relay ------------------------------------------
-@needs_fixtures
 @pytest.mark.parametrize("name", ["chat_stream.http", "chat_stream_usage.http"])
 async def test_captured_stream_is_byte_identical_through_the_relay_over_tls(make_relay, pki, name):
     raw = response_of((FIXTURES / name).read_bytes())
@@ -440,7 +440,7 @@ async def test_hosted_429_falls_back_to_the_next_candidate(make_relay, pki, tls_
 
 # ---- the official client, through the relay, to the TLS upstream --------------------------
 async def test_openai_client_through_relay_to_tls_upstream(make_relay, pki, tls_sim):
-    openai = pytest.importorskip("openai")
+    openai = need_extra("test", "openai")
     app = await make_relay(upstreams=[remote(tls_sim.url + "/v1", pki)])
     client = openai.AsyncOpenAI(
         base_url=f"http://127.0.0.1:{app.port}/v1", api_key="sk-test", max_retries=0, timeout=10

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from bench import aiperf_check as A
+from tests.support.need import opted_in
 
 FIXTURE = Path(__file__).parent / "aiperf_fixture"
 ROOT = Path(__file__).resolve().parents[2]
@@ -226,9 +226,7 @@ def test_percentile_interpolates_as_numpy():
 # ---- a real AIPerf run (only where $RELAY_AIPERF names one) ------------------------------------
 @pytest.mark.timeout(600)
 def test_real_aiperf_through_the_relay(tmp_path):
-    aiperf = os.environ.get("RELAY_AIPERF")
-    if not aiperf or not Path(aiperf).exists():
-        pytest.skip("set RELAY_AIPERF to an aiperf executable (its own venv, ~1.2 GB)")
+    aiperf = str(opted_in("RELAY_AIPERF", "an aiperf executable (its own venv, ~1.2 GB)"))
     out = tmp_path / "RESULTS.md"
     done = subprocess.run(
         [sys.executable, "-m", "bench.aiperf_check", "--aiperf", aiperf]

@@ -3,13 +3,15 @@
 import asyncio
 import random
 import re
+import sys
 
 import pytest
 
 from relay.http.chunked import frame
 from tests.support import httpc
 from tests.support.fakeup import Scripted, response_of
-from tests.support.fixtures import FIXTURES, needs_fixtures
+from tests.support.fixtures import FIXTURES
+from tests.support.need import missing, need_extra
 
 
 def split_head(raw: bytes) -> tuple[bytes, bytes]:
@@ -35,7 +37,6 @@ def replay(raw_response: bytes, pieces: int = 1, close: bool = True):
     return script
 
 
-@needs_fixtures
 @pytest.mark.parametrize(
     "name",
     [
@@ -112,7 +113,7 @@ async def test_simulator_stream_through_relay_matches_direct(make_relay, sim):
 
 
 async def test_openai_client_streams_through_relay(make_relay, sim):
-    openai = pytest.importorskip("openai")
+    openai = need_extra("test", "openai")
     app = await make_relay()
     client = openai.AsyncOpenAI(
         base_url=f"http://127.0.0.1:{app.port}/v1", api_key="sk-test", max_retries=0, timeout=10
@@ -293,6 +294,9 @@ async def test_two_hundred_concurrent_streams_all_correct(make_relay, sim):
     assert sim.tokens_sent_total == 200 * 20
 
 
-async def test_suite_runs_on_uvloop_when_installed():
-    uvloop = pytest.importorskip("uvloop")
+async def test_suite_runs_on_uvloop_where_it_is_a_dependency():
+    if sys.platform != "linux":
+        missing("needs uvloop, a dependency on Linux only (pyproject.toml)")
+    import uvloop
+
     assert isinstance(asyncio.get_running_loop(), uvloop.Loop)

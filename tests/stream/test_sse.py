@@ -9,7 +9,7 @@ import pytest
 
 from relay.http.chunked import ChunkTracker
 from relay.stream.sse import SseScanner, carries_content, event_json
-from tests.support.fixtures import FIXTURES, needs_fixtures
+from tests.support.fixtures import FIXTURES
 
 SEP = b"======== RESPONSE (raw bytes) ========\n"
 
@@ -46,7 +46,6 @@ EXPECTED = {
 }
 
 
-@needs_fixtures
 def test_all_sse_fixtures_covered():
     names = set()
     for path in glob.glob(f"{FIXTURES}/*.http"):
@@ -104,14 +103,12 @@ def expected_result(name: str, body: bytes) -> tuple:
     return (content, done, False, meta, False, (1,), b"", False)
 
 
-@needs_fixtures
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_fixture_one_read(name):
     body = sse_body(name)
     assert scan([body]) == expected_result(name, body)
 
 
-@needs_fixtures
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_fixture_every_two_way_split(name):
     body = sse_body(name)
@@ -120,7 +117,6 @@ def test_fixture_every_two_way_split(name):
         assert scan([body[:i], body[i:]]) == want, i
 
 
-@needs_fixtures
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_fixture_crlf_every_two_way_split(name):
     lf = sse_body(name)
@@ -130,7 +126,6 @@ def test_fixture_crlf_every_two_way_split(name):
         assert scan([body[:i], body[i:]]) == want, i
 
 
-@needs_fixtures
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_fixture_cr_only_lines(name):
     lf = sse_body(name)
@@ -138,7 +133,6 @@ def test_fixture_cr_only_lines(name):
     assert scan([body]) == expected_result(name, lf)
 
 
-@needs_fixtures
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_fixture_byte_by_byte_and_by_chunk(name):
     body = sse_body(name)
@@ -151,7 +145,6 @@ def test_fixture_byte_by_byte_and_by_chunk(name):
     assert scan(payloads) == want  # as the relay feeds it: one payload at a time
 
 
-@needs_fixtures
 def test_chat_first_content_is_hello_event():
     body = sse_body("chat_stream.http")
     s = SseScanner()
@@ -347,7 +340,6 @@ def whole_chunks(body: bytes) -> list[bytes]:
     return out
 
 
-@needs_fixtures
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_relay_path_one_read_per_chunk(name):
     body = chunked_body(name)
@@ -359,7 +351,6 @@ def test_relay_path_one_read_per_chunk(name):
     assert done is (name != "disconnect_huge_npredict.http")
 
 
-@needs_fixtures
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_relay_path_every_split_of_each_chunk(name):
     """Each chunk read whole except one, which arrives in two reads at every split point."""

@@ -9,7 +9,7 @@ import pytest
 from relay.http.chunked import ChunkTracker
 from relay.stream.sse import SseScanner
 from relay.stream.usage import Implausible, Refused, Usage, exact_usage, stream_usage, token_count
-from tests.support.fixtures import FIXTURES, needs_fixtures
+from tests.support.fixtures import FIXTURES
 
 SEP = b"======== RESPONSE (raw bytes) ========\n"
 
@@ -30,7 +30,6 @@ def meta_of(name: str) -> bytes:
     return s.meta
 
 
-@needs_fixtures
 @pytest.mark.parametrize(
     "name,prompt,completion",
     [
@@ -42,7 +41,6 @@ def test_nonstream_bodies(name, prompt, completion):
     assert counts(exact_usage(response_body(name))) == Usage(prompt, completion, None, None)
 
 
-@needs_fixtures
 @pytest.mark.parametrize(
     "name,prompt,completion",
     [
@@ -63,7 +61,6 @@ def counts(u: Usage) -> Usage:
     return Usage(u.prompt_tokens, u.completion_tokens, u.decoding_speed_tps, u.kv_occupancy_pct)
 
 
-@needs_fixtures
 def test_upstream_timings_read():
     u = stream_usage(meta_of("native_completion_stream.http"))
     assert (u.prompt_ms, u.prompt_per_second, u.predicted_per_second) == (
@@ -77,7 +74,6 @@ def test_upstream_timings_read():
     assert u == Usage(None, None, None, None, 12.5, 80.0, 25.5)
 
 
-@needs_fixtures
 def test_stream_without_meta():
     assert meta_of("disconnect_huge_npredict.http") == b""
     assert stream_usage(b"") is None

@@ -57,5 +57,5 @@ class Scripted:
 
 
 def response_of(fixture_text: bytes) -> bytes:
-    """The raw response part of a capture in shared/fixtures/llama-server/."""
+    """The raw response part of a capture (tests/support/captures/, llama-server/ under it)."""
     return fixture_text.split(b"======== RESPONSE (raw bytes) ========\n", 1)[1]
