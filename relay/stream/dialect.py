@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+import msgspec
+
 
 class Api(StrEnum):
     """A streaming API the relay reads (docs/apis.md)."""
@@ -68,21 +70,65 @@ def from_path(path: str) -> Api:
 
 
 def event_name(ev: bytes) -> bytes:
-    """The `event:` field of an event (its first line as servers write it, or a line after an
-    `id:` or `retry:` one), else the `"type"` its data names first, else b""."""
-    if ev.startswith(b"event:"):
-        start = 6
+    """An event's name as a client reads it (the WHATWG event-stream rules): the value of its
+    last `event` field, one space after the colon dropped, whatever its line ends (LF, CRLF,
+    CR); else the `"type"` its data names (`data_type`); else b""."""
+    if b"\r" in ev:
+        ev = ev.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    name = b""
+    if ev.startswith(b"event:") and ev.find(b"\nevent", 6) < 0:
+        # The usual event: named once, first.
+        nl = ev.find(b"\n")
+        name = ev[6 : nl if nl >= 0 else len(ev)]
+        name = name[1:] if name[:1] == b" " else name
+    elif b"event" in ev:
+        for line in ev.split(b"\n"):
+            field, _, value = line.partition(b":")
+            if field == b"event":
+                name = value[1:] if value[:1] == b" " else value
+    return name or data_type(ev)
+
+
+class _Typed(msgspec.Struct):
+    type: str = ""
+
+
+_typed = msgspec.json.Decoder(_Typed)
+
+
+def data_type(ev: bytes) -> bytes:
+    """The `"type"` an event's data names at its top level, in any spelling JSON allows
+    (escaped, spaced, over several `data:` lines): read in place when the data starts
+    `{"type":"` and the name has no escape, else by a parse of the data. b"" when it names
+    none (no `type` can be spelt without the word or a `\\u` escape: then no parse)."""
+    if ev.startswith(b"data:"):
+        i = 5
     else:
-        start = ev.find(b"\nevent:") + 8
-        if start < 8:
-            data = ev.find(b"data:")
-            i = ev.find(b'"type":"', data, data + 72) if data >= 0 else -1
-            if i < 0:
-                return b""
-            j = ev.find(b'"', i + 8)
-            return ev[i + 8 : j] if j > 0 else b""
-    nl = ev.find(b"\n", start)
-    return ev[start : nl if nl >= 0 else len(ev)].strip()
+        i = ev.find(b"\ndata:") + 6
+        if i < 6:
+            return b""
+    i += ev[i : i + 1] == b" "
+    if ev.startswith(b'{"type":"', i):
+        j = ev.find(b'"', i + 9)
+        if j > 0 and ev.find(b"\\", i + 9, j) < 0 and ev.find(b"\n", i + 9, j) < 0:
+            return ev[i + 9 : j]
+    if b"type" not in ev and b"\\u" not in ev:
+        return b""
+    try:
+        return _typed.decode(data_of(ev)).type.encode()
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeEncodeError):
+        return b""
+
+
+def data_of(ev: bytes) -> bytes:
+    """An event's data as a client reads it: its `data` fields' values (one space after the
+    colon dropped) joined with LF; its lines end in LF (the scanner's events do)."""
+    values = []
+    for line in ev.split(b"\n"):
+        field, _, value = line.partition(b":")
+        if field == b"data":
+            values.append(value[1:] if value[:1] == b" " else value)
+    return b"\n".join(values)
 
 
 def recognise(ev: bytes) -> Api | None:
