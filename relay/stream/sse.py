@@ -3,7 +3,7 @@
 It never changes a byte; it only watches. Per event it decides whether the event carries
 generated content (a token, in the API's own terms: `stream.dialect`), whether it ends the
 stream (`data: [DONE]`, Anthropic's `message_stop`, a Responses `response.completed` /
-`.incomplete` / `.failed`), whether it is an error before any content (an `{"error": ...}`
+`.incomplete` / `.failed`, llama native's `"stop":true`), whether it is an error before any content (an `{"error": ...}`
 first event, Anthropic's `event: error`, a Responses `error` / `response.failed`), and keeps
 the first and the last events that carry `usage` (not null) or `timings` so the exact
 figures can be read once at the end (Anthropic's prompt figure is in the first,
@@ -17,6 +17,7 @@ bytes, so scanning stays linear however an event is split.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import msgspec
@@ -93,6 +94,29 @@ def content_event_at(data: bytes, start: int, end: int) -> int:
     return 0
 
 
+class _Stop(msgspec.Struct):
+    stop: object = None
+
+
+_stop = msgspec.json.Decoder(_Stop)
+
+
+def native_end(event: bytes) -> bool:
+    """A llama native event that ends its stream (`"stop":true`), in any spelling: read in
+    place as llama-server writes it, else (a `true` in it: a literal has no other spelling)
+    by a parse of its data."""
+    if b'"stop":false' in event:
+        return False
+    if b'"stop":true' in event:
+        return True
+    if b"true" not in event:
+        return False
+    try:
+        return _stop.decode(D.data_of(event)).stop is True
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+
+
 class _Block(msgspec.Struct):
     type: str = ""
 
@@ -165,6 +189,16 @@ class SseScanner:
         # `content_event_at` (and the fast path it teaches) knows the `content` / `text`
         # markers only: a Responses `.done` event holds the whole text as `"text":"`
         self.shortcut = dialect != D.RESPONSES
+
+    def after(self, data: bytes) -> SseScanner:
+        """A copy of this scanner that has read `data` too (this one is left as it was, and
+        the copy calls nothing back): what a stream will have said once `data` follows."""
+        other = copy.copy(self)
+        other.on_first_content = None
+        other.pending = bytes(self.pending)
+        other.blocks = dict(self.blocks)
+        other.feed(data)
+        return other
 
     def feed_span(self, data: bytes, start: int, end: int) -> None:
         """Scan data[start:end] without copying it when it is one whole content event.
@@ -259,6 +293,8 @@ class SseScanner:
             if self.content_events == 1 and self.on_first_content is not None:
                 self.on_first_content()
         elif ev.startswith((b"data: [DONE]", b"data:[DONE]")):
+            self.done_seen = True
+        if self.dialect == D.NATIVE and native_end(ev):
             self.done_seen = True
         if len(ev) <= _MAX_META and is_meta(ev):
             self.meta = ev
