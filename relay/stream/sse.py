@@ -3,20 +3,28 @@
 It never changes a byte; it only watches. Per event it decides whether the event carries
 generated content (a token, in the API's own terms: `stream.dialect`), whether it ends the
 stream (`data: [DONE]`, Anthropic's `message_stop`, a Responses `response.completed` /
-`.incomplete` / `.failed`), whether it is an error before any content (an `{"error": ...}`
-first event, Anthropic's `event: error`, a Responses `error` / `response.failed`), and keeps
-the first and the last events that carry `usage` (not null) or `timings` so the exact
-figures can be read once at the end (Anthropic's prompt figure is in the first,
-`message_start`; the cumulative output in the last, `message_delta`). On Anthropic and
-Responses streams it follows what a terminal frame must close: whether the message or
-response was started, the content blocks left open, the `response.created` event. Events are cut at blank lines, so a marker split
-across two reads is seen whole: the unfinished tail of one read waits for the next (up to
-1 MiB; a larger event is relayed unscanned), and is searched for its end only in the new
-bytes, so scanning stays linear however an event is split.
+`.incomplete` / `.failed`, llama native's `"stop":true`), whether it is an error before any
+content (an `{"error": ...}` first event, Anthropic's `event: error`, a Responses `error` /
+`response.failed`), and keeps the first and the last events that carry `usage` (not null)
+or `timings` so the exact figures can be read once at the end (Anthropic's prompt figure is
+in the first, `message_start`; the cumulative output in the last, `message_delta`). On
+Anthropic and Responses streams it follows what a terminal frame must close: whether the
+message or response was started, the content blocks left open, the `response.created`
+event. Events are cut at blank lines, so a marker split across two reads is seen whole: the unfinished tail
+of one read waits for the next (up to 1 MiB; a larger event is relayed unscanned), and is
+searched for its end only in the new bytes, so scanning stays linear however an event is
+split.
+
+Names are read in any spelling JSON allows. Event names and types, ends and errors are
+parsed when they are not written compact; content and figures are found by their compact
+markers (`"content":"x`), and, in a stream whose opening events spell their JSON otherwise
+(white space around colons, names with escaped letters: `dialect.spelt_otherwise`), with
+white space around the colon too, or in the parsed data: a compact stream pays nothing more.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import msgspec
@@ -34,8 +42,13 @@ _MAX_META = _MAX_PENDING
 _RAW_ENDS = (b"\n\n", b"\r\r", b"\n\r")
 
 
-def carries_content(event: bytes, markers: tuple[bytes, ...] = D.MARKERS) -> bool:
-    """True when the event holds at least one non-empty generated string."""
+def carries_content(
+    event: bytes, markers: tuple[bytes, ...] = D.MARKERS, spelt: bool = True
+) -> bool:
+    """True when the event holds at least one non-empty generated string. `spelt`: the
+    stream may spell its JSON otherwise than compact (`dialect.spelt_otherwise`): then a
+    marker's name with white space (or, over several `data:` lines, a line end) around its
+    colon counts too, and names spelt with escapes are looked for in the parsed data."""
     for marker in markers:
         i = event.find(marker)
         while i >= 0:
@@ -44,13 +57,53 @@ def carries_content(event: bytes, markers: tuple[bytes, ...] = D.MARKERS) -> boo
             if j < len(event) and event[j] != 0x22:
                 return True
             i = event.find(marker, j)
-    return False
+    return spelt and _spelt_content(event, markers)
 
 
-def is_meta(event: bytes) -> bool:
+def _spelt_content(event: bytes, markers: tuple[bytes, ...]) -> bool:
+    for marker in markers:
+        # (`"content":"` less its `:"`: the quoted name)
+        name = marker[:-2]
+        i = event.find(name)
+        while i >= 0:
+            j = i + len(name)
+            k = _value_at(event, j)
+            if 0 < k < len(event) and event[k - 1] == 0x22 and event[k] != 0x22:
+                return True
+            i = event.find(name, j)
+    if not D.escapes_a_letter(event):
+        return False
+    names = frozenset(m[1:-3].decode() for m in markers)
+    return _any_member(D.parsed(event), lambda k, v: k in names and isinstance(v, str) and v != "")
+
+
+def _value_at(event: bytes, j: int) -> int:
+    """One past the first byte of the value after a name that ends at `j` (past a colon and
+    white space, a `data:` line's start included); 0 when no colon follows the name."""
+    colon = False
+    n = len(event)
+    while j < n:
+        c = event[j]
+        if c == 0x0A:
+            # A line end inside data over several lines: the next line is a `data:` one.
+            if not event.startswith(b"data:", j + 1):
+                return 0
+            j += 6
+        elif c in (0x20, 0x09, 0x0D):
+            j += 1
+        elif c == 0x3A and not colon:
+            colon = True
+            j += 1
+        else:
+            return j + 1 if colon else 0
+    return 0
+
+
+def is_meta(event: bytes, spelt: bool = True) -> bool:
     """The event carries figures to keep: a `timings` key, or a `usage` that is not null.
     (vLLM and OpenAI put `"usage":null` in every chunk when `include_usage` is set: those
-    are not the usage, which comes last, and must not replace an earlier one.)"""
+    are not the usage, which comes last, and must not replace an earlier one.) `spelt`: as
+    `carries_content`'s (names spelt with escapes are looked for in the parsed data)."""
     if b'"timings"' in event:
         return True
     i = event.find(b'"usage"')
@@ -60,6 +113,25 @@ def is_meta(event: bytes) -> bool:
         if not (rest[:1] == b":" and rest[1:].lstrip(b" \t\r\n").startswith(b"null")):
             return True
         i = event.find(b'"usage"', i)
+    if not spelt or not D.escapes_a_letter(event):
+        return False
+    return _any_member(
+        D.parsed(event), lambda k, v: k == "timings" or (k == "usage" and v is not None)
+    )
+
+
+def _any_member(doc: object, test: Callable[[str, object], bool]) -> bool:
+    """A member of `doc`, at any depth, for which `test(name, value)` holds."""
+    todo = [doc]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, dict):
+            for name, value in v.items():
+                if test(name, value):
+                    return True
+                todo.append(value)
+        elif isinstance(v, list):
+            todo.extend(v)
     return False
 
 
@@ -93,6 +165,29 @@ def content_event_at(data: bytes, start: int, end: int) -> int:
     return 0
 
 
+class _Stop(msgspec.Struct):
+    stop: object = None
+
+
+_stop = msgspec.json.Decoder(_Stop)
+
+
+def native_end(event: bytes) -> bool:
+    """A llama native event that ends its stream (`"stop":true`), in any spelling: read in
+    place as llama-server writes it, else (a `true` in it: a literal has no other spelling)
+    by a parse of its data."""
+    if b'"stop":false' in event:
+        return False
+    if b'"stop":true' in event:
+        return True
+    if b"true" not in event:
+        return False
+    try:
+        return _stop.decode(D.data_of(event)).stop is True
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+
+
 class _Block(msgspec.Struct):
     type: str = ""
 
@@ -103,6 +198,7 @@ class _BlockStart(msgspec.Struct):
 
 
 _block_start = msgspec.json.Decoder(_BlockStart)
+_COMPACT = (D.CHAT, D.TEXT)
 _ENDS = (b"response.completed", b"response.incomplete", b"response.failed")
 
 
@@ -125,6 +221,7 @@ class SseScanner:
         "pending",
         "recognised",
         "shortcut",
+        "spelt",
         "started",
     )
 
@@ -147,6 +244,11 @@ class SseScanner:
         self.first_event = True
         # An event named the stream's API (`dialect.recognise`).
         self.recognised = False
+        # The stream's opening events (up to the one that names its API) spell their JSON
+        # otherwise than compact and unescaped (`dialect.spelt_otherwise`): its serializer
+        # does, so its markers are looked for in any spelling (a test or two per stream: a
+        # compact stream pays nothing more).
+        self.spelt = False
         # What a terminal frame must close. MESSAGES: message_start went by, the open content
         # blocks' types by index, message_delta (the stop reason) went by. RESPONSES:
         # response.created went by, that event, and the last event (its sequence_number
@@ -165,6 +267,16 @@ class SseScanner:
         # `content_event_at` (and the fast path it teaches) knows the `content` / `text`
         # markers only: a Responses `.done` event holds the whole text as `"text":"`
         self.shortcut = dialect != D.RESPONSES
+
+    def after(self, data: bytes) -> SseScanner:
+        """A copy of this scanner that has read `data` too (this one is left as it was, and
+        the copy calls nothing back): what a stream will have said once `data` follows."""
+        other = copy.copy(self)
+        other.on_first_content = None
+        other.pending = bytes(self.pending)
+        other.blocks = dict(self.blocks)
+        other.feed(data)
+        return other
 
     def feed_span(self, data: bytes, start: int, end: int) -> None:
         """Scan data[start:end] without copying it when it is one whole content event.
@@ -254,13 +366,15 @@ class SseScanner:
             self._message_event(ev)
         elif self.dialect == D.RESPONSES:
             self._response_event(ev)
-        if carries_content(ev, self.markers):
+        if carries_content(ev, self.markers, self.spelt):
             self.content_events += 1
             if self.content_events == 1 and self.on_first_content is not None:
                 self.on_first_content()
         elif ev.startswith((b"data: [DONE]", b"data:[DONE]")):
             self.done_seen = True
-        if len(ev) <= _MAX_META and is_meta(ev):
+        if self.dialect == D.NATIVE and native_end(ev):
+            self.done_seen = True
+        if len(ev) <= _MAX_META and is_meta(ev, self.spelt):
             self.meta = ev
             if not self.meta_first:
                 self.meta_first = ev
@@ -268,17 +382,23 @@ class SseScanner:
     def _opening(self, ev: bytes) -> None:
         """The events that open a stream: the first (an error?), and the first that names
         its API (the first, as a rule)."""
-        # A comment line (llama-server's ping while it reads a long prompt) is not the first
-        # event: the error a first event may be comes after it.
-        if self.first_event and (ev[0] != 0x3A or b"\n" in ev):
-            self.first_event = False
-            self.error_first = ev.startswith(b'data: {"error"') or D.event_name(ev) == b"error"
         if not self.recognised:
             api = D.recognise(ev)
+            # Chat and legacy are found by a compact member (`"object":"..."`): their
+            # serializer spells compact. A name says nothing of the data's spelling.
+            if api not in _COMPACT and not self.spelt:
+                self.spelt = D.spelt_otherwise(ev)
+                if api is None and self.spelt:
+                    api = D.recognise_parsed(ev)
             if api is not None:
                 self.recognised = True
                 if api != self.dialect:
                     self.use(api)
+        # A comment line (llama-server's ping while it reads a long prompt) is not the first
+        # event: the error a first event may be comes after it.
+        if self.first_event and (ev[0] != 0x3A or b"\n" in ev):
+            self.first_event = False
+            self.error_first = _is_error(ev, self.spelt)
 
     def _message_event(self, ev: bytes) -> None:
         """Anthropic's lifecycle: what a terminal frame must close."""
@@ -327,6 +447,15 @@ class SseScanner:
         elif name == b"error":
             self.done_seen = True
             self.error_first = not self.content_events
+
+
+def _is_error(ev: bytes, spelt: bool) -> bool:
+    """An `{"error": ...}` event, Anthropic's or Responses' `error` (`spelt`: in any
+    spelling)."""
+    if ev.startswith((b'data: {"error"', b'data:{"error"')) or D.event_name(ev) == b"error":
+        return True
+    doc = D.parsed(ev) if spelt else None
+    return isinstance(doc, dict) and "error" in doc
 
 
 def event_json(event: bytes) -> bytes | None:

@@ -1,8 +1,11 @@
 """The frames the relay itself ends a stream with, in the stream's own API (`stream.dialect`).
 
 - `stall_frame`: the stall guard cut a stream the client has seen content of. An event the
-  upstream left half sent is finished first (`half_event`: so it parses), then the stream
-  ends as its API ends a stream cut short, with the relay's `x_relay_stall {reason, elapsed_s, upstream}`
+  upstream left half sent is ended first (`half_event`: so it parses; finished when it is a
+  content delta, dropped when it could end the stream or carry figures), and what the frame
+  closes is read with it as the client reads it (its `sequence_number` taken, a whole end
+  that only lacked its blank line is the stream's own). Then the stream ends as its API ends
+  a stream cut short, with the relay's `x_relay_stall {reason, elapsed_s, upstream}`
   extension, so each SDK ends cleanly and can tell:
   - CHAT / TEXT: a `finish_reason: "length"` chunk holding the notice, then `data: [DONE]`;
   - NATIVE (`/completion`): a `"stop":true,"stop_type":"limit"` event, no `[DONE]`;
@@ -26,7 +29,7 @@ import msgspec
 
 from relay.errors import error_event
 from relay.stream import dialect as D
-from relay.stream.half_event import close_event
+from relay.stream.half_event import Fate, close_event
 from relay.stream.sse import SseScanner, event_json
 
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -76,7 +79,14 @@ def stall_frame(
             return b""
         dialect = scanner.dialect
         if scanner.pending:
-            lead = close_event(scanner.pending)
+            seq = _next_sequence(scanner) if dialect == D.RESPONSES else None
+            closing = close_event(scanner.pending, scanner.dialect, seq)
+            lead = closing.tail
+            if closing.fate != Fate.BROKEN:
+                # The client reads that event as it now ends: the frame follows from it.
+                scanner = scanner.after(lead)
+                if scanner.done_seen:
+                    return lead
     info = _stall_info(reason, elapsed_s, upstream)
     text = stall_notice(reason, elapsed_s)
     if dialect == D.MESSAGES:
@@ -132,7 +142,11 @@ def _messages_end(scanner: SseScanner | None, text: str, info: dict[str, object]
                 },
             )
         )
-    out.append(_sse("message_stop", {"type": "message_stop"}))
+    stop: dict[str, object] = {"type": "message_stop"}
+    if scanner.delta_seen:
+        # The upstream's stop reason and usage went out: this end alone tells the stall.
+        stop["x_relay_stall"] = info
+    out.append(_sse("message_stop", stop))
     return b"".join(out)
 
 
