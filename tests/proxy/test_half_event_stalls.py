@@ -14,9 +14,10 @@ from tests.stream.sse_client import check_cut, read, view
 from tests.support import httpc
 from tests.support.fakeup import Scripted
 from tests.support.helpers import rows_of
+from tests.support.need import need_extra
 
-anthropic = pytest.importorskip("anthropic")
-openai = pytest.importorskip("openai")
+anthropic = need_extra("test", "anthropic")
+openai = need_extra("test", "openai")
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 PATHS = {
