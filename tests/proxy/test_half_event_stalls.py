@@ -27,13 +27,7 @@ PATHS = {
     D.MESSAGES: "/v1/messages",
     D.RESPONSES: "/v1/responses",
 }
-STREAMS = {
-    D.CHAT: S.chat,
-    D.TEXT: S.text,
-    D.NATIVE: S.native,
-    D.MESSAGES: S.messages,
-    D.RESPONSES: S.responses,
-}
+STREAMS = S.STREAMS
 REQUEST = {"model": "m", "stream": True, "max_tokens": 16}
 MESSAGES_REQ = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "Hi"}]}
 

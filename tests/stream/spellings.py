@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+from relay.stream import dialect as D
+
 Spell = Callable[[object], str]
 
 
@@ -159,3 +161,13 @@ def responses(spell: Spell = compact) -> tuple[bytes, int]:
     usage = {"input_tokens": 5, "output_tokens": 10, "total_tokens": 15}
     final = {**RESPONSE, "status": "completed", "output": [done], "usage": usage}
     return body + ev("response.completed", response=final), start
+
+
+# Each API's stream, by its dialect.
+STREAMS: dict[D.Api, Callable[..., tuple[bytes, int]]] = {
+    D.CHAT: chat,
+    D.TEXT: text,
+    D.NATIVE: native,
+    D.MESSAGES: messages,
+    D.RESPONSES: responses,
+}

@@ -16,13 +16,7 @@ from relay.stream.terminal import stall_frame
 from tests.stream import spellings as S
 from tests.stream.sse_client import check_cut, read, view
 
-STREAMS = {
-    D.CHAT: S.chat,
-    D.TEXT: S.text,
-    D.NATIVE: S.native,
-    D.MESSAGES: S.messages,
-    D.RESPONSES: S.responses,
-}
+STREAMS = S.STREAMS
 
 
 def frame_at(api: D.Api, body: bytes, cut: int) -> bytes:

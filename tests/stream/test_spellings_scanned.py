@@ -13,13 +13,7 @@ from relay.stream import dialect as D
 from relay.stream.sse import SseScanner
 from tests.stream import spellings as S
 
-STREAMS = {
-    D.CHAT: S.chat,
-    D.TEXT: S.text,
-    D.NATIVE: S.native,
-    D.MESSAGES: S.messages,
-    D.RESPONSES: S.responses,
-}
+STREAMS = S.STREAMS
 
 
 def reading(api: D.Api, body: bytes) -> tuple:
