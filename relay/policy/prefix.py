@@ -189,10 +189,12 @@ def _content(value: object, steps: _Steps, nested: bool = False) -> list[object]
 
 
 def _text(part: object) -> str | None:
-    if isinstance(part, dict) and part.get("type") in _TEXT_PARTS:
-        text = part.get("text")
-        if isinstance(text, str):
-            return text
+    if not isinstance(part, dict):
+        return None
+    kind, text = part.get("type"), part.get("text")
+    # A type of another JSON kind (a list, an object) is no text, and no set member.
+    if isinstance(kind, str) and kind in _TEXT_PARTS and isinstance(text, str):
+        return text
     return None
 
 
@@ -246,7 +248,8 @@ def _chat_head(body: dict[str, object]) -> tuple[list[object], int] | None:
     system: list[object] = []
     while end < len(messages) and end < MAX_PARTS:
         message = messages[end]
-        if not isinstance(message, dict) or message.get("role") not in _HEAD_ROLES:
+        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(role, str) or role not in _HEAD_ROLES:
             break
         system.append(_chat_unit(message, steps))
         end += 1
