@@ -37,8 +37,8 @@ sent) stays the string. The chain starts from the API's own seed (chat, messages
 blocks of bytes, blocks of tokens): units of different APIs never match.
 
 Bounded work, linear in the body: at most `MAX_UNITS` hashes, the last absorbing every unit
-past it; at most `MAX_PARTS` parts or tool calls of one message read one by one (the rest enter
-as their canonical JSON); past `MAX_STEPS` items read, the remaining messages enter the last
+past it; at most `MAX_PARTS` parts or tool calls of one message and `MAX_TOOLS` tools read one
+by one (the rest enter as their canonical JSON, `cache_control` and all); past `MAX_STEPS` items read, the remaining messages enter the last
 unit as their canonical JSON; at most `MAX_BYTES` hashed, the unit that reaches it the last.
 A body nested too deeply to encode, or a string with a lone surrogate, gives `()`.
 
@@ -61,7 +61,8 @@ from relay.stream.dialect import Api
 Fingerprint = tuple[int, ...]
 
 MAX_UNITS = 4096
-MAX_PARTS = 64
+MAX_PARTS = 256
+MAX_TOOLS = 1024
 MAX_STEPS = 16384
 MAX_BYTES = 16 * 1024 * 1024
 BLOCK_BYTES = 256
@@ -157,7 +158,7 @@ def _bare(value: object) -> object:
 def _tools(value: object) -> object:
     """Tool definitions, each less its `cache_control`."""
     if isinstance(value, list):
-        return [_bare(tool) for tool in value[:MAX_PARTS]] + value[MAX_PARTS:]
+        return [_bare(tool) for tool in value[:MAX_TOOLS]] + value[MAX_TOOLS:]
     return value
 
 

@@ -295,6 +295,20 @@ def test_messages_cache_control_is_read_nowhere():
     assert P.fingerprint(Api.MESSAGES, body) == base
 
 
+def test_messages_many_tools_and_blocks_cache_control_is_read_nowhere():
+    # Claude Code with MCP servers: a hundred tools, the marker on the last; a parallel tool
+    # round of a hundred results, the marker on the last.
+    tools = [{"name": f"mcp_{i}", "input_schema": {"type": "object"}} for i in range(100)]
+    results = [
+        {"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": str(i)} for i in range(100)
+    ]
+    marked = copy.deepcopy({"tools": tools, "messages": [{"role": "user", "content": results}]})
+    marked["tools"][-1]["cache_control"] = dict(EPHEMERAL)
+    marked["messages"][0]["content"][-1]["cache_control"] = dict(EPHEMERAL)
+    plain = {"tools": tools, "messages": [{"role": "user", "content": results}]}
+    assert P.fingerprint(Api.MESSAGES, marked) == P.fingerprint(Api.MESSAGES, plain)
+
+
 def test_messages_string_content_is_one_text_block():
     a = {"system": "S", "messages": [{"role": "user", "content": "hi"}]}
     b = {
@@ -658,11 +672,11 @@ def test_units_are_capped_the_last_absorbing_the_rest():
 
 def test_many_small_parts_and_messages_stay_bounded():
     # Past MAX_STEPS items the rest of the messages is one unit: fewer units than messages.
-    # Each message reads 1 + 64 items (the rest of its 300 parts as their JSON): 253 messages
-    # read one by one (16384 steps), the head before them, the other 147 one unit after.
+    # Each message reads 1 + 256 items (the rest of its 300 parts as their JSON): 64 messages
+    # read one by one (16384 steps), the head before them, the other 336 one unit after.
     many = {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 300}] * 400}
     fp = P.fingerprint(Api.CHAT, many)
-    assert len(fp) == 255
+    assert len(fp) == 66
     # A second body differing only past the steps still differs in its last unit.
     other = copy.deepcopy(many)
     other["messages"][-1] = {"role": "user", "content": "changed"}
