@@ -11,7 +11,8 @@ The units, per API:
 
 - CHAT: unit 0 is the head, `tools` and the leading run of `system`/`developer` messages
   (llama-server's templates render the tools before the messages); then one unit per message:
-  role, name, content, tool_calls (id, name, arguments) and tool_call_id.
+  role, name, content, tool_calls (id, name, arguments) and tool_call_id. A system message
+  after the first other message is a unit of its own, where the template renders it.
 - MESSAGES: unit 0 is `system` and `tools`; then one unit per message: role and its blocks
   (text; tool_use id, name, input; tool_result tool_use_id, is_error, content; thinking text).
   `cache_control` is read nowhere: Claude Code moves its markers to the newest message each
@@ -21,8 +22,8 @@ The units, per API:
   name, arguments; function_call_output: call_id, output; reasoning: its summary and content
   texts). Item ids and statuses do not reach the prompt and are not read.
 - TEXT and NATIVE (`prompt`): fixed blocks, 256 bytes of the UTF-8 string or 64 tokens of a
-  token list per unit, the final partial block a last unit. A list of strings (several
-  prompts) is read by its first; a list mixing tokens and strings gives no units. Both APIs
+  token list per unit, the final partial block a last unit. A list of strings or token lists
+  (several prompts) is read by its first; a list mixing tokens and strings gives no units. Both APIs
   share one chain: the same prompt is the same prefix on a llama-server.
 - Any other body (not an object, `messages` not a list, ...): no units, `()`; the caller
   treats it as a new conversation.
@@ -38,13 +39,17 @@ blocks of bytes, blocks of tokens): units of different APIs never match.
 
 Bounded work, linear in the body: at most `MAX_UNITS` hashes, the last absorbing every unit
 past it; at most `MAX_PARTS` parts or tool calls of one message and `MAX_TOOLS` tools read one
-by one (the rest enter as their canonical JSON, `cache_control` and all); past `MAX_STEPS` items read, the remaining messages enter the last
-unit as their canonical JSON; at most `MAX_BYTES` hashed, the unit that reaches it the last.
+by one (the rest enter as their canonical JSON, `cache_control` and all); past `MAX_STEPS`
+items read, the remaining messages enter the last unit as their canonical JSON; at most
+`MAX_BYTES` hashed, the unit that reaches it the last. Measured: 0.3 ms for an 80 KB, 100
+message Claude Code turn; some 30-60 ms for the worst 8 MB body.
 A body nested too deeply to encode, or a string with a lone surrogate, gives `()`.
 
 `first_key` is the key a new conversation is placed by (rendezvous hashing): the hash of units
 0 and 1, that is the head and the first message (for Claude Code and Codex: the system prompt,
-tools and the first user message), or the first 512 bytes of a prompt.
+tools and the first user message), or the first 512 bytes or 128 tokens of a prompt; unit 0
+alone where there is no second; None for `()`. A request with neither system prompt nor tools
+has its API's constant unit 0 (the empty head): matching on it alone keeps no prefix.
 """
 
 from __future__ import annotations
