@@ -19,7 +19,7 @@ from tests.app.test_signals import Tail
 from tests.support import httpc
 from tests.support.helpers import CHAT
 from tests.support.keys import SECRET, sha
-from tests.support.processes import kill, start, wait_listening
+from tests.support.processes import alive, established, kill, socket_inodes, start, wait_listening
 
 pytestmark = pytest.mark.timeout(120)
 AUTH = {"Authorization": f"Bearer {SECRET}"}
@@ -59,31 +59,12 @@ async def _open_stream(port: int, sim: Simulator, tokens: int = 400):
 
 
 def _owner(pids: list[int], relay_port: int, client_port: int) -> int:
-    """The worker holding the relay's end of the client connection from `client_port`: its
-    socket's inode in /proc/net/tcp, then the worker with a descriptor on it."""
-    inodes = set()
-    with open("/proc/net/tcp") as fh:
-        for line in fh.readlines()[1:]:
-            f = line.split()
-            local, remote = int(f[1].split(":")[1], 16), int(f[2].split(":")[1], 16)
-            if local == relay_port and remote == client_port:
-                inodes.add(f"socket:[{f[9]}]")
+    """The worker holding the relay's end of the client connection from `client_port`."""
+    inodes = {inode for inode, remote in established(relay_port).items() if remote == client_port}
     for pid in pids:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
-                    return pid
-            except FileNotFoundError:
-                continue
+        if socket_inodes(pid) & inodes:
+            return pid
     raise AssertionError(f"no worker holds the connection from port {client_port}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _resume(pid: int) -> None:
@@ -125,7 +106,7 @@ async def test_a_worker_stopped_mid_stream_is_lost_killed_and_replaced(tmp_path)
         assert restarted["worker"] == index and restarted["pid"] not in pids
         # Killed, not left stopped: it can never come back and write.
         deadline = time.monotonic() + 10
-        while _alive(victim):
+        while alive(victim):
             assert time.monotonic() < deadline, "the stopped worker still runs"
             await asyncio.sleep(0.05)
         await asyncio.wait_for(_drained(reader), 10)
@@ -180,7 +161,7 @@ async def test_a_worker_paused_again_and_again_below_the_bound_is_not_lost(tmp_p
         assert (await httpc.fetch(port, "GET", "/api/slots/metrics")).status == 200
         assert [e for e in log.lines if e["event"] == "worker_unresponsive"] == []
         assert [e for e in log.lines if e["event"] == "worker_lost"] == []
-        assert _alive(victim)
+        assert alive(victim)
     finally:
         if victim is not None:
             _resume(victim)
@@ -216,7 +197,7 @@ async def test_a_parent_that_did_not_run_declares_no_worker_lost(tmp_path):
             await asyncio.sleep(0.3)
         assert [e for e in log.lines if e["event"] == "worker_unresponsive"] == []
         assert [e for e in log.lines if e["event"] == "worker_lost"] == []
-        assert _alive(worker)
+        assert alive(worker)
     finally:
         _resume(worker)
         _resume(proc.pid)

@@ -21,7 +21,7 @@ from tests.app.test_signals import Tail
 from tests.support import httpc
 from tests.support.helpers import LOOP_EARLY_MS, wait_for
 from tests.support.keys import SECRET, sha
-from tests.support.processes import kill, start, wait_listening
+from tests.support.processes import alive, established, kill, socket_inodes, start, wait_listening
 
 CHAT = "/v1/chat/completions"
 pytestmark = pytest.mark.timeout(120)
@@ -316,25 +316,8 @@ async def _stream(port: int, headers: dict, tokens: int = 60, heads: list | None
 
 
 def _clients_of(pid: int, port: int) -> int:
-    """How many client connections to `port` the process `pid` holds (established): its
-    sockets, by inode, found in the kernel's TCP tables."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except FileNotFoundError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    held = 0
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/{pid}/net/{table}") as fh:
-            for line in list(fh)[1:]:
-                f = line.split()
-                local, state, inode = f[1], f[3], f[9]
-                if state == "01" and int(local.rsplit(":", 1)[1], 16) == port and inode in inodes:
-                    held += 1
-    return held
+    """How many client connections to `port` the process `pid` holds (established)."""
+    return len(established(port).keys() & socket_inodes(pid))
 
 
 async def test_a_worker_killed_mid_stream_is_replaced_and_gives_back_what_it_held(tmp_path):
@@ -406,7 +389,7 @@ async def test_the_parent_killed_leaves_no_worker_and_frees_the_port(tmp_path):
         proc.kill()
         await proc.wait()
         # The kernel ends every worker with the parent: none is left, none drains its stream.
-        await wait_for(lambda: not any(_alive(p) for p in pids), timeout=WAIT_S)
+        await wait_for(lambda: not any(alive(p) for p in pids), timeout=WAIT_S)
         assert not (await asyncio.wait_for(stream, WAIT_S)).complete
         with socket.socket() as s:  # nothing holds the port: a new relay could listen there
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -424,14 +407,6 @@ async def test_the_parent_killed_leaves_no_worker_and_frees_the_port(tmp_path):
         if again is not None:
             await kill(again)
         await sim.stop()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 async def test_sigterm_drains_every_worker_and_flushes_the_rows(tmp_path):
