@@ -89,10 +89,18 @@ def event_name(ev: bytes) -> bytes:
         ev = ev.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
     name = b""
     for line in ev.split(b"\n"):
-        field, _, value = line.partition(b":")
+        field, value = field_of(line)
         if field == b"event":
-            name = value[1:] if value[:1] == b" " else value
+            name = value
     return name or data_type(ev)
+
+
+def field_of(line: bytes) -> tuple[bytes, bytes]:
+    """An event-stream line's field and value as a client reads them (the WHATWG rules): the
+    name before its first colon (the whole line without one), the value after it with one
+    leading space dropped."""
+    field, _, value = line.partition(b":")
+    return field, value[1:] if value[:1] == b" " else value
 
 
 class _Typed(msgspec.Struct):
@@ -131,9 +139,9 @@ def data_of(ev: bytes) -> bytes:
     colon dropped) joined with LF; its lines end in LF (the scanner's events do)."""
     values = []
     for line in ev.split(b"\n"):
-        field, _, value = line.partition(b":")
+        field, value = field_of(line)
         if field == b"data":
-            values.append(value[1:] if value[:1] == b" " else value)
+            values.append(value)
     return b"\n".join(values)
 
 

@@ -115,16 +115,15 @@ class _Fields(msgspec.Struct, frozen=True):
         name: bytes | None = None
         data: list[bytes] = []
         for line in lines:
-            field, _, value = line.partition(b":")
-            value = value[1:] if value.startswith(b" ") else value
+            field, value = D.field_of(line)
             if field == b"event":
                 name = value
             elif field == b"data":
                 data.append(value)
         named = name is not None
-        field, colon, value = last.partition(b":")
-        value = value[1:] if value.startswith(b" ") else value
-        mid_data = bool(colon) and field == b"data"
+        field, value = D.field_of(last)
+        colon = b":" in last
+        mid_data = colon and field == b"data"
         if mid_data:
             data.append(value)
         elif colon and field == b"event":
