@@ -32,7 +32,8 @@ from relay.proxy.body_memory import BodyBytes
 from relay.proxy.client import LINGER_S, ClientConn
 from relay.proxy.deadlines import Deadlines
 from relay.proxy.dispatch import Dispatcher
-from relay.proxy.health import probe_once
+from relay.proxy.health import DOWN, probe_once
+from relay.proxy.slots import Balancer, Board, SlotPool
 from relay.proxy.upstreams import Upstream
 from relay.reload import Summary
 from relay.store.admissions import AdmissionId
@@ -112,6 +113,8 @@ class App:
         self.policy = StallPolicy(
             d.stream_idle_timeout_s, d.stream_total_timeout_s, d.direct_read_timeout_s
         )
+        # Every upstream's slots and every pool's queue (proxy.slots).
+        self.board = Board(config.balance, self._slots_of)
         self.upstreams = {u.name: self.new_upstream(u, d) for u in config.upstream}
         self.router = Router(config.upstream)
         self.auth = Auth(config.key, config.admin_key_sha256)
@@ -151,8 +154,37 @@ class App:
 
     # ---- what a worker process (relay.workers) holds in another way ----------------------
     def new_upstream(self, cfg: UpstreamConfig, d: DispatcherConfig) -> Upstream:
-        """An upstream as this process holds it (at start and for a reload)."""
-        return Upstream(cfg, d.upstream_keepalive_s, d.prewarm, d.connect_timeout_s)
+        """An upstream as this process holds it (at start and for a reload): its slots on the
+        board, its health telling the board when it goes down or comes back."""
+        up = Upstream(cfg, d.upstream_keepalive_s, d.prewarm, d.connect_timeout_s)
+        up.health.probing = d.health_interval_s > 0
+        slots = up.slots
+        if isinstance(slots, SlotPool):
+            self.board.adopt(slots)
+            up.health.on_change = lambda: self._health_changed(up, slots)
+        return up
+
+    def _health_changed(self, up: Upstream, slots: SlotPool) -> None:
+        """An upstream went down (it holds no prompt any more: a restart empties its cache)
+        or came back (its free slots go to waiting requests)."""
+        if up.health.probe is DOWN:
+            self.board.forget_member(up.name)
+        else:
+            slots.kick()
+
+    def _slots_of(self, name: str) -> SlotPool | None:
+        """An upstream's slots by name: a configured one's, else (for a request routed before
+        a reload removed it) the last retired one's."""
+        up = self.upstreams.get(name)
+        if up is None:
+            up = next((u for u in reversed(self.retired) if u.name == name), None)
+        slots = up.slots if up is not None else None
+        return slots if isinstance(slots, SlotPool) else None
+
+    @property
+    def balancer(self) -> Balancer:
+        """Where requests take their slots: this process's board."""
+        return self.board
 
     def make_budgets(self, config: Config) -> Budgets:
         return Budgets(config.key)
@@ -179,6 +211,11 @@ class App:
         ups = list(self.upstreams.values())
         for up in ups:
             up.refresh_metrics()
+        router = self.router
+        # (Read in OpenTelemetry's thread too: the names copied in one step.)
+        named = [router.named(name) for name in list(self.registry.pools)]
+        pools = {p.name: p for p in (*router.pools, *named) if p is not None}
+        self.board.figures(self.registry, list(pools.values()))
         return [up.metrics for up in ups]
 
     def probed(self, up: Upstream) -> None:

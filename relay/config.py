@@ -65,6 +65,23 @@ class DispatcherConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     heartbeat_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 15.0
 
 
+class BalanceConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    """`[balance]`: how a pool's members share its requests (docs/fleet.md). A pool is the
+    upstreams listing one model name; `policy.affinity` holds the rules."""
+
+    # Send a conversation to the member whose prompt cache holds its longest prefix; false:
+    # the least-loaded member, ties broken by rendezvous hashing of the conversation's start.
+    affinity: bool = True
+    # The bounded-load slack: a member takes a request only while it holds at most
+    # ceil((1 + epsilon) x the pool's mean load) requests.
+    epsilon: Annotated[float, Meta(ge=0.0, le=10.0)] = 0.25
+    # A waiting request is passed over for one whose conversation lives on the freed
+    # member for at most this long.
+    affinity_wait_s: Annotated[float, Meta(ge=0.0, le=60.0)] = 0.25
+    # The prefix table's bound (about 150 bytes an entry).
+    prefix_entries: Annotated[int, Meta(ge=1, le=10_000_000)] = 100_000
+
+
 class UpstreamConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     name: Annotated[str, Meta(min_length=1, max_length=64)]
     url: str
@@ -163,6 +180,7 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     key: list[KeyConfig] = msgspec.field(default_factory=list)
     store: StoreConfig = msgspec.field(default_factory=StoreConfig)
     budget: BudgetConfig = msgspec.field(default_factory=BudgetConfig)
+    balance: BalanceConfig = msgspec.field(default_factory=BalanceConfig)
     admin_key_sha256: Annotated[str, Meta(pattern="^[0-9a-fA-F]{64}$")] | None = None
     # [otel]: OpenTelemetry on (the environment can also say so)
     otel: OtelConfig | None = None

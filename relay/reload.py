@@ -38,6 +38,7 @@ from relay.policy.cors import Cors
 from relay.policy.keys import Auth
 from relay.policy.routing import Router
 from relay.proxy.body_memory import BodyBytes
+from relay.proxy.slots import Board
 from relay.proxy.upstreams import (
     Upstream,
     upstream_auth,
@@ -55,6 +56,7 @@ class Reloadable(Protocol):
 
     config: Config
     upstreams: dict[str, Upstream]
+    board: Board
     retired: list[Upstream]
     router: Router
     auth: Auth
@@ -231,6 +233,7 @@ def swap(app: Reloadable, plan: _Plan, rebuilt: dict[tuple[str, str], tuple[int,
     new, d, ups = plan.new, plan.new.dispatcher, plan.ups
     for up, cfg, up_auth, up_tls in plan.in_place:
         up.cfg, up.auth, up.static, up.tls = cfg, up_auth, fixed_headers(cfg.headers), up_tls
+        up.health.probing = d.health_interval_s > 0
         up.slots.resize(cfg.parallel, cfg.queue)
         up.metrics.parallel = cfg.parallel
         pool = up.pool
@@ -243,6 +246,11 @@ def swap(app: Reloadable, plan: _Plan, rebuilt: dict[tuple[str, str], tuple[int,
     app.config = new
     app.upstreams = ups
     app.router = plan.router
+    # The pools are looked up again; an upstream removed or replaced holds no prompt here.
+    app.board.configure(new.balance)
+    app.board.rebind()
+    for name in removed:
+        app.board.forget_member(name)
     app.auth = plan.auth
     app.cors = plan.cors
     app.policy = plan.policy

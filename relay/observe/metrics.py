@@ -230,6 +230,29 @@ class UpstreamMetrics:
         return out
 
 
+class PoolFigures:
+    """One pool's figures (docs/fleet.md): its members and the requests waiting in its queue,
+    the decisions that placed its requests by why and the answers that showed a prefix
+    expected cached was not (the slots' board sets these: the process holding the slots),
+    and the prompt tokens of its served requests with those the members reused from their
+    prompt caches (counted at settlement, summed over workers)."""
+
+    __slots__ = ("cached_tokens", "members", "misses", "prompt_tokens", "routed", "waiting")
+
+    def __init__(self) -> None:
+        self.members: tuple[str, ...] = ()
+        self.waiting = 0
+        self.routed: dict[str, int] = {}
+        self.misses = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+
+    @property
+    def hit_ratio(self) -> float | None:
+        """Cached / prompt tokens; None before any prompt was counted."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+
 class Registry:
     """All upstreams' metrics plus the relay-wide counters.
 
@@ -237,7 +260,8 @@ class Registry:
     (PostgreSQL) store has rows not yet committed (`rows_pending`) and rows waiting in the
     spill file (`rows_spilled`); a SQLite store leaves `rows_spilled` None, and neither is
     shown. `requests_rejected` counts the requests refused before any upstream, by status;
-    `keys` the use of each API key: key id -> [requests, prompt tokens, completion tokens]."""
+    `keys` the use of each API key: key id -> [requests, prompt tokens, completion tokens];
+    `pools` each pool's figures, by its name."""
 
     def __init__(self) -> None:
         self._upstreams: dict[str, UpstreamMetrics] = {}
@@ -246,6 +270,19 @@ class Registry:
         self.rows_spilled: int | None = None
         self.requests_rejected: dict[str, int] = {}
         self.keys: dict[str, list[int]] = {}
+        self.pools: dict[str, PoolFigures] = {}
+
+    def pool(self, name: str) -> PoolFigures:
+        figures = self.pools.get(name)
+        if figures is None:
+            figures = self.pools[name] = PoolFigures()
+        return figures
+
+    def pool_used(self, name: str, prompt_tokens: int, cached_tokens: int | None) -> None:
+        """A served request of pool `name`: its prompt, and what was reused of it."""
+        figures = self.pool(name)
+        figures.prompt_tokens += prompt_tokens
+        figures.cached_tokens += min(cached_tokens or 0, prompt_tokens)
 
     def key_used(
         self, key_id: str, prompt_tokens: int | None, completion_tokens: int | None
@@ -389,6 +426,33 @@ class _Exposition:
         )
         self.key_req = F("relay_key_requests_total", C, "Requests per API key.")
         self.key_tok = F("relay_key_tokens_total", C, "Tokens per API key, by kind.")
+        self.pool_member = F(
+            "relay_pool_member",
+            G,
+            "1 for each upstream of a pool (the upstreams serving one model).",
+        )
+        self.pool_waiting = F(
+            "relay_pool_queue_waiting", G, "Requests waiting in the pool's queue."
+        )
+        self.pool_prompt = F(
+            "relay_pool_prompt_tokens_total", C, "Prompt tokens of the pool's served requests."
+        )
+        self.pool_cached = F(
+            "relay_pool_cached_tokens_total",
+            C,
+            "Prompt tokens the pool's members reused from their prompt caches.",
+        )
+        self.pool_hits = F(
+            "relay_pool_cache_hit_ratio", G, "Cached / prompt tokens of the pool's served requests."
+        )
+        self.pool_routed = F(
+            "relay_pool_routed_total", C, "Requests placed on a member of the pool, by why."
+        )
+        self.pool_misses = F(
+            "relay_pool_cache_misses_total",
+            C,
+            "Answers showing a prefix expected in a member's cache was not there.",
+        )
         self.families = [
             *(self.up, self.upstream_state, self.parallel, self.in_flight, self.queued, self.tps),
             *(self.ttft, self.ttft_avg, self.requests, self.failed, self.other, self.tokens),
@@ -445,6 +509,22 @@ class _Exposition:
             self.key_req.add(n, key=key)
             self.key_tok.add(prompt, key=key, kind="prompt")
             self.key_tok.add(completion, key=key, kind="completion")
+        if r.pools:
+            # Shown once a pool has figures (a pool of several members has from the start).
+            self.families += (
+                *(self.pool_member, self.pool_waiting, self.pool_prompt, self.pool_cached),
+                *(self.pool_hits, self.pool_routed, self.pool_misses),
+            )
+        for name, p in sorted(r.pools.items()):
+            for member in p.members:
+                self.pool_member.add(1, pool=name, upstream=member)
+            self.pool_waiting.add(p.waiting, pool=name)
+            self.pool_prompt.add(p.prompt_tokens, pool=name)
+            self.pool_cached.add(p.cached_tokens, pool=name)
+            self.pool_hits.add(p.hit_ratio, pool=name)
+            for why, n in sorted(p.routed.items()):
+                self.pool_routed.add(n, pool=name, reason=why)
+            self.pool_misses.add(p.misses, pool=name)
         if self.pending is not None:
             self.pending.add(r.rows_pending)
         if self.spilled is not None:

@@ -94,7 +94,7 @@ def _pooled(
 
 
 def add_registry(into: Registry, part: Registry) -> None:
-    """Add one worker's relay-wide counters (refusals, per-key use) to `into`; its
+    """Add one worker's relay-wide counters (refusals, per-key use, pools' tokens) to `into`; its
     upstreams' figures are added by `absorb`, upstream by upstream."""
     for code, n in part.requests_rejected.items():
         into.requests_rejected[code] = into.requests_rejected.get(code, 0) + n
@@ -102,6 +102,12 @@ def add_registry(into: Registry, part: Registry) -> None:
         mine = into.keys.setdefault(key, [0] * len(counts))
         for i, n in enumerate(counts):
             mine[i] += n
+    # A pool's tokens are counted where its requests settle; its members, queue and
+    # decisions are the parent's, which holds the slots.
+    for name, figures in part.pools.items():
+        pool = into.pool(name)
+        pool.prompt_tokens += figures.prompt_tokens
+        pool.cached_tokens += figures.cached_tokens
 
 
 def merged(parts: list[Registry], upstreams: dict[str, int]) -> Registry:

@@ -42,6 +42,7 @@ class Record:
     stream: bool = False
     upstream_requested: str | None = None
     upstream_served: str | None = None
+    pool: str | None = None
     fallback_attempts: int = 0
     status: int | None = None
     ok: bool = False
@@ -52,6 +53,7 @@ class Record:
     ttft_ms: float | None = None
     total_ms: float | None = None
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None
     completion_tokens: int | None = None
     tokens_source: TokensSource | None = None
     bytes_out: int = 0

@@ -40,6 +40,9 @@ from collections.abc import Collection, Sequence
 
 import msgspec
 
+from relay.policy.prefix import fingerprint, first_key
+from relay.stream.dialect import Api
+
 DEFAULT_EPSILON = 0.25
 DEFAULT_MAX_ENTRIES = 100_000
 DEFAULT_WAIT_BOUND = 0.25
@@ -62,6 +65,51 @@ class Why(enum.StrEnum):
     OVERLOADED_FALLBACK = "overloaded_fallback"
     # No eligible member with a free slot holds any prefix of the request.
     NEW = "new"
+    # A waiting request took a freed slot of a member its conversation does not live on (or
+    # it has none): the oldest, or the one waiting past the bound.
+    WAITED = "waited"
+
+
+class Want(msgspec.Struct, frozen=True, gc=False):
+    """What a request asks of a pool: its fingerprint (`policy.prefix`) and the key a new
+    conversation is placed by; empty for a pool of one member, or a body of no known shape."""
+
+    fingerprint: tuple[int, ...] = ()
+    first_key: int | None = None
+
+
+NO_WANT = Want()
+
+
+def want_of(api: Api, body: bytes) -> Want:
+    """What a request body asks of a pool of several members: the fingerprint of what the
+    model reads (`policy.prefix`), read from the JSON body whole; NO_WANT for a body that is
+    no JSON (it goes where a new conversation goes)."""
+    try:
+        doc = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return NO_WANT
+    fp = fingerprint(api, doc)
+    return Want(fp, first_key(fp)) if fp else NO_WANT
+
+
+class Reuse(msgspec.Struct, frozen=True, gc=False):
+    """What a member's answer said of its prompt cache: the whole prompt and the part it
+    reused, each None when the answer did not say. Given only for an answer that served (the
+    member read the prompt)."""
+
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+class Learnt(enum.Enum):
+    """What a served answer taught the table."""
+
+    # The prefix expected was there, or nothing was expected, or the answer did not say.
+    HELD = enum.auto()
+    # The answer showed the expected prefix was not in the member's cache (it restarted,
+    # evicted it, or another conversation took its slot).
+    MISSED = enum.auto()
 
 
 class Member(msgspec.Struct, frozen=True, gc=False):
@@ -262,6 +310,29 @@ def prefix_was_there(
         return True
     expected = min(expected_units, fingerprint_units) / fingerprint_units
     return cached_tokens / prompt_tokens >= ratio * expected
+
+
+def learn(
+    table: PrefixTable, member: str, fingerprint: Sequence[int], expected_units: int, reuse: Reuse
+) -> Learnt:
+    """A served answer of `member` to a request with this fingerprint, expected to find
+    `expected_units` of it cached. An answer showing the prefix was not there forgets the
+    member for that prefix (`MISSED`, counted per pool: what an operator watches when members
+    restart or evict); the member then holds the whole prompt, which it just read, and is
+    recorded for every unit of it. What makes a lasting difference is a member found down or
+    gone: it is forgotten whole (`PrefixTable.forget_member`)."""
+    learnt = Learnt.HELD
+    prompt, cached = reuse.prompt_tokens, reuse.cached_tokens
+    if (
+        prompt is not None
+        and cached is not None
+        and not prefix_was_there(expected_units, len(fingerprint), cached, prompt)
+    ):
+        table.forget(member, fingerprint)
+        learnt = Learnt.MISSED
+    if fingerprint:
+        table.record(member, fingerprint)
+    return learnt
 
 
 def pick_waiting(

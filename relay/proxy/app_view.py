@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from relay.observe.otel import Telemetry
     from relay.proxy.body_memory import BodyBytes
     from relay.proxy.deadlines import Deadlines
+    from relay.proxy.slots import Balancer
     from relay.proxy.upstreams import Upstream
 
 
@@ -61,6 +62,8 @@ class AppView(Protocol):
     def upstreams(self) -> Mapping[str, Upstream]: ...
     @property
     def router(self) -> Router: ...
+    @property
+    def balancer(self) -> Balancer: ...
     @property
     def auth(self) -> Auth: ...
     @property

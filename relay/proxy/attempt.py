@@ -16,7 +16,9 @@ from relay.http.to_upstream import request_bytes, upstream_request_headers
 from relay.http.upstream_url import TargetError
 from relay.observe.record import Record
 from relay.observe.row_timings import round3
+from relay.policy.affinity import Want
 from relay.policy.model_map import served_name, with_model
+from relay.policy.routing import Pool
 from relay.proxy.app_view import AppView
 from relay.proxy.client import ClientConn
 from relay.proxy.exchange import (
@@ -48,29 +50,46 @@ def unavailable(up: Upstream, message: str, **details: str | int) -> Retry:
     return Retry(RelayError(Code.UPSTREAM_UNAVAILABLE, message, facts))
 
 
-async def take_slot(app: AppView, up: Upstream, rec: Record, ledger: Ledger) -> None:
-    """Wait for one of the upstream's slots (the queue wait goes in the row and metrics)."""
+class PoolBusy(Retry):
+    """No slot of the pool came free (or its queue is full): the next candidate may serve."""
+
+
+async def take_slot(
+    app: AppView, pool: Pool, want: Want, exclude: frozenset[str], rec: Record, ledger: Ledger
+) -> str:
+    """Wait for a slot of one of the pool's members but `exclude` (the queue wait goes in the
+    row and the metrics of the member given, or for a busy pool of its first member): the
+    member's name."""
     d = app.config.dispatcher
     q0 = time.perf_counter()
+    up = ledger.up
     try:
-        ledger.slot = await up.slots.acquire(d.pool_timeout_s, ledger.admission)
+        slot = ledger.slot = await app.balancer.acquire(
+            pool, want, d.pool_timeout_s, exclude, ledger.admission
+        )
     except SlotsClosed:
         # The relay began draining while this request queued.
         raise shutting_down() from None
     except Busy as exc:
         retry_after = max(1, int(d.pool_timeout_s + 0.999))
-        raise Retry(
+        many = len(pool.members) > 1
+        raise PoolBusy(
             RelayError(
                 Code.UPSTREAM_BUSY,
-                f"upstream {up.name} is busy: {exc}",
-                {"upstream": up.name},
+                f"{'every upstream of ' if many else 'upstream '}{pool.name} is busy: {exc}",
+                {"upstream": pool.name},
                 [(b"Retry-After", b"%d" % retry_after)],
             )
         ) from None
     finally:
         waited = time.perf_counter() - q0
         rec.queue_ms = round3(waited * 1000)
-        up.metrics.observe_queue_wait(waited)
+        granted = ledger.slot
+        if granted is not None:
+            up = app.upstreams.get(granted.member) or up
+        if up is not None:
+            up.metrics.observe_queue_wait(waited)
+    return slot.member
 
 
 def request_to(app: AppView, up: Upstream, req: Request, rid: bytes, ledger: Ledger) -> bytes:

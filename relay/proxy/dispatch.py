@@ -16,6 +16,7 @@ import itertools
 import os
 import re
 import time
+from collections.abc import Mapping
 
 import msgspec
 
@@ -25,16 +26,17 @@ from relay.http.fields import get as header
 from relay.http.request_path import bounded
 from relay.observe.record import Record, user_agent
 from relay.policy import admission as A
+from relay.policy.affinity import NO_WANT, Want, want_of
 from relay.policy.budget import BudgetExceeded, Reservation
 from relay.policy.outcome import Next, after_hold
-from relay.policy.routing import NoRoute
+from relay.policy.routing import NoRoute, Pool, Route
 from relay.proxy import endpoints, settle
 from relay.proxy.app_view import AppView
-from relay.proxy.attempt import Retry, open_exchange, take_slot, unavailable
+from relay.proxy.attempt import PoolBusy, Retry, open_exchange, take_slot, unavailable
 from relay.proxy.client import ClientConn
 from relay.proxy.client_writer import Drain
 from relay.proxy.exchange import Exchange, Hop
-from relay.proxy.health import DOWN
+from relay.proxy.health import DOWN, READY
 from relay.proxy.ledger import Ledger
 from relay.proxy.reply import Reply
 from relay.proxy.request import Request
@@ -222,14 +224,20 @@ class Dispatcher:
         large = len(req.body) > A.LARGE_BODY
         if large:
             await asyncio.sleep(0)
-        peek, candidates = self._routed(req, rec, ledger)
+        peek, route = self._routed(req, rec, ledger)
         if large:
             await asyncio.sleep(0)
         self._reserve(req, rec, ledger, peek)
+        route_want = NO_WANT
+        if ledger.generates and len(route.pool.members) > 1:
+            # Where in the pool the conversation is cached: what the model reads, hashed.
+            route_want = want_of(ledger.api, req.body)
+            if large:
+                await asyncio.sleep(0)
         res = ledger.reservation
         if res is not None and not res.empty:
             # On disk before any slot or upstream.
-            await self._admit(rec, ledger, res)
+            await self._admit(rec, ledger, res, route.pool, route_want)
         reply = ledger.reply = Reply(
             app.loop,
             client.out,
@@ -237,28 +245,107 @@ class Dispatcher:
             app.config.dispatcher.heartbeat_s if rec.stream else 0.0,
         )
         reply.start()
+        return await self._relay(client, req, rid, rec, ledger, upstreams, route, route_want, t0)
+
+    async def _relay(
+        self, client: ClientConn, req: Request, rid: bytes, rec: Record, ledger: Ledger,
+        upstreams: Mapping[str, Upstream], route: Route, route_want: Want, t0: float,
+    ) -> Relayed:  # fmt: skip
+        """Each candidate in turn, its pool's members each once, until one serves: a failure
+        before the first content event moves on (`Retry`), the last one's error is the
+        answer."""
         last: Retry | None = None
-        for i, name in enumerate(candidates):
-            up = upstreams[name]
-            more = i < len(candidates) - 1
-            rec.fallback_attempts = i
-            try:
-                return await self._attempt(client, req, rid, rec, ledger, up, more, t0)
-            except Retry as retry:
-                last = retry
-                reply.retry()
-                ledger.release_slot()
-                if more:
-                    self._fell_back(rec, ledger, up, candidates[i + 1], retry.err)
-                    # (The last candidate's exchange is settlement's, its stall included.)
-                    ledger.exchange = None
+        candidates = route.candidates
+        attempts = 0
+        for c, pool in enumerate(candidates):
+            later = candidates[c + 1] if c < len(candidates) - 1 else None
+            want = route_want if c == 0 else NO_WANT
+            tried: set[str] = set()
+            while True:
+                ready, down = self._eligible(upstreams, pool, tried)
+                if not ready:
+                    if down is not None and not tried:
+                        # Probed often while down: the pool's turn passes at once.
+                        last = self._down(rec, ledger, down, pool, later)
+                    break
+                more = later is not None or len(ready) > 1
+                rec.fallback_attempts = attempts
+                attempts += 1
+                exclude = frozenset(m for m in pool.members if m not in ready)
+                try:
+                    return await self._attempt(
+                        client, req, rid, rec, ledger, upstreams, pool, want, exclude, more, t0
+                    )
+                except Retry as retry:
+                    last = retry
+                    if not self._retried(rec, ledger, retry, pool, len(ready) > 1, later, tried):
+                        break
         # Every candidate failed: the last one's error is the answer.
         assert last is not None
         raise last.err
 
-    def _routed(self, req: Request, rec: Record, ledger: Ledger) -> tuple[A.Peek, list[str]]:
-        """What the body says (model, stream, limits) and the candidates it is routed to: the
-        checks before any slot or upstream (400, 404)."""
+    def _retried(
+        self, rec: Record, ledger: Ledger, retry: Retry, pool: Pool, others: bool,
+        later: Pool | None, tried: set[str],
+    ) -> bool:  # fmt: skip
+        """An attempt failed before content: its slot back, its member tried; whether another
+        member of the pool is next (`others` left and the pool was not busy), and the log of
+        what comes next, if anything."""
+        reply = ledger.reply
+        assert reply is not None
+        reply.retry()
+        ledger.release_slot()
+        up = ledger.up
+        assert up is not None
+        tried.add(up.name)
+        # A busy pool has no other member to try; a member that failed does.
+        again = others and not isinstance(retry, PoolBusy)
+        nxt = pool if again else later
+        if nxt is not None:
+            self._fell_back(rec, ledger, up, nxt.name, retry.err)
+            # (The last candidate's exchange is settlement's, its stall included.)
+            ledger.exchange = None
+        return again
+
+    def _eligible(
+        self, upstreams: Mapping[str, Upstream], pool: Pool, tried: set[str]
+    ) -> tuple[list[str], Upstream | None]:
+        """The members of `pool` a request may try now (not tried yet; a member down or
+        loading is passed by while another is ready, since probes watch it), and the first
+        down member, when that is why none is left."""
+        probing = self.app.config.dispatcher.health_interval_s > 0
+        ready: list[str] = []
+        loading: list[str] = []
+        down: Upstream | None = None
+        for name in pool.members:
+            up = upstreams.get(name)
+            if up is None or name in tried:
+                continue
+            probe = up.health.probe
+            if probe is READY or not probing:
+                ready.append(name)
+            elif probe is DOWN:
+                down = down or up
+            else:
+                loading.append(name)
+        # A loading member answers for itself (503) when it is all there is.
+        return ready or loading, down
+
+    def _down(
+        self, rec: Record, ledger: Ledger, up: Upstream, pool: Pool, later: Pool | None
+    ) -> Retry:
+        """A pool whose members are all down: its turn passes (the next candidate's, or the
+        answer)."""
+        err = up.health.last_error
+        retry = unavailable(up, f"upstream {pool.name} is down: {err}", error=err)
+        ledger.up = up
+        if later is not None:
+            self._fell_back(rec, ledger, up, later.name, retry.err)
+        return retry
+
+    def _routed(self, req: Request, rec: Record, ledger: Ledger) -> tuple[A.Peek, Route]:
+        """What the body says (model, stream, limits) and where it is routed: the checks
+        before any slot or upstream (400, 404)."""
         path = req.path
         peek = A.peek_body(req.method, req.headers, req.body, A.json_route(path))
         rec.model, rec.stream = bounded(peek.model, A.MAX_ECHO), bool(peek.stream)
@@ -267,15 +354,17 @@ class Dispatcher:
         if ledger.trace is not None:
             ledger.trace.max_tokens = A.completion_limit(peek, path)
         try:
-            candidates = self.app.router.candidates(peek.model)
+            route = self.app.router.candidates(peek.model)
         except NoRoute:
             raise RelayError(
                 Code.MODEL_NOT_FOUND,
                 f"no upstream serves model {rec.model!r}",
                 {"model": rec.model},
             ) from None
-        rec.upstream_requested = candidates[0]
-        return peek, candidates
+        # The pool's first member until one is chosen.
+        rec.upstream_requested = route.pool.members[0]
+        rec.pool = route.pool.name
+        return peek, route
 
     def _reserve(self, req: Request, rec: Record, ledger: Ledger, peek: A.Peek) -> None:
         """The request's estimates and its key's reservation (400 for uncountable prompts,
@@ -334,19 +423,25 @@ class Dispatcher:
 
     async def _attempt(
         self, client: ClientConn, req: Request, rid: bytes, rec: Record, ledger: Ledger,
-        up: Upstream, more: bool, t0: float,
+        upstreams: Mapping[str, Upstream], pool: Pool, want: Want, exclude: frozenset[str],
+        more: bool, t0: float,
     ) -> Relayed:  # fmt: skip
-        """keep-alive once the exchange ended, or the exchange whose body streams on."""
+        """keep-alive once the exchange ended, or the exchange whose body streams on: on the
+        member of `pool` (but `exclude`) that gives it a slot, or for a request that takes
+        none, the first."""
         app = self.app
-        d = app.config.dispatcher
-        # Kept: a config reload may remove it from app.upstreams meanwhile.
-        ledger.up = up
-        if up.health.probe == DOWN and d.health_interval_s > 0:
-            # Probed often while down.
-            err = up.health.last_error
-            raise unavailable(up, f"upstream {up.name} is down: {err}", error=err)
+        rec.pool = pool.name
+        # Kept: a config reload may remove it from app.upstreams meanwhile. Until a slot is
+        # given, the first member stands for the pool (a busy pool's figures are its).
+        up = ledger.up = upstreams[next(m for m in pool.members if m not in exclude)]
         if ledger.generates:
-            await take_slot(app, up, rec, ledger)
+            up = ledger.up = upstreams[await take_slot(app, pool, want, exclude, rec, ledger)]
+            if not up.health.usable():
+                # It went down while the request waited.
+                err = up.health.last_error
+                raise unavailable(up, f"upstream {up.name} is down: {err}", error=err)
+        if rec.fallback_attempts == 0:
+            rec.upstream_requested = up.name
         metrics = up.metrics
         hop = Hop(
             up.name,
@@ -435,13 +530,18 @@ class Dispatcher:
         )
         raise Retry(err) if then is Next.RETRY else err
 
-    async def _admit(self, rec: Record, ledger: Ledger, res: Reservation) -> None:
+    async def _admit(
+        self, rec: Record, ledger: Ledger, res: Reservation, pool: Pool, want: Want
+    ) -> None:
         """A key with limits: its admission is on disk before the upstream is contacted (a
         crash then cannot give the key back what it spent; `store.admissions`). With a
         shared store it is the reservation itself, taken in the database (429 when the key
         is spent across all relays; `store.postgres`)."""
         store = self.app.store
         ledger.admission = admission_id = store.next_admission_id()
+        if ledger.generates:
+            # A worker asks for the slot with the admission (relay.workers.ahead).
+            self.app.balancer.ahead(admission_id, pool, want)
         reserved = res.tokens
         prompt = min(ledger.prompt_est, reserved)
         try:

@@ -26,6 +26,16 @@ class Health:
         # request got an answer from it while it was down.
         self.on_down: Callable[[], object] | None = None
         self.on_up: Callable[[], object] | None = None
+        # Whether probes run (`health_interval_s` > 0): only then is a down upstream passed
+        # by, since only a probe would see it come back.
+        self.probing = False
+        # Called after each change of `probe` (the slots hand a member's free slots on when
+        # it is back, the pool's table forgets a member that went down).
+        self.on_change: Callable[[], object] | None = None
+
+    def usable(self) -> bool:
+        """Whether requests may go to it now: not while probes know it is down."""
+        return self.probe != DOWN or not self.probing
 
     def probe_delay(self, interval_s: float, down_interval_s: float) -> float:
         """Seconds until the next probe: sooner while down, to see it come back."""
@@ -38,6 +48,7 @@ class Health:
 
     def probed(self, status: int | None, error: str = "") -> None:
         """One probe result: a status line, or None when no answer came."""
+        was = self.probe
         if status is None:
             self.probe, self.last_error = DOWN, error
         elif status == 503:
@@ -45,15 +56,22 @@ class Health:
         else:
             # Any answer means the server is there (a server without /health gives 404).
             self.probe, self.last_error = READY, ""
+        if self.probe != was and self.on_change is not None:
+            self.on_change()
 
     def connect_failed(self, error: str) -> None:
         was, self.probe, self.last_error = self.probe, DOWN, error
-        if was != DOWN and self.on_down is not None:
-            self.on_down()
+        if was != DOWN:
+            if self.on_change is not None:
+                self.on_change()
+            if self.on_down is not None:
+                self.on_down()
 
     def answered(self) -> None:
         if self.probe == DOWN:
             self.probe, self.last_error = READY, ""
+            if self.on_change is not None:
+                self.on_change()
             if self.on_up is not None:
                 self.on_up()
 

@@ -31,6 +31,7 @@ from relay.stream.dialect import Api
 
 if TYPE_CHECKING:
     from relay.observe.otel import Trace
+    from relay.policy.affinity import Reuse
     from relay.policy.budget import Reservation
     from relay.proxy.exchange import Exchange
     from relay.proxy.reply import Reply
@@ -95,8 +96,9 @@ class Ledger:
         """Content reached the client: nothing is swapped any more."""
         return self.reply is not None and self.reply.open
 
-    def release_slot(self) -> None:
-        """Give the slot back (between candidates, and at settlement): at most once."""
+    def release_slot(self, reuse: Reuse | None = None) -> None:
+        """Give the slot back (between candidates, and at settlement): at most once; `reuse`,
+        what the member's answer said of its prompt cache when it served."""
         slot, self.slot = self.slot, None
         if slot is not None:
-            slot.release()
+            slot.release(reuse)

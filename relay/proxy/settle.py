@@ -19,6 +19,7 @@ from relay.http.request_path import bounded, route_path
 from relay.observe import row_timings as timing
 from relay.observe.record import RESERVED, Record, user_agent
 from relay.observe.ui_state import Trended
+from relay.policy.affinity import Reuse
 from relay.policy.outcome import decide
 from relay.proxy import telemetry
 from relay.proxy.app_view import AppView
@@ -48,9 +49,9 @@ def settle(app: AppView, out: ClientWriter, rec: Record, ledger: Ledger, t0: flo
     """Release the slot, settle the budget, write the row and the access line: once. `out`:
     the client connection's writer (whether the client is gone, what the response's body
     took on the wire, when its first byte went out)."""
-    ledger.release_slot()
     ex = ledger.exchange
     summary = ex.summary if ex is not None else None
+    ledger.release_slot(reuse_of(summary))
     verdict = decide(
         summary, ledger.content_out, ledger.answered, ledger.cut, ledger.drained, ledger.bug
     )
@@ -90,6 +91,8 @@ def settle(app: AppView, out: ClientWriter, rec: Record, ledger: Ledger, t0: flo
     trend = _metrics(app, rec, ledger, summary)
     if rec.key_id is not None:
         app.registry.key_used(rec.key_id, rec.prompt_tokens, rec.completion_tokens)
+    if rec.pool is not None and rec.prompt_tokens is not None and rec.upstream_served:
+        app.registry.pool_used(rec.pool, rec.prompt_tokens, rec.cached_tokens)
     if app.otel is not None:
         # OpenTelemetry on: the span ends, the metric points are recorded (once).
         telemetry.settled(app.otel, rec, ledger, summary, out.first_at)
@@ -119,6 +122,20 @@ def _metrics(app: AppView, rec: Record, ledger: Ledger, summary: ExchangeSummary
     if summary is not None and summary.stall is not None:
         m.stall(summary.stall.reason)
     return GENERATING if ledger.generates else OTHER
+
+
+def reuse_of(summary: ExchangeSummary | None) -> Reuse | None:
+    """What an exchange's answer said of its member's prompt cache, when it served (a 2xx
+    with content or figures: the member read the prompt); None when it did not."""
+    if summary is None or not 200 <= summary.status < 300:
+        return None
+    usage = summary.usage
+    if usage is None or usage.refused:
+        return _SERVED if summary.first_content_at is not None else None
+    return Reuse(usage.prompt_tokens, usage.cached_tokens)
+
+
+_SERVED = Reuse()
 
 
 def charge(rec: Record) -> tuple[int, int]:

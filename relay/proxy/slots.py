@@ -1,16 +1,45 @@
-"""Slot accounting for one upstream: `parallel` slots, a bounded FIFO queue of waiters.
+"""Slots: `parallel` per upstream, and the queues of the pools that share them.
 
-A slot is held from admission until the client has drained the response or gone. `Slot`
-releases exactly once however many exit paths call `release()`; a freed slot passes straight
-to the oldest waiter, so order is first come, first served.
+An upstream's `SlotPool` counts the requests it holds (`in_flight`, at most `parallel`). A
+request asks the relay's `Board` for a slot of one of its pool's members (`policy.routing`:
+the upstreams listing its model, one or more). It takes a free one at once, the member chosen
+by `policy.affinity.choose` when more than one has room, or it waits in its pool's queue,
+bounded by the members' `queue` summed. A slot is held until the client has drained the
+response or gone; `Slot.release` gives it back exactly once however many exit paths call it,
+and a freed slot passes straight to a waiting request (`policy.affinity.pick_waiting`: the
+oldest whose conversation lives on that member, unless the oldest overall has waited
+`affinity_wait_s`), so a pool of one upstream is served first come, first served.
+
+A served answer's figures (`Reuse`) teach the board's prefix table where each conversation's
+prompt is cached (`policy.affinity.learn`); a member found down is forgotten whole. A member
+that is down hands no freed slot to a waiting request: its slots wait for it to come back
+(`kick`), or for the request's other members.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
+from relay.config import BalanceConfig
+from relay.observe.metrics import Registry
+from relay.policy.affinity import (
+    NO_WANT,
+    Learnt,
+    Member,
+    PrefixTable,
+    Reuse,
+    Waiting,
+    Want,
+    Why,
+    choose,
+    learn,
+    pick_waiting,
+)
+from relay.policy.routing import Pool
 from relay.store.admissions import AdmissionId
 
 
@@ -27,15 +56,19 @@ class SlotsClosed(Exception):
 
 
 class SlotLease(Protocol):
-    """One slot held by a request: `release` gives it back, at most once however often it is
-    called."""
+    """One slot held by a request: on `member`; `release` gives it back, at most once however
+    often it is called, with what the member's answer said of its prompt cache when it
+    served."""
 
-    def release(self) -> None: ...
+    @property
+    def member(self) -> str: ...
+
+    def release(self, reuse: Reuse | None = None) -> None: ...
 
 
 class Slots(Protocol):
-    """An upstream's slots as the proxy takes them: the process's own `SlotPool`, or in a
-    worker process the parent's, through the worker's link (relay.workers)."""
+    """An upstream's slots as its gauges and a reload see them: the process's own
+    `SlotPool`, or in a worker process its share of the parent's (relay.workers)."""
 
     @property
     def in_flight(self) -> int: ...
@@ -47,94 +80,422 @@ class Slots(Protocol):
 
     def resize(self, parallel: int, queue: int) -> None: ...
 
-    async def acquire(self, timeout: float, admission: AdmissionId | None = None) -> SlotLease: ...
+
+class Balancer(Protocol):
+    """Where the proxy takes its slots: the process's own `Board`, or in a worker process
+    the parent's, through the worker's link (relay.workers)."""
+
+    async def acquire(
+        self,
+        pool: Pool,
+        want: Want,
+        timeout: float,
+        exclude: frozenset[str] = frozenset(),
+        admission: AdmissionId | None = None,
+    ) -> SlotLease:
+        """A slot of one of `pool`'s members but `exclude` within `timeout` (Busy,
+        SlotsClosed). `admission`: the request's admission record, by which a worker finds
+        the slot asked for with it."""
+        ...
+
+    def ahead(self, admission: AdmissionId, pool: Pool, want: Want) -> None:
+        """The slot a keyed request will ask for once admitted (a worker asks for both in one
+        message); nothing to do in one process."""
+        ...
+
+
+class Usable(Protocol):
+    """What the slots read of an upstream's health: whether a freed slot may go to a waiting
+    request."""
+
+    def usable(self) -> bool: ...
 
 
 class Slot:
-    __slots__ = ("pool", "released")
+    __slots__ = ("board", "fingerprint", "released", "slots", "units")
 
-    def __init__(self, pool: SlotPool) -> None:
-        self.pool = pool
+    def __init__(
+        self, slots: SlotPool, board: Board | None = None, fingerprint: tuple[int, ...] = (),
+        units: int = 0,
+    ) -> None:  # fmt: skip
+        self.slots = slots
+        self.board = board
+        self.fingerprint = fingerprint
+        # The prefix units the member was believed to hold when it was chosen.
+        self.units = units
         self.released = False
 
-    def release(self) -> None:
+    @property
+    def member(self) -> str:
+        return self.slots.name
+
+    def release(self, reuse: Reuse | None = None) -> None:
         if not self.released:
             self.released = True
-            self.pool._free()
+            if reuse is not None and self.board is not None:
+                self.board.learnt(self, reuse)
+            self.slots._free()
+
+
+class _Waiter:
+    """A request in a pool's queue. `counted`: the member whose `queued` counts it (the one
+    its conversation lives on, or its only member)."""
+
+    __slots__ = ("at", "counted", "exclude", "fut", "gone", "preferred", "queue")
+
+    def __init__(
+        self, queue: _Queue, fut: asyncio.Future[SlotPool], exclude: frozenset[str],
+        preferred: SlotPool | None, counted: SlotPool | None, at: float,
+    ) -> None:  # fmt: skip
+        self.queue = queue
+        self.fut = fut
+        self.exclude = exclude
+        self.preferred = preferred
+        self.counted = counted
+        self.at = at
+        self.gone = False
+
+
+class _Queue:
+    """One pool's waiting requests: in arrival order, and by the member each prefers. Entries
+    that left are skipped where they are met (and dropped whole when none is left)."""
+
+    __slots__ = ("live", "members", "name", "order", "preferring")
+
+    def __init__(self, name: str, members: tuple[SlotPool, ...]) -> None:
+        self.name = name
+        self.members = members
+        self.order: deque[_Waiter] = deque()
+        self.preferring: dict[str, deque[_Waiter]] = {}
+        self.live = 0
+
+    @property
+    def bound(self) -> int:
+        return sum(m.queue for m in self.members)
+
+    def add(self, w: _Waiter) -> None:
+        self.order.append(w)
+        if w.preferred is not None:
+            self.preferring.setdefault(w.preferred.name, deque()).append(w)
+        if w.counted is not None:
+            w.counted.waiting += 1
+        self.live += 1
+
+    def leave(self, w: _Waiter) -> None:
+        if w.gone:
+            return
+        w.gone = True
+        if w.counted is not None:
+            w.counted.waiting -= 1
+        self.live -= 1
+        if not self.live:
+            self.order.clear()
+            self.preferring.clear()
+
+    def oldest_for(self, member: SlotPool) -> _Waiter | None:
+        order = self.order
+        while order and order[0].gone:
+            order.popleft()
+        for w in order:
+            if not w.gone and member.name not in w.exclude:
+                return w
+        return None
+
+    def preferring_head(self, member: SlotPool) -> _Waiter | None:
+        waiting = self.preferring.get(member.name)
+        while waiting and waiting[0].gone:
+            waiting.popleft()
+        return waiting[0] if waiting else None
+
+    def fail_all(self, exc: BaseException) -> None:
+        for w in list(self.order):
+            if not w.gone:
+                self.leave(w)
+                if not w.fut.done():
+                    w.fut.set_exception(exc)
 
 
 class SlotPool:
-    def __init__(self, parallel: int, queue: int) -> None:
+    """One upstream's slots: `parallel` of them, `queue` requests waiting at most (summed
+    over a pool's members), and the queues of the pools it serves."""
+
+    def __init__(
+        self, parallel: int, queue: int, name: str = "", health: Usable | None = None
+    ) -> None:
+        self.name = name
         self.parallel = parallel
         self.queue = queue
         self.in_flight = 0
-        self.waiters: deque[asyncio.Future[None]] = deque()
         self.closed = False
+        self.health = health
+        # The waiting requests its `queued` counts.
+        self.waiting = 0
+        # The queues of the pools it is a member of (a freed slot looks in each).
+        self.queues: list[_Queue] = []
+        self.board: Board | None = None
+        self._alone: _Queue | None = None
+
+    @property
+    def queued(self) -> int:
+        return self.waiting
+
+    def usable(self) -> bool:
+        return self.health is None or self.health.usable()
 
     def close(self) -> None:
-        """No slot from now on: every waiter is told at once (the relay is draining)."""
+        """No slot from now on: every waiter of its pools is told at once (the relay is
+        draining)."""
         self.closed = True
-        waiters, self.waiters = self.waiters, deque()
-        for fut in waiters:
-            if not fut.done():
-                fut.set_exception(SlotsClosed())
+        for q in self.queues:
+            q.fail_all(SlotsClosed())
 
     def resize(self, parallel: int, queue: int) -> None:
         """New bounds (a config reload): waiters take slots that the new bound frees; held
         slots above a lower bound are simply not handed on when released."""
         self.parallel, self.queue = parallel, queue
-        while self.waiters and self.in_flight < self.parallel:
-            fut = self.waiters.popleft()
-            if not fut.done():
-                self.in_flight += 1
-                fut.set_result(None)
+        self.kick()
 
-    @property
-    def queued(self) -> int:
-        return len(self.waiters)
-
-    async def acquire(self, timeout: float, admission: AdmissionId | None = None) -> Slot:
-        """A slot within `timeout` (Busy, SlotsClosed). `admission`: the request's admission
-        record, by which a worker process finds the slot asked for with it (relay.workers)."""
-        if self.closed:
-            raise SlotsClosed()
-        if self.in_flight < self.parallel and not self.waiters:
+    def kick(self) -> None:
+        """Free slots go to waiting requests (a new bound, a member back up)."""
+        while self.in_flight < self.parallel and self.usable():
+            w = _next_waiter(self)
+            if w is None:
+                return
             self.in_flight += 1
-            return Slot(self)
-        if len(self.waiters) >= self.queue or timeout <= 0:
-            raise Busy("queue full" if self.queue else "no free slot")
-        fut = asyncio.get_running_loop().create_future()
-        self.waiters.append(fut)
-        try:
-            await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except TimeoutError:
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                # Granted just as the wait ran out.
-                return Slot(self)
-            fut.cancel()
-            self._forget(fut)
-            raise Busy(f"no slot free within {timeout}s") from None
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                # Granted, but the caller is gone: it is passed on.
-                self._free()
-            else:
-                fut.cancel()
-                self._forget(fut)
-            raise
-        return Slot(self)
-
-    def _forget(self, fut: asyncio.Future[None]) -> None:
-        try:
-            self.waiters.remove(fut)
-        except ValueError:
-            pass
+            w.fut.set_result(self)
 
     def _free(self) -> None:
-        while self.waiters and self.in_flight <= self.parallel:
-            fut = self.waiters.popleft()
-            if not fut.done():
+        if self.in_flight <= self.parallel and self.usable():
+            w = _next_waiter(self)
+            if w is not None:
                 # The slot moves on: in_flight is unchanged.
-                fut.set_result(None)
+                w.fut.set_result(self)
                 return
         self.in_flight -= 1
+
+    async def acquire(self, timeout: float, admission: AdmissionId | None = None) -> Slot:
+        """A slot of this upstream alone, within `timeout` (Busy, SlotsClosed): its own pool
+        of one, as a `Board` gives it."""
+        if self._alone is None:
+            self._alone = _Queue(self.name, (self,))
+            self.queues.append(self._alone)
+        return await _take(self.board, self._alone, NO_WANT, timeout, frozenset())
+
+
+def _next_waiter(member: SlotPool) -> _Waiter | None:
+    """The waiting request a free slot of `member` goes to (it leaves its queue), or None:
+    the oldest of every queue the member serves, and the oldest of each whose conversation
+    lives on the member, judged by `pick_waiting`."""
+    heads: list[_Waiter] = []
+    for q in member.queues:
+        if not q.live:
+            continue
+        oldest = q.oldest_for(member)
+        if oldest is not None:
+            heads.append(oldest)
+        preferring = q.preferring_head(member)
+        if preferring is not None and preferring is not oldest:
+            heads.append(preferring)
+    if not heads:
+        return None
+    if len(heads) > 1:
+        heads.sort(key=_arrival)
+    board = member.board
+    bound = board.wait_bound if board is not None else 0.0
+    name = member.name
+    views = [Waiting(w.at, name if w.preferred is member else None) for w in heads]
+    i = pick_waiting(views, name, time.monotonic(), bound)
+    w = heads[i or 0]
+    w.queue.leave(w)
+    if board is not None:
+        board.handed(w, member)
+    return w
+
+
+def _arrival(w: _Waiter) -> float:
+    return w.at
+
+
+class Board:
+    """The relay's slots: each upstream's `SlotPool` (by name, as `members` gives them), each
+    pool's queue, and the prefix table that keeps a conversation on the member caching it.
+    In a relay with workers, the parent's (relay.workers)."""
+
+    def __init__(
+        self,
+        balance: BalanceConfig | None = None,
+        members: Callable[[str], SlotPool | None] | None = None,
+    ) -> None:
+        balance = balance or BalanceConfig()
+        self.table = PrefixTable(balance.prefix_entries)
+        self.configure(balance)
+        self.members = members or (lambda _name: None)
+        self._queues: dict[tuple[str, tuple[int, ...]], _Queue] = {}
+        # Each pool's queue, as requests name it (cleared by a reload: `rebind`).
+        self._by_pool: dict[Pool, _Queue] = {}
+        # Per pool: decisions by why, answers that missed the prefix expected.
+        self.routed: dict[str, dict[Why, int]] = {}
+        self.missed: dict[str, int] = {}
+
+    def configure(self, balance: BalanceConfig) -> None:
+        """The `[balance]` settings (at start and at a reload); the table keeps what it knows."""
+        self.affinity = balance.affinity
+        self.epsilon = balance.epsilon
+        self.wait_bound = balance.affinity_wait_s
+        self.table.max_entries = balance.prefix_entries
+
+    def adopt(self, slots: SlotPool) -> None:
+        """An upstream's slots (at start, and each added by a reload) learn from this board."""
+        slots.board = self
+
+    def forget_member(self, name: str) -> None:
+        """An upstream went down, or a reload removed it: it holds no prompt any more."""
+        self.table.forget_member(name)
+
+    def queue(self, name: str, members: tuple[SlotPool, ...]) -> _Queue:
+        """The queue of the pool `name` made of these members (the same objects: an upstream
+        a reload replaced makes a new pool)."""
+        key = (name, tuple(id(m) for m in members))
+        q = self._queues.get(key)
+        if q is None:
+            q = self._queues[key] = _Queue(name, members)
+            for m in members:
+                m.queues.append(q)
+        return q
+
+    def rebind(self) -> None:
+        """The upstreams changed (a reload): pools are looked up again, and queues of members
+        no longer current are dropped once no request waits in them."""
+        self._by_pool.clear()
+        for key, q in list(self._queues.items()):
+            if q.live or all(self.members(m.name) is m for m in q.members):
+                continue
+            del self._queues[key]
+            for m in q.members:
+                if q in m.queues:
+                    m.queues.remove(q)
+
+    async def acquire(
+        self,
+        pool: Pool,
+        want: Want,
+        timeout: float,
+        exclude: frozenset[str] = frozenset(),
+        admission: AdmissionId | None = None,
+    ) -> Slot:
+        q = self._by_pool.get(pool)
+        if q is None:
+            members = []
+            for name in pool.members:
+                m = self.members(name)
+                if m is None:
+                    raise Busy(f"upstream {name} is gone (a reload removed it)")
+                members.append(m)
+            q = self._by_pool[pool] = self.queue(pool.name, tuple(members))
+        return await _take(self, q, want, timeout, exclude)
+
+    def ahead(self, admission: AdmissionId, pool: Pool, want: Want) -> None:
+        pass
+
+    def chosen(self, q: _Queue, eligible: list[SlotPool], want: Want) -> tuple[SlotPool, int]:
+        """The member with room a request takes at once (`policy.affinity.choose`), and the
+        prefix units it is believed to hold."""
+        fp = want.fingerprint if self.affinity else ()
+        view = [Member(m.name, m.in_flight, m.parallel - m.in_flight) for m in eligible]
+        names = {m.name for m in eligible}
+        choice = choose(self.table, view, names, fp, want.first_key or 0, self.epsilon)
+        assert choice is not None
+        counts = self.routed.setdefault(q.name, {})
+        counts[choice.why] = counts.get(choice.why, 0) + 1
+        member = next(m for m in eligible if m.name == choice.member)
+        return member, choice.reused_units
+
+    def preferred(self, eligible: list[SlotPool], want: Want) -> SlotPool | None:
+        """The member a waiting request's conversation lives on, if any."""
+        if not self.affinity or not want.fingerprint:
+            return None
+        found = self.table.longest_holder(want.fingerprint, [m.name for m in eligible])
+        if found is None:
+            return None
+        return next(m for m in eligible if m.name == found[0])
+
+    def units_on(self, member: SlotPool, fingerprint: tuple[int, ...]) -> int:
+        if not fingerprint:
+            return 0
+        found = self.table.longest_holder(fingerprint, (member.name,))
+        return found[1] if found is not None else 0
+
+    def handed(self, w: _Waiter, member: SlotPool) -> None:
+        """A waiting request takes a freed slot of `member`: counted as its pool's decision."""
+        if len(w.queue.members) > 1:
+            why = Why.AFFINITY if w.preferred is member else Why.WAITED
+            counts = self.routed.setdefault(w.queue.name, {})
+            counts[why] = counts.get(why, 0) + 1
+
+    def figures(self, registry: Registry, pools: list[Pool]) -> None:
+        """The pools' live figures into `registry` (for the relay's own views): members, the
+        requests waiting, the decisions and the misses."""
+        waiting: dict[str, int] = {}
+        for q in self._queues.values():
+            waiting[q.name] = waiting.get(q.name, 0) + q.live
+        for pool in pools:
+            figures = registry.pool(pool.name)
+            figures.members = pool.members
+            figures.waiting = waiting.get(pool.name, 0)
+            figures.routed = {str(why): n for why, n in self.routed.get(pool.name, {}).items()}
+            figures.misses = self.missed.get(pool.name, 0)
+
+    def learnt(self, slot: Slot, reuse: Reuse) -> None:
+        """A served answer: what it says of the member's prompt cache (`policy.affinity`)."""
+        if not self.affinity:
+            return
+        slot_pool = slot.slots
+        if learn(self.table, slot_pool.name, slot.fingerprint, slot.units, reuse) is Learnt.MISSED:
+            for q in slot_pool.queues:
+                self.missed[q.name] = self.missed.get(q.name, 0) + 1
+                break
+
+
+async def _take(
+    board: Board | None, q: _Queue, want: Want, timeout: float, exclude: frozenset[str]
+) -> Slot:
+    """A slot of one of `q`'s members but `exclude`: a free one at once, else a wait in `q`."""
+    eligible = [m for m in q.members if m.name not in exclude]
+    if any(m.closed for m in eligible):
+        raise SlotsClosed()
+    free = [m for m in eligible if m.in_flight < m.parallel]
+    if free:
+        if len(eligible) == 1 or board is None:
+            member, units = free[0], 0
+        else:
+            member, units = board.chosen(q, eligible, want)
+        member.in_flight += 1
+        return Slot(member, board, want.fingerprint, units)
+    bound = q.bound
+    if q.live >= bound or timeout <= 0 or not eligible:
+        raise Busy("queue full" if bound else "no free slot")
+    preferred = board.preferred(eligible, want) if board is not None else None
+    counted = preferred or (eligible[0] if len(eligible) == 1 else None)
+    fut: asyncio.Future[SlotPool] = asyncio.get_running_loop().create_future()
+    w = _Waiter(q, fut, exclude, preferred, counted, time.monotonic())
+    q.add(w)
+    try:
+        member = await asyncio.wait_for(asyncio.shield(fut), timeout)
+    except TimeoutError:
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
+            # Granted just as the wait ran out.
+            member = fut.result()
+        else:
+            fut.cancel()
+            q.leave(w)
+            raise Busy(f"no slot free within {timeout}s") from None
+    except asyncio.CancelledError:
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
+            # Granted, but the caller is gone: it is passed on.
+            fut.result()._free()
+        else:
+            fut.cancel()
+            q.leave(w)
+        raise
+    units = board.units_on(member, want.fingerprint) if board is not None else 0
+    return Slot(member, board, want.fingerprint, units)

@@ -88,8 +88,8 @@ class Upstream:
             connect_timeout_s,
             self.tls,
         )
-        self.slots: Slots = SlotPool(cfg.parallel, cfg.queue)
         self.health = Health()
+        self.slots: Slots = SlotPool(cfg.parallel, cfg.queue, cfg.name, self.health)
         self.metrics = UpstreamMetrics(cfg.name, cfg.parallel)
         self.auth = upstream_auth(cfg)
         # Sent with every request.

@@ -185,6 +185,8 @@ class Usage(msgspec.Struct, frozen=True):
     predicted_per_second: float | None = None
     # The figures that were no plausible count: then no token figure is given.
     refused: tuple[Refused, ...] = ()
+    # The prompt tokens the upstream reused from its prompt cache, when it said.
+    cached_tokens: int | None = None
 
     def _replace_tokens(self, other: Usage) -> Usage:
         """These figures, a token count missing here taken from `other`; none when either

@@ -22,8 +22,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from relay.observe.record import Record
-from relay.observe.ui_state import generating
+from relay.policy.affinity import Want
+from relay.policy.routing import Pool
 from relay.store.admissions import AdmissionId
 from relay.workers.wire import Answers, SlotAnswer, SlotAsk
 
@@ -36,34 +36,42 @@ class _Asked:
 
 
 class Asked:
-    """A worker's slots asked for with admissions, by admission id."""
+    """A worker's slots asked for with admissions, by admission id: the pool a request will
+    ask of (`plan`, before its admission), then the slot asked (`ask`, with it)."""
 
-    __slots__ = ("_answers", "_asked", "_unslot")
+    __slots__ = ("_answers", "_asked", "_planned", "_unslot")
 
     def __init__(self, answers: Answers[SlotAnswer], unslot: Callable[[int], None]) -> None:
         self._answers = answers
         self._unslot = unslot
+        self._planned: dict[AdmissionId, tuple[Pool, Want]] = {}
         self._asked: dict[AdmissionId, _Asked] = {}
 
-    def ask(self, admission: AdmissionId, rec: Record, timeout_s: float) -> SlotAsk | None:
-        """What the admission of `rec` asks for with it: a slot of its first upstream when the
-        request takes one (it generates), else nothing."""
-        if not generating(rec) or rec.upstream_requested is None:
+    def plan(self, admission: AdmissionId, pool: Pool, want: Want) -> None:
+        """The request of this admission takes a slot of `pool` first (it generates)."""
+        self._planned[admission] = (pool, want)
+
+    def ask(self, admission: AdmissionId, timeout_s: float) -> SlotAsk | None:
+        """What the admission asks for with it: a slot of the pool planned, if any."""
+        planned = self._planned.pop(admission, None)
+        if planned is None:
             return None
+        pool, want = planned
         i, fut = self._answers.expect()
-        ask = SlotAsk(i, rec.upstream_requested, timeout_s)
+        ask = SlotAsk(i, pool.name, timeout_s, pool.members, (), want)
         self._asked[admission] = _Asked(ask, fut)
         return ask
 
     def take(
-        self, admission: AdmissionId, upstream: str
+        self, admission: AdmissionId, pool: Pool, exclude: frozenset[str]
     ) -> tuple[int, asyncio.Future[SlotAnswer]] | None:
-        """The exchange of the slot asked for with the admission, when it is `upstream`'s;
-        one asked on another upstream is given back (None: the caller asks for its own)."""
+        """The exchange of the slot asked for with the admission, when it asked for what the
+        request asks now; one asked for something else is given back (None: the caller asks
+        for its own)."""
         asked = self._asked.pop(admission, None)
         if asked is None:
             return None
-        if asked.ask.upstream != upstream:
+        if not asked.ask.asks_for(pool, exclude):
             self._unslot(asked.ask.id)
             return None
         return asked.ask.id, asked.future
@@ -71,6 +79,7 @@ class Asked:
     def forget(self, admission: AdmissionId) -> None:
         """The admission was refused (the parent took no slot), or the request's row is sent
         (the parent gives back one it did not take): its answer is no longer awaited."""
+        self._planned.pop(admission, None)
         asked = self._asked.pop(admission, None)
         if asked is not None:
             self._answers.forget(asked.ask.id)

@@ -17,11 +17,11 @@ from typing import Protocol
 from relay.observe.metrics import Registry
 from relay.observe.record import CRASHED, Record
 from relay.observe.ui_state import Trended
+from relay.policy.affinity import Reuse
 from relay.policy.budget import BudgetExceeded, Budgets, Reservation
 from relay.proxy.dispatch import ADMIT_WAIT_S
 from relay.proxy.settle import charge
-from relay.proxy.slots import Busy, SlotLease, SlotsClosed
-from relay.proxy.upstreams import Upstream
+from relay.proxy.slots import Board, Busy, SlotLease, SlotsClosed
 from relay.store.admissions import AdmissionId
 from relay.workers import wire
 from relay.workers.ahead import Promised
@@ -49,10 +49,7 @@ class Parent(Protocol):
     """What the holdings use of the parent."""
 
     @property
-    def upstreams(self) -> dict[str, Upstream]: ...
-
-    @property
-    def retired(self) -> list[Upstream]: ...
+    def board(self) -> Board: ...
 
     @property
     def budgets(self) -> Budgets: ...
@@ -141,26 +138,22 @@ class Worker:
             task.cancel()
         self.free(i)
 
-    def free(self, i: int) -> None:
+    def free(self, i: int, reuse: Reuse | None = None) -> None:
         slot = self.held.pop(i, None)
         if slot is not None:
-            slot.release()
+            slot.release(reuse)
 
 
 def ask_slot(app: Parent, w: Worker, ask: wire.SlotAsk) -> None:
-    """The worker's request waits for a slot of the upstream it names."""
-    w.waiting[ask.id] = asyncio.get_running_loop().create_task(
-        _grant(app, w, ask.id, ask.upstream, ask.timeout_s)
-    )
+    """The worker's request waits for a slot of the pool it names."""
+    w.waiting[ask.id] = asyncio.get_running_loop().create_task(_grant(app, w, ask))
 
 
-async def _grant(app: Parent, w: Worker, i: int, name: str, timeout: float) -> None:
-    """A slot from the one pool, and the answer to the worker."""
-    up = app.upstreams.get(name) or next((u for u in app.retired if u.name == name), None)
+async def _grant(app: Parent, w: Worker, ask: wire.SlotAsk) -> None:
+    """A slot from the one board, and the answer to the worker."""
+    i = ask.id
     try:
-        if up is None:
-            raise Busy(f"upstream {name} is gone (a reload removed it)")
-        slot = await up.slots.acquire(timeout)
+        slot = await app.board.acquire(ask.of, ask.want, ask.timeout_s, frozenset(ask.exclude))
     except Busy as exc:
         w.send(wire.SlotAnswer(i, SlotVerdict.BUSY, exc.reason))
         return
@@ -173,7 +166,7 @@ async def _grant(app: Parent, w: Worker, i: int, name: str, timeout: float) -> N
         slot.release()
         return
     w.held[i] = slot
-    w.send(wire.SlotAnswer(i, SlotVerdict.OK))
+    w.send(wire.SlotAnswer(i, SlotVerdict.OK, member=slot.member))
 
 
 def admit(app: Parent, w: Worker, msg: wire.Admit) -> None:

@@ -209,8 +209,8 @@ class ParentApp(App):
                 holdings.row(self, w, message)
             case wire.SlotAsk():
                 holdings.ask_slot(self, w, message)
-            case wire.Free(id=i):
-                w.free(i)
+            case wire.Free(id=i, reuse=reuse):
+                w.free(i, reuse)
             case wire.Unslot(id=i):
                 w.unslot(i)
             case wire.Admit():

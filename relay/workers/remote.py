@@ -18,7 +18,9 @@ from typing import Protocol
 from relay.observe.log import Log
 from relay.observe.record import Record
 from relay.observe.ui_state import Trended
+from relay.policy.affinity import Reuse, Want
 from relay.policy.budget import Budgets, Reservation
+from relay.policy.routing import Pool
 from relay.proxy.dispatch import ADMIT_WAIT_S
 from relay.proxy.slots import Busy, SlotsClosed
 from relay.store.admissions import AdmissionId
@@ -56,10 +58,10 @@ class Link:
         self.ahead = Asked(self.slot_answers, self.unslot)
 
     def ask_slot(
-        self, upstream: str, timeout: float
+        self, pool: Pool, want: Want, timeout: float, exclude: frozenset[str]
     ) -> tuple[int, asyncio.Future[wire.SlotAnswer]]:
         i, fut = self.slot_answers.expect()
-        self.send(wire.SlotAsk(i, upstream, timeout))
+        self.send(wire.SlotAsk(i, pool.name, timeout, pool.members, tuple(sorted(exclude)), want))
         return i, fut
 
     def unslot(self, i: int) -> None:
@@ -97,21 +99,26 @@ class Link:
 
 
 class RemoteSlot:
-    __slots__ = ("i", "pool", "released")
+    __slots__ = ("i", "released", "slots")
 
-    def __init__(self, pool: RemoteSlots, i: int) -> None:
-        self.pool, self.i, self.released = pool, i, False
+    def __init__(self, slots: RemoteSlots, i: int) -> None:
+        self.slots, self.i, self.released = slots, i, False
 
-    def release(self) -> None:
+    @property
+    def member(self) -> str:
+        return self.slots.name
+
+    def release(self, reuse: Reuse | None = None) -> None:
         if not self.released:
             self.released = True
-            self.pool.in_flight -= 1
-            self.pool.link.send(wire.Free(self.i))
+            self.slots.in_flight -= 1
+            self.slots.link.send(wire.Free(self.i, reuse))
 
 
 class RemoteSlots:
-    """An upstream's slots as a worker takes them: from the parent's pool (the `Slots`
-    protocol; `in_flight` and `queued` are this worker's share)."""
+    """An upstream's slots as a worker sees them (the `Slots` protocol): its share of the
+    parent's, `in_flight` and `queued` (the requests of this worker waiting for a pool it is
+    a member of), and the bounds it was configured with."""
 
     def __init__(self, link: Link, name: str, parallel: int, queue: int) -> None:
         self.link, self.name = link, name
@@ -134,31 +141,60 @@ class RemoteSlots:
         """New bounds, as the parent's pool has them (it is resized there)."""
         self.parallel, self.queue = parallel, queue
 
-    async def acquire(self, timeout: float, admission: AdmissionId | None = None) -> RemoteSlot:
-        """A slot of the parent's pool (Busy, SlotsClosed): the one asked for with the
+
+class RemoteBoard:
+    """The parent's board as a worker takes slots from it (the `Balancer` protocol): each
+    slot one round trip, its release a message; `slots_of` names this worker's share of
+    each upstream's slots."""
+
+    def __init__(self, link: Link, slots_of: Callable[[str], RemoteSlots | None]) -> None:
+        self.link = link
+        self.slots_of = slots_of
+
+    def ahead(self, admission: AdmissionId, pool: Pool, want: Want) -> None:
+        self.link.ahead.plan(admission, pool, want)
+
+    async def acquire(
+        self,
+        pool: Pool,
+        want: Want,
+        timeout: float,
+        exclude: frozenset[str] = frozenset(),
+        admission: AdmissionId | None = None,
+    ) -> RemoteSlot:
+        """A slot of the parent's board (Busy, SlotsClosed): the one asked for with the
         request's admission when there is one (relay.workers.ahead), else one asked now. The
         parent answers within `timeout`; past that and a grace, it is not answering, and a
         grant that comes after all goes back."""
-        if self.closed:
+        members = [m for m in map(self.slots_of, pool.members) if m is not None]
+        if any(m.closed for m in members):
             raise SlotsClosed()
-        asked = self.link.ahead.take(admission, self.name) if admission is not None else None
-        i, fut = asked if asked is not None else self.link.ask_slot(self.name, timeout)
-        self.waiters.add(fut)
+        link = self.link
+        asked = link.ahead.take(admission, pool, exclude) if admission is not None else None
+        i, fut = asked if asked is not None else link.ask_slot(pool, want, timeout, exclude)
+        for m in members:
+            m.waiters.add(fut)
         try:
             try:
                 answer = await asyncio.wait_for(fut, timeout + ANSWER_GRACE_S)
             except TimeoutError:
-                self.link.unslot(i)
+                link.unslot(i)
                 answer = wire.SlotAnswer(i, SlotVerdict.BUSY, "the relay's slots did not answer")
         except BaseException:
             # Cancelled, or closed here: a slot granted meanwhile goes back.
-            self.link.unslot(i)
+            link.unslot(i)
             raise
         finally:
-            self.waiters.discard(fut)
+            for m in members:
+                m.waiters.discard(fut)
         if answer.verdict is SlotVerdict.OK:
-            self.in_flight += 1
-            return RemoteSlot(self, i)
+            slots = self.slots_of(answer.member)
+            if slots is None:
+                # A member this worker's configuration no longer has: it goes back.
+                link.send(wire.Free(i))
+                raise Busy(f"upstream {answer.member} is gone (a reload removed it)")
+            slots.in_flight += 1
+            return RemoteSlot(slots, i)
         if answer.verdict is SlotVerdict.CLOSED:
             raise SlotsClosed()
         raise Busy(answer.why)
@@ -218,7 +254,7 @@ class RemoteStore:
         """The parent reserves and commits the admission record, as one process's store does
         (BudgetExceeded, TimeoutError, RuntimeError); a request that takes a slot asks for it
         in the same message."""
-        ahead = self.link.ahead.ask(admission_id, rec, self.slot_wait())
+        ahead = self.link.ahead.ask(admission_id, self.slot_wait())
         i, fut = self.link.admit_answers.expect()
         self.link.send(wire.Admit(i, admission_id, rec, prompt_tokens, completion_tokens, ahead))
         try:

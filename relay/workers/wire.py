@@ -41,7 +41,9 @@ from relay.config import Config
 from relay.observe.metrics import UpstreamState
 from relay.observe.record import Record
 from relay.observe.ui_state import Trended
+from relay.policy.affinity import NO_WANT, Reuse, Want
 from relay.policy.budget import BudgetExceeded
+from relay.policy.routing import Pool
 from relay.store.admissions import AdmissionId
 
 _LEN = struct.Struct(">I")
@@ -72,9 +74,24 @@ class Ready(msgspec.Struct, tag="ready", array_like=True, frozen=True):
 
 
 class SlotAsk(msgspec.Struct, tag="slot", array_like=True, frozen=True):
+    """A slot of one of the pool `pool`'s `members` (as the worker's configuration has them;
+    none: the upstream named `pool` alone) but `exclude`; `want`, where in the pool the
+    request's conversation is cached."""
+
     id: int
-    upstream: str
+    pool: str
     timeout_s: float
+    members: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    want: Want = NO_WANT
+
+    @property
+    def of(self) -> Pool:
+        return Pool(self.pool, self.members or (self.pool,))
+
+    def asks_for(self, pool: Pool, exclude: frozenset[str]) -> bool:
+        """Whether this asks for what a request asks now."""
+        return self.of == pool and set(self.exclude) == exclude
 
 
 class Unslot(msgspec.Struct, tag="unslot", array_like=True, frozen=True):
@@ -82,7 +99,10 @@ class Unslot(msgspec.Struct, tag="unslot", array_like=True, frozen=True):
 
 
 class Free(msgspec.Struct, tag="free", array_like=True, frozen=True):
+    """`reuse`: what the member's answer said of its prompt cache, when it served."""
+
     id: int
+    reuse: Reuse | None = None
 
 
 class Admit(msgspec.Struct, tag="admit", array_like=True, frozen=True):
@@ -148,11 +168,13 @@ class Health(msgspec.Struct, tag="health", array_like=True, frozen=True):
 
 
 class SlotAnswer(msgspec.Struct, tag="slot", array_like=True, frozen=True):
-    """`why`: the reason a slot was refused (`Busy`), empty otherwise."""
+    """`member`: the upstream whose slot is given; `why`: the reason a slot was refused
+    (`Busy`), empty otherwise."""
 
     id: int
     verdict: SlotVerdict
     why: str = ""
+    member: str = ""
 
 
 class AdmitAnswer(msgspec.Struct, tag="admit", array_like=True, frozen=True):

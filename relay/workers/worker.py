@@ -2,9 +2,9 @@
 socket, whose relay-wide state is its parent's (relay.workers.parent).
 
 The per-event path is this process's alone; what crosses to the parent is per request:
-- a slot (`RemoteSlots`): one round trip when a generating request takes one, a message
-  when it gives it back; the parent's `SlotPool` keeps `parallel` and the FIFO queue
-  relay-wide;
+- a slot (`RemoteBoard`): one round trip when a generating request takes one, a message
+  when it gives it back; the parent's `Board` keeps each upstream's `parallel`, each pool's
+  queue and the prefix table relay-wide;
 - a keyed request's budget and admission record (`RemoteStore.admit`): one round trip,
   the parent reserving in its `Budgets` and writing the record, as one process does, with
   the slot of its first upstream asked for in the same message (relay.workers.ahead);
@@ -48,6 +48,7 @@ from relay.workers.remote import (
     PARENT_GONE_EXIT,
     Link,
     LooseBudgets,
+    RemoteBoard,
     RemoteSlots,
     RemoteStore,
 )
@@ -62,6 +63,7 @@ class WorkerApp(App):
     def __init__(self, config: Config, log: Log, link: Link, sock: socket.socket) -> None:
         self.link, self.sock = link, sock
         self.remote_store = RemoteStore(link, config.store.retention_days, self._slot_wait)
+        self.remote_board = RemoteBoard(link, self._remote_slots)
         super().__init__(config, log)
         self.remote_view = self._ask_view
         # Set: drain and exit (`_main`).
@@ -76,9 +78,20 @@ class WorkerApp(App):
         up."""
         up = super().new_upstream(cfg, d)
         up.slots = RemoteSlots(self.link, cfg.name, cfg.parallel, cfg.queue)
+        up.health.on_change = None
         up.health.on_down = lambda: self.link.send(wire.Down(up.name, up.health.last_error))
         up.health.on_up = lambda: self.link.send(wire.Up(up.name))
         return up
+
+    @property
+    def balancer(self) -> RemoteBoard:
+        """Slots come from the parent's board."""
+        return self.remote_board
+
+    def _remote_slots(self, name: str) -> RemoteSlots | None:
+        up = self.upstreams.get(name)
+        slots = up.slots if up is not None else None
+        return slots if isinstance(slots, RemoteSlots) else None
 
     def make_budgets(self, config: Config) -> Budgets:
         return LooseBudgets(config.key)

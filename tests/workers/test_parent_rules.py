@@ -147,7 +147,7 @@ async def test_a_no_limits_admission_takes_its_slot_and_holds_nothing(tmp_path, 
         reader.feed_data(wire.frame(wire.Admit(7, 1, rec, 10, 20, wire.SlotAsk(11, "llm", 5.0))))
         await wait_for(lambda: _told(w, wire.SlotAnswer), timeout=END_WAIT_S)
         assert _told(w, wire.AdmitAnswer) == [wire.AdmitAnswer(7, wire.AdmitVerdict.OK)]
-        assert _told(w, wire.SlotAnswer) == [wire.SlotAnswer(11, wire.SlotVerdict.OK)]
+        assert _told(w, wire.SlotAnswer) == [wire.SlotAnswer(11, wire.SlotVerdict.OK, member="llm")]
         assert (pool.in_flight, list(w.held), w.admissions) == (1, [11], {})
         rec.upstream_served = "llm" if takes else None
         done = wire.frame(wire.Free(11)) if takes else b""

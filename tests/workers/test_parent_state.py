@@ -225,7 +225,7 @@ async def test_a_keyed_request_s_slot_comes_with_its_admission_and_goes_with_its
         usage = app.budgets.usage("alpha", time.time())["daily"]
         assert (usage["requests"], usage["reserved_requests"]) == (1, 0)
         slots = [m for m in w.writer.told() if isinstance(m, wire.SlotAnswer)]
-        assert slots == [wire.SlotAnswer(i, wire.SlotVerdict.OK) for i in (11, 12)]
+        assert slots == [wire.SlotAnswer(i, wire.SlotVerdict.OK, member="llm") for i in (11, 12)]
 
 
 def test_each_worker_its_own_telemetry_instance_and_the_parent_s_code():
