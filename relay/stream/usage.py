@@ -19,7 +19,7 @@ to MAX_TOKENS, and so is a prompt the relay adds up from several. One that is no
 a float, a bool, a string, beyond the bound) refuses its whole document: the usage then names
 each such figure and why (`Usage.refused`) and carries nothing else, and the request is
 charged what the relay counted or reserved (proxy.settle). A cached figure is plausible only
-beside a prompt figure it does not exceed (`_cache_bounded`): one above the prompt, or with
+beside a prompt figure it does not exceed (`cached_within`): one above the prompt, or with
 no prompt figure to hold it, is dropped (cached_tokens None) and the rest of the usage stays
 trusted, since nothing is charged on it.
 """
@@ -246,11 +246,19 @@ def _either(mine: int | None, other: int | None) -> int | None:
     return mine if mine is not None else other
 
 
+def cached_within(cached: float | None, prompt: float | None) -> float | None:
+    """A cached figure where a prompt figure holds it (from 0 up to the prompt: a cache cannot
+    have given more of the prompt than the prompt), else None. Also how `relay report` takes
+    a stored row's."""
+    if cached is None or prompt is None or not 0 <= cached <= prompt:
+        return None
+    return cached
+
+
 def _cache_bounded(u: Usage) -> Usage:
-    """The usage with its cached figure only where a prompt figure holds it: a cache cannot
-    have given more of the prompt than the prompt. Only that figure is dropped."""
-    cached, prompt = u.cached_tokens, u.prompt_tokens
-    if cached is None or (prompt is not None and cached <= prompt):
+    """The usage with its cached figure only where a prompt figure holds it. Only that figure
+    is dropped."""
+    if u.cached_tokens is None or cached_within(u.cached_tokens, u.prompt_tokens) is not None:
         return u
     return msgspec.structs.replace(u, cached_tokens=None)
 
