@@ -42,6 +42,7 @@ class Record:
     stream: bool = False
     upstream_requested: str | None = None
     upstream_served: str | None = None
+    # The pool the serving upstream was chosen from (the upstreams that list the model).
     pool: str | None = None
     fallback_attempts: int = 0
     status: int | None = None
@@ -53,6 +54,8 @@ class Record:
     ttft_ms: float | None = None
     total_ms: float | None = None
     prompt_tokens: int | None = None
+    # What the upstream reused of the prompt from its cache (part of prompt_tokens), when it
+    # said so in figures the row's tokens are taken from.
     cached_tokens: int | None = None
     completion_tokens: int | None = None
     tokens_source: TokensSource | None = None
@@ -98,11 +101,13 @@ class Record:
     ) -> None:
         """Exact figures when the upstream sent them, else the relay's estimate. A stream's
         final usage may cover one completion of several (prompts x choices): the completion
-        charged is never below the content events counted."""
+        charged is never below the content events counted. The cached figure comes only with
+        the exact prompt it is part of."""
         if exact is not None and exact.completion_tokens is not None:
             counted = approx_completion or 0
             self.completion_tokens = max(exact.completion_tokens, counted)
             self.prompt_tokens = exact.prompt_tokens
+            self.cached_tokens = exact.cached_tokens
             self.tokens_source = EXACT if exact.completion_tokens >= counted else APPROX
         elif approx_completion is not None:
             self.completion_tokens = approx_completion

@@ -168,7 +168,7 @@ def _tokens(rec: Record, ex: ExchangeSummary, ledger: Ledger) -> Usage | None:
         and ledger.completion_est == 0
     ):
         # Embeddings and rerank: no completion tokens.
-        exact = Usage(exact.prompt_tokens, 0)
+        exact = Usage(exact.prompt_tokens, 0, cached_tokens=exact.cached_tokens)
     rec.set_tokens(None if untrusted else exact, approx, ledger.prompt_est)
     if rec.tokens_source is None and ledger.generates and 200 <= ex.status < 300:
         # Served, nothing counted (a body too big to keep, a body that is not JSON, ...):

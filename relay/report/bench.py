@@ -20,7 +20,10 @@ Pure: rows in (dicts of the `request` table), groups out. Definitions follow vLL
   client times its run (`window_s`: the window itself); request throughput = completed
   requests / duration, output throughput = their completion tokens / duration; goodput = completed requests meeting every given SLO / duration (vLLM's
   `--goodput ttft:..,tpot:..,e2el:..`; a request of one token has TPOT 0 there and here; a
-  request with no TTFT, not streamed, does not meet a TTFT SLO).
+  request with no TTFT, not streamed, does not meet a TTFT SLO);
+- the prompt cache (`prompt_cache`): each group's prompt tokens sent to a pool, the part
+  reused from the cache, and the hit ratio, over all its requests of a pool
+  (report.prompt_cache); `--by pool` groups by the pool.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import re
 from typing import Literal, NotRequired, TypedDict
 
 from relay.policy.admission import generates
+from relay.report import prompt_cache as cache
 from relay.report.untrusted import printable
 from relay.stream import itl as gaps
 
@@ -55,6 +59,8 @@ class BenchRow(TypedDict, total=False):
     method: str | None
     path: str | None
     total_ms: float | None
+    pool: str | None
+    cached_tokens: int | None
 
 
 class Stats(TypedDict):
@@ -83,18 +89,24 @@ class BenchGroup(TypedDict):
     tpot: Stats
     e2el: Stats
     itl: Stats
+    prompt_cache: cache.Hits
     slo: NotRequired[dict[str, float]]
     good: NotRequired[int]
     goodput: NotRequired[float | None]
 
 
 # The columns a group is named by, and those timed in ms.
-GroupColumn = Literal["model", "upstream_served", "key_id"]
+GroupColumn = Literal["model", "upstream_served", "key_id", "pool"]
 TimeColumn = Literal["ttft_ms", "tpot_ms", "e2e_ms"]
 Figure = Literal["ttft", "tpot", "itl", "e2el"]
 Stat = Literal["mean", "p50", "p90", "p99"]
 # What `--by` groups on: the column of each choice.
-BY: dict[str, GroupColumn] = {"model": "model", "upstream": "upstream_served", "key": "key_id"}
+BY: dict[str, GroupColumn] = {
+    "model": "model",
+    "upstream": "upstream_served",
+    "key": "key_id",
+    "pool": "pool",
+}
 # The columns the view reads: its row's, in order.
 READ_COLUMNS = tuple(BenchRow.__annotations__)
 SLO_NAMES: dict[str, TimeColumn] = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2e_ms"}
@@ -218,6 +230,7 @@ def bench_group(
         "tpot": _stats(_values(done, "tpot_ms")),
         "e2el": _stats(_values(done, "e2e_ms")),
         "itl": _itl_stats(done),
+        "prompt_cache": cache.hits(rows),
     }
     if slo:
         good = sum(1 for r in done if meets(r, slo))
@@ -269,6 +282,11 @@ def flat(s: BenchGroup) -> dict[str, Cell]:
     for f in FIGURES:
         for st in STATS:
             out[f"{f}_{st}_ms"] = s[f][st]
+    hits = s["prompt_cache"]
+    out["prompt_cache_requests"] = hits["requests"]
+    out["prompt_cache_prompt_tokens"] = hits["prompt_tokens"]
+    out["prompt_cache_cached_tokens"] = hits["cached_tokens"]
+    out["prompt_cache_hit_ratio"] = hits["hit_ratio"]
     if "goodput" in s:
         out["good"] = s["good"]
         out["goodput"] = s["goodput"]
@@ -317,8 +335,17 @@ def render_text(groups: list[BenchGroup], total: BenchGroup, by: str) -> str:
                 else ""
             )
         )
+        hits = s["prompt_cache"]
+        if hits["requests"]:
+            lines.append(
+                f"   prompt cache {cache.percent(hits['hit_ratio'])} hit: "
+                f"{hits['cached_tokens']} of {hits['prompt_tokens']} prompt tokens cached "
+                f"({hits['requests']} request{'s' if hits['requests'] != 1 else ''} to a pool)"
+            )
         lines.append("   ms        mean      p50      p90      p99")
         for f in FIGURES:
             st = s[f]
             lines.append(f"   {f.upper():<6}" + "".join(f"{_num(st[k]):>9}" for k in STATS))
+    if any(s["prompt_cache"]["requests"] for s in groups + [total]):
+        lines.append(cache.LEGEND)
     return "\n".join(lines) + "\n"

@@ -1,4 +1,5 @@
-"""`relay report`: per (model, upstream) latency, throughput and failure summary of stored rows.
+"""`relay report`: per (model, upstream) latency, throughput and failure summary of stored rows,
+then the prompt cache's hit ratio per pool (report.prompt_cache).
 
 Aggregation (`aggregate`, `summarize`, `percentile`, `tokens_per_s`) is pure; `main` does the
 I/O: parse flags, read rows read-only (a SQLite file or the shared PostgreSQL table:
@@ -21,6 +22,7 @@ from datetime import UTC, datetime
 from typing import Literal, TypedDict, cast
 
 from relay.report import bench as benchview
+from relay.report import prompt_cache as cache
 from relay.report import rows as stored
 from relay.report.untrusted import BadRow, checked, printable
 
@@ -39,6 +41,9 @@ class SummaryRow(TypedDict, total=False):
     total_ms: float | None
     completion_tokens: int | None
     tokens_source: str | None
+    pool: str | None
+    prompt_tokens: int | None
+    cached_tokens: int | None
 
 
 class Group(TypedDict):
@@ -214,33 +219,76 @@ def _cells(g: Group) -> list[str]:
 def render_table(groups: list[Group], total: Group | None = None) -> str:
     """Aligned plain text: one line per group, then a TOTAL line. Times in ms."""
     body = [_cells(g) for g in groups]
-    foot = [_cells({**total, "model": "TOTAL", "upstream": ""})] if total else []
-    lines = [list(_HEADERS), *body, *foot]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(_HEADERS))]
+    foot = _cells({**total, "model": "TOTAL", "upstream": ""}) if total else None
+    return _aligned(_HEADERS, _LEFT, body, foot)
+
+
+def _aligned(
+    headers: tuple[str, ...], left: set[int], body: list[list[str]], foot: list[str] | None
+) -> str:
+    """Columns under their headers, a rule below them and above the foot: the text columns
+    (`left`) left-aligned, the numbers right-aligned; the last one's rule, of text, as wide as
+    its header."""
+    lines = [list(headers), *body, *([foot] if foot else [])]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(headers))]
 
     def fmt(cells: list[str]) -> str:
         out = [
-            c.ljust(w) if i in _LEFT else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+            c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
         ]
         return "  ".join(out).rstrip()
 
-    rule = "  ".join("-" * w for w in widths[:-1] + [len(_HEADERS[-1])])
+    last = len(headers[-1]) if len(headers) - 1 in left else widths[-1]
+    rule = "  ".join("-" * w for w in widths[:-1] + [last])
     text = [fmt(lines[0]), rule, *map(fmt, body)]
     if foot:
-        text += [rule, fmt(foot[0])]
+        text += [rule, fmt(foot)]
     return "\n".join(text) + "\n"
+
+
+_POOL_HEADERS = ("pool", "reqs", "prompt tok", "cached tok", "hit")
+
+
+def _pool_cells(name: str, h: cache.Hits) -> list[str]:
+    return [
+        name,
+        str(h["requests"]),
+        _count(h["prompt_tokens"]),
+        _count(h["cached_tokens"]),
+        cache.percent(h["hit_ratio"]),
+    ]
+
+
+def _count(v: float) -> str:
+    return str(v) if isinstance(v, int) else f"{v:.0f}"
+
+
+def render_pools(pools: list[cache.PoolHits], total: cache.Hits) -> str:
+    """The hit ratio per pool: its legend, one line per pool, then a TOTAL line; names
+    escaped. Nothing when no row has a pool."""
+    if not pools:
+        return ""
+    body = [_pool_cells(printable(p["pool"]), p) for p in pools]
+    return cache.LEGEND + "\n" + _aligned(_POOL_HEADERS, {0}, body, _pool_cells("TOTAL", total))
 
 
 # ---- I/O -------------------------------------------------------------------------------
 def read_rows(path: str, since_ts: float | None) -> tuple[list[SummaryRow], list[BadRow]]:
     """(the rows since a time (None: all), those left out). They are SummaryRows: the SELECT
     names exactly its columns (and the row's id), and each holds what its column should."""
-    sql = f"SELECT {stored.row_id(path)}, {', '.join(READ_COLUMNS)} FROM request"
+    sql = f"SELECT {stored.row_id(path)}, {_selected(path, READ_COLUMNS)} FROM request"
     params: tuple[float, ...] = ()
     if since_ts is not None:
         sql, params = sql + " WHERE ts >= ?", (since_ts,)
     rows, bad = checked(stored.fetch(path, sql, params), READ_COLUMNS, stored.ROW_ID)
     return cast("list[SummaryRow]", rows), bad
+
+
+def _selected(db: str, columns: tuple[str, ...]) -> str:
+    """The SELECT terms of `columns`: one the table lacks (a database no relay that has it
+    opened yet; a report reads, never migrates) reads NULL."""
+    have = stored.columns(db)
+    return ", ".join(c if c in have else f"NULL AS {c}" for c in columns)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -262,7 +310,9 @@ def _parser() -> argparse.ArgumentParser:
         "them (docs/benchmarking.md). Any of these flags selects it.",
     )
     b.add_argument("--bench", action="store_true", help="the benchmark view (grouped by model)")
-    b.add_argument("--by", choices=sorted(benchview.BY), help="group by model, upstream or key")
+    b.add_argument(
+        "--by", choices=sorted(benchview.BY), help="group by model, upstream, key or pool"
+    )
     b.add_argument(
         "--from",
         dest="from_ts",
@@ -317,8 +367,7 @@ def read_bench_rows(
     They are BenchRows: the SELECT names exactly their columns (and the row's id), and each
     holds what its column should."""
     params: tuple[float, ...] = (end,) if start is None else (end, start)
-    have = stored.columns(db)
-    cols = ", ".join(c if c in have else f"NULL AS {c}" for c in benchview.READ_COLUMNS)
+    cols = _selected(db, benchview.READ_COLUMNS)
     sql = f"SELECT {stored.row_id(db)}, {cols} FROM request WHERE ts <= ?" + (
         "" if start is None else " AND ts >= ?"
     )
@@ -399,13 +448,23 @@ def main(argv: list[str] | None = None) -> int:
     skipped(bad)
     groups = aggregate(rows)
     total = summarize(rows, model="TOTAL")
+    pools, pooled = cache.per_pool(rows), cache.hits(rows)
     if args.json:
-        print(json.dumps({"since_s": since_s, "groups": groups, "total": total}, indent=2))
+        doc = {
+            "since_s": since_s,
+            "groups": groups,
+            "total": total,
+            "prompt_cache": {"pools": pools, "total": pooled},
+        }
+        print(json.dumps(doc, indent=2))
         return 0
     scope = "all rows" if since_s is None else f"last {args.since}"
     shown = printable(stored.shown(args.db))
     print(f"relay report: {shown}, {scope}, {len(rows)} requests; times in ms")
     print(render_table(groups, total), end="")
+    if pools:
+        print()
+        print(render_pools(pools, pooled), end="")
     return 0
 
 

@@ -10,7 +10,9 @@ While the server cannot be reached the relay keeps relaying: each batch goes to 
 file (store.spill, fsync'd) instead, and so does whatever is queued when the relay stops.
 The writer tries the server again every `reconnect_s`; once it answers, the spill is
 replayed (at start too, before the relay serves) and then emptied - a crash between the
-commit and the emptying replays rows the table already has, which changes nothing.
+commit and the emptying replays rows the table already has, which changes nothing. A spill
+file an older relay left, its rows short of the columns added since, replays as they read
+NULL there.
 
 Keyed requests take their reservation in the database (store.pg_budget); `maintain`
 renews this relay's leases, turns leases of dead relays into charged rows, and refreshes
@@ -304,7 +306,7 @@ class PgStore(Store):
             self._replay()
 
     def _replay(self) -> None:
-        rows = self.spill.read()
+        rows = [widened(r) for r in self.spill.read()]
         if not rows:
             return
         try:
@@ -432,6 +434,16 @@ def _pg_row(queued: Queued, now: float) -> Row:
     integers, as in SQLite), then its row id."""
     values, row_id = queued
     return tuple(int(v) if v is True or v is False else v for v in clean(values, now)) + (row_id,)
+
+
+def widened(row: Row) -> Row:
+    """A spilled row as the table takes it now: one an older relay spilled lacks the columns
+    added since (columns are only ever added, at the end: store.schema ADDED), which read
+    NULL, as its rows in the table do."""
+    missing = len(pg_sql.ROW_COLUMNS) - len(row)
+    if missing <= 0:
+        return row
+    return row[:-1] + (None,) * missing + row[-1:]
 
 
 def _by_key(row: Row) -> str:

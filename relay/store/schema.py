@@ -38,7 +38,8 @@ COLUMN_TYPES: tuple[tuple[str, str], ...] = (
     ("error", "TEXT"),
 )
 # Columns added after the first schema: databases of an older relay gain them at start
-# (`store.migrate`; `error` came with TLS upstreams, then the benchmark timings).
+# (`store.migrate`; `error` came with TLS upstreams, then the benchmark timings, then the
+# fleet's pool and prompt-cache figure).
 ADDED = (
     ("first_byte_ms", "REAL"),
     ("e2e_ms", "REAL"),
@@ -52,6 +53,8 @@ ADDED = (
     ("predicted_per_second", "REAL"),
     ("method", "TEXT"),
     ("last_content_ms", "REAL"),
+    ("pool", "TEXT"),
+    ("cached_tokens", "INTEGER"),
 )
 COLUMN_TYPES += ADDED
 COLUMNS = tuple(c for c, _ in COLUMN_TYPES)

@@ -7,11 +7,21 @@ a `message_delta`, under `message` in `message_start`; OpenAI Responses' `input_
 `output_tokens`, at the top of a body or under `response` in `response.completed`; then
 llama-server's `timings` and native `/completion` figures.
 
+What the upstream reused of the prompt from its cache (`Usage.cached_tokens`, part of the
+prompt figure, never added to it): OpenAI chat and completions'
+`usage.prompt_tokens_details.cached_tokens`, Responses' `usage.input_tokens_details
+.cached_tokens`, Anthropic's `cache_read_input_tokens`; where no usage names it,
+llama-server's `timings.cache_n` (chat, completions, native `/completion`). A stream's may
+come from its first usage-carrying event (Anthropic's `message_start`), the rest from its last.
+
 A figure is taken only when it is a plausible count (`token_count`): a JSON integer from 0
 to MAX_TOKENS, and so is a prompt the relay adds up from several. One that is not (negative,
 a float, a bool, a string, beyond the bound) refuses its whole document: the usage then names
 each such figure and why (`Usage.refused`) and carries nothing else, and the request is
-charged what the relay counted or reserved (proxy.settle).
+charged what the relay counted or reserved (proxy.settle). A cached figure is plausible only
+beside a prompt figure it does not exceed (`cached_within`): one above the prompt, or with
+no prompt figure to hold it, is dropped (cached_tokens None) and the rest of the usage stays
+trusted, since nothing is charged on it.
 """
 
 from __future__ import annotations
@@ -66,6 +76,12 @@ def token_count(raw: bytes) -> int | Implausible | None:
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)] | None
 
 
+class _Details(msgspec.Struct):
+    """OpenAI's `prompt_tokens_details`, Responses' `input_tokens_details`."""
+
+    cached_tokens: Count = None
+
+
 class _Usage(msgspec.Struct):
     prompt_tokens: Count = None
     completion_tokens: Count = None
@@ -75,6 +91,9 @@ class _Usage(msgspec.Struct):
     output_tokens: Count = None
     cache_read_input_tokens: Count = None
     cache_creation_input_tokens: Count = None
+    # OpenAI's (chat, completions) and Responses' cached part of the prompt.
+    prompt_tokens_details: _Details | None = None
+    input_tokens_details: _Details | None = None
     # Read to be checked only.
     total_tokens: Count = None
     decoding_speed_tps: float | None = None
@@ -92,6 +111,12 @@ class _Usage(msgspec.Struct):
         if self.completion_tokens is not None:
             return self.completion_tokens
         return self.output_tokens
+
+    def cached(self) -> int | None:
+        for details in (self.prompt_tokens_details, self.input_tokens_details):
+            if details is not None and details.cached_tokens is not None:
+                return details.cached_tokens
+        return self.cache_read_input_tokens
 
 
 class _Timings(msgspec.Struct):
@@ -138,6 +163,8 @@ _USAGE_FIGURES = (
     "cache_creation_input_tokens",
     "total_tokens",
 )
+_DETAILS = ("prompt_tokens_details", "input_tokens_details")
+_DETAILS_FIGURES = ("cached_tokens",)
 _TIMINGS_FIGURES = ("prompt_n", "predicted_n", "cache_n")
 _NATIVE_FIGURES = ("tokens_predicted", "tokens_evaluated")
 _members_decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
@@ -167,7 +194,10 @@ def _refused(doc: bytes) -> tuple[Refused, ...]:
     top = _members(doc)
     out: list[Refused] = []
     for place in (top, _members(top.get("message", b"")), _members(top.get("response", b""))):
-        _check(_members(place.get("usage", b"")), _USAGE_FIGURES, "", out)
+        usage = _members(place.get("usage", b""))
+        _check(usage, _USAGE_FIGURES, "", out)
+        for d in _DETAILS:
+            _check(_members(usage.get(d, b"")), _DETAILS_FIGURES, d + ".", out)
         _check(_members(place.get("timings", b"")), _TIMINGS_FIGURES, "timings.", out)
     _check(top, _NATIVE_FIGURES, "", out)
     return tuple(out)
@@ -185,8 +215,12 @@ class Usage(msgspec.Struct, frozen=True):
     predicted_per_second: float | None = None
     # The figures that were no plausible count: then no token figure is given.
     refused: tuple[Refused, ...] = ()
-    # The prompt tokens the upstream reused from its prompt cache, when it said.
+    # What the upstream reused of the prompt from its cache: part of prompt_tokens.
     cached_tokens: int | None = None
+
+    def lacks_a_count(self) -> bool:
+        """Whether a token figure is missing (a stream's first event may hold it)."""
+        return None in (self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     def _replace_tokens(self, other: Usage) -> Usage:
         """These figures, a token count missing here taken from `other`; none when either
@@ -194,19 +228,39 @@ class Usage(msgspec.Struct, frozen=True):
         refused = self.refused + other.refused
         if refused:
             return msgspec.structs.replace(
-                self, prompt_tokens=None, completion_tokens=None, refused=refused
+                self,
+                prompt_tokens=None,
+                completion_tokens=None,
+                cached_tokens=None,
+                refused=refused,
             )
         return msgspec.structs.replace(
             self,
-            prompt_tokens=self.prompt_tokens
-            if self.prompt_tokens is not None
-            else other.prompt_tokens,
-            completion_tokens=(
-                self.completion_tokens
-                if self.completion_tokens is not None
-                else other.completion_tokens
-            ),
+            prompt_tokens=_either(self.prompt_tokens, other.prompt_tokens),
+            completion_tokens=_either(self.completion_tokens, other.completion_tokens),
+            cached_tokens=_either(self.cached_tokens, other.cached_tokens),
         )
+
+
+def _either(mine: int | None, other: int | None) -> int | None:
+    return mine if mine is not None else other
+
+
+def cached_within(cached: float | None, prompt: float | None) -> float | None:
+    """A cached figure where a prompt figure holds it (from 0 up to the prompt: a cache cannot
+    have given more of the prompt than the prompt), else None. Also how `relay report` takes
+    a stored row's."""
+    if cached is None or prompt is None or not 0 <= cached <= prompt:
+        return None
+    return cached
+
+
+def _cache_bounded(u: Usage) -> Usage:
+    """The usage with its cached figure only where a prompt figure holds it. Only that figure
+    is dropped."""
+    if u.cached_tokens is None or cached_within(u.cached_tokens, u.prompt_tokens) is not None:
+        return u
+    return msgspec.structs.replace(u, cached_tokens=None)
 
 
 _decoder = msgspec.json.Decoder(_Meta)
@@ -218,6 +272,12 @@ def exact_usage(doc: bytes) -> Usage | None:
     `usage` wins over `timings` (it is what OpenAI clients bill on); llama-server's timings
     count prompt tokens without the cached ones, so prompt_n is only a fallback.
     """
+    u = _read(doc)
+    return _cache_bounded(u) if u is not None else None
+
+
+def _read(doc: bytes) -> Usage | None:
+    """A document's figures as sent, the cached one not yet held to the prompt."""
     if not doc:
         return None
     try:
@@ -227,8 +287,13 @@ def exact_usage(doc: bytes) -> Usage | None:
         return Usage(None, None, refused=refused) if refused else None
     except msgspec.DecodeError:
         return None
+    return _figures(meta)
+
+
+def _figures(meta: _Meta) -> Usage | None:
+    """The figures of a document the typed read took: none when it names none."""
     prompt: int | Refused | None = None
-    completion = None
+    completion = cached = None
     tps = kv = None
     inner = meta.response or meta.message
     usage = meta.usage or (inner.usage if inner is not None else None)
@@ -236,14 +301,17 @@ def exact_usage(doc: bytes) -> Usage | None:
     if usage is not None:
         prompt = usage.prompt()
         completion = usage.completion()
+        cached = usage.cached()
         tps = usage.decoding_speed_tps
         kv = usage.kv_token_occupancy_rate_percentage
-    timed: tuple[float | None, float | None, float | None] | tuple[()] = ()
+    timed: tuple[float | None, float | None, float | None] = (None, None, None)
     if timings is not None:
         t = timings
         timed = (t.prompt_ms, t.prompt_per_second, t.predicted_per_second)
         if completion is None:
             completion = t.predicted_n
+        if cached is None:
+            cached = t.cache_n
         if prompt is None and t.prompt_n is not None:
             prompt = _added(t.prompt_n, t.cache_n or 0, figure="timings.prompt_n+cache_n")
     if isinstance(prompt, Refused):
@@ -254,26 +322,24 @@ def exact_usage(doc: bytes) -> Usage | None:
         prompt = meta.tokens_evaluated
     if completion is None and prompt is None and not any(v is not None for v in timed):
         return None
-    return Usage(prompt, completion, tps, kv, *timed)
+    prompt_ms, prompt_speed, predicted_speed = timed
+    return Usage(
+        prompt, completion, tps, kv, prompt_ms, prompt_speed, predicted_speed, cached_tokens=cached
+    )
 
 
 def stream_usage(meta_event: bytes, first_event: bytes = b"") -> Usage | None:
     """Usage from the last SSE event that carried usage/timings; a figure it lacks from the
-    first such event (Anthropic tells the prompt in `message_start` only)."""
+    first such event (Anthropic tells the prompt and its cache reads in `message_start`
+    only). The cached figure is held to the prompt once they are put together."""
     body = event_json(meta_event) if meta_event else None
-    last = exact_usage(body) if body else None
-    if (
-        first_event
-        and first_event is not meta_event
-        and (last is None or last.prompt_tokens is None or last.completion_tokens is None)
-    ):
+    last = _read(body) if body else None
+    if first_event and first_event is not meta_event and (last is None or last.lacks_a_count()):
         body = event_json(first_event)
-        first = exact_usage(body) if body else None
+        first = _read(body) if body else None
         if first is not None:
-            if last is None:
-                return first
-            return last._replace_tokens(first)
-    return last
+            last = first if last is None else last._replace_tokens(first)
+    return _cache_bounded(last) if last is not None else None
 
 
 class JsonBody:

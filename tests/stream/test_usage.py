@@ -84,20 +84,23 @@ def test_usage_preferred_over_timings():
         b'{"usage":{"prompt_tokens":10,"completion_tokens":20},'
         b'"timings":{"prompt_n":1,"cache_n":5,"predicted_n":99}}'
     )
-    assert exact_usage(doc) == Usage(10, 20, None, None)
+    # the usage names no cached figure: the timings' is taken
+    assert exact_usage(doc) == Usage(10, 20, None, None, cached_tokens=5)
 
 
 def test_partial_usage_filled_from_timings():
     doc = b'{"usage":{"prompt_tokens":10},"timings":{"prompt_n":1,"predicted_n":7}}'
     assert exact_usage(doc) == Usage(10, 7, None, None)
     doc = b'{"usage":{"completion_tokens":4},"timings":{"prompt_n":3,"cache_n":2}}'
-    assert exact_usage(doc) == Usage(5, 4, None, None)
+    assert exact_usage(doc) == Usage(5, 4, None, None, cached_tokens=2)
 
 
 def test_timings_only():
     assert exact_usage(b'{"timings":{"prompt_n":3,"predicted_n":9}}') == Usage(3, 9, None, None)
     assert exact_usage(b'{"timings":{"predicted_n":9}}') == Usage(None, 9, None, None)
-    assert exact_usage(b'{"timings":{"prompt_n":2,"cache_n":40}}') == Usage(42, None, None, None)
+    assert exact_usage(b'{"timings":{"prompt_n":2,"cache_n":40}}') == Usage(
+        42, None, None, None, cached_tokens=40
+    )
 
 
 def test_native_tokens_predicted_evaluated():
@@ -108,7 +111,7 @@ def test_native_tokens_predicted_evaluated():
         b'{"tokens_predicted":3,"tokens_evaluated":8,'
         b'"timings":{"prompt_n":1,"cache_n":2,"predicted_n":4}}'
     )
-    assert exact_usage(doc) == Usage(3, 4, None, None)
+    assert exact_usage(doc) == Usage(3, 4, None, None, cached_tokens=2)
 
 
 def test_speed_and_kv_fields():
@@ -305,19 +308,19 @@ def test_anthropic_prompt_is_input_plus_cache_writes_plus_cache_reads():
         b'"cache_creation_input_tokens":100,"cache_read_input_tokens":2000,"output_tokens":1}}}'
     )
     delta = b'data: {"type":"message_delta","usage":{"output_tokens":42}}'
-    # 7 + 100 + 2000
-    assert stream_usage(delta, start) == Usage(2107, 42, None, None)
+    # 7 + 100 + 2000; the cache reads are the cached figure
+    assert stream_usage(delta, start) == Usage(2107, 42, None, None, cached_tokens=2000)
     body = (
         b'{"type":"message","usage":{"input_tokens":3,"cache_creation_input_tokens":40,'
         b'"cache_read_input_tokens":500,"output_tokens":9}}'
     )
-    assert exact_usage(body) == Usage(543, 9, None, None)
+    assert exact_usage(body) == Usage(543, 9, None, None, cached_tokens=500)
     # up to the bound: 400000000 + 400000000 + 200000000
     bound = (
         b'{"usage":{"input_tokens":400000000,"cache_read_input_tokens":400000000,'
         b'"cache_creation_input_tokens":200000000,"output_tokens":3}}'
     )
-    assert exact_usage(bound) == Usage(1000000000, 3, None, None)
+    assert exact_usage(bound) == Usage(1000000000, 3, None, None, cached_tokens=400000000)
 
 
 def test_responses_usage_with_input_tokens():
@@ -326,4 +329,4 @@ def test_responses_usage_with_input_tokens():
         b'"input_tokens_details":{"cached_tokens":1200},"output_tokens":37,"total_tokens":1537}}}'
     )
     # the cached tokens are inside input_tokens: not added again
-    assert exact_usage(doc) == Usage(1500, 37, None, None)
+    assert exact_usage(doc) == Usage(1500, 37, None, None, cached_tokens=1200)
