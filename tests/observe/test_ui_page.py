@@ -3,7 +3,9 @@ over the DevTools protocol (tests/support/cdp.py): it loads without console erro
 upstream's state, uPlot's charts of each upstream and model drawn from the state's series, a
 request made meanwhile appears in its table within 2 s with its method, path and E2E, a request
 that generates nothing is left out of the counts unless asked for (the toggle, `/ui?all=1`), and
-the admin key prompt refuses a wrong key and shows the data with the right one. Screenshots go
+the admin key prompt refuses a wrong key and shows the data with the right one. The charts
+(issue 34 item 10), at 1400 and 900 px, loaded and resized: each fits its card, a point with no
+neighbour is drawn, idle steps are left blank, legends show values or nothing. Screenshots go
 under the test's temp dir."""
 
 from __future__ import annotations
@@ -248,3 +250,198 @@ async def test_admin_key_prompt_in_chromium(make_relay, sim, browser, tmp_path):
     # the only errors: the refused wrong key's 401
     assert all("401" in e for e in page.errors()) and len(page.errors()) == 1
     await page.close()
+
+
+# ---- the charts' drawing (issue 34 item 10) -----------------------------------------------
+# app.js COLORS by the series' order (upstream, model): gone · other, llm · solo, llm · tiny.
+BLUE, PURPLE, GREEN = (0x2F, 0x6F, 0xDF), (0x8E, 0x44, 0xAD), (0x1A, 0x7F, 0x4B)
+TINY = (range(12), range(60, 72))  # the steps with requests: a minute, 4 idle, a minute
+SOLO, GONE = 30, 40  # the one step of each
+
+
+def settled(at: float, rid: str, model: str, ttft: float) -> Record:
+    return Record(
+        ts=at - 2,
+        request_id=rid,
+        path=CHAT,
+        method="POST",
+        model=model,
+        upstream_served="llm",
+        status=200,
+        ok=True,
+        stream=True,
+        ttft_ms=ttft,
+        tpot_ms=20.0,
+        e2e_ms=ttft + 200,
+        total_ms=ttft + 200,
+        completion_tokens=10,
+        tokens_source="exact",
+        itl_hist=f"o32 z0 {key_of(0.02)}:9",
+    )
+
+
+def window_of_steps(app, now: float) -> list[float]:
+    """A whole window of steps (72 of 5 s) as the sampler closes them: `llm · tiny`, two
+    streams a step for a minute, nothing for 4 minutes, then a minute more, TTFT rising
+    (100 + 10 ms a step); `llm · solo`, 10 streams in one step; `gone · other`, one failed
+    request in one step. The times of the steps."""
+    trend = app.ui_trend
+    times = []
+    for i in range(72):
+        at = now - 5 * (71 - i)
+        if i in TINY[0] or i in TINY[1]:
+            for j in range(2):
+                trend.add(settled(at, f"tiny-{i}-{j}", "tiny", 100.0 + 10 * i + j), True)
+        if i == SOLO:
+            for j in range(10):
+                trend.add(settled(at, f"solo-{j}", "solo", 400.0 + j), True)
+        if i == GONE:
+            trend.add(
+                Record(
+                    ts=at - 2,
+                    request_id="gone-1",
+                    path=CHAT,
+                    method="POST",
+                    model="other",
+                    upstream_requested="gone",
+                    status=502,
+                    stream=True,
+                ),
+                True,
+            )
+        trend.next_at = 0.0
+        trend.sample(at, 0.0, None)
+        times.append(round(at, 3))
+    trend.next_at = now + 3600  # the sampler adds no point of its own during the test
+    return times
+
+
+# Each chart's card (its content box: inside border and padding) against uPlot's root and its
+# canvas: the CSS boxes, in px, and whether both lie inside the card, 90 % of its width at least
+# (the page draws them 651 px wide in cards of 652 at 1400 px, 827 in 827 at 900; before issue
+# 34 some were 429 in 652 and some 840 in 827).
+FITS = """[...document.querySelectorAll('#charts [data-chart]')].map((box) => {
+  const b = box.getBoundingClientRect(), s = getComputedStyle(box);
+  const left = b.left + box.clientLeft + parseFloat(s.paddingLeft);
+  const right = b.left + box.clientLeft + box.clientWidth - parseFloat(s.paddingRight);
+  const inside = (el) => { const r = el && el.getBoundingClientRect();
+    return r && r.left >= left - 0.5 && r.right <= right + 0.5 && r.width >= 0.9 * (right - left); };
+  const canvas = box.querySelector('canvas');
+  return {chart: box.dataset.chart, card: right - left, canvas: canvas && canvas.getBoundingClientRect().width,
+          ok: !!(inside(canvas) && inside(box.querySelector('.uplot')))};
+})"""
+
+
+async def fitted(page) -> list[dict]:
+    try:
+        await page.wait_for(f"{FITS}.every((f) => f.ok)", timeout=5.0)
+    except AssertionError:
+        pytest.fail(f"a chart not within its card: {await page.eval(FITS)}")
+    return await page.eval(FITS)
+
+
+# The charts' uPlot objects are read as app.js keeps them: `charts`, a binding of the page's
+# script (`charts.get(id).u`).
+def colour_near(chart: str, t: float, v: float, rgb: tuple[int, int, int]) -> str:
+    """Pixels of a colour within 3 px of the chart's point (t, v) (uPlot's own scales place
+    it on the canvas)."""
+    return (
+        f"(() => {{ const u = charts.get('{chart}').u, [r, g, b] = {list(rgb)};"
+        f" const x = Math.round(u.valToPos({t}, 'x', true)), y = Math.round(u.valToPos({v}, 'y', true));"
+        " const d = u.ctx.getImageData(x - 3, y - 3, 7, 7).data; let n = 0;"
+        " for (let i = 0; i < d.length; i += 4) if (Math.abs(d[i] - r) < 8 && Math.abs(d[i + 1] - g) < 8"
+        " && Math.abs(d[i + 2] - b) < 8 && d[i + 3] > 200) n++; return n; })()"
+    )
+
+
+def coloured_across(chart: str, t: float) -> str:
+    """Pixels with a colour (not the transparent background, not the grey grid) in the 3 px
+    wide column of the chart's plot at time t."""
+    return (
+        f"(() => {{ const u = charts.get('{chart}').u;"
+        f" const x = Math.round(u.valToPos({t}, 'x', true));"
+        " const d = u.ctx.getImageData(x - 1, u.bbox.top, 3, u.bbox.height).data; let n = 0;"
+        " for (let i = 0; i < d.length; i += 4) { const c = [d[i], d[i + 1], d[i + 2]];"
+        " if (d[i + 3] > 0 && Math.max(...c) - Math.min(...c) > 24) n++; } return n; })()"
+    )
+
+
+def legend_values(chart: str) -> str:
+    return (
+        f"[...document.querySelectorAll('[data-chart={chart}] .u-legend .u-value')]"
+        ".map(v => v.textContent)"
+    )
+
+
+async def check_drawing(page, times: list[float]) -> None:
+    """The lone points drawn, the idle minutes left blank, the legends without placeholders."""
+    # 10 streams in one step: a TTFT, TPOT and E2E point with no neighbour, each a dot
+    for chart, value in (("ttft", 404.5), ("tpot", 20.0), ("e2e", 604.5)):
+        assert await page.eval(colour_near(chart, times[SOLO], value, PURPLE)) > 0, chart
+    # one request, failed: a 100 % error step, and the 0 % of the 10 streams' step
+    assert await page.eval(colour_near("err", times[GONE], 100.0, BLUE)) > 0
+    assert await page.eval(colour_near("err", times[SOLO], 0.0, PURPLE)) > 0
+    # 4 idle minutes: nothing drawn across them, the line drawn up to them and after
+    first, last = TINY[0][-1], TINY[1][0]
+    for chart, base, rise in (("ttft", 100.5, 10), ("tpot", 20.0, 0), ("e2e", 300.5, 10)):
+        assert await page.eval(coloured_across(chart, (times[first] + times[last]) / 2)) == 0
+        for i in (first, last):
+            assert await page.eval(colour_near(chart, times[i], base + rise * i, GREEN)) > 0
+    # the requests/s of the idle minutes: 0, a value drawn across them
+    assert await page.eval(colour_near("rps", (times[first] + times[last]) / 2, 0.0, GREEN)) > 0
+    for chart in CHARTS:
+        values = await page.eval(legend_values(chart))
+        assert values and values == [""] * len(values), chart  # no cursor: nothing, not `--`
+    legends = await page.eval(
+        "[...document.querySelectorAll('#charts .u-legend')].map(l => l.textContent)"
+    )
+    assert len(legends) == 6 and not any("--" in text for text in legends)
+
+
+async def test_charts_fit_and_draw_in_chromium(make_relay, sim, browser, tmp_path):
+    app = await make_relay(upstreams=upstreams(sim))
+    times = window_of_steps(app, time.time())
+    trend = (await httpc.fetch(app.port, "GET", "/api/ui/state")).json()["trend"]
+    assert trend["times"] == times
+    gone, solo, tiny = trend["series"]
+    assert [(s["upstream"], s["model"]) for s in trend["series"]] == [
+        ("gone", "other"),
+        ("llm", "solo"),
+        ("llm", "tiny"),
+    ]
+    # an idle step has no latency and no error rate (a gap), but 0 requests/s (a value)
+    assert [i for i, v in enumerate(tiny["ttft_p50"]) if v is not None] == [*TINY[0], *TINY[1]]
+    assert tiny["ttft_p50"][:2] == [100.5, 110.5] and tiny["req_s"][30] == 0.0
+    assert [i for i, v in enumerate(solo["ttft_p50"]) if v is not None] == [SOLO]
+    assert [(i, v) for i, v in enumerate(gone["err_pct"]) if v is not None] == [(GONE, 100.0)]
+    for width, then in ((1400, 900), (900, 1400)):
+        page = await browser.page()
+        await page.viewport(width, 1000)
+        await page.navigate(f"http://127.0.0.1:{app.port}/ui")
+        await page.wait_for("document.querySelectorAll('#charts .uplot canvas').length === 6")
+        loaded = await fitted(page)
+        await check_drawing(page, times)
+        # the cursor on a point of llm · tiny: its values, nothing for the series without one
+        at, p50 = times[65], 100.0 + 10 * 65 + 0.5
+        xy = await page.eval(
+            "(() => { document.querySelector('[data-chart=ttft]').scrollIntoView(); const u = charts.get('ttft').u;"
+            " const o = u.over.getBoundingClientRect();"
+            f" return [o.left + u.valToPos({at}, 'x'), o.top + u.valToPos({p50}, 'y')]; }})()"
+        )
+        await page.mouse_move(*xy)
+        shown = await page.wait_for(f"(v => v[0] && v)({legend_values('ttft')})")
+        # p50 and p99 of 750 and 751 ms, the state's figures to 0.1 ms
+        assert shown[1:] == ["", "", "", "", "750.5 ms", "751 ms"]
+        assert shown[0][-5:] == time.strftime("%M:%S", time.localtime(at)), shown
+        await page.mouse_move(1, 1)
+        await page.wait_for(f"{legend_values('ttft')}.every(v => v === '')")
+        await page.screenshot(str(tmp_path / f"charts-{width}.png"))
+        # the window resized: every chart fits its card again
+        await page.viewport(then, 1000)
+        await page.wait_for(f"innerWidth === {then}")
+        resized = await fitted(page)
+        assert [f["card"] for f in resized] != [f["card"] for f in loaded]
+        await check_drawing(page, times)
+        await page.screenshot(str(tmp_path / f"charts-{width}-to-{then}.png"))
+        assert page.errors() == []
+        await page.close()

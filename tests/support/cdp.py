@@ -175,6 +175,21 @@ class Page:
         except RuntimeError as exc:
             raise AssertionError(f"not within {timeout}s: {condition}") from exc
 
+    async def viewport(self, width: int, height: int) -> None:
+        """Lay the page out as in a window of `width` x `height` CSS pixels (one device pixel
+        each), as a resized window does: the page sees its resize."""
+        await self.send(
+            "Emulation.setDeviceMetricsOverride",
+            width=width,
+            height=height,
+            deviceScaleFactor=1,
+            mobile=False,
+        )
+
+    async def mouse_move(self, x: float, y: float) -> None:
+        """The mouse moved to (`x`, `y`), CSS pixels in the viewport."""
+        await self.send("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
+
     async def screenshot(self, path: str) -> None:
         res = await self.send("Page.captureScreenshot", format="png", captureBeyondViewport=True)
         with open(path, "wb") as f:

@@ -37,9 +37,11 @@ function fmt(v, digits) {
   return Number(v).toFixed(digits === undefined ? 0 : digits);
 }
 
-function hms(ts) {
+// A wall time as the page writes it: 24 h, its seconds left out where `seconds` is false.
+function hms(ts, seconds = true) {
   const d = new Date(ts * 1000);
-  return d.toLocaleTimeString([], {hour12: false});
+  return d.toLocaleTimeString([], {hour12: false, hour: "2-digit", minute: "2-digit",
+                                   second: seconds ? "2-digit" : undefined});
 }
 
 // ---- what is shown ---------------------------------------------------------------------
@@ -178,8 +180,23 @@ const CHARTS = [
   {id: "tps", title: "Output tokens", unit: "tok/s", lines: [["tok_s", "", false]]},
 ];
 const CHART_H = 190;
-const charts = new Map();  // id -> {u, key, box}
+// id -> {key, box, sizer, options (a width -> uPlot's options), data, u (null until sized)}
+const charts = new Map();
 let xRange = [0, 1];
+
+// A chart is made, and sized again, at the width its card has once laid out: this observer
+// watches a strip of no height at the top of each card (as wide as the card's content, and
+// nothing the chart draws changes its size), and its first report makes the chart. It reports
+// again when the window is resized or the grid changes its columns.
+const sizes = new ResizeObserver((entries) => {
+  for (const entry of entries) {
+    const c = charts.get(entry.target.parentElement.dataset.chart);
+    const width = Math.floor(entry.contentRect.width);
+    if (!c || c.sizer !== entry.target || width <= 0) continue;
+    if (!c.u) c.u = new uPlot(c.options(width), c.data, c.box);
+    else if (width !== c.u.width) c.u.setSize({width, height: CHART_H});
+  }
+});
 
 function seriesName(s) {
   return `${s.upstream} · ${s.model ?? "–"}` + (s.generating ? "" : " (generates nothing)");
@@ -189,6 +206,12 @@ function minutes(seconds) {
   return seconds % 60 ? `${seconds} s` : `${seconds / 60} min`;
 }
 
+function dropChart(c) {
+  sizes.unobserve(c.sizer);
+  if (c.u) c.u.destroy();
+  c.u = null;
+}
+
 function renderCharts(trend, now) {
   const area = $("charts");
   const shown = trend.series.filter((s) => showAll || s.generating);
@@ -196,7 +219,7 @@ function renderCharts(trend, now) {
   $("window").textContent = `(last ${span}, a point per ${trend.step_s} s` +
     (trend.untracked ? `; ${trend.untracked} requests of further series not charted)` : ")");
   if (!shown.length || !trend.times.length) {
-    for (const c of charts.values()) c.u.destroy();
+    for (const c of charts.values()) dropChart(c);
     charts.clear();
     area.replaceChildren(el("p", {class: "empty"}, `no requests in the last ${span}`));
     return;
@@ -210,14 +233,20 @@ function renderCharts(trend, now) {
     for (const {s} of lines) for (const [fig] of spec.lines) data.push(s[fig]);
     const key = lines.map((x) => x.name + x.color).join("\n");
     let c = charts.get(spec.id);
-    if (c && c.key !== key) { c.u.destroy(); charts.delete(spec.id); c = null; }
+    if (c && c.key !== key) { dropChart(c); charts.delete(spec.id); c = null; }
     if (!c) {
       let box = area.querySelector(`[data-chart="${spec.id}"]`);
       if (!box) { box = el("div", {class: "chart", "data-chart": spec.id}); area.append(box); }
-      c = {key, box, u: new uPlot(chartOptions(spec, lines, span, box), data, box)};
+      let sizer = box.querySelector(".sizer");
+      if (!sizer) { sizer = el("div", {class: "sizer"}); box.prepend(sizer); }
+      c = {key, box, sizer, data, u: null, options: (width) => chartOptions(spec, lines, span, width)};
       charts.set(spec.id, c);
+      // Observed anew, the strip is reported at its present width: a chart made again (other
+      // series) in a card already laid out is made too.
+      sizes.observe(sizer);
     } else {
-      c.u.setData(data);
+      c.data = data;
+      if (c.u) c.u.setData(data);
     }
     let points = 0;
     for (let i = 1; i < data.length; i++) for (const v of data[i]) if (v !== null) points++;
@@ -225,8 +254,24 @@ function renderCharts(trend, now) {
   }
 }
 
-function chartOptions(spec, lines, span, box) {
-  const series = [{}];
+// The points drawn where there is no room to draw them all (uPlot's `points.show`): those with
+// no value on either side, which no line segment shows. A step in which nothing settled has no
+// latency or error rate (null in the state): that one step is a gap, and the line stops at it
+// (`spanGaps: false`); requests/s and tokens/s are 0 then, a value.
+function lonePoints(u, si, show) {
+  if (show) return null;
+  const ys = u.data[si];
+  const lone = [];
+  for (let i = 0; i < ys.length; i++) {
+    if (ys[i] != null && ys[i - 1] == null && ys[i + 1] == null) lone.push(i);
+  }
+  return lone.length ? lone : null;
+}
+
+function chartOptions(spec, lines, span, width) {
+  // The legend shows the values under the cursor, and nothing where there is none (no cursor,
+  // or nothing measured in that step).
+  const series = [{value: (u, ts, si, idx) => idx == null ? "" : hms(ts)}];
   lines.forEach(({name, color}) => {
     for (const [, label, dashed] of spec.lines) {
       series.push({
@@ -234,33 +279,28 @@ function chartOptions(spec, lines, span, box) {
         stroke: color,
         width: 1.6,
         dash: dashed ? [6, 4] : undefined,
-        spanGaps: spec.unit === "ms",  // a latency is not measured in an idle step
-        points: {size: 4},
-        value: (u, v) => v === null || v === undefined ? "–" : `${+v.toFixed(2)} ${spec.unit}`,
+        spanGaps: false,
+        points: {size: 6, width: 1, fill: color, filter: lonePoints},
+        value: (u, v) => v === null || v === undefined ? "" : `${+v.toFixed(2)} ${spec.unit}`,
       });
     }
   });
   return {
     title: `${spec.title} (${spec.unit}), last ${span}`,
-    width: Math.max(280, box.clientWidth - 10),
+    width,
     height: CHART_H,
     scales: {
       x: {time: true, auto: false, range: () => xRange},
       y: {range: (u, lo, hi) => [0, hi > 0 ? hi * 1.1 : 1]},
     },
-    axes: [{}, {label: spec.unit, size: 56, labelSize: 18}],
+    // The time axis in the table's times, with seconds where its ticks are not whole minutes
+    // apart (uPlot's own labels put a date under the first).
+    axes: [{space: 70, values: (u, splits, ai, space, incr) => splits.map((ts) => hms(ts, incr % 60 !== 0))},
+           {label: spec.unit, size: 56, labelSize: 18}],
     series,
     legend: {live: true},
   };
 }
-
-let resizing = null;
-window.addEventListener("resize", () => {
-  clearTimeout(resizing);
-  resizing = setTimeout(() => {
-    for (const c of charts.values()) c.u.setSize({width: Math.max(280, c.box.clientWidth - 10), height: CHART_H});
-  }, 150);
-});
 
 // ---- tables ------------------------------------------------------------------------------
 function renderRecent(rows) {
