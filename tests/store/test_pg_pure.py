@@ -78,19 +78,23 @@ def test_decision_none_is_admitted_and_a_named_window_is_the_local_refusal():
     assert decision(None, res, now) is None
     exc = decision("daily_requests 10", res, now)
     assert isinstance(exc, BudgetExceeded)
-    assert (exc.limit, exc.used, exc.limit_value, exc.resets_at) == (
+    assert (exc.limit, exc.used, exc.requested, exc.limit_value, exc.resets_at) == (
         "daily_requests",
         10,
+        1,
         10,
         window_bounds("daily", now)[1],
     )
+    # What the request would reserve: the 7 tokens of its local reservation.
     exc = decision("monthly_tokens 498", res, now)
-    assert (exc.limit, exc.used, exc.limit_value, exc.resets_at) == (
+    assert (exc.limit, exc.used, exc.requested, exc.limit_value, exc.resets_at) == (
         "monthly_tokens",
         498,
+        7,
         500,
         window_bounds("monthly", now)[1],
     )
+    assert str(exc) == "monthly_tokens budget exceeded: 498 used + 7 requested > 500"
     with pytest.raises(ValueError):
         decision("weekly_requests 1", res, now)
 
