@@ -16,6 +16,7 @@ import h11
 from relay.errors import Code, Outcome, RelayError
 from relay.http.request_path import bounded, route_path
 from relay.observe import row_timings as timing
+from relay.observe.metrics import KeyOutcome
 from relay.observe.record import RESERVED, Record, user_agent
 from relay.observe.ui_state import Trended
 from relay.policy.outcome import decide
@@ -90,7 +91,9 @@ def settle(app: AppView, out: ClientWriter, rec: Record, ledger: Ledger, t0: flo
         app.budgets.spend(res, *charge(rec), time.time())
     trend = _metrics(app, rec, ledger, summary)
     if rec.key_id is not None:
-        app.registry.key_used(rec.key_id, rec.prompt_tokens, rec.completion_tokens)
+        # Served: what the key's budget counts as a request (`charge`).
+        outcome = KeyOutcome.SERVED if charge(rec)[0] else KeyOutcome.REFUSED
+        app.registry.key_used(rec.key_id, outcome, rec.prompt_tokens, rec.completion_tokens)
     if app.otel is not None:
         # OpenTelemetry on: the span ends, the metric points are recorded (once).
         telemetry.settled(app.otel, rec, ledger, summary, out.first_at)
