@@ -51,7 +51,10 @@ def missing(db: str) -> str | None:
         try:
             importlib.import_module("psycopg")
         except ImportError:
-            return "reading PostgreSQL needs the driver: pip install 'relay[postgres]'"
+            return (
+                "reading PostgreSQL needs the driver: pip install -e '.[postgres]' in the"
+                " relay's checkout"
+            )
         return None
     if is_memory(db) or not os.path.isfile(db):
         return (
