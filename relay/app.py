@@ -36,6 +36,7 @@ from relay.proxy.health import DOWN, probe_once
 from relay.proxy.slots import Balancer, Board, SlotPool
 from relay.proxy.upstreams import Upstream
 from relay.reload import Summary
+from relay.store import POSTGRES_EXTRA_HINT
 from relay.store.admissions import AdmissionId
 from relay.store.interface import RowStore
 from relay.store.sqlite import Store
@@ -80,7 +81,12 @@ def make_store(config: Config, log: Log) -> RowStore:
     """SQLite (`[store].path`), or PostgreSQL shared by several relays (`[store].url`)."""
     if config.store.url is None:
         return Store(config.store.path, retention_days=config.store.retention_days, log=log)
-    from relay.store.postgres import PgStore
+    try:
+        from relay.store.postgres import PgStore
+    except ImportError as exc:
+        raise ConfigError(
+            f"store.url: PostgreSQL needs the 'postgres' extra ({POSTGRES_EXTRA_HINT}): {exc}"
+        ) from None
 
     return PgStore.configured(config.store, log)
 

@@ -46,6 +46,15 @@ STATES = tuple(UpstreamState)
 STALL_REASONS = ("total", "idle", "read")
 
 
+class KeyOutcome(StrEnum):
+    """What became of a request made with an API key, as `relay_key_requests_total{outcome=..}`
+    names it: an upstream answered it (what the key's budget counts as a request), or the
+    relay answered it itself (a 429, 404, 400, no upstream free or reachable)."""
+
+    SERVED = "served"
+    REFUSED = "refused"
+
+
 class Snapshot(TypedDict):
     """One upstream's figures in the JSON of `/api/slots/metrics`, in this order."""
 
@@ -197,7 +206,10 @@ class UpstreamMetrics:
         self.stall_trips[reason] = self.stall_trips.get(reason, 0) + 1
 
     def set_flm(self, decoding_speed_tps: float | None, kv_occupancy_pct: float | None) -> None:
-        """Last FLM usage figures seen; None (or NaN) leaves the previous value."""
+        """The last decoding speed (tokens/s) and KV cache occupancy (%) an upstream told in
+        its `usage`, as FastFlowLM (FLM, a runtime for AMD Ryzen AI NPUs) sends them
+        (`decoding_speed_tps`, `kv_token_occupancy_rate_percentage`); None (or NaN) leaves
+        the previous value."""
         if decoding_speed_tps is not None and not math.isnan(decoding_speed_tps):
             self.decoding_speed_tps = decoding_speed_tps
         if kv_occupancy_pct is not None and not math.isnan(kv_occupancy_pct):
@@ -259,9 +271,10 @@ class Registry:
     `rows_dropped` counts the request rows lost because the store's queue was full. A shared
     (PostgreSQL) store has rows not yet committed (`rows_pending`) and rows waiting in the
     spill file (`rows_spilled`); a SQLite store leaves `rows_spilled` None, and neither is
-    shown. `requests_rejected` counts the requests refused before any upstream, by status;
-    `keys` the use of each API key: key id -> [requests, prompt tokens, completion tokens];
-    `pools` each pool's figures, by its name."""
+    shown. `requests_rejected` counts the requests refused before any upstream, by error
+    code; `keys` the use of each API key: key id -> [requests served, requests refused,
+    prompt tokens, completion tokens] (`KeyOutcome`); `pools` each pool's figures, by its
+    name."""
 
     def __init__(self) -> None:
         self._upstreams: dict[str, UpstreamMetrics] = {}
@@ -285,14 +298,18 @@ class Registry:
         figures.cached_tokens += min(cached_tokens or 0, prompt_tokens)
 
     def key_used(
-        self, key_id: str, prompt_tokens: int | None, completion_tokens: int | None
+        self,
+        key_id: str,
+        outcome: KeyOutcome,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
     ) -> None:
         c = self.keys.get(key_id)
         if c is None:
-            c = self.keys[key_id] = [0, 0, 0]
-        c[0] += 1
-        c[1] += prompt_tokens or 0
-        c[2] += completion_tokens or 0
+            c = self.keys[key_id] = [0, 0, 0, 0]
+        c[0 if outcome is KeyOutcome.SERVED else 1] += 1
+        c[2] += prompt_tokens or 0
+        c[3] += completion_tokens or 0
 
     def add(self, m: UpstreamMetrics) -> None:
         if m.name in self._upstreams:
@@ -384,21 +401,45 @@ class _Exposition:
     def __init__(self, shared_store: bool) -> None:
         F, G, C, H = _Family, _Kind.GAUGE, _Kind.COUNTER, _Kind.HISTOGRAM
         self.up = F("relay_upstream_up", G, "1 unless the upstream is down.")
-        self.upstream_state = F("relay_upstream_state", G, "1 for the upstream's current state.")
+        self.upstream_state = F(
+            "relay_upstream_state",
+            G,
+            "One series per state (ready, serving, loading, down): 1 for the current one.",
+        )
         self.parallel = F("relay_slots_parallel", G, "Configured parallel slots.")
         self.in_flight = F("relay_slots_in_flight", G, "Requests currently on the upstream.")
         self.queued = F("relay_queue_waiting", G, "Requests waiting for a slot.")
-        self.tps = F("relay_tokens_per_second", G, "Streamed tokens per second, sliding window.")
-        self.ttft = F("relay_ttft_seconds", G, "Last time to first token.")
-        self.ttft_avg = F("relay_ttft_avg_seconds", G, "Mean time to first token, window.")
-        self.requests = F("relay_requests_total", C, "Requests that generate, finished.")
-        self.failed = F("relay_requests_failed_total", C, "Failed ones of those, by code.")
+        self.tps = F(
+            "relay_tokens_per_second",
+            G,
+            "Output tokens per second over the last 10 whole seconds.",
+        )
+        self.ttft = F(
+            "relay_ttft_seconds",
+            G,
+            "Time to first token of the last request that had one (none after 60 s).",
+        )
+        self.ttft_avg = F(
+            "relay_ttft_avg_seconds",
+            G,
+            "Mean time to first token of the last 128 requests within 60 s.",
+        )
+        self.requests = F(
+            "relay_requests_total",
+            C,
+            "Requests that generate, settled on this upstream (failed ones included).",
+        )
+        self.failed = F("relay_requests_failed_total", C, "Failed ones of those, by error code.")
         self.other = F(
             "relay_other_requests_total",
             C,
             "Requests that generate nothing (/health, /v1/models, /props, tokenize...).",
         )
-        self.tokens = F("relay_tokens_total", C, "Tokens streamed.")
+        self.tokens = F(
+            "relay_tokens_total",
+            C,
+            "Output tokens, streamed or not: as counted, corrected to the upstream's usage.",
+        )
         self.stalls = F("relay_stall_trips_total", C, "Stall guard trips by reason.")
         self.qwait = F("relay_queue_wait_seconds", H, "Time requests waited for a slot.")
         self.ttft_h = F(
@@ -416,16 +457,35 @@ class _Exposition:
             H,
             "Request in to last byte out, per served request that generates.",
         )
-        self.speed = F("relay_decoding_speed_tps", G, "FLM decoding speed, last seen.")
-        self.kv = F("relay_kv_occupancy_percent", G, "FLM KV token occupancy, last seen.")
+        self.speed = F(
+            "relay_decoding_speed_tps",
+            G,
+            "Decoding speed in tokens/s the upstream last told in its usage"
+            " (decoding_speed_tps, as FastFlowLM sends).",
+        )
+        self.kv = F(
+            "relay_kv_occupancy_percent",
+            G,
+            "KV cache occupancy in percent the upstream last told in its usage"
+            " (kv_token_occupancy_rate_percentage, as FastFlowLM sends).",
+        )
         self.dropped = F("relay_rows_dropped_total", C, "Request rows dropped, queue full.")
         self.rejected = F(
             "relay_requests_rejected_total",
             C,
-            "Requests refused before any upstream, by status.",
+            "Requests refused before any upstream, by error code.",
         )
-        self.key_req = F("relay_key_requests_total", C, "Requests per API key.")
-        self.key_tok = F("relay_key_tokens_total", C, "Tokens per API key, by kind.")
+        self.key_req = F(
+            "relay_key_requests_total",
+            C,
+            "Requests per API key, by outcome: served (an upstream answered; what the"
+            " budget counts) or refused (the relay answered itself).",
+        )
+        self.key_tok = F(
+            "relay_key_tokens_total",
+            C,
+            "Tokens per API key as charged, by kind (prompt, completion).",
+        )
         self.pool_member = F(
             "relay_pool_member",
             G,
@@ -505,8 +565,9 @@ class _Exposition:
         self.dropped.add(r.rows_dropped)
         for code, n in sorted(r.requests_rejected.items()):
             self.rejected.add(n, code=code)
-        for key, (n, prompt, completion) in sorted(r.keys.items()):
-            self.key_req.add(n, key=key)
+        for key, (served, refused, prompt, completion) in sorted(r.keys.items()):
+            self.key_req.add(served, key=key, outcome=KeyOutcome.SERVED)
+            self.key_req.add(refused, key=key, outcome=KeyOutcome.REFUSED)
             self.key_tok.add(prompt, key=key, kind="prompt")
             self.key_tok.add(completion, key=key, kind="completion")
         if r.pools:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from relay.config import ConfigError, OtelConfig
 
-EXTRA_HINT = "pip install 'relay[otel]'"
+EXTRA_HINT = "pip install -e '.[otel]' in the relay's checkout"
 PROTOCOLS = ("http/protobuf", "grpc")
 _ENDPOINT_VARS = (
     "OTEL_EXPORTER_OTLP_ENDPOINT",

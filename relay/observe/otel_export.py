@@ -18,7 +18,9 @@ from relay.config import ConfigError
 from relay.observe.log import Log
 from relay.observe.otel_env import Settings
 
-GRPC_HINT = "pip install 'relay[otel-grpc]' (opentelemetry-exporter-otlp-proto-grpc)"
+GRPC_HINT = (
+    "pip install -e '.[otel-grpc]' in the relay's checkout (opentelemetry-exporter-otlp-proto-grpc)"
+)
 
 
 class SpanTally:

@@ -76,14 +76,25 @@ class _Window:
 
 class BudgetExceeded(Exception):
     """A reservation refused: the `limit` it met (`daily_tokens`, ...), what was used and
-    reserved of it, its value, and when its window resets."""
+    reserved of it already (`used`), what this request would have reserved of it
+    (`requested`: 1 request, or its token estimate), the limit's value, and when its window
+    resets."""
 
     def __init__(
-        self, limit: str, used: int, limit_value: int, resets_at: float, now: float
+        self,
+        limit: str,
+        used: int,
+        requested: int,
+        limit_value: int,
+        resets_at: float,
+        now: float,
     ) -> None:
-        super().__init__(f"{limit} budget exceeded")
+        super().__init__(
+            f"{limit} budget exceeded: {used} used + {requested} requested > {limit_value}"
+        )
         self.limit = limit
         self.used = used
+        self.requested = requested
         self.limit_value = limit_value
         self.resets_at = resets_at
         self.retry_after = max(1, math.ceil(resets_at - now))
@@ -94,6 +105,7 @@ class BudgetExceeded(Exception):
         return {
             "limit": self.limit,
             "used": self.used,
+            "requested": self.requested,
             "limit_value": self.limit_value,
             "resets_at": iso,
         }
@@ -222,11 +234,11 @@ class Budgets:
             w.roll(now)
             if w.req_limit and w.used_req + w.res_req + 1 > w.req_limit:
                 raise BudgetExceeded(
-                    f"{w.kind}_requests", w.used_req + w.res_req, w.req_limit, w.end, now
+                    f"{w.kind}_requests", w.used_req + w.res_req, 1, w.req_limit, w.end, now
                 )
             if w.tok_limit and w.used_tok + w.res_tok + tokens > w.tok_limit:
                 raise BudgetExceeded(
-                    f"{w.kind}_tokens", w.used_tok + w.res_tok, w.tok_limit, w.end, now
+                    f"{w.kind}_tokens", w.used_tok + w.res_tok, tokens, w.tok_limit, w.end, now
                 )
         for w in kb.windows:
             w.res_req += 1

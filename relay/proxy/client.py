@@ -388,10 +388,12 @@ class ClientConn(asyncio.Protocol):
         self.inbox = bytearray()
         self._release_body()
         head = self.head
-        rid = self.app.dispatcher.request_id(head.headers.raw_items() if head is not None else [])
+        headers = head.headers.raw_items() if head is not None else []
+        rid = self.app.dispatcher.request_id(headers)
         self.out.begin()
-        cors = settle.rejected(self.app, head, rid, self.peer_host, err)
+        cors = self.app.cors.headers(headers) if head is not None else []
         self.out.answer(err.status, err.body(), None, False, err.headers + cors)
+        settle.rejected(self.app, self.out, head, rid, self.peer_host, err)
         self.exchange = None
         self.task = None
         if self.out.gone:

@@ -7,7 +7,7 @@ close-delimited upstream to an HTTP/1.1 client, a body continuing a head the rel
 early: `http.response_framing.relay_frames`), each piece is written as a chunk of its own
 and the end as the last chunk; otherwise pieces go as they are (an upstream's own chunks
 included). It counts what a response's body took on the wire (`sent`, chunk framing
-included) and notes when a relayed response's first byte went out (`first_at`,
+included; the body of an answer of the relay's own too) and notes when a relayed response's first byte went out (`first_at`,
 perf_counter) and its last before the first content event (`last_at`, the loop's clock: the
 heartbeat is re-armed from it).
 
@@ -88,7 +88,10 @@ class ClientWriter:
         extra: HeaderPairs = (),
         content_type: bytes = JSON,
     ) -> None:
-        """A whole response of the relay's own (an error, a view, a page file)."""
+        """A whole response of the relay's own (an error, a view, a page file): its body
+        counts in `sent` (a row's `bytes_out`), as a relayed body does."""
+        if not self.gone:
+            self.sent += len(body)
         self.send_answer(
             relay_response(
                 status, reason_phrase(status), body, request_id, keep_alive, extra, content_type
@@ -97,8 +100,8 @@ class ClientWriter:
 
     def send_answer(self, data: bytes) -> None:
         """Bytes that are a whole answer or an interim response (`100 Continue`, a CORS
-        preflight's 204): none of it counts as a relayed response's (its body bytes, its
-        first byte's time: a row's `first_byte_ms` is then the settlement's)."""
+        preflight's 204): none of it counts as a relayed response's first byte (a row's
+        `first_byte_ms` is then the settlement's)."""
         if not self.gone:
             self._write(data)
 

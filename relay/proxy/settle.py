@@ -14,9 +14,9 @@ import time
 import h11
 
 from relay.errors import Code, Outcome, RelayError
-from relay.http.fields import Headers
 from relay.http.request_path import bounded, route_path
 from relay.observe import row_timings as timing
+from relay.observe.metrics import KeyOutcome
 from relay.observe.record import RESERVED, Record, user_agent
 from relay.observe.ui_state import Trended
 from relay.policy.affinity import Reuse
@@ -68,9 +68,11 @@ def settle(app: AppView, out: ClientWriter, rec: Record, ledger: Ledger, t0: flo
         rec.error = bounded(answered.reason)
     exact = None
     served = summary if verdict.served else None
+    # The body bytes the client got, whoever wrote them: an upstream's, the relay's own
+    # answer, heartbeats and an in-band error.
+    rec.bytes_out = out.sent
     if served is not None:
         rec.upstream_served = served.upstream
-        rec.bytes_out = out.sent
         if served.first_content_at is not None:
             rec.ttft_ms = timing.round3((served.first_content_at - t0) * 1000)
         exact = _tokens(rec, served, ledger)
@@ -90,7 +92,9 @@ def settle(app: AppView, out: ClientWriter, rec: Record, ledger: Ledger, t0: flo
         app.budgets.spend(res, *charge(rec), time.time())
     trend = _metrics(app, rec, ledger, summary)
     if rec.key_id is not None:
-        app.registry.key_used(rec.key_id, rec.prompt_tokens, rec.completion_tokens)
+        # Served: what the key's budget counts as a request (`charge`).
+        outcome = KeyOutcome.SERVED if charge(rec)[0] else KeyOutcome.REFUSED
+        app.registry.key_used(rec.key_id, outcome, rec.prompt_tokens, rec.completion_tokens)
     if rec.pool is not None and rec.prompt_tokens is not None and rec.upstream_served:
         app.registry.pool_used(rec.pool, rec.prompt_tokens, rec.cached_tokens)
     if app.otel is not None:
@@ -200,11 +204,11 @@ def _untrusted(app: AppView, rec: Record, upstream: str, exact: Usage) -> None:
 
 
 def rejected(
-    app: AppView, head: h11.Request | None, request_id: bytes, peer_host: str | None,
-    err: RelayError,
-) -> Headers:  # fmt: skip
-    """A request refused before it was read whole (400/408/413/431): a row all the same; the
-    CORS headers its answer carries."""
+    app: AppView, out: ClientWriter, head: h11.Request | None, request_id: bytes,
+    peer_host: str | None, err: RelayError,
+) -> None:  # fmt: skip
+    """A request refused before it was read whole (400/408/413/431), once answered: a row
+    all the same. `out`: the client connection's writer (what the answer's body took)."""
     headers = head.headers.raw_items() if head is not None else []
     rec = Record(
         ts=time.time(),
@@ -213,6 +217,7 @@ def rejected(
         method=bounded(head.method.decode("latin-1"), 32) if head is not None else "",
         status=err.status,
         error_code=err.code,
+        bytes_out=out.sent,
         outcome=Outcome.REJECTED,
         client_addr=peer_host,
         user_agent=user_agent(headers) if head is not None else None,
@@ -223,4 +228,3 @@ def rejected(
         app.otel.rejected(rec, headers)
     app.put_row(rec)
     app.log.record("access", rec.log_fields())
-    return app.cors.headers(headers) if head is not None else []

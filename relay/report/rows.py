@@ -13,6 +13,7 @@ import re
 import sqlite3
 
 from relay.config import is_pg_url
+from relay.store import POSTGRES_EXTRA_HINT
 from relay.store.schema import DbRow, Params
 from relay.store.sqlite_file import is_memory, open_readonly
 
@@ -51,7 +52,7 @@ def missing(db: str) -> str | None:
         try:
             importlib.import_module("psycopg")
         except ImportError:
-            return "reading PostgreSQL needs the driver: pip install 'relay[postgres]'"
+            return f"reading PostgreSQL needs the driver: {POSTGRES_EXTRA_HINT}"
         return None
     if is_memory(db) or not os.path.isfile(db):
         return (

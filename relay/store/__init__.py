@@ -14,3 +14,7 @@
 May import: `relay.observe`, `relay.policy`, `relay.stream`, `relay.config`, `relay.http`,
 `relay.errors`. psycopg only in the PostgreSQL modules (the `postgres` extra).
 """
+
+# What to run when psycopg is missing: the relay installs from its checkout (the package named
+# `relay` on PyPI is another project's).
+POSTGRES_EXTRA_HINT = "pip install -e '.[postgres]' in the relay's checkout"

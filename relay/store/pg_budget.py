@@ -89,15 +89,17 @@ def reserve_params(
 
 def decision(answer: str | None, res: Reservation, now: float) -> BudgetExceeded | None:
     """None: the lease is taken. Else the function named the full window and its usage
-    ("daily_requests 10"): the BudgetExceeded a local refusal would raise."""
+    ("daily_requests 10"): the BudgetExceeded a local refusal would raise (what the request
+    asked of it: 1 request, or the tokens it reserves)."""
     if answer is None:
         return None
     limit, _, used = answer.partition(" ")
     kind, _, what = limit.rpartition("_")
     for w in res.windows:
         if w.kind == kind:
-            value = w.req_limit if what == "requests" else w.tok_limit
-            return BudgetExceeded(limit, int(used), value, w.end, now)
+            if what == "requests":
+                return BudgetExceeded(limit, int(used), 1, w.req_limit, w.end, now)
+            return BudgetExceeded(limit, int(used), res.tokens, w.tok_limit, w.end, now)
     raise ValueError(f"relay_reserve answered {answer!r} for no window of the request")
 
 

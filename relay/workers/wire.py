@@ -191,15 +191,18 @@ class AdmitRefused(msgspec.Struct, tag="exceeded", array_like=True, frozen=True)
     id: int
     limit: str
     used: int
+    requested: int
     limit_value: int
     resets_at: float
 
     @classmethod
     def of(cls, i: int, exc: BudgetExceeded) -> AdmitRefused:
-        return cls(i, exc.limit, exc.used, exc.limit_value, exc.resets_at)
+        return cls(i, exc.limit, exc.used, exc.requested, exc.limit_value, exc.resets_at)
 
     def error(self, now: float) -> BudgetExceeded:
-        return BudgetExceeded(self.limit, self.used, self.limit_value, self.resets_at, now)
+        return BudgetExceeded(
+            self.limit, self.used, self.requested, self.limit_value, self.resets_at, now
+        )
 
 
 class ViewAnswer(msgspec.Struct, tag="view", array_like=True, frozen=True):

@@ -89,7 +89,7 @@ async def test_shutdown_refuses_the_queue_and_settles_cut_streams(make_relay, si
             503,
             "shutting_down",
             None,
-            0,
+            len(answers[i].raw_body),
         )
 
 

@@ -96,3 +96,21 @@ async def test_openai_responses_through_the_relay_as_direct(llama_server, relay)
         body.usage.input_tokens,
         body.usage.output_tokens,
     )
+
+
+async def test_the_sdks_responses_stream_helper_fails_on_llama_server_as_through_the_relay(
+    llama_server, relay
+):
+    """`client.responses.stream()` raises on llama-server's own events (no `content_index`
+    on its text deltas), direct as through the relay; `create(stream=True)` reads them (the
+    test above). docs/apis.md says so; tests/proxy/test_sdk_responses_stream.py pins the
+    same against the simulator."""
+    for url in (llama_server.url, f"http://127.0.0.1:{relay.port}"):
+        kinds = []
+        with pytest.raises(TypeError, match="NoneType"):
+            async with oclient(url).responses.stream(
+                model="tiny", input="Hi there", max_output_tokens=4
+            ) as s:
+                async for ev in s:
+                    kinds.append(ev.type)
+        assert kinds[-1] == "response.content_part.added", url

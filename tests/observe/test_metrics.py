@@ -4,12 +4,13 @@ Prometheus text."""
 from __future__ import annotations
 
 import math
+import re
 
 import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from relay.observe.metrics import Registry, UpstreamMetrics
+from relay.observe.metrics import KeyOutcome, Registry, UpstreamMetrics
 
 
 def tokens_0_to_9(m: UpstreamMetrics) -> None:
@@ -394,3 +395,42 @@ def test_prometheus_unknown_state_and_nan_gauge():
     )
     assert fams["relay_decoding_speed_tps"] == ("gauge", {})
     assert b"NaN" not in reg.prometheus(0.0)
+
+
+# -- HELP texts -----------------------------------------------------------------------------------
+# Words each family's HELP must hold: what its labels split by, where its figure comes from.
+HELP_SAYS = {
+    "relay_requests_failed": ("by error code",),
+    "relay_requests_rejected": ("by error code",),
+    "relay_key_requests": ("by outcome", "served", "refused"),
+    "relay_key_tokens": ("by kind",),
+    "relay_stall_trips": ("by reason",),
+    "relay_tokens": ("Output tokens", "streamed or not"),
+    "relay_tokens_per_second": ("Output tokens", "10"),
+    "relay_ttft_avg_seconds": ("128", "60 s"),
+    "relay_decoding_speed_tps": ("tokens/s", "decoding_speed_tps", "FastFlowLM"),
+    "relay_kv_occupancy_percent": (
+        "KV cache",
+        "percent",
+        "kv_token_occupancy_rate_percentage",
+        "FastFlowLM",
+    ),
+}
+
+
+def test_every_help_line_parses_and_names_what_it_splits_by():
+    reg = two_upstreams()
+    reg.rejected("budget_exceeded")
+    reg.key_used("alpha", KeyOutcome.SERVED, 5, 7)
+    reg.key_used("alpha", KeyOutcome.REFUSED, None, None)
+    reg.rows_spilled = 0  # a shared store: its two gauges too
+    text = reg.prometheus(15.0).decode()
+    docs = {fam.name: fam.documentation for fam in text_string_to_metric_families(text)}
+    assert len(docs) == 25 and all(docs.values())
+    for name, words in HELP_SAYS.items():
+        for word in words:
+            assert word in docs[name], (name, word)
+    for name, doc in docs.items():
+        # A `code` label holds error codes, never HTTP statuses; "FLM" alone says nothing.
+        assert "status" not in doc, name
+        assert not re.search(r"\bFLM\b", doc), name

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from relay.observe.metrics import Registry, UpstreamMetrics
+from relay.observe.metrics import KeyOutcome, Registry, UpstreamMetrics
 from relay.observe.metrics_merge import absorb, merged
 
 
@@ -32,9 +32,10 @@ def test_counters_codes_histograms_and_token_windows_add_up():
     a.rejected("budget_exceeded")
     b.rejected("budget_exceeded")
     b.rejected("invalid_api_key")
-    a.key_used("alpha", 10, 20)
-    b.key_used("alpha", 1, 2)
-    b.key_used("beta", 5, 0)
+    a.key_used("alpha", KeyOutcome.SERVED, 10, 20)
+    b.key_used("alpha", KeyOutcome.SERVED, 1, 2)
+    b.key_used("alpha", KeyOutcome.REFUSED, None, None)
+    b.key_used("beta", KeyOutcome.SERVED, 5, 0)
     out = merged([a, b], {"llm": 8})
     m = out.get("llm")
     assert (m.requests_total, m.requests_failed) == (9, 4)
@@ -46,9 +47,10 @@ def test_counters_codes_histograms_and_token_windows_add_up():
     assert m.tpot_hist.count == 1 and m.e2e_hist.count == 2 and m.e2e_hist.sum == 3.0
     assert m.parallel == 8  # the parent's (the configured), not a sum
     assert out.requests_rejected == {"budget_exceeded": 2, "invalid_api_key": 1}
-    assert out.keys == {"alpha": [2, 11, 22], "beta": [1, 5, 0]}
+    # [served, refused, prompt tokens, completion tokens]
+    assert out.keys == {"alpha": [2, 1, 11, 22], "beta": [1, 0, 5, 0]}
     # the parts are left as they were
-    assert a.get("llm").requests_total == 4 and a.keys == {"alpha": [1, 10, 20]}
+    assert a.get("llm").requests_total == 4 and a.keys == {"alpha": [1, 0, 10, 20]}
 
 
 def test_recent_ttft_pooled_in_time_order_and_bounded():

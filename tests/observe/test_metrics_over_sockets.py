@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from itertools import pairwise
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -345,3 +346,38 @@ async def test_metrics_keyed_by_each_upstream(make_relay, sim):
         assert prom[("relay_tokens_total", (("upstream", "b"),))] == 8 == other.tokens_sent_total
     finally:
         await other.stop()
+
+
+# ---- per key ---------------------------------------------------------------------------
+async def test_a_keys_requests_are_counted_served_and_refused_apart(make_relay, sim):
+    from tests.support.keys import bearer, key
+
+    app = await make_relay(keys=[key(requests_per_day=2)])
+    for _ in range(3):
+        await httpc.fetch(app.port, "POST", CHAT, httpc.chat(3, stream=False), headers=bearer())
+    bad = await httpc.fetch(
+        app.port,
+        "POST",
+        CHAT,
+        b"{not json",
+        headers={**bearer(), "Content-Type": "application/json"},
+    )
+    assert bad.status == 400
+    await wait_for(lambda: len(rows(app)) == 4)
+    got = rows(app)
+    assert sorted(r["status"] for r in got) == [200, 200, 400, 429]
+    served = sum(r["upstream_served"] is not None for r in got)
+    prom = await prometheus(app)
+    key_requests = {
+        labels: v for (name, labels), v in prom.items() if name == "relay_key_requests_total"
+    }
+    # The served ones are what the key's budget counts; their sum is every keyed request.
+    assert key_requests == {
+        (("key", "alpha"), ("outcome", "served")): served,
+        (("key", "alpha"), ("outcome", "refused")): len(got) - served,
+    }
+    assert app.budgets.usage("alpha", time.time())["daily"]["requests"] == served == 2
+    # Tokens come from the served ones only.
+    assert prom[("relay_key_tokens_total", (("key", "alpha"), ("kind", "completion")))] == sum(
+        r["completion_tokens"] or 0 for r in got
+    )

@@ -86,7 +86,9 @@ async def test_latency_histograms_against_known_requests(make_relay):
     assert count_le(queue, 0.1) == 10
 
     fams = {f.name: f for f in text_string_to_metric_families(text)}
-    reqs = {s.labels["key"]: s.value for s in fams["relay_key_requests"].samples}
+    reqs = {
+        (s.labels["key"], s.labels["outcome"]): s.value for s in fams["relay_key_requests"].samples
+    }
     toks = {(s.labels["key"], s.labels["kind"]): s.value for s in fams["relay_key_tokens"].samples}
-    assert reqs == {"alpha": 10}
+    assert reqs == {("alpha", "served"): 10, ("alpha", "refused"): 0}
     assert toks == {("alpha", "completion"): 50, ("alpha", "prompt"): 20}

@@ -48,16 +48,20 @@ def usage_from_rows(rows: list[dict], key_id: str) -> dict:
     }
 
 
-def budget_error(limit: str, used: int, limit_value: int, resets_at: float) -> dict:
+def budget_error(limit: str, used: int, requested: int, limit_value: int, resets_at: float) -> dict:
+    """The 429 body: `used` (used and reserved in the window already), `requested` (what
+    this request would reserve: 1 request, or its token estimate), in figures and in words."""
     return {
         "error": {
-            "message": f"{limit} budget exceeded",
+            "message": f"{limit} budget exceeded: {used} used + {requested} requested"
+            f" > {limit_value}",
             "type": "rate_limit_error",
             "code": "budget_exceeded",
             "param": None,
             "details": {
                 "limit": limit,
                 "used": used,
+                "requested": requested,
                 "limit_value": limit_value,
                 "resets_at": iso(resets_at),
             },
@@ -266,7 +270,9 @@ async def test_over_budget_is_rejected_before_any_upstream_contact(make_relay, s
     assert resp.status == 429
     assert sim.requests == [] and sim.connections_opened == 0
     midnight = window_bounds("daily", time.time())[1]
-    assert resp.json() == budget_error("daily_tokens", 0, 100, midnight)
+    # Nothing used yet: the request's own estimate is what does not fit.
+    requested = body_len(body) // 4 + 200
+    assert resp.json() == budget_error("daily_tokens", 0, requested, 100, midnight)
     retry = int(resp.header("retry-after"))
     assert 1 <= retry <= math.ceil(midnight - time.time()) + 1
     [row] = await rows_of(app, 1)
@@ -295,6 +301,7 @@ async def test_exactly_k_of_n_concurrent_requests_are_admitted(make_relay, sim):
             assert r.json()["error"]["details"]["limit"] == "monthly_requests"
             assert r.json()["error"]["details"]["limit_value"] == 3
             assert r.json()["error"]["details"]["used"] == 3
+            assert r.json()["error"]["details"]["requested"] == 1
     rows = await rows_of(app, 12)
     assert app.budgets.usage("alpha", time.time())["monthly"] == usage_from_rows(rows, "alpha")
     assert usage_from_rows(rows, "alpha")["requests"] == 3
@@ -313,7 +320,11 @@ async def test_token_budget_second_request_no_longer_fits(make_relay, sim):
     r2 = await httpc.fetch(app.port, "POST", CHAT, first, headers=bearer())
     assert r2.status == 429
     assert r2.json() == budget_error(
-        "daily_tokens", used, 800, window_bounds("daily", time.time())[1]
+        "daily_tokens",
+        used,
+        body_len(first) // 4 + 400,
+        800,
+        window_bounds("daily", time.time())[1],
     )
     small = httpc.chat(10)  # a smaller ask still fits in what is left
     assert used + body_len(small) // 4 + 10 <= 800
@@ -340,6 +351,7 @@ async def test_token_reservations_of_requests_in_flight_count(make_relay, sim):
             d = r.json()["error"]["details"]
             assert (d["limit"], d["limit_value"]) == ("daily_tokens", 2 * est + est // 2)
             assert d["used"] == 2 * est  # the two reservations in flight
+            assert d["requested"] == est  # and this one's, which would go over
     rows = await rows_of(app, 5)
     assert app.budgets.usage("alpha", time.time())["daily"] == usage_from_rows(rows, "alpha")
     assert usage_from_rows(rows, "alpha")["tokens"] == 2 * (2 + 3)
@@ -356,7 +368,7 @@ async def test_429_details_and_retry_after_exact_daily(make_relay, sim, monkeypa
     assert resp.status == 429
     assert resp.header("retry-after") == "101"
     assert resp.header("content-type") == "application/json"
-    assert resp.json() == budget_error("daily_requests", 1, 1, midnight)
+    assert resp.json() == budget_error("daily_requests", 1, 1, 1, midnight)
     assert resp.json()["error"]["details"]["resets_at"] == "2031-03-15T00:00:00Z"
     # across UTC midnight the daily window starts again
     clock.t = midnight + 0.5
@@ -382,13 +394,13 @@ async def test_monthly_window_resets_at_month_end_and_not_at_midnight(make_relay
 
     assert [await status(), await status()] == [200, 200]
     resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(2), headers=bearer())
-    assert resp.json() == budget_error("daily_requests", 2, 2, jan31)
+    assert resp.json() == budget_error("daily_requests", 2, 1, 2, jan31)
     assert resp.header("retry-after") == "5"
     clock.t = jan31 + 10  # a new day, the same month: one request left this month
     assert await status() == 200
     resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(2), headers=bearer())
     feb1 = utc(2031, 2, 1)
-    assert resp.json() == budget_error("monthly_requests", 3, 3, feb1)
+    assert resp.json() == budget_error("monthly_requests", 3, 1, 3, feb1)
     assert resp.header("retry-after") == str(math.ceil(feb1 - clock.t))
     clock.t = feb1 - 0.5
     resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(2), headers=bearer())
@@ -396,7 +408,7 @@ async def test_monthly_window_resets_at_month_end_and_not_at_midnight(make_relay
     clock.t = feb1  # the first instant of February
     assert [await status(), await status()] == [200, 200]
     resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(2), headers=bearer())
-    assert resp.json() == budget_error("daily_requests", 2, 2, utc(2031, 2, 2))
+    assert resp.json() == budget_error("daily_requests", 2, 1, 2, utc(2031, 2, 2))
     assert len(sim.requests) == 5
     rows = await rows_of(app, 9)
     feb_rows = [r for r in rows if r["ts"] >= feb1]
@@ -422,6 +434,7 @@ def test_budget_windows_at_month_and_year_edges():
     assert exc.value.details() == {
         "limit": "monthly_requests",
         "used": 1,
+        "requested": 1,
         "limit_value": 1,
         "resets_at": "2032-01-01T00:00:00Z",
     }
@@ -714,7 +727,7 @@ async def test_budget_survives_a_restart(make_relay, sim, tmp_path):
     resp = await httpc.fetch(again.port, "POST", CHAT, httpc.chat(2), headers=bearer())
     assert resp.status == 429  # the limit still bites after the restart
     assert resp.json() == budget_error(
-        "daily_requests", 3, 3, window_bounds("daily", time.time())[1]
+        "daily_requests", 3, 1, 3, window_bounds("daily", time.time())[1]
     )
     assert len(sim.requests) == n + 1
     rows = await rows_of(again, 2)

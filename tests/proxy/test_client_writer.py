@@ -52,11 +52,15 @@ def test_the_upstreams_own_chunks_pass_as_they_are_once_both_sides_are_between_c
     assert out == [b"H", b"3\r\nabc\r\n"] and w.sent == 8
 
 
-def test_the_relays_own_answer_is_no_relayed_body():
+def test_the_relays_own_answer_counts_its_body_and_no_first_byte():
     w, _loop, out = writer()
     w.answer(404, b'{"error":{}}', b"rid", True)
     assert out[0].startswith(b"HTTP/1.1 404 Not Found\r\n") and out[0].endswith(b'{"error":{}}')
-    assert (w.sent, w.first_at) == (0, None)
+    # Its body is what the client got (a row's bytes_out); its first byte is no relayed
+    # response's.
+    assert (w.sent, w.first_at) == (len(b'{"error":{}}'), None)
+    w.send_answer(b"HTTP/1.1 100 Continue\r\n\r\n")  # an interim response has no body
+    assert w.sent == len(b'{"error":{}}')
 
 
 def test_a_new_response_starts_its_figures_from_nothing():
@@ -71,6 +75,6 @@ def test_nothing_is_written_once_the_connection_is_gone():
     w.closed()
     w.write(Out(b"H", (b"x",)))
     w.body(b"y")
-    w.answer(200, b"", None, False)
+    w.answer(200, b"z", None, False)
     w.end()
     assert out == [] and w.sent == 0

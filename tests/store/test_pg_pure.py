@@ -1,7 +1,10 @@
 """The pure parts of the PostgreSQL store: spill file framing, the reservation's answer,
 the `[store]` rules (url or path, never a password in the file), the SQL spelling."""
 
+import json
 import os
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -78,19 +81,23 @@ def test_decision_none_is_admitted_and_a_named_window_is_the_local_refusal():
     assert decision(None, res, now) is None
     exc = decision("daily_requests 10", res, now)
     assert isinstance(exc, BudgetExceeded)
-    assert (exc.limit, exc.used, exc.limit_value, exc.resets_at) == (
+    assert (exc.limit, exc.used, exc.requested, exc.limit_value, exc.resets_at) == (
         "daily_requests",
         10,
+        1,
         10,
         window_bounds("daily", now)[1],
     )
+    # What the request would reserve: the 7 tokens of its local reservation.
     exc = decision("monthly_tokens 498", res, now)
-    assert (exc.limit, exc.used, exc.limit_value, exc.resets_at) == (
+    assert (exc.limit, exc.used, exc.requested, exc.limit_value, exc.resets_at) == (
         "monthly_tokens",
         498,
+        7,
         500,
         window_bounds("monthly", now)[1],
     )
+    assert str(exc) == "monthly_tokens budget exceeded: 498 used + 7 requested > 500"
     with pytest.raises(ValueError):
         decision("weekly_requests 1", res, now)
 
@@ -190,6 +197,36 @@ def test_a_relay_whose_password_variable_is_unset_does_not_start(monkeypatch):
     )
     with pytest.raises(ConfigError, match="RELAY_UNSET_PW is not set"):
         make_store(cfg, None)
+
+
+BLOCK_PSYCOPG = """
+import importlib.abc, sys
+class NoDriver(importlib.abc.MetaPathFinder):  # as if the postgres extra were not installed
+    def find_spec(self, name, path=None, target=None):
+        if name == "psycopg" or name.startswith("psycopg."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NoDriver())
+from relay.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_relay_without_the_driver_does_not_start_and_names_the_extra(tmp_path):
+    conf = tmp_path / "relay.toml"
+    conf.write_text(
+        '[[upstream]]\nname = "llm"\nurl = "http://127.0.0.1:9"\n'
+        '[store]\nurl = "postgresql://u@127.0.0.1:1/x"\n'
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", BLOCK_PSYCOPG, "serve", "--config", str(conf), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    [line] = [json.loads(x) for x in done.stderr.splitlines() if "relay_start_failed" in x]
+    assert line["error"].startswith("store.url: PostgreSQL needs the 'postgres' extra")
+    assert "pip install -e '.[postgres]'" in line["error"] and "Traceback" not in done.stderr
 
 
 def test_is_pg_url_and_check_pg_url():

@@ -51,7 +51,9 @@ async def test_sixty_concurrent_reservations_from_three_relays_admit_exactly_sev
     )
     assert sum(a is None for a in answers) == 7
     refused = [a for a in answers if a is not None]
-    assert {(e.limit, e.used, e.limit_value) for e in refused} == {("daily_requests", 7, 7)}
+    assert {(e.limit, e.used, e.requested, e.limit_value) for e in refused} == {
+        ("daily_requests", 7, 1, 7)
+    }
     assert pg_server.query(db, "SELECT count(*) FROM reservation") == [(7,)]
     for r in relays:
         await r.close()
@@ -61,7 +63,7 @@ async def test_a_token_window_counts_settled_tokens_and_live_leases(pg_server, d
     shared = _shared(pg_server, db, "relay-t")
     assert await _ask(shared, _budgets(tokens_per_day=100), "a", 60) is None
     exc = await _ask(shared, _budgets(tokens_per_day=100), "b", 60)
-    assert (exc.limit, exc.used) == ("daily_tokens", 60)
+    assert (exc.limit, exc.used, exc.requested) == ("daily_tokens", 60, 60)
     # the settlement: the row in, the lease out, one transaction (as store.postgres)
     pg_server.query(
         db,
@@ -72,7 +74,7 @@ async def test_a_token_window_counts_settled_tokens_and_live_leases(pg_server, d
     )
     assert await _ask(shared, _budgets(tokens_per_day=100), "c", 80) is None  # 20 + 80
     exc = await _ask(shared, _budgets(tokens_per_day=100), "d", 1)
-    assert (exc.limit, exc.used) == ("daily_tokens", 100)
+    assert (exc.limit, exc.used, exc.requested) == ("daily_tokens", 100, 1)
     await shared.close()
 
 

@@ -247,6 +247,7 @@ async def test_rows_of_requests_the_relay_refused(make_relay, sim):
     reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
     writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: relay.test\r\n")
     r408 = await asyncio.wait_for(httpc.read_head(reader), 5)
+    await asyncio.wait_for(httpc.read_body(reader, r408), 5)
     writer.close()
     # 503: the one slot is taken and nothing may wait
     hold_r, hold_w = await asyncio.open_connection("127.0.0.1", app.port)
@@ -281,9 +282,14 @@ async def test_rows_of_requests_the_relay_refused(make_relay, sim):
             ttft_ms=None,
             completion_tokens=None,
             tokens_source=None,
-            bytes_out=0,
         )
     by_id = {r["request_id"]: r for r in refused}
+    # The body of the relay's own answer is what the client got (a 408 has no request id:
+    # its row is the one left).
+    answers = {"r400": r400, "r404": r404, "r413": r413, "r431": r431, "r503": r503}
+    (r408_id,) = set(by_id) - set(answers)
+    for rid, resp in {**answers, r408_id: r408}.items():
+        assert resp.body and by_id[rid]["bytes_out"] == len(resp.raw_body), rid
     check(by_id["r400"], path=CHAT, upstream_requested=None)
     check(by_id["r404"], path=CHAT, model="nope", upstream_requested=None)
     check(by_id["r413"], path=CHAT, status=413)

@@ -22,7 +22,10 @@ def config(
     limit: int = 10,
     ttl: float = 30.0,
     parallel: int = 64,
+    tokens: int = 0,
 ) -> str:
+    """A relay's config file: key `alpha` with `limit` requests and `tokens` tokens a day
+    (0: no limit)."""
     cfg = tmp_path / f"{name}.toml"
     cfg.write_text(
         f"[server]\nport = 0\n"
@@ -31,6 +34,7 @@ def config(
         f'[[upstream]]\nname = "llm"\nurl = "http://127.0.0.1:{sim_port}"\n'
         f"parallel = {parallel}\nqueue = 1000\n"
         f'[[key]]\nid = "alpha"\nsha256 = "{sha(SECRET)}"\nrequests_per_day = {limit}\n'
+        f"tokens_per_day = {tokens}\n"
     )
     return str(cfg)
 

@@ -116,7 +116,7 @@ async def test_an_admission_the_store_refused_holds_nothing(tmp_path, monkeypatc
     resets = time.time() + 3600
 
     async def refuse(*args, **kwargs) -> None:
-        raise BudgetExceeded("daily_requests", 9, 9, resets, time.time())
+        raise BudgetExceeded("daily_requests", 9, 1, 9, resets, time.time())
 
     monkeypatch.setattr(app.store, "admit", refuse)
     rec = _keyed("r1")
@@ -126,7 +126,9 @@ async def test_an_admission_the_store_refused_holds_nothing(tmp_path, monkeypatc
     async with storing(app), served(app, w) as reader:
         reader.feed_data(frames)
         await wait_for(lambda: _told(w, wire.AdmitRefused), timeout=END_WAIT_S)
-        assert _told(w, wire.AdmitRefused) == [wire.AdmitRefused(7, "daily_requests", 9, 9, resets)]
+        assert _told(w, wire.AdmitRefused) == [
+            wire.AdmitRefused(7, "daily_requests", 9, 1, 9, resets)
+        ]
         assert _told(w, wire.AdmitAnswer) == []
         assert w.admissions == {}
         assert _daily(app) == (0, 0, 0, 0)

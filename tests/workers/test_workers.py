@@ -154,11 +154,16 @@ async def test_a_daily_limit_admits_exactly_k_across_workers(tmp_path, workers):
         statuses = sorted(r.status for r in results)
         assert statuses.count(200) == 10 and statuses.count(429) == 290
         assert len([r for r in sim.requests if r.path == CHAT]) == 10
-        # Every worker's figures of the 300 are in.
-        text = await _counted(port, 300, "relay_key_requests_total", key="alpha")
+        # The parent's refusal, as the worker answers it: what was used and what was asked.
+        refused = next(r for r in results if r.status == 429).json()["error"]
+        assert refused["message"] == "daily_requests budget exceeded: 10 used + 1 requested > 10"
+        assert (refused["details"]["used"], refused["details"]["requested"]) == (10, 1)
+        # Every worker's figures of the 300 are in: the served and the refused apart.
+        await _counted(port, 10, "relay_key_requests_total", key="alpha", outcome="served")
+        text = await _counted(port, 290, "relay_key_requests_total", key="alpha", outcome="refused")
+        assert _metric(text, "relay_key_requests_total", key="alpha", outcome="served") == 10
         assert _metric(text, "relay_requests_total", upstream="llm") == 10
         assert _metric(text, "relay_requests_rejected_total", code="budget_exceeded") == 290
-        assert _metric(text, "relay_key_requests_total", key="alpha") == 300
         assert await _stop(proc) == 0
         rows = stored(db)
         assert len(rows) == 300  # one row per request, in the one store
