@@ -1,0 +1,237 @@
+"""relay/proxy/slots.py's Board without sockets: a pool's members, its one queue, where a
+request goes and which waiting request a freed slot takes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from relay.config import BalanceConfig
+from relay.observe.metrics import Registry
+from relay.policy.affinity import NO_WANT, Reuse, Want
+from relay.policy.prefix import first_key, fingerprint
+from relay.policy.routing import Pool
+from relay.proxy.slots import Board, Busy, SlotPool, SlotsClosed
+from relay.stream.dialect import Api
+
+
+class Health:
+    def __init__(self) -> None:
+        self.up = True
+
+    def usable(self) -> bool:
+        return self.up
+
+
+def board_of(*specs: tuple[str, int, int], **balance: object) -> tuple[Board, dict[str, SlotPool]]:
+    members: dict[str, SlotPool] = {}
+    board = Board(BalanceConfig(**balance), members.get)  # type: ignore[arg-type]
+    for name, parallel, queue in specs:
+        slots = members[name] = SlotPool(parallel, queue, name, Health())
+        board.adopt(slots)
+    return board, members
+
+
+def conversation(*turns: str, system: str = "You are terse.") -> Want:
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}]
+    for i, text in enumerate(turns):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    fp = fingerprint(Api.CHAT, {"messages": messages})
+    return Want(fp, first_key(fp))
+
+
+POOL = Pool("tiny", ("a", "b"))
+
+
+async def test_a_follow_up_turn_goes_where_its_prefix_is_cached():
+    board, m = board_of(("a", 2, 8), ("b", 2, 8))
+    first = conversation("hello")
+    slot = await board.acquire(POOL, first, 1.0)
+    home = slot.member
+    slot.release(Reuse(100, 0))
+    # The other member is idle, this one too: the follow-up goes home all the same.
+    again = await board.acquire(POOL, conversation("hello", "hi", "more"), 1.0)
+    assert again.member == home
+    assert board.routed["tiny"]
+    again.release(Reuse(150, 100))
+    assert m["a"].in_flight == m["b"].in_flight == 0
+
+
+async def test_new_conversations_spread_and_each_keeps_its_member():
+    board, m = board_of(("a", 4, 8), ("b", 4, 8))
+    homes = {}
+    held = []
+    for i in range(4):
+        s = await board.acquire(POOL, conversation(f"question {i}"), 1.0)
+        homes[i] = s.member
+        held.append(s)
+    # The least loaded each time: two each.
+    assert sorted(homes.values()) == ["a", "a", "b", "b"]
+    for s in held:
+        s.release(Reuse(50, 0))
+    for i in range(4):
+        s = await board.acquire(POOL, conversation(f"question {i}", "answer", "next"), 1.0)
+        assert s.member == homes[i]
+        s.release(Reuse(80, 50))
+
+
+async def test_the_load_bound_sends_a_conversation_away_from_a_busy_home():
+    board, m = board_of(("a", 8, 8), ("b", 8, 8), epsilon=0.0)
+    c = conversation("hot")
+    s = await board.acquire(POOL, c, 1.0)
+    home = s.member
+    s.release(Reuse(10, 0))
+    # Three of its turns at once: the home takes its share, the load bound sends one away.
+    held = [await board.acquire(POOL, conversation("hot", "x", str(i)), 1.0) for i in range(3)]
+    members = [h.member for h in held]
+    assert members.count(home) == 2 and len(set(members)) == 2
+    for h in held:
+        h.release()
+
+
+async def test_without_affinity_the_least_loaded_member_is_chosen():
+    board, m = board_of(("a", 4, 8), ("b", 4, 8), affinity=False)
+    c = conversation("hello")
+    s1 = await board.acquire(POOL, c, 1.0)
+    s1.release(Reuse(10, 0))
+    hold = await board.acquire(POOL, conversation("other"), 1.0)
+    follow = await board.acquire(POOL, conversation("hello", "hi", "again"), 1.0)
+    # Not sent home: the member the other conversation does not load.
+    assert follow.member != hold.member
+    hold.release()
+    follow.release()
+
+
+async def test_a_full_pool_queues_in_one_queue_bounded_by_the_members_queues():
+    board, m = board_of(("a", 1, 1), ("b", 1, 2))
+    held = [await board.acquire(POOL, NO_WANT, 1.0) for _ in range(2)]
+    waiting = [asyncio.create_task(board.acquire(POOL, NO_WANT, 5.0)) for _ in range(3)]
+    await asyncio.sleep(0)
+    with pytest.raises(Busy, match="queue full"):
+        await board.acquire(POOL, NO_WANT, 5.0)
+    # Each freed slot passes to the oldest waiter, on whichever member freed.
+    held[1].release()
+    got = await asyncio.wait_for(waiting[0], 1)
+    assert got.member == held[1].member
+    held[0].release()
+    assert (await asyncio.wait_for(waiting[1], 1)).member == held[0].member
+    for t in waiting[2:]:
+        t.cancel()
+    await asyncio.gather(*waiting[2:], return_exceptions=True)
+    assert m["a"].in_flight + m["b"].in_flight == 2
+    assert m["a"].queued == m["b"].queued == 0
+
+
+async def test_a_freed_slot_prefers_a_waiter_whose_conversation_lives_there_until_the_bound():
+    board, m = board_of(("a", 1, 8), ("b", 1, 8), affinity_wait_s=30.0)
+    s = await board.acquire(POOL, conversation("lives here"), 1.0)
+    home = s.member
+    other = "b" if home == "a" else "a"
+    s.release(Reuse(10, 0))
+    at_home = await board.acquire(POOL, conversation("lives here", "x", "y"), 1.0)
+    elsewhere = await board.acquire(POOL, NO_WANT, 1.0)
+    assert (at_home.member, elsewhere.member) == (home, other)
+    stranger = conversation("a stranger", system="Another prompt.")
+    older = asyncio.create_task(board.acquire(POOL, stranger, 5.0))
+    await asyncio.sleep(0)
+    newer = asyncio.create_task(board.acquire(POOL, conversation("lives here", "x", "z"), 5.0))
+    await asyncio.sleep(0)
+    # The one whose conversation lives at home is counted there; the stranger nowhere.
+    assert (m[home].queued, m[other].queued) == (1, 0)
+    # Home frees: the newer waiter's conversation lives there, it goes first.
+    at_home.release()
+    assert (await asyncio.wait_for(newer, 1)).member == home
+    assert not older.done()
+    elsewhere.release()
+    assert (await asyncio.wait_for(older, 1)).member == other
+
+
+async def test_a_waiter_past_the_bound_is_never_passed_over():
+    board, m = board_of(("a", 1, 8), ("b", 1, 8), affinity_wait_s=0.0)
+    on_a = conversation("lives on a")
+    s = await board.acquire(POOL, on_a, 1.0)
+    home = s.member
+    s.release(Reuse(10, 0))
+    held = [await board.acquire(POOL, NO_WANT, 1.0) for _ in range(2)]
+    older = asyncio.create_task(board.acquire(POOL, NO_WANT, 5.0))
+    await asyncio.sleep(0)
+    newer = asyncio.create_task(board.acquire(POOL, conversation("lives on a", "x", "y"), 5.0))
+    await asyncio.sleep(0)
+    next(h for h in held if h.member == home).release()
+    # A bound of 0: the oldest has waited long enough.
+    assert (await asyncio.wait_for(older, 1)).member == home
+    assert not newer.done()
+    newer.cancel()
+    await asyncio.gather(newer, return_exceptions=True)
+
+
+async def test_an_excluded_member_is_neither_given_nor_waited_for():
+    board, m = board_of(("a", 1, 8), ("b", 1, 8))
+    s = await board.acquire(POOL, NO_WANT, 1.0, exclude=frozenset({"a"}))
+    assert s.member == "b"
+    waiting = asyncio.create_task(board.acquire(POOL, NO_WANT, 5.0, exclude=frozenset({"a"})))
+    await asyncio.sleep(0)
+    # a is free, but excluded: the waiter waits for b.
+    assert not waiting.done() and m["a"].in_flight == 0
+    s.release()
+    assert (await asyncio.wait_for(waiting, 1)).member == "b"
+
+
+async def test_a_down_member_hands_no_slot_on_until_it_is_back():
+    board, m = board_of(("a", 1, 8), ("b", 1, 8))
+    sa = await board.acquire(POOL, NO_WANT, 1.0)
+    sb = await board.acquire(POOL, NO_WANT, 1.0)
+    waiting = asyncio.create_task(board.acquire(POOL, NO_WANT, 5.0))
+    await asyncio.sleep(0)
+    down = m[sa.member]
+    down.health.up = False  # type: ignore[union-attr]
+    sa.release()
+    await asyncio.sleep(0)
+    assert not waiting.done() and down.in_flight == 0
+    down.health.up = True  # type: ignore[union-attr]
+    down.kick()
+    assert (await asyncio.wait_for(waiting, 1)).member == down.name
+    sb.release()
+
+
+async def test_an_answer_that_missed_is_counted_and_a_member_down_is_forgotten():
+    board, m = board_of(("a", 2, 8), ("b", 2, 8))
+    c = conversation("remember me")
+    s = await board.acquire(POOL, c, 1.0)
+    home = s.member
+    s.release(Reuse(100, 0))
+    s = await board.acquire(POOL, conversation("remember me", "ok", "next"), 1.0)
+    assert s.member == home and s.units > 0
+    # The member's answer: nothing of it was cached (it restarted).
+    s.release(Reuse(200, 0))
+    assert board.missed == {"tiny": 1}
+    board.forget_member(home)
+    assert board.table.longest_holder(c.fingerprint, [home]) is None
+
+
+async def test_closing_tells_every_waiter_of_the_pool():
+    board, m = board_of(("a", 1, 8), ("b", 1, 8))
+    held = [await board.acquire(POOL, NO_WANT, 1.0) for _ in range(2)]
+    waiting = asyncio.create_task(board.acquire(POOL, NO_WANT, 5.0))
+    await asyncio.sleep(0)
+    m["a"].close()
+    with pytest.raises(SlotsClosed):
+        await asyncio.wait_for(waiting, 1)
+    with pytest.raises(SlotsClosed):
+        await board.acquire(POOL, NO_WANT, 1.0)
+    for h in held:
+        h.release()
+
+
+async def test_a_wait_that_runs_out_leaves_the_queue():
+    board, m = board_of(("a", 1, 8), ("b", 1, 8))
+    held = [await board.acquire(POOL, NO_WANT, 1.0) for _ in range(2)]
+    with pytest.raises(Busy, match="within"):
+        await board.acquire(POOL, conversation("late"), 0.01)
+    registry = Registry()
+    board.figures(registry, [POOL])
+    assert registry.pools["tiny"].waiting == 0 and m["a"].queued == m["b"].queued == 0
+    for h in held:
+        h.release()
+    assert m["a"].in_flight == m["b"].in_flight == 0
