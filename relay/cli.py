@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sqlite3
 import sys
 from typing import TYPE_CHECKING
 
-from relay.app import run
+from relay.app import run, worker_count
 from relay.config import Config, ConfigError, load_config, parse_config
+from relay.observe.notify import Notifier, State, serving_status
 
 if TYPE_CHECKING:
     from relay.app import App
@@ -68,10 +70,12 @@ def build_config(args: argparse.Namespace, sim_url: str | None = None) -> Config
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from relay.app import App, worker_count
+    from relay.app import App
     from relay.observe.log import Log
 
     log = Log()
+    # systemd's Type=notify (observe.notify); no worker inherits its socket.
+    notify = Notifier.from_environ(os.environ, log)
     # What asyncio would print as text (a callback's exception, ...) is a JSON line too.
     asyncio.get_running_loop().set_exception_handler(
         lambda _loop, ctx: log.event(
@@ -104,11 +108,25 @@ async def _serve(args: argparse.Namespace) -> int:
         what = f"store.path {app.config.store.path!r}: " if isinstance(exc, sqlite3.Error) else ""
         log.event("relay_start_failed", error=f"{what}{exc}")
         log.flush()
+        notify.send(None, f"start failed: {what}{exc}")
         if sim is not None:
             await sim.stop()
         return 2
+    notify.send(State.READY, _serving(app))
     if args.demo:
         _demo_try(app, log)
+    await _until_stopped(app, args, sim_url, log, notify)
+    notify.send(State.STOPPING, f"draining: up to {app.config.server.drain_timeout_s:g} s")
+    await app.stop()
+    if sim is not None:
+        await sim.stop()
+    return 0
+
+
+async def _until_stopped(
+    app: App, args: argparse.Namespace, sim_url: str | None, log: Log, notify: Notifier
+) -> None:
+    """Serve until SIGTERM or SIGINT; SIGHUP reloads meanwhile."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -124,7 +142,7 @@ async def _serve(args: argparse.Namespace) -> int:
     # A task: a reload waits for the store off the loop.
     def on_hup() -> None:
         if not stop.is_set():
-            task = loop.create_task(reload_config(app, args, sim_url, log))
+            task = loop.create_task(reload_config(app, args, sim_url, log, notify))
             reloads.add(task)
             task.add_done_callback(reloads.discard)
 
@@ -132,10 +150,6 @@ async def _serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, on_stop)
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     await stop.wait()
-    await app.stop()
-    if sim is not None:
-        await sim.stop()
-    return 0
 
 
 def _demo_try(app: App, log: Log) -> None:
@@ -151,15 +165,29 @@ def _demo_try(app: App, log: Log) -> None:
     )
 
 
-async def reload_config(app: App, args: argparse.Namespace, sim_url: str | None, log: Log) -> None:
+async def reload_config(
+    app: App, args: argparse.Namespace, sim_url: str | None, log: Log, notify: Notifier
+) -> None:
     """SIGHUP: read the file again (flags still override it) and apply it, or keep the
-    running configuration and say why."""
+    running configuration and say why. The service manager hears `RELOADING=1`, then
+    `READY=1` whatever came of it."""
+    notify.send(State.RELOADING, f"reloading {args.config or 'the flags'}")
+    outcome = "reload failed"
     try:
         summary = await app.reload_async(build_config(args, sim_url))
+        outcome = "reloaded"
+        log.event("config_reloaded", config=args.config, **summary)
     except ConfigError as exc:
         log.event("config_reload_failed", reason=str(exc), config=args.config)
-        return
-    log.event("config_reloaded", config=args.config, **summary)
+        outcome = f"reload refused: {exc}"
+    finally:
+        notify.send(State.READY, f"{_serving(app)}; {outcome}")
+
+
+def _serving(app: App) -> str:
+    """The status line of a serving relay (observe.notify)."""
+    s = app.config.server
+    return serving_status(list(app.upstreams), s.host, app.port, worker_count(s.workers))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""What the relay tells about itself: logs, metrics, the request row, the operator page.
+"""What the relay tells about itself: logs, metrics, the request row, the operator page, what
+it tells its service manager.
 
 - `log`: structured log lines (one JSON object per line)
 - `metrics`: per-upstream counters and gauges, as JSON and Prometheus text
@@ -10,6 +11,7 @@
 - `otel_env`, `otel_start`: whether OpenTelemetry is on, and the telemetry built at start
 - `otel`, `otel_attrs`, `otel_export`: OpenTelemetry's spans and metrics (imported only when
   it is on), what a row says in the GenAI conventions, and how it all leaves the process
+- `notify`: what systemd is told (`READY=1`, `RELOADING=1`, `STOPPING=1`) over `$NOTIFY_SOCKET`
 
 May import: `relay.policy`, `relay.stream`, `relay.config`, `relay.http`, `relay.errors`.
 """
