@@ -10,6 +10,7 @@ whose slots, budgets and store are its parent's.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 import time
@@ -32,7 +33,7 @@ from relay.proxy.body_memory import BodyBytes
 from relay.proxy.client import LINGER_S, ClientConn
 from relay.proxy.deadlines import Deadlines
 from relay.proxy.dispatch import Dispatcher
-from relay.proxy.health import probe_once
+from relay.proxy.health import Change, probe_once
 from relay.proxy.upstreams import Upstream
 from relay.reload import Summary
 from relay.store.admissions import AdmissionId
@@ -151,8 +152,26 @@ class App:
 
     # ---- what a worker process (relay.workers) holds in another way ----------------------
     def new_upstream(self, cfg: UpstreamConfig, d: DispatcherConfig) -> Upstream:
-        """An upstream as this process holds it (at start and for a reload)."""
-        return Upstream(cfg, d.upstream_keepalive_s, d.prewarm, d.connect_timeout_s)
+        """An upstream as this process holds it (at start and for a reload): each change of
+        its state is logged (`health_changed`)."""
+        up = Upstream(cfg, d.upstream_keepalive_s, d.prewarm, d.connect_timeout_s)
+        up.health.on_change = functools.partial(self.health_changed, up)
+        return up
+
+    def health_changed(self, up: Upstream, change: Change) -> None:
+        """An upstream's state changed (a probe, or a request: found down, or answering
+        again): one `upstream_state` line per change, not one per request."""
+        line: dict[str, object] = {
+            "upstream": up.name,
+            "state": change.now,
+            "was": change.was,
+            "seen_by": change.by,
+        }
+        if change.status is not None:
+            line["status"] = change.status
+        if change.error:
+            line["error"] = change.error
+        self.log.record("upstream_state", line)
 
     def make_budgets(self, config: Config) -> Budgets:
         return Budgets(config.key)
@@ -404,12 +423,8 @@ class App:
                 up.tls,
                 up.target.join(b"/health"),
             )
-            before = up.health.probe
+            # A new state is logged (`health_changed`).
             up.health.probed(status, error)
-            if up.health.probe != before:
-                self.log.event(
-                    "upstream_state", upstream=up.name, state=up.state, was=before, status=status
-                )
             self.probed(up)
             try:
                 await asyncio.wait_for(
