@@ -24,6 +24,7 @@ from relay.observe.log import Log
 from relay.observe.metrics import Registry, UpstreamMetrics
 from relay.observe.record import Record
 from relay.observe.ui_state import Recent, Trend, Trended
+from relay.policy import admin_access
 from relay.policy.budget import Budgets, window_bounds
 from relay.policy.cors import Cors
 from relay.policy.keys import Auth
@@ -231,6 +232,7 @@ class App:
         self.log.event(
             f"{self.role}_listening", host=s.host, port=self.port, upstreams=list(self.upstreams)
         )
+        self.opened()
         for up in self.upstreams.values():
             if up.target.tls and not up.cfg.verify:
                 self.log.event(
@@ -239,6 +241,19 @@ class App:
                     url=up.cfg.url,
                     note="verify = false: certificate and hostname are not checked",
                 )
+
+    def opened(self) -> None:
+        """A warning at start when anyone who can reach the relay may do anything
+        (`admin_access.open_to_network`): what is exposed, and what closes it."""
+        s = self.config.server
+        if admin_access.open_to_network(self.auth, s.host):
+            self.log.event(
+                "relay_open",
+                host=s.host,
+                port=self.port,
+                exposed=list(admin_access.OPEN_EXPOSES),
+                fix="add [[key]] and admin_key_sha256 (docs/security.md), or listen on 127.0.0.1",
+            )
 
     def start_probes(self) -> None:
         """One /health probe task per upstream (again after a reload: the old ones end)."""

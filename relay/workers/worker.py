@@ -85,6 +85,9 @@ class WorkerApp(App):
         elif change.now is READY:
             self.link.send(wire.Up(up.name))
 
+    def opened(self) -> None:
+        """The parent warns of an open relay, once."""
+
     def make_budgets(self, config: Config) -> Budgets:
         return LooseBudgets(config.key)
 
