@@ -10,6 +10,7 @@ whose slots, budgets and store are its parent's.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 import time
@@ -23,6 +24,7 @@ from relay.observe.log import Log
 from relay.observe.metrics import Registry, UpstreamMetrics
 from relay.observe.record import Record
 from relay.observe.ui_state import Recent, Trend, Trended
+from relay.policy import admin_access
 from relay.policy.budget import Budgets, window_bounds
 from relay.policy.cors import Cors
 from relay.policy.keys import Auth
@@ -32,7 +34,7 @@ from relay.proxy.body_memory import BodyBytes
 from relay.proxy.client import LINGER_S, ClientConn
 from relay.proxy.deadlines import Deadlines
 from relay.proxy.dispatch import Dispatcher
-from relay.proxy.health import DOWN, probe_once
+from relay.proxy.health import DOWN, Change, probe_once
 from relay.proxy.slots import Balancer, Board, SlotPool
 from relay.proxy.upstreams import Upstream
 from relay.reload import Summary
@@ -161,22 +163,34 @@ class App:
     # ---- what a worker process (relay.workers) holds in another way ----------------------
     def new_upstream(self, cfg: UpstreamConfig, d: DispatcherConfig) -> Upstream:
         """An upstream as this process holds it (at start and for a reload): its slots on the
-        board, its health telling the board when it goes down or comes back."""
+        board; each change of its state logged and told to the board (`health_changed`)."""
         up = Upstream(cfg, d.upstream_keepalive_s, d.prewarm, d.connect_timeout_s)
         up.health.probing = d.health_interval_s > 0
-        slots = up.slots
-        if isinstance(slots, SlotPool):
-            self.board.adopt(slots)
-            up.health.on_change = lambda: self._health_changed(up, slots)
+        if isinstance(up.slots, SlotPool):
+            self.board.adopt(up.slots)
+        up.health.on_change = functools.partial(self.health_changed, up)
         return up
 
-    def _health_changed(self, up: Upstream, slots: SlotPool) -> None:
-        """An upstream went down (it holds no prompt any more: a restart empties its cache)
-        or came back (its free slots go to waiting requests)."""
-        if up.health.probe is DOWN:
+    def health_changed(self, up: Upstream, change: Change) -> None:
+        """An upstream's state changed (a probe, or a request: found down, or answering
+        again): one `upstream_state` line per change, not one per request. A member gone
+        down holds no prompt any more (a restart empties its cache); one back hands its free
+        slots to waiting requests."""
+        line: dict[str, object] = {
+            "upstream": up.name,
+            "state": change.now,
+            "was": change.was,
+            "seen_by": change.by,
+        }
+        if change.status is not None:
+            line["status"] = change.status
+        if change.error:
+            line["error"] = change.error
+        self.log.record("upstream_state", line)
+        if change.now is DOWN:
             self.board.forget_member(up.name)
-        else:
-            slots.kick()
+        elif isinstance(up.slots, SlotPool):
+            up.slots.kick()
 
     def _slots_of(self, name: str) -> SlotPool | None:
         """An upstream's slots by name: a configured one's, else (for a request routed before
@@ -255,6 +269,7 @@ class App:
         self.log.event(
             f"{self.role}_listening", host=s.host, port=self.port, upstreams=list(self.upstreams)
         )
+        self.opened()
         for up in self.upstreams.values():
             if up.target.tls and not up.cfg.verify:
                 self.log.event(
@@ -263,6 +278,19 @@ class App:
                     url=up.cfg.url,
                     note="verify = false: certificate and hostname are not checked",
                 )
+
+    def opened(self) -> None:
+        """A warning at start when anyone who can reach the relay may do anything
+        (`admin_access.open_to_network`): what is exposed, and what closes it."""
+        s = self.config.server
+        if admin_access.open_to_network(self.auth, s.host):
+            self.log.event(
+                "relay_open",
+                host=s.host,
+                port=self.port,
+                exposed=list(admin_access.OPEN_EXPOSES),
+                fix="add [[key]] and admin_key_sha256 (docs/security.md), or listen on 127.0.0.1",
+            )
 
     def start_probes(self) -> None:
         """One /health probe task per upstream (again after a reload: the old ones end)."""
@@ -447,12 +475,8 @@ class App:
                 up.tls,
                 up.target.join(b"/health"),
             )
-            before = up.health.probe
+            # A new state is logged (`health_changed`).
             up.health.probed(status, error)
-            if up.health.probe != before:
-                self.log.event(
-                    "upstream_state", upstream=up.name, state=up.state, was=before, status=status
-                )
             self.probed(up)
             try:
                 await asyncio.wait_for(

@@ -79,15 +79,29 @@ class Reloadable(Protocol):
     def start_probes(self) -> None: ...
 
 
+class UpstreamChanged(TypedDict):
+    """An upstream kept across a reload, and the keys of its `[[upstream]]` that changed."""
+
+    upstream: str
+    changed: list[str]
+
+
 class Summary(TypedDict):
-    """What a reload changed: the upstreams now, those added, removed and changed (a new URL
-    under the same name), and how many keys."""
+    """What a reload changed: the upstreams now, those added and removed, each kept one
+    whose keys changed (`url` among them: a new upstream under the same name), and how many
+    keys."""
 
     upstreams: list[str]
     added: list[str]
     removed: list[str]
-    changed: list[str]
+    changed: list[UpstreamChanged]
     keys: int
+
+
+def changed_keys(old: UpstreamConfig, new: UpstreamConfig) -> list[str]:
+    """The keys of an `[[upstream]]` that differ, in the schema's order: names only (a
+    header's value is not for the log)."""
+    return [k for k in new.__struct_fields__ if getattr(old, k) != getattr(new, k)]
 
 
 # An upstream kept across the reload, with what it gets: its configuration, key and TLS.
@@ -106,6 +120,8 @@ class _Plan:
     in_place: list[_InPlace]
     added: list[str]
     changed: list[str]
+    # Every kept upstream whose keys changed, and which.
+    edits: list[UpstreamChanged]
     router: Router
     auth: Auth
     cors: Cors
@@ -196,8 +212,12 @@ def prepare(app: Reloadable, new: Config) -> _Plan:
     in_place: list[_InPlace] = []
     added: list[str] = []
     changed: list[str] = []
+    edits: list[UpstreamChanged] = []
     for cfg in new.upstream:
         cur = app.upstreams.get(cfg.name)
+        keys = changed_keys(cur.cfg, cfg) if cur is not None else []
+        if keys:
+            edits.append({"upstream": cfg.name, "changed": keys})
         if cur is not None and cur.cfg.url == cfg.url:
             in_place.append((cur, cfg, upstream_auth(cfg), upstream_tls(cfg, cur.target)))
             ups[cfg.name] = cur
@@ -219,6 +239,7 @@ def prepare(app: Reloadable, new: Config) -> _Plan:
         in_place,
         added,
         changed,
+        edits,
         Router(new.upstream),
         Auth(new.key, new.admin_key_sha256),
         Cors(new.server.cors_origins),
@@ -264,6 +285,6 @@ def swap(app: Reloadable, plan: _Plan, rebuilt: dict[tuple[str, str], tuple[int,
         "upstreams": list(ups),
         "added": plan.added,
         "removed": [n for n in removed if n not in plan.changed],
-        "changed": plan.changed,
+        "changed": plan.edits,
         "keys": len(new.key),
     }

@@ -34,12 +34,14 @@ from relay.observe.prom_histogram import (
 
 
 class UpstreamState(StrEnum):
-    """An upstream's state, as `relay_upstream_state{state=..}` and the JSON name it."""
+    """An upstream's state, as `relay_upstream_state{state=..}` and the JSON name it.
+    `unknown`: not seen yet (no probe has answered, and no request reached it)."""
 
     READY = "ready"
     SERVING = "serving"
     LOADING = "loading"
     DOWN = "down"
+    UNKNOWN = "unknown"
 
 
 STATES = tuple(UpstreamState)
@@ -97,7 +99,7 @@ class UpstreamMetrics:
             raise ValueError("tps_window_s and ttft_window must be positive")
         self.name = name
         self.parallel = parallel
-        self.state: str = UpstreamState.READY
+        self.state: str = UpstreamState.UNKNOWN
         self.in_flight = 0
         self.queued = 0
         self._buckets_n = max(1, math.ceil(tps_window_s))

@@ -36,7 +36,7 @@ from relay.proxy.attempt import PoolBusy, Retry, open_exchange, take_slot, unava
 from relay.proxy.client import ClientConn
 from relay.proxy.client_writer import Drain
 from relay.proxy.exchange import Exchange, Hop
-from relay.proxy.health import DOWN, READY
+from relay.proxy.health import DOWN, READY, UNKNOWN
 from relay.proxy.ledger import Ledger
 from relay.proxy.reply import Reply
 from relay.proxy.request import Request
@@ -322,7 +322,7 @@ class Dispatcher:
             if up is None or name in tried:
                 continue
             probe = up.health.probe
-            if probe is READY or not probing:
+            if probe is READY or probe is UNKNOWN or not probing:
                 ready.append(name)
             elif probe is DOWN:
                 down = down or up

@@ -56,7 +56,9 @@ _ROUTES = {
     ("POST", "/v1/embeddings"): Route.EMBEDDINGS,
     ("POST", "/embeddings"): Route.EMBEDDINGS,
 }
-_LOADING = W.error_body(503, "Loading model", "unavailable_error")
+# llama-server's middleware answers it before any route, members in its own order (message,
+# type, code: captured in health_loading.http), not in the order of a handler's errors.
+_LOADING = b'{"error":{"message":"Loading model","type":"unavailable_error","code":503}}'
 
 
 class _Pending(Protocol):

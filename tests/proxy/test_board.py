@@ -10,7 +10,7 @@ import pytest
 from relay.config import BalanceConfig
 from relay.observe.metrics import Registry
 from relay.policy.affinity import NO_WANT, Reuse, Want
-from relay.policy.prefix import first_key, fingerprint
+from relay.policy.prefix import fingerprint, first_key
 from relay.policy.routing import Pool
 from relay.proxy.slots import Board, Busy, SlotPool, SlotsClosed
 from relay.stream.dialect import Api
@@ -59,7 +59,7 @@ async def test_a_follow_up_turn_goes_where_its_prefix_is_cached():
 
 
 async def test_new_conversations_spread_and_each_keeps_its_member():
-    board, m = board_of(("a", 4, 8), ("b", 4, 8))
+    board, _m = board_of(("a", 4, 8), ("b", 4, 8))
     homes = {}
     held = []
     for i in range(4):
@@ -77,7 +77,7 @@ async def test_new_conversations_spread_and_each_keeps_its_member():
 
 
 async def test_the_load_bound_sends_a_conversation_away_from_a_busy_home():
-    board, m = board_of(("a", 8, 8), ("b", 8, 8), epsilon=0.0)
+    board, _m = board_of(("a", 8, 8), ("b", 8, 8), epsilon=0.0)
     c = conversation("hot")
     s = await board.acquire(POOL, c, 1.0)
     home = s.member
@@ -91,7 +91,7 @@ async def test_the_load_bound_sends_a_conversation_away_from_a_busy_home():
 
 
 async def test_without_affinity_the_least_loaded_member_is_chosen():
-    board, m = board_of(("a", 4, 8), ("b", 4, 8), affinity=False)
+    board, _m = board_of(("a", 4, 8), ("b", 4, 8), affinity=False)
     c = conversation("hello")
     s1 = await board.acquire(POOL, c, 1.0)
     s1.release(Reuse(10, 0))
@@ -148,7 +148,7 @@ async def test_a_freed_slot_prefers_a_waiter_whose_conversation_lives_there_unti
 
 
 async def test_a_waiter_past_the_bound_is_never_passed_over():
-    board, m = board_of(("a", 1, 8), ("b", 1, 8), affinity_wait_s=0.0)
+    board, _m = board_of(("a", 1, 8), ("b", 1, 8), affinity_wait_s=0.0)
     on_a = conversation("lives on a")
     s = await board.acquire(POOL, on_a, 1.0)
     home = s.member
@@ -196,7 +196,7 @@ async def test_a_down_member_hands_no_slot_on_until_it_is_back():
 
 
 async def test_an_answer_that_missed_is_counted_and_a_member_down_is_forgotten():
-    board, m = board_of(("a", 2, 8), ("b", 2, 8))
+    board, _m = board_of(("a", 2, 8), ("b", 2, 8))
     c = conversation("remember me")
     s = await board.acquire(POOL, c, 1.0)
     home = s.member

@@ -564,7 +564,7 @@ async def test_loading_and_slots_and_metrics(sim):
         assert status == 503
         assert (
             await c.body(headers)
-            == b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'
+            == b'{"error":{"message":"Loading model","type":"unavailable_error","code":503}}'
         )
     sim.loading = False
     s, _, _ = await stream(
