@@ -33,6 +33,10 @@ Modules, from the entry points down (each imports only modules listed below it):
   bodies; and the names the modules above pass each other (`Route`, `Kind`, `Shape`,
   `Finish`, `ToolCall`, `Timings`).
 
+Slots: each keeps a prompt cache as llama-server's does, and a generation reuses what its
+slot holds (state.py's docstring: the choice of a slot, what it keeps, generations beyond the
+slots, the counters).
+
 The rule: nothing in `relay` imports this package but `relay.cli` (the `relay sim` and
 `relay serve --demo` commands), and it imports nothing of `relay` outside `relay/sim/`.
 """

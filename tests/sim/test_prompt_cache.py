@@ -293,6 +293,7 @@ async def test_slots_show_each_slots_task_and_cache(sim):
 
 
 HOLD = {"n_predict": 50, "sim": {"stall_after": 1}, "stream": True}
+WAIT_KNOBS = {"stall_after": 1, "head_delay_ms": 300}
 
 
 async def held_stream(sim, prompt: str):
@@ -323,16 +324,18 @@ async def test_with_defer_a_generation_waits_for_a_slot_first_come_first_served(
     waiting = []
     for p in ("cccc", "dddd"):
         c = await Client.connect(sim)
-        await c.send("POST", "/completion", {**HOLD, "prompt": p * 4})
+        await c.send("POST", "/completion", {**HOLD, "prompt": p * 4, "sim": WAIT_KNOBS})
         waiting.append(c)
     await wait_for(lambda: sim.waiting == 2, T)
     metrics = await get_json(sim, "/metrics")
     assert "\nllamacpp:requests_processing 2\n" in metrics
     assert "\nllamacpp:requests_deferred 2\n" in metrics
     assert await waiting[0].silent() and sim.requests[2].lease is None
-    # a slot frees: the oldest waiting takes it, its head and token counted from then
+    # a slot frees: the oldest waiting takes it, its head delay counted from then
+    freed = time.monotonic()
     held[0].close()
     status, _ = await waiting[0].head()
+    assert (time.monotonic() - freed) * 1000 >= 300 - LOOP_EARLY_MS
     assert status == 200 and await waiting[0].chunk()
     third = sim.requests[2]
     assert third.lease.slot.id == 1 and sim.waiting == 1 and sim.requests[3].lease is None
