@@ -44,7 +44,8 @@ def octet_payload(i: int) -> bytes:
 
 class StreamFrames:
     """Per-request event builder, by the body's `Kind`: chat, text (/v1/completions), native
-    or octet here; messages and responses from messages.py and responses.py (`api`)."""
+    or octet here; messages and responses from messages.py and responses.py (`api`).
+    `prompt_n` is the whole prompt, `cache_n` of it reused from `slot` (native ``id_slot``)."""
 
     __slots__ = (
         "_cache",

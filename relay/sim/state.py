@@ -40,7 +40,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from relay.sim.slots import Slot, SlotView, choose, reuse
 from relay.sim.tinymodel import N_CTX
@@ -78,14 +78,20 @@ class SlotAsk:
     start: Callable[[int], None]
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(frozen=True, slots=True)
 class Lease:
-    """The slot a generation holds (None: it runs without one), the tokens it reused, and
-    what it asked."""
+    """The slot a generation holds (None: it runs without one), and the tokens it reused."""
 
     slot: Slot | None
     cache_n: int
+
+
+class _Held(NamedTuple):
+    """A slot's generation while it runs: its request, what it asked and the tokens reused."""
+
+    req: SimRequest
     ask: SlotAsk
+    cache_n: int
 
 
 @dataclass(eq=False)
@@ -144,7 +150,7 @@ class SimState:
         self.start_time = time.time()
         self._conns: set[Connection] = set()
         self._waiting: deque[tuple[SimRequest, SlotAsk]] = deque()
-        self._holders: dict[int, SimRequest] = {}
+        self._held: dict[int, _Held] = {}
         self._ticks = 0
         self._tasks = 0
 
@@ -179,8 +185,8 @@ class SimState:
             slot.busy = True
             slot.task = self._tasks
             self._tasks += 1
-            self._holders[slot.id] = req
-        req.lease = Lease(slot, cache_n, ask)
+            self._held[slot.id] = _Held(req, ask, cache_n)
+        req.lease = Lease(slot, cache_n)
         self.prompt_tokens_total += len(ask.tokens) - cache_n
         self.prompt_tokens_cached_total += cache_n
         ask.start(cache_n)
@@ -196,17 +202,17 @@ class SimState:
                     break
             return
         slot = lease.slot
-        if slot is None or not slot.busy:
+        held = self._held.get(slot.id) if slot is not None else None
+        if slot is None or held is None or held.req is not req:
             return
+        del self._held[slot.id]
         made = req.completion_tokens if req.completion_tokens is not None else req.tokens_sent
         # A slot's context bounds the reply it keeps (and the work an endless stream costs).
         made = min(made, N_CTX + 1)
-        slot.tokens = lease.ask.tokens + lease.ask.reply(made)[: max(made - 1, 0)]
+        slot.tokens = held.ask.tokens + held.ask.reply(made)[: max(made - 1, 0)]
         slot.busy = False
         slot.last_used = self._ticks
         self._ticks += 1
-        if self._holders.get(slot.id) is req:
-            del self._holders[slot.id]
         while self._waiting:
             nxt = choose(self.slots, self._waiting[0][1].tokens, self.slot_prompt_similarity)
             if nxt is None:
@@ -218,24 +224,15 @@ class SimState:
         """Each slot as /slots shows it."""
         out = []
         for s in self.slots:
-            req = self._holders.get(s.id) if s.busy else None
-            lease = req.lease if req is not None else None
-            if req is None or lease is None:
+            held = self._held.get(s.id)
+            if held is None:
                 out.append(SlotView(s.id, s.busy, s.task, len(s.tokens), 0, 0, -1, 0))
                 continue
-            ask = lease.ask
+            req, ask, cache_n = held
             remain = ask.limit - req.tokens_sent if ask.limit >= 0 else -1
+            n = len(ask.tokens)
             out.append(
-                SlotView(
-                    s.id,
-                    True,
-                    s.task,
-                    len(ask.tokens),
-                    len(ask.tokens) - lease.cache_n,
-                    lease.cache_n,
-                    remain,
-                    req.tokens_sent,
-                )
+                SlotView(s.id, True, s.task, n, n - cache_n, cache_n, remain, req.tokens_sent)
             )
         return out
 

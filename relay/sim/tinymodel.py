@@ -276,7 +276,7 @@ def _part_tokens(part: Part, own: bool) -> list[int]:
         return [_piece_id("call", part.name), *text_tokens(part.text)]
     if kind is PartKind.RESULT:
         toks = text_tokens(part.text)
-        return [_piece_id("result", str(toks[0])), *toks[1:]] if toks else [_piece_id("result")]
+        return [_piece_id("result", f"{toks[0]:x}"), *toks[1:]] if toks else [_piece_id("result")]
     if kind is PartKind.TOOLS:
         return text_tokens(part.text)
     return [_piece_id("media", part.text)]
@@ -288,7 +288,7 @@ def turn_tokens(turn: Turn) -> list[int]:
     toks = [t for p in turn.parts for t in _part_tokens(p, own)]
     if not toks:
         return [_piece_id("turn", turn.role)]
-    toks[0] = _piece_id("turn", turn.role, str(toks[0]))
+    toks[0] = _piece_id("turn", turn.role, f"{toks[0]:x}")
     return toks
 
 
