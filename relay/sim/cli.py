@@ -69,8 +69,7 @@ per-request knobs: a request body may carry "sim": {...} overriding the flags fo
   interval_ms            float  ms between streamed tokens; default --interval-ms
   first_token_delay_ms   float  ms from the head to the first token; default --first-token-delay-ms
   head_delay_ms          float  ms before the response head; default --head-delay-ms
-  prefill_ms_per_token   float  ms per prompt token not reused from the slot's cache, before
-                                the first token; default --prefill-ms-per-token
+  prefill_ms_per_token   float  ms per prompt token not reused (before the first token); default --prefill-ms-per-token
   status                 int    answer this HTTP status (>= 400) with an error body; default none
   error_event            bool   a 200 SSE stream holding only an {"error": ...} event; default false
   stall_after            int    stop sending after this many tokens, keep the connection; default none
