@@ -122,7 +122,7 @@ class App:
             d.stream_idle_timeout_s, d.stream_total_timeout_s, d.direct_read_timeout_s
         )
         # Every upstream's slots and every pool's queue (proxy.slots).
-        self.board = Board(config.balance, self._slots_of)
+        self.board = Board(config.balance, self._slots_of, config.key)
         self.upstreams = {u.name: self.new_upstream(u, d) for u in config.upstream}
         self.router = Router(config.upstream)
         self.auth = Auth(config.key, config.admin_key_sha256)
@@ -235,7 +235,12 @@ class App:
         # (Read in OpenTelemetry's thread too: the names copied in one step.)
         named = [router.named(name) for name in list(self.registry.pools)]
         pools = {p.name: p for p in (*router.pools, *named) if p is not None}
-        self.board.figures(self.registry, list(pools.values()))
+        board = self.board
+        board.figures(self.registry, list(pools.values()))
+        held, waiting = board.held_by_key, board.waiting_by_key()
+        self.registry.key_live = {
+            k.id: (held.get(k.id, 0), waiting.get(k.id, 0)) for k in self.config.key
+        }
         return [up.metrics for up in ups]
 
     def probed(self, up: Upstream) -> None:

@@ -80,6 +80,9 @@ class BalanceConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     affinity_wait_s: Annotated[float, Meta(ge=0.0, le=60.0)] = 0.25
     # The prefix table's bound (about 150 bytes an entry).
     prefix_entries: Annotated[int, Meta(ge=1, le=10_000_000)] = 100_000
+    # A waiting request of a lower priority class that has waited this long takes turns
+    # with the highest class (docs/fairness.md): the bound on its wait under a flood.
+    aging_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 5.0
 
 
 class UpstreamConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -113,6 +116,25 @@ class KeyConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     tokens_per_day: Annotated[int, Meta(ge=0)] = 0
     requests_per_month: Annotated[int, Meta(ge=0)] = 0
     tokens_per_month: Annotated[int, Meta(ge=0)] = 0
+    # Limits that act now (`policy.limits`; 0: none): requests admitted and not settled (in
+    # flight plus queued), and a sliding minute of requests and tokens.
+    max_concurrent: Annotated[int, Meta(ge=0, le=1_000_000)] = 0
+    requests_per_minute: Annotated[int, Meta(ge=0)] = 0
+    tokens_per_minute: Annotated[int, Meta(ge=0)] = 0
+    # The queue serves a higher class first (`high` 1, `normal` 0, `low` -1, or any integer
+    # from -100 to 100); within a class, keys take turns by `weight`.
+    priority: Annotated[int, Meta(ge=-100, le=100)] | Literal["high", "normal", "low"] = "normal"
+    weight: Annotated[int, Meta(ge=1, le=1000)] = 1
+
+    @property
+    def rank(self) -> int:
+        """The priority as a number: higher first."""
+        if isinstance(self.priority, int):
+            return self.priority
+        return _RANKS[self.priority]
+
+
+_RANKS = {"high": 1, "normal": 0, "low": -1}
 
 
 class BudgetConfig(Struct, forbid_unknown_fields=True, kw_only=True):

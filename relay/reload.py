@@ -268,7 +268,7 @@ def swap(app: Reloadable, plan: _Plan, rebuilt: dict[tuple[str, str], tuple[int,
     app.upstreams = ups
     app.router = plan.router
     # The pools are looked up again; an upstream removed or replaced holds no prompt here.
-    app.board.configure(new.balance)
+    app.board.configure(new.balance, new.key)
     app.board.rebind()
     for name in removed:
         app.board.forget_member(name)
