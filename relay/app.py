@@ -17,7 +17,7 @@ from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from relay import reload
-from relay.config import Config, ConfigError, DispatcherConfig, UpstreamConfig
+from relay.config import Config, ConfigError, DispatcherConfig, UpstreamConfig, at_upstream
 from relay.observe import otel_start
 from relay.observe.log import Log
 from relay.observe.metrics import Registry, UpstreamMetrics
@@ -112,7 +112,10 @@ class App:
         self.policy = StallPolicy(
             d.stream_idle_timeout_s, d.stream_total_timeout_s, d.direct_read_timeout_s
         )
-        self.upstreams = {u.name: self.new_upstream(u, d) for u in config.upstream}
+        self.upstreams: dict[str, Upstream] = {}
+        for i, u in enumerate(config.upstream):
+            with at_upstream(i, u):
+                self.upstreams[u.name] = self.new_upstream(u, d)
         self.router = Router(config.upstream)
         self.auth = Auth(config.key, config.admin_key_sha256)
         self.cors = Cors(config.server.cors_origins)
