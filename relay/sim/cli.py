@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import signal
+import sys
 
 from relay.sim.server import Simulator
 from relay.sim.shapes import SHAPES
@@ -82,6 +84,15 @@ per-request knobs: a request body may carry "sim": {...} overriding the flags fo
                                 arguments {"city": "Paris"} in word-sized deltas; an object
                                 sets "name", "arguments" (text or value), "pieces")
 """
+
+
+def _cannot_start(exc: OSError, host: str, port: int) -> str:
+    """Why the simulator cannot start, in one line: the port in use, a certificate file."""
+    if exc.errno == errno.EADDRINUSE:
+        return f"{host}:{port}: address already in use (--port 0 takes any free one)"
+    if exc.filename:
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc)
 
 
 def _count(text: str) -> int:
@@ -179,4 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             runner.run(_serve(args))
         except KeyboardInterrupt:
             pass
+        except OSError as exc:
+            print(f"relay sim: {_cannot_start(exc, args.host, args.port)}", file=sys.stderr)
+            return 1
     return 0
