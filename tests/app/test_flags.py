@@ -4,12 +4,14 @@ key; one line on stderr, exit status 2, as argparse's own errors."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
 from relay import cli
 from tests.app.test_cli import run_to_end
+from tests.support.processes import kill, start
 
 UPSTREAM = '[[upstream]]\nname = "a"\nurl = "http://127.0.0.1:9"\n'
 
@@ -77,13 +79,21 @@ def test_a_flag_out_of_its_bounds_or_without_its_use_is_refused_naming_it(capsys
     assert refused(capsys, argv) == line
 
 
-def test_parallel_with_upstreams_in_the_file_is_refused_not_ignored(capsys, tmp_path):
+async def test_parallel_with_upstreams_in_the_file_is_refused_not_ignored(capsys, tmp_path):
     """The trap the README warns about: the file's [[upstream]] kept parallel = 1 and the
     flag said nothing."""
     cfg = tmp_path / "relay.toml"
-    cfg.write_text(UPSTREAM)
-    line = refused(capsys, ["serve", "--config", str(cfg), "--parallel", "8"])
-    assert line.startswith("relay serve: error: --parallel: applies with --upstream or --demo")
+    cfg.write_text("[server]\nport = 0\n" + UPSTREAM)
+    line = refused(capsys, ["check", "--config", str(cfg), "--parallel", "8"])
+    assert line.startswith("relay check: error: --parallel: applies with --upstream or --demo")
+    # (A process: were the flag let through, the relay would serve.)
+    proc = await start("serve", "--config", str(cfg), "--parallel", "8", cwd=str(tmp_path))
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), 20)
+    finally:
+        await kill(proc)
+    assert proc.returncode == 2
+    assert err.decode().startswith("relay serve: error: --parallel: applies with --upstream")
 
 
 def test_the_flags_bounds_are_the_config_keys(capsys):
