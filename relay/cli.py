@@ -188,7 +188,7 @@ def build_config(args: argparse.Namespace, sim_url: str | None = None) -> Config
     flags = {"host": args.host, "port": args.port, "workers": getattr(args, "workers", None)}
     given = {k: v for k, v in flags.items() if v is not None}
     server = data.setdefault("server", {}) if given else None
-    # (Not a table: the file's error, named below.)
+    # A `server` that is no table is the file's error, which parse_config names below.
     if isinstance(server, dict):
         server.update(given)
     if url:

@@ -272,7 +272,8 @@ def _struct_at(steps: list[str | int]) -> type[Struct] | None:
 
 
 def did_you_mean(name: str, struct: type[Struct] | None) -> str:
-    """ "; did you mean port?" for `prot` in ServerConfig: the nearest of its keys, if any."""
+    """The nearest of `struct`'s keys to an unknown `name`, as a hint to append (`prot` in
+    ServerConfig: "; did you mean port?"); "" when none is near."""
     if struct is None:
         return ""
     near = difflib.get_close_matches(name, struct.__struct_fields__, n=1)
