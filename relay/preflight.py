@@ -30,10 +30,19 @@ from relay.observe.otel_env import settings
 from relay.observe.otel_start import available
 from relay.policy.routing import Router
 from relay.proxy.upstreams import upstream_auth, upstream_tls
+from relay.store import POSTGRES_EXTRA_HINT
 from relay.store.sqlite_file import is_memory
 
 # The budget keys of a `[[key]]`, in the order the docs give them.
 LIMITS = ("requests_per_day", "tokens_per_day", "requests_per_month", "tokens_per_month")
+
+
+def _installed(module: str) -> bool:
+    """Whether `module` can be imported (a finder that refuses it says no too)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
 
 
 def check(config: Config, environ: Mapping[str, str] = os.environ) -> None:
@@ -44,9 +53,9 @@ def check(config: Config, environ: Mapping[str, str] = os.environ) -> None:
             upstream_auth(up)
             upstream_tls(up, parse_target_url(up.url))
     if config.store.url is not None:
-        if importlib.util.find_spec("psycopg") is None:
+        if not _installed("psycopg"):
             raise ConfigError(
-                "store.url: PostgreSQL needs the driver (pip install -e '.[postgres]')"
+                f"store.url: PostgreSQL needs the 'postgres' extra ({POSTGRES_EXTRA_HINT})"
             )
         store_connect(config.store, environ)
     s = settings(config.otel, environ)
