@@ -181,11 +181,15 @@ class Held:
         try:
             while data := await reader.read(65536):
                 self.received += data
+                if self.received.endswith(b"\r\n0\r\n\r\n"):
+                    # The terminating chunk: the response is whole (the connection stays).
+                    return
         except ConnectionError:
             pass
 
     async def ended(self, timeout: float = 30.0) -> bytes:
-        """The body's bytes once the relay ended the response (it closed the connection)."""
+        """The body's bytes (chunk framing included) once the response ended: its terminating
+        chunk came, or the relay closed the connection."""
         assert self._reading is not None
         await asyncio.wait_for(asyncio.shield(self._reading), timeout)
         return bytes(self.received)
