@@ -194,6 +194,17 @@ class Held:
         await asyncio.wait_for(asyncio.shield(self._reading), timeout)
         return bytes(self.received)
 
+    @property
+    def streaming(self) -> bool:
+        """The response has not ended yet."""
+        return self._reading is not None and not self._reading.done()
+
+    @property
+    def local_port(self) -> int:
+        """The client's end of the connection (which relay process holds the other)."""
+        assert self._writer is not None
+        return self._writer.get_extra_info("sockname")[1]
+
     def close(self) -> None:
         """The client leaves: the relay ends the stream and frees its slot."""
         if self._writer is not None:

@@ -83,8 +83,7 @@ async def _idle(port: int) -> None:
 
 def _worker_of(held: Held, port: int, pids: list[int]) -> int:
     """The worker holding the client connection of `held`."""
-    assert held._writer is not None
-    mine = held._writer.get_extra_info("sockname")[1]
+    mine = held.local_port
     [inode] = [i for i, remote in established(port).items() if remote == mine]
     [pid] = [p for p in pids if inode in socket_inodes(p)]
     return pid
