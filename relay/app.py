@@ -10,6 +10,7 @@ whose slots, budgets and store are its parent's.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 import time
@@ -17,12 +18,13 @@ from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from relay import reload
-from relay.config import Config, ConfigError, DispatcherConfig, UpstreamConfig
+from relay.config import Config, ConfigError, DispatcherConfig, UpstreamConfig, at_upstream
 from relay.observe import otel_start
 from relay.observe.log import Log
 from relay.observe.metrics import Registry, UpstreamMetrics
 from relay.observe.record import Record
 from relay.observe.ui_state import Recent, Trend, Trended
+from relay.policy import admin_access
 from relay.policy.budget import Budgets, window_bounds
 from relay.policy.cors import Cors
 from relay.policy.keys import Auth
@@ -32,7 +34,7 @@ from relay.proxy.body_memory import BodyBytes
 from relay.proxy.client import LINGER_S, ClientConn
 from relay.proxy.deadlines import Deadlines
 from relay.proxy.dispatch import Dispatcher
-from relay.proxy.health import DOWN, probe_once
+from relay.proxy.health import DOWN, Change, probe_once
 from relay.proxy.slots import Balancer, Board, SlotPool
 from relay.proxy.upstreams import Upstream
 from relay.reload import Summary
@@ -120,8 +122,11 @@ class App:
             d.stream_idle_timeout_s, d.stream_total_timeout_s, d.direct_read_timeout_s
         )
         # Every upstream's slots and every pool's queue (proxy.slots).
-        self.board = Board(config.balance, self._slots_of)
-        self.upstreams = {u.name: self.new_upstream(u, d) for u in config.upstream}
+        self.board = Board(config.balance, self._slots_of, config.key)
+        self.upstreams: dict[str, Upstream] = {}
+        for i, u in enumerate(config.upstream):
+            with at_upstream(i, u):
+                self.upstreams[u.name] = self.new_upstream(u, d)
         self.router = Router(config.upstream)
         self.auth = Auth(config.key, config.admin_key_sha256)
         self.cors = Cors(config.server.cors_origins)
@@ -161,22 +166,34 @@ class App:
     # ---- what a worker process (relay.workers) holds in another way ----------------------
     def new_upstream(self, cfg: UpstreamConfig, d: DispatcherConfig) -> Upstream:
         """An upstream as this process holds it (at start and for a reload): its slots on the
-        board, its health telling the board when it goes down or comes back."""
+        board; each change of its state logged and told to the board (`health_changed`)."""
         up = Upstream(cfg, d.upstream_keepalive_s, d.prewarm, d.connect_timeout_s)
         up.health.probing = d.health_interval_s > 0
-        slots = up.slots
-        if isinstance(slots, SlotPool):
-            self.board.adopt(slots)
-            up.health.on_change = lambda: self._health_changed(up, slots)
+        if isinstance(up.slots, SlotPool):
+            self.board.adopt(up.slots)
+        up.health.on_change = functools.partial(self.health_changed, up)
         return up
 
-    def _health_changed(self, up: Upstream, slots: SlotPool) -> None:
-        """An upstream went down (it holds no prompt any more: a restart empties its cache)
-        or came back (its free slots go to waiting requests)."""
-        if up.health.probe is DOWN:
+    def health_changed(self, up: Upstream, change: Change) -> None:
+        """An upstream's state changed (a probe, or a request: found down, or answering
+        again): one `upstream_state` line per change, not one per request. A member gone
+        down holds no prompt any more (a restart empties its cache); one back hands its free
+        slots to waiting requests."""
+        line: dict[str, object] = {
+            "upstream": up.name,
+            "state": change.now,
+            "was": change.was,
+            "seen_by": change.by,
+        }
+        if change.status is not None:
+            line["status"] = change.status
+        if change.error:
+            line["error"] = change.error
+        self.log.record("upstream_state", line)
+        if change.now is DOWN:
             self.board.forget_member(up.name)
-        else:
-            slots.kick()
+        elif isinstance(up.slots, SlotPool):
+            up.slots.kick()
 
     def _slots_of(self, name: str) -> SlotPool | None:
         """An upstream's slots by name: a configured one's, else (for a request routed before
@@ -221,7 +238,12 @@ class App:
         # (Read in OpenTelemetry's thread too: the names copied in one step.)
         named = [router.named(name) for name in list(self.registry.pools)]
         pools = {p.name: p for p in (*router.pools, *named) if p is not None}
-        self.board.figures(self.registry, list(pools.values()))
+        board = self.board
+        board.figures(self.registry, list(pools.values()))
+        held, waiting = board.held_by_key, board.waiting_by_key()
+        self.registry.key_live = {
+            k.id: (held.get(k.id, 0), waiting.get(k.id, 0)) for k in self.config.key
+        }
         return [up.metrics for up in ups]
 
     def probed(self, up: Upstream) -> None:
@@ -255,6 +277,7 @@ class App:
         self.log.event(
             f"{self.role}_listening", host=s.host, port=self.port, upstreams=list(self.upstreams)
         )
+        self.opened()
         for up in self.upstreams.values():
             if up.target.tls and not up.cfg.verify:
                 self.log.event(
@@ -263,6 +286,19 @@ class App:
                     url=up.cfg.url,
                     note="verify = false: certificate and hostname are not checked",
                 )
+
+    def opened(self) -> None:
+        """A warning at start when anyone who can reach the relay may do anything
+        (`admin_access.open_to_network`): what is exposed, and what closes it."""
+        s = self.config.server
+        if admin_access.open_to_network(self.auth, s.host):
+            self.log.event(
+                "relay_open",
+                host=s.host,
+                port=self.port,
+                exposed=list(admin_access.OPEN_EXPOSES),
+                fix="add [[key]] and admin_key_sha256 (docs/security.md), or listen on 127.0.0.1",
+            )
 
     def start_probes(self) -> None:
         """One /health probe task per upstream (again after a reload: the old ones end)."""
@@ -447,12 +483,8 @@ class App:
                 up.tls,
                 up.target.join(b"/health"),
             )
-            before = up.health.probe
+            # A new state is logged (`health_changed`).
             up.health.probed(status, error)
-            if up.health.probe != before:
-                self.log.event(
-                    "upstream_state", upstream=up.name, state=up.state, was=before, status=status
-                )
             self.probed(up)
             try:
                 await asyncio.wait_for(

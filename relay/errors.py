@@ -31,6 +31,9 @@ class Code(StrEnum):
     REQUEST_TIMEOUT = auto()
     REQUEST_TOO_LARGE = auto()
     BUDGET_EXCEEDED = auto()
+    # A key's limits that act now (`policy.limits`): requests at once, per minute.
+    CONCURRENCY_EXCEEDED = auto()
+    RATE_LIMIT_EXCEEDED = auto()
     HEADERS_TOO_LARGE = auto()
     INTERNAL_ERROR = auto()
     NOT_IMPLEMENTED = auto()
@@ -78,6 +81,8 @@ _KINDS: dict[Code, tuple[int, str]] = {
     Code.REQUEST_TIMEOUT: (408, "timeout_error"),
     Code.REQUEST_TOO_LARGE: (413, "invalid_request_error"),
     Code.BUDGET_EXCEEDED: (429, "rate_limit_error"),
+    Code.CONCURRENCY_EXCEEDED: (429, "rate_limit_error"),
+    Code.RATE_LIMIT_EXCEEDED: (429, "rate_limit_error"),
     Code.HEADERS_TOO_LARGE: (431, "invalid_request_error"),
     Code.INTERNAL_ERROR: (500, "server_error"),
     Code.NOT_IMPLEMENTED: (501, "invalid_request_error"),

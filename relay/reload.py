@@ -30,7 +30,9 @@ import time
 from dataclasses import dataclass
 from typing import Protocol, TypedDict
 
-from relay.config import Config, ConfigError, DispatcherConfig, UpstreamConfig
+import msgspec
+
+from relay.config import Config, ConfigError, DispatcherConfig, UpstreamConfig, at_upstream
 from relay.http.to_upstream import fixed_headers
 from relay.observe.metrics import Registry
 from relay.policy.budget import Budgets, window_bounds
@@ -79,15 +81,29 @@ class Reloadable(Protocol):
     def start_probes(self) -> None: ...
 
 
+class UpstreamChanged(TypedDict):
+    """An upstream kept across a reload, and the keys of its `[[upstream]]` that changed."""
+
+    upstream: str
+    changed: list[str]
+
+
 class Summary(TypedDict):
-    """What a reload changed: the upstreams now, those added, removed and changed (a new URL
-    under the same name), and how many keys."""
+    """What a reload changed: the upstreams now, those added and removed, each kept one
+    whose keys changed (`url` among them: a new upstream under the same name), and how many
+    keys."""
 
     upstreams: list[str]
     added: list[str]
     removed: list[str]
-    changed: list[str]
+    changed: list[UpstreamChanged]
     keys: int
+
+
+def changed_keys(old: UpstreamConfig, new: UpstreamConfig) -> list[str]:
+    """The keys of an `[[upstream]]` that differ, in the schema's order: names only (a
+    header's value is not for the log)."""
+    return [path.removeprefix(".") for path in changed_paths("", old, new)]
 
 
 # An upstream kept across the reload, with what it gets: its configuration, key and TLS.
@@ -106,6 +122,8 @@ class _Plan:
     in_place: list[_InPlace]
     added: list[str]
     changed: list[str]
+    # Every kept upstream whose keys changed, and which.
+    edits: list[UpstreamChanged]
     router: Router
     auth: Auth
     cors: Cors
@@ -175,6 +193,29 @@ def _cannot(exc: BaseException) -> ConfigError:
     )
 
 
+def changed_paths(what: str, a: object, b: object) -> list[str]:
+    """The key paths under `what` whose values differ: a table's own keys when both sides
+    are the same table (`otel.endpoint`), else `what` itself."""
+    if isinstance(a, msgspec.Struct) and type(a) is type(b):
+        return [
+            path
+            for name in a.__struct_fields__
+            for path in changed_paths(f"{what}.{name}", getattr(a, name), getattr(b, name))
+        ]
+    return [] if a == b else [what]
+
+
+def needs_restart(what: str, a: object, b: object) -> str:
+    """Why a reload is refused: the keys that changed, with the values of a plain one (a
+    table's contents are not printed)."""
+    keys = changed_paths(what, a, b)
+    if keys != [what]:
+        return f"{', '.join(keys)}: changing {'it' if len(keys) == 1 else 'them'} needs a restart"
+    if isinstance(a, msgspec.Struct) or isinstance(b, msgspec.Struct):
+        return f"{what}: {'added' if a is None else 'removed'}, which needs a restart"
+    return f"{what}: changing it needs a restart ({a!r} -> {b!r})"
+
+
 def prepare(app: Reloadable, new: Config) -> _Plan:
     """Build and check everything `new` needs (ConfigError: nothing has changed)."""
     old = app.config
@@ -188,7 +229,7 @@ def prepare(app: Reloadable, new: Config) -> _Plan:
         ("server.workers", old.server.workers, new.server.workers),
     ):
         if a != b:
-            raise ConfigError(f"{what}: changing it needs a restart ({a!r} -> {b!r})")
+            raise ConfigError(needs_restart(what, a, b))
     if not new.upstream:
         raise ConfigError("upstream: at least one [[upstream]] is required")
     d = new.dispatcher
@@ -196,13 +237,19 @@ def prepare(app: Reloadable, new: Config) -> _Plan:
     in_place: list[_InPlace] = []
     added: list[str] = []
     changed: list[str] = []
-    for cfg in new.upstream:
+    edits: list[UpstreamChanged] = []
+    for i, cfg in enumerate(new.upstream):
         cur = app.upstreams.get(cfg.name)
+        keys = changed_keys(cur.cfg, cfg) if cur is not None else []
+        if keys:
+            edits.append({"upstream": cfg.name, "changed": keys})
         if cur is not None and cur.cfg.url == cfg.url:
-            in_place.append((cur, cfg, upstream_auth(cfg), upstream_tls(cfg, cur.target)))
+            with at_upstream(i, cfg):
+                in_place.append((cur, cfg, upstream_auth(cfg), upstream_tls(cfg, cur.target)))
             ups[cfg.name] = cur
             continue
-        up = app.new_upstream(cfg, d)
+        with at_upstream(i, cfg):
+            up = app.new_upstream(cfg, d)
         if cur is not None:
             # The same name: its counters carry on.
             up.metrics = cur.metrics
@@ -219,6 +266,7 @@ def prepare(app: Reloadable, new: Config) -> _Plan:
         in_place,
         added,
         changed,
+        edits,
         Router(new.upstream),
         Auth(new.key, new.admin_key_sha256),
         Cors(new.server.cors_origins),
@@ -247,7 +295,7 @@ def swap(app: Reloadable, plan: _Plan, rebuilt: dict[tuple[str, str], tuple[int,
     app.upstreams = ups
     app.router = plan.router
     # The pools are looked up again; an upstream removed or replaced holds no prompt here.
-    app.board.configure(new.balance)
+    app.board.configure(new.balance, new.key)
     app.board.rebind()
     for name in removed:
         app.board.forget_member(name)
@@ -264,6 +312,6 @@ def swap(app: Reloadable, plan: _Plan, rebuilt: dict[tuple[str, str], tuple[int,
         "upstreams": list(ups),
         "added": plan.added,
         "removed": [n for n in removed if n not in plan.changed],
-        "changed": plan.changed,
+        "changed": plan.edits,
         "keys": len(new.key),
     }

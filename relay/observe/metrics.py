@@ -34,12 +34,14 @@ from relay.observe.prom_histogram import (
 
 
 class UpstreamState(StrEnum):
-    """An upstream's state, as `relay_upstream_state{state=..}` and the JSON name it."""
+    """An upstream's state, as `relay_upstream_state{state=..}` and the JSON name it.
+    `unknown`: not seen yet (no probe has answered, and no request reached it)."""
 
     READY = "ready"
     SERVING = "serving"
     LOADING = "loading"
     DOWN = "down"
+    UNKNOWN = "unknown"
 
 
 STATES = tuple(UpstreamState)
@@ -97,7 +99,7 @@ class UpstreamMetrics:
             raise ValueError("tps_window_s and ttft_window must be positive")
         self.name = name
         self.parallel = parallel
-        self.state: str = UpstreamState.READY
+        self.state: str = UpstreamState.UNKNOWN
         self.in_flight = 0
         self.queued = 0
         self._buckets_n = max(1, math.ceil(tps_window_s))
@@ -284,6 +286,9 @@ class Registry:
         self.requests_rejected: dict[str, int] = {}
         self.keys: dict[str, list[int]] = {}
         self.pools: dict[str, PoolFigures] = {}
+        # Per key, live: [requests holding a slot, requests waiting for one] (the process
+        # holding the slots sets them).
+        self.key_live: dict[str, tuple[int, int]] = {}
 
     def pool(self, name: str) -> PoolFigures:
         figures = self.pools.get(name)
@@ -486,6 +491,12 @@ class _Exposition:
             C,
             "Tokens per API key as charged, by kind (prompt, completion).",
         )
+        self.key_in_flight = F(
+            "relay_key_in_flight", G, "Requests of the API key holding a slot now."
+        )
+        self.key_queued = F(
+            "relay_key_queued", G, "Requests of the API key waiting for a slot now."
+        )
         self.pool_member = F(
             "relay_pool_member",
             G,
@@ -518,6 +529,7 @@ class _Exposition:
             *(self.ttft, self.ttft_avg, self.requests, self.failed, self.other, self.tokens),
             *(self.stalls, self.qwait, self.ttft_h, self.tpot_h, self.e2e_h, self.speed),
             *(self.kv, self.dropped, self.rejected, self.key_req, self.key_tok),
+            *(self.key_in_flight, self.key_queued),
         ]
         self.pending: _Family | None = None
         self.spilled: _Family | None = None
@@ -570,6 +582,9 @@ class _Exposition:
             self.key_req.add(refused, key=key, outcome=KeyOutcome.REFUSED)
             self.key_tok.add(prompt, key=key, kind="prompt")
             self.key_tok.add(completion, key=key, kind="completion")
+        for key, (held, waiting) in sorted(r.key_live.items()):
+            self.key_in_flight.add(held, key=key)
+            self.key_queued.add(waiting, key=key)
         if r.pools:
             # Shown once a pool has figures (a pool of several members has from the start).
             self.families += (

@@ -51,6 +51,9 @@ class Record:
     # What failed, in words (a TLS reason, say), when known.
     error: str | None = None
     queue_ms: float | None = None
+    # Its place among its key's waiting requests when it was queued (None: it took a free
+    # slot at once).
+    queue_position: int | None = None
     ttft_ms: float | None = None
     total_ms: float | None = None
     prompt_tokens: int | None = None

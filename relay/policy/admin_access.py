@@ -106,6 +106,28 @@ def is_loopback(host: str | None) -> bool:
     return (mapped or ip).is_loopback
 
 
+def beyond_loopback(listen_host: str) -> bool:
+    """Whether `[server].host` lets other machines in: anything but a loopback address
+    (`127.0.0.0/8`, `::1`) or `localhost` (a wildcard, an interface's address, another name)."""
+    host = listen_host.strip().lower()
+    return host != "localhost" and not is_loopback(host.strip("[]"))
+
+
+# What a relay open to the network gives anyone who can reach it (`open_to_network`).
+OPEN_EXPOSES = (
+    "every route with no key asked: inference, the upstream's own routes",
+    "/slots: every caller's prompts, and POST /slots to save, restore or erase them",
+    "POST /props, /lora-adapters and the router's model loading: the upstream's settings",
+    "/metrics, /api/* and the operator page /ui: the relay's figures and recent requests",
+)
+
+
+def open_to_network(auth: Auth, listen_host: str) -> bool:
+    """Whether everything is open to other machines: the relay listens beyond loopback
+    with no API key and no admin key (`OPEN_EXPOSES` says what then is)."""
+    return auth.admin is None and not auth.enabled and beyond_loopback(listen_host)
+
+
 def _listen_name(listen_host: str) -> str | ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     """`[server].host` as a Host may name it: an address, a lower-case name, or None for a
     wildcard (`0.0.0.0`, `::`, empty), which names no one host."""

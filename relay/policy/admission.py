@@ -98,6 +98,16 @@ _CHEAP_PREFIXES = ("/slots/", "/models/", "/cors-proxy/")
 _CHEAP_SUFFIXES = ("/count_tokens", "/input_tokens")
 
 
+# The health check the relay answers itself, as llama-server does: with no key asked.
+HEALTH_PATHS = frozenset({"/health", "/v1/health"})
+
+
+def is_health(method: bytes, path: str) -> bool:
+    """`GET`/`HEAD /health` or `/v1/health`: answered by the relay from its upstreams'
+    health, open to anyone (a key sent anyway is not looked at), never charged."""
+    return path in HEALTH_PATHS and (method == b"GET" or method == b"HEAD")
+
+
 def generates(method: bytes, path: str) -> bool:
     """Whether a request may make the upstream generate: it takes a slot and a reservation.
     Turned around on purpose: any POST but a known cheap route, so a route the relay does
@@ -159,7 +169,10 @@ def head_check(
 ) -> tuple[str | None, RelayError | None]:
     """(key id, refusal) decided on the head alone: 401/403 for a caller the request will be
     refused for anyway, so its body is never read. Admin endpoints follow `admin_access`
-    (`listen_host`: `[server].host`; empty: only loopback names name the relay)."""
+    (`listen_host`: `[server].host`; empty: only loopback names name the relay). The health
+    check asks for nothing."""
+    if is_health(method, path):
+        return None, None
     if access.is_admin(method, path):
         refused = access.admin_refusal(auth, method, headers, peer_host, listen_host)
         return None, (RelayError(*refused) if refused is not None else None)

@@ -2,7 +2,9 @@
 
 Pure: the caller passes `now` (unix seconds). A reservation takes one request and an estimate
 of tokens; used + reserved may never exceed a limit, so N concurrent requests against a limit
-of k admit exactly k (the check and the reservation happen in one synchronous step).
+of k admit exactly k (the check and the reservation happen in one synchronous step). The
+limits that act now (requests at once, per minute: `policy.limits`) are checked and taken in
+the same step, before the day and month windows.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from datetime import UTC, datetime
 from typing import TypedDict
 
 from relay.config import KeyConfig
+from relay.policy.limits import Admitted, KeyLimits, Refusal
 
 
 class Period(enum.StrEnum):
@@ -89,8 +92,9 @@ class BudgetExceeded(Exception):
         resets_at: float,
         now: float,
     ) -> None:
+        what = "budget" if limit.startswith(("daily", "monthly")) else "limit"
         super().__init__(
-            f"{limit} budget exceeded: {used} used + {requested} requested > {limit_value}"
+            f"{limit} {what} exceeded: {used} used + {requested} requested > {limit_value}"
         )
         self.limit = limit
         self.used = used
@@ -110,6 +114,18 @@ class BudgetExceeded(Exception):
             "resets_at": iso,
         }
 
+    @classmethod
+    def of(cls, refusal: Refusal, now: float) -> BudgetExceeded:
+        """A limit that acts now, refused (`policy.limits`)."""
+        return cls(
+            refusal.limit,
+            refusal.used,
+            refusal.requested,
+            refusal.limit_value,
+            refusal.resets_at,
+            now,
+        )
+
 
 @dataclass
 class Reservation:
@@ -126,11 +142,20 @@ class Reservation:
     gen: int = 0
     admitted_at: float = 0.0
     spent: bool = False
+    # The limits that act now it counts in, and its place in them (`policy.limits`).
+    now: KeyLimits | None = None
+    event: Admitted | None = None
 
 
 @dataclass
 class _KeyBudget:
     windows: list[_Window] = field(default_factory=list)
+    now: KeyLimits = field(default_factory=KeyLimits)
+
+    @property
+    def limited(self) -> bool:
+        """Whether any limit applies (a request of the key is then admitted and held)."""
+        return bool(self.windows) or self.now.limits
 
 
 def _limits(k: KeyConfig) -> list[tuple[Period, int, int]]:
@@ -145,6 +170,10 @@ def _limits(k: KeyConfig) -> list[tuple[Period, int, int]]:
     ]
 
 
+def _now_limits(k: KeyConfig) -> KeyLimits:
+    return KeyLimits(k.max_concurrent, k.requests_per_minute, k.tokens_per_minute)
+
+
 class Budgets:
     """Every key's windows. `generation` counts the reloads, so the windows a later one
     creates are told apart; `_late` holds what settled since `stage`."""
@@ -153,7 +182,8 @@ class Budgets:
         self.generation = 0
         self._late: list[tuple[Reservation, int, int]] | None = None
         self.keys: dict[str, _KeyBudget] = {
-            k.id: _KeyBudget([_Window(kind, r, t) for kind, r, t in _limits(k)]) for k in keys
+            k.id: _KeyBudget([_Window(kind, r, t) for kind, r, t in _limits(k)], _now_limits(k))
+            for k in keys
         }
 
     def stage(self) -> None:
@@ -191,7 +221,9 @@ class Budgets:
                     fresh.append((k.id, kind))
                 w.req_limit, w.tok_limit = r, t
                 ws.append(w)
-            table[k.id] = _KeyBudget(ws)
+            limits = self.keys.get(k.id, _KeyBudget()).now
+            limits.set(k.max_concurrent, k.requests_per_minute, k.tokens_per_minute)
+            table[k.id] = _KeyBudget(ws, limits)
         self.keys = table
         for (key_id, named), (requests, tokens) in (rebuilt or {}).items():
             self.restore(key_id, named, requests, tokens, now)
@@ -221,15 +253,25 @@ class Budgets:
         return [w.kind for w in self.keys.get(key_id, _KeyBudget()).windows]
 
     def limits_tokens(self, key_id: str) -> bool:
-        """Whether a token window applies to the key (then no request may be unbounded)."""
-        return any(w.tok_limit for w in self.keys.get(key_id, _KeyBudget()).windows)
+        """Whether a token limit applies to the key (then no request may be unbounded)."""
+        kb = self.keys.get(key_id, _KeyBudget())
+        return any(w.tok_limit for w in kb.windows) or bool(kb.now.tpm)
+
+    def limited(self, key_id: str) -> bool:
+        """Whether any limit applies to the key."""
+        kb = self.keys.get(key_id)
+        return kb is not None and kb.limited
 
     def reserve(self, key_id: str, tokens: int, now: float) -> Reservation:
-        """Check every window and reserve in all of them, or raise BudgetExceeded."""
+        """Check every limit and reserve in all of them, or raise BudgetExceeded."""
         kb = self.keys.get(key_id)
-        if kb is None or not kb.windows:
+        if kb is None or not kb.limited:
             # No limits: nothing to hold (a reload adding some charges it when it settles).
             return Reservation(key_id, 0, empty=True, gen=self.generation, admitted_at=now)
+        limits = kb.now
+        refusal = limits.check(tokens, now) if limits.limits else None
+        if refusal is not None:
+            raise BudgetExceeded.of(refusal, now)
         for w in kb.windows:
             w.roll(now)
             if w.req_limit and w.used_req + w.res_req + 1 > w.req_limit:
@@ -250,6 +292,8 @@ class Budgets:
             windows=tuple(kb.windows),
             gen=self.generation,
             admitted_at=now,
+            now=limits if limits.limits else None,
+            event=limits.admit(tokens, now) if limits.limits else None,
         )
 
     def spend(self, res: Reservation, requests: int, tokens: int, now: float) -> None:
@@ -257,6 +301,8 @@ class Budgets:
         if res.spent:
             return
         res.spent = True
+        if res.now is not None and res.event is not None:
+            res.now.settle(res.event, requests, tokens, now)
         if not res.empty:
             res.empty = True
             # Usage counts in the window the request was admitted in, as its row does (its

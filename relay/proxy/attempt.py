@@ -65,7 +65,7 @@ async def take_slot(
     up = ledger.up
     try:
         slot = ledger.slot = await app.balancer.acquire(
-            pool, want, d.pool_timeout_s, exclude, ledger.admission
+            pool, want, d.pool_timeout_s, exclude, ledger.admission, rec.key_id
         )
     except SlotsClosed:
         # The relay began draining while this request queued.
@@ -89,6 +89,8 @@ async def take_slot(
             up = app.upstreams.get(granted.member) or up
         if up is not None:
             up.metrics.observe_queue_wait(waited)
+    if slot.position:
+        rec.queue_position = slot.position
     return slot.member
 
 

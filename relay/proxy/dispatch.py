@@ -36,7 +36,7 @@ from relay.proxy.attempt import PoolBusy, Retry, open_exchange, take_slot, unava
 from relay.proxy.client import ClientConn
 from relay.proxy.client_writer import Drain
 from relay.proxy.exchange import Exchange, Hop
-from relay.proxy.health import DOWN, READY
+from relay.proxy.health import DOWN, READY, UNKNOWN
 from relay.proxy.ledger import Ledger
 from relay.proxy.reply import Reply
 from relay.proxy.request import Request
@@ -72,9 +72,18 @@ class Streaming(msgspec.Struct, frozen=True, gc=False):
 Relayed = Ended | Streaming
 
 
+# The code of a refusal by the limit it met: the limits that act now have their own.
+_LIMIT_CODES = {
+    "concurrent_requests": Code.CONCURRENCY_EXCEEDED,
+    "minute_requests": Code.RATE_LIMIT_EXCEEDED,
+    "minute_tokens": Code.RATE_LIMIT_EXCEEDED,
+}
+
+
 def exceeded(exc: BudgetExceeded) -> RelayError:
+    """The 429 of a key's limit: which limit, the figures, when to retry."""
     return RelayError(
-        Code.BUDGET_EXCEEDED,
+        _LIMIT_CODES.get(exc.limit, Code.BUDGET_EXCEEDED),
         str(exc),
         exc.details(),
         [(b"Retry-After", b"%d" % exc.retry_after)],
@@ -322,7 +331,7 @@ class Dispatcher:
             if up is None or name in tried:
                 continue
             probe = up.health.probe
-            if probe is READY or not probing:
+            if probe is READY or probe is UNKNOWN or not probing:
                 ready.append(name)
             elif probe is DOWN:
                 down = down or up
@@ -541,7 +550,7 @@ class Dispatcher:
         ledger.admission = admission_id = store.next_admission_id()
         if ledger.generates:
             # A worker asks for the slot with the admission (relay.workers.ahead).
-            self.app.balancer.ahead(admission_id, pool, want)
+            self.app.balancer.ahead(admission_id, pool, want, rec.key_id)
         reserved = res.tokens
         prompt = min(ledger.prompt_est, reserved)
         try:

@@ -1,6 +1,10 @@
-"""The endpoints the relay answers itself, never forwarded: the operator page and its files,
-`/metrics`, `/api/*` (slot metrics, the page's state), and `GET /v1/models` from the
-configuration's names when any upstream lists its models.
+"""The endpoints the relay answers itself, never forwarded: the health check (`GET`/`HEAD
+/health` and `/v1/health`, from the upstreams' health: `readiness`), the operator page and its
+files, `/metrics`, `/api/*` (slot metrics, the page's state, the upstreams' readiness), and
+`GET /v1/models` from the configuration's names when any upstream lists its models.
+
+The health check asks for no key and leaves no row, no access line and no figure: a load
+balancer polling it costs the store nothing, and a key's budget is never touched by it.
 
 Admin routes (the relay's own and the upstream's mutating ones) are judged here too: a refused
 caller gets 401/403; an allowed one is marked `admin` on the request's ledger, so no API key
@@ -14,22 +18,28 @@ from enum import Enum, auto
 
 import msgspec
 
-from relay.errors import Code, RelayError
+from relay.errors import Code, RelayError, reason_phrase
 from relay.http.fields import Headers
+from relay.http.to_client import relay_response
 from relay.observe import ui_page, ui_state
 from relay.policy import admin_access
+from relay.policy.admission import is_health
 from relay.policy.routing import model_list
+from relay.proxy import readiness
 from relay.proxy.app_view import AppView, ViewAnswer
 from relay.proxy.client_writer import JSON, ClientWriter
 from relay.proxy.ledger import Ledger
 from relay.proxy.request import Request
 
 PROMETHEUS_TEXT = b"text/plain; version=0.0.4; charset=utf-8"
+# Each upstream's state, since when and why (admin).
+READINESS_PATH = "/api/upstreams"
 
 
 class Own(Enum):
     """Which of the relay's own endpoints answers a request."""
 
+    HEALTH = auto()
     PAGE = auto()
     VIEW = auto()
     MODELS = auto()
@@ -41,6 +51,8 @@ def claim(app: AppView, peer_host: str | None, req: Request, ledger: Ledger) -> 
     ledger, whether the relay answers it or the upstream does."""
     # Normalised and bounded: it is echoed in a 404.
     path = req.path
+    if is_health(req.method, path):
+        return Own.HEALTH
     if ui_page.is_page(path):
         return Own.PAGE
     relay_admin = admin_access.is_relay_admin(path)
@@ -66,7 +78,20 @@ async def answer(
 ) -> None:  # fmt: skip
     """Answer a request one of the relay's own endpoints claimed (RelayError: refused)."""
     path = req.path
-    if own is Own.PAGE:
+    if own is Own.HEALTH:
+        # A worker knows every upstream's health from its parent: no round trip.
+        d = app.config.dispatcher
+        why = readiness.judge(
+            (up.health.probe for up in app.upstreams.values()),
+            d.health_interval_s > 0,
+            app.draining,
+        )
+        status, body = readiness.health_answer(why)
+        whole = relay_response(
+            status, reason_phrase(status), body, rid, req.keep_alive, cors, readiness.JSON_UTF8
+        )
+        out.send_answer(whole[: len(whole) - len(body)] if req.method == b"HEAD" else whole)
+    elif own is Own.PAGE:
         body, ctype = ui_page.answer(app.auth, peer_host, req, app.config.server.host)
         out.answer(200, body, rid, req.keep_alive, ui_page.PAGE_HEADERS, ctype)
     elif own is Own.VIEW:
@@ -97,6 +122,10 @@ def admin_view(app: AppView, path: str) -> ViewAnswer:
         return ViewAnswer(200, registry.prometheus(now), PROMETHEUS_TEXT, [])
     if path == "/api/slots/metrics":
         return ViewAnswer(200, registry.json(now), JSON, [])
+    if path == READINESS_PATH:
+        d = app.config.dispatcher
+        body = readiness.view(list(app.upstreams.values()), d.health_interval_s > 0, app.draining)
+        return ViewAnswer(200, body, JSON, [])
     if path == ui_page.STATE_PATH:
         body = msgspec.json.encode(ui_state.state(app, time.time(), now))
         return ViewAnswer(200, body, JSON, list(ui_page.NO_STORE))

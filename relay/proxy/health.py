@@ -1,79 +1,116 @@
-"""Upstream state: ready / serving / loading / down, from a light /health probe and from
-what requests see (a refused connect marks an upstream down at once).
+"""Upstream state: unknown / ready / serving / loading / down, from a light /health probe and
+from what requests see (a refused connect marks an upstream down at once).
+
+An upstream is `unknown` until the first probe answers, or, without probes, until a request
+finds it up or down: an upstream never seen up is never said to have been ready.
 
 While an upstream is down, requests fail fast (no connect timeout paid per request), and the
 probe runs every `down_probe_interval_s` instead of `health_interval_s`: an upstream that
-answers again serves within that interval, not after the next regular probe."""
+answers again serves within that interval, not after the next regular probe.
+
+Each change of state is told once, as a `Change`, to `on_change` (the process logs it, and a
+worker tells its parent): a hundred requests that find an upstream down make one change, and
+its recovery another."""
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import ssl
+import time
 from collections.abc import Callable
+
+import msgspec
 
 from relay.http.tls import describe
 from relay.observe.metrics import UpstreamState
 
-READY, SERVING, LOADING, DOWN = UpstreamState
+READY, SERVING, LOADING, DOWN, UNKNOWN = UpstreamState
+
+
+class Seen(enum.StrEnum):
+    """What saw a change: the probe, or a request (a refused connect, an answer)."""
+
+    PROBE = "probe"
+    REQUEST = "request"
+
+
+class Change(msgspec.Struct, frozen=True):
+    """An upstream's state changed: from `was` to `now`, seen `by` the probe (`status`: its
+    answer's status, None when none came) or a request; `error`: why it is down."""
+
+    was: UpstreamState
+    now: UpstreamState
+    by: Seen
+    error: str = ""
+    status: int | None = None
 
 
 class Health:
     def __init__(self) -> None:
-        # READY (it answers), LOADING (503 on /health) or DOWN.
-        self.probe = READY
+        # UNKNOWN (not seen yet), READY (it answers), LOADING (503 on /health) or DOWN.
+        self.probe = UNKNOWN
         self.last_error = ""
-        # Called when a request finds the upstream down (it wakes the probe), and when a
-        # request got an answer from it while it was down.
+        # Unix time of the last change of `probe` (the start, until one).
+        self.since = time.time()
+        # The last probe: its unix time and status (None: no answer), None before the first.
+        self.probed_at: float | None = None
+        self.probe_status: int | None = None
+        # Told each change of state (`Change`).
+        self.on_change: Callable[[Change], object] | None = None
+        # Called when a request finds the upstream down: it wakes the probe.
         self.on_down: Callable[[], object] | None = None
-        self.on_up: Callable[[], object] | None = None
         # Whether probes run (`health_interval_s` > 0): only then is a down upstream passed
         # by, since only a probe would see it come back.
         self.probing = False
-        # Called after each change of `probe` (the slots hand a member's free slots on when
-        # it is back, the pool's table forgets a member that went down).
-        self.on_change: Callable[[], object] | None = None
 
     def usable(self) -> bool:
         """Whether requests may go to it now: not while probes know it is down."""
-        return self.probe != DOWN or not self.probing
+        return self.probe is not DOWN or not self.probing
 
     def probe_delay(self, interval_s: float, down_interval_s: float) -> float:
         """Seconds until the next probe: sooner while down, to see it come back."""
         return min(interval_s, down_interval_s) if self.probe == DOWN else interval_s
 
     def state(self, in_flight: int) -> UpstreamState:
-        if self.probe != READY:
-            return self.probe
-        return SERVING if in_flight else READY
+        probe = self.probe
+        if probe is READY or probe is UNKNOWN:
+            return SERVING if in_flight else probe
+        return probe
 
     def probed(self, status: int | None, error: str = "") -> None:
         """One probe result: a status line, or None when no answer came."""
-        was = self.probe
+        self.probed_at, self.probe_status = time.time(), status
         if status is None:
-            self.probe, self.last_error = DOWN, error
+            self._become(DOWN, Seen.PROBE, error, status)
         elif status == 503:
-            self.probe = LOADING
+            self._become(LOADING, Seen.PROBE, "", status)
         else:
             # Any answer means the server is there (a server without /health gives 404).
-            self.probe, self.last_error = READY, ""
-        if self.probe != was and self.on_change is not None:
-            self.on_change()
+            self._become(READY, Seen.PROBE, "", status)
 
     def connect_failed(self, error: str) -> None:
-        was, self.probe, self.last_error = self.probe, DOWN, error
-        if was != DOWN:
-            if self.on_change is not None:
-                self.on_change()
-            if self.on_down is not None:
-                self.on_down()
+        """A request could not connect: down now (once; the probe is woken)."""
+        if self._become(DOWN, Seen.REQUEST, error) and self.on_down is not None:
+            self.on_down()
 
     def answered(self) -> None:
-        if self.probe == DOWN:
-            self.probe, self.last_error = READY, ""
-            if self.on_change is not None:
-                self.on_change()
-            if self.on_up is not None:
-                self.on_up()
+        """A request got a response head: an upstream down or not seen yet is up."""
+        if self.probe is DOWN or self.probe is UNKNOWN:
+            self._become(READY, Seen.REQUEST)
+
+    def _become(
+        self, now: UpstreamState, by: Seen, error: str = "", status: int | None = None
+    ) -> bool:
+        """Set the state (and the error, whether or not it changed); whether it changed."""
+        was = self.probe
+        self.probe, self.last_error = now, error
+        if now is was:
+            return False
+        self.since = time.time()
+        if self.on_change is not None:
+            self.on_change(Change(was, now, by, error, status))
+        return True
 
 
 async def probe_once(
@@ -108,7 +145,11 @@ async def probe_once(
         return int(parts[1]), ""
     except ssl.SSLError as exc:
         return None, f"TLS handshake failed: {describe(exc)}"
-    except (OSError, TimeoutError, ValueError):
+    except TimeoutError:
+        return None, f"no answer to GET /health within {timeout}s"
+    except OSError as exc:
+        return None, f"no answer to GET /health: {exc.strerror or exc}"
+    except ValueError:
         return None, "no answer to GET /health"
     finally:
         if writer is not None:

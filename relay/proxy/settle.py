@@ -39,6 +39,8 @@ ADMISSION_CODES = frozenset(
         Code.BAD_REQUEST,
         Code.MODEL_NOT_FOUND,
         Code.BUDGET_EXCEEDED,
+        Code.CONCURRENCY_EXCEEDED,
+        Code.RATE_LIMIT_EXCEEDED,
         Code.NOT_FOUND,
         Code.FORBIDDEN,
     }

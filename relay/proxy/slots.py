@@ -21,10 +21,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from relay.config import BalanceConfig
+from relay.config import BalanceConfig, KeyConfig
 from relay.observe.metrics import Registry
 from relay.policy.affinity import (
     NO_WANT,
@@ -39,8 +39,13 @@ from relay.policy.affinity import (
     learn,
     pick_waiting,
 )
+from relay.policy.fair import Line as FairLine
+from relay.policy.fair import activated, charged, pick_line
 from relay.policy.routing import Pool
 from relay.store.admissions import AdmissionId
+
+# The aging bound of slots that belong to no board (`SlotPool.acquire` alone).
+AGING_S = BalanceConfig().aging_s
 
 
 class Busy(Exception):
@@ -62,6 +67,9 @@ class SlotLease(Protocol):
 
     @property
     def member(self) -> str: ...
+
+    @property
+    def position(self) -> int: ...
 
     def release(self, reuse: Reuse | None = None) -> None: ...
 
@@ -92,13 +100,14 @@ class Balancer(Protocol):
         timeout: float,
         exclude: frozenset[str] = frozenset(),
         admission: AdmissionId | None = None,
+        key: str | None = None,
     ) -> SlotLease:
         """A slot of one of `pool`'s members but `exclude` within `timeout` (Busy,
-        SlotsClosed). `admission`: the request's admission record, by which a worker finds
-        the slot asked for with it."""
+        SlotsClosed), in the line of `key` (`policy.fair`). `admission`: the request's
+        admission record, by which a worker finds the slot asked for with it."""
         ...
 
-    def ahead(self, admission: AdmissionId, pool: Pool, want: Want) -> None:
+    def ahead(self, admission: AdmissionId, pool: Pool, want: Want, key: str | None = None) -> None:
         """The slot a keyed request will ask for once admitted (a worker asks for both in one
         message); nothing to do in one process."""
         ...
@@ -112,18 +121,23 @@ class Usable(Protocol):
 
 
 class Slot:
-    __slots__ = ("board", "fingerprint", "released", "slots", "units")
+    __slots__ = ("board", "fingerprint", "key", "position", "released", "slots", "units")
 
     def __init__(
         self, slots: SlotPool, board: Board | None = None, fingerprint: tuple[int, ...] = (),
-        units: int = 0,
+        units: int = 0, key: str | None = None, position: int = 0,
     ) -> None:  # fmt: skip
         self.slots = slots
         self.board = board
         self.fingerprint = fingerprint
         # The prefix units the member was believed to hold when it was chosen.
         self.units = units
+        self.key = key
+        # Its place among its key's waiting requests when it was queued (0: not queued).
+        self.position = position
         self.released = False
+        if board is not None and key is not None:
+            board.held_by_key[key] = board.held_by_key.get(key, 0) + 1
 
     @property
     def member(self) -> str:
@@ -132,65 +146,52 @@ class Slot:
     def release(self, reuse: Reuse | None = None) -> None:
         if not self.released:
             self.released = True
-            if reuse is not None and self.board is not None:
-                self.board.learnt(self, reuse)
+            board = self.board
+            if board is not None:
+                if reuse is not None:
+                    board.learnt(self, reuse)
+                if self.key is not None:
+                    board.held_by_key[self.key] -= 1
             self.slots._free()
 
 
 class _Waiter:
-    """A request in a pool's queue. `counted`: the member whose `queued` counts it (the one
-    its conversation lives on, or its only member)."""
+    """A request in a pool's queue, in its key's line. `counted`: the member whose `queued`
+    counts it (the one its conversation lives on, or its only member)."""
 
-    __slots__ = ("at", "counted", "exclude", "fut", "gone", "preferred", "queue")
+    __slots__ = ("at", "counted", "exclude", "fut", "gone", "line", "position", "preferred")
 
     def __init__(
-        self, queue: _Queue, fut: asyncio.Future[SlotPool], exclude: frozenset[str],
+        self, line: _Line, fut: asyncio.Future[SlotPool], exclude: frozenset[str],
         preferred: SlotPool | None, counted: SlotPool | None, at: float,
     ) -> None:  # fmt: skip
-        self.queue = queue
+        self.line = line
         self.fut = fut
         self.exclude = exclude
         self.preferred = preferred
         self.counted = counted
         self.at = at
+        self.position = line.live + 1
         self.gone = False
 
 
-class _Queue:
-    """One pool's waiting requests: in arrival order, and by the member each prefers. Entries
-    that left are skipped where they are met (and dropped whole when none is left)."""
+class _Line:
+    """One key's waiting requests in one pool's queue (`policy.fair`): in arrival order, and
+    by the member each prefers; its class, weight, and virtual start and finish. Entries that
+    left are skipped where they are met (and dropped whole when none is left)."""
 
-    __slots__ = ("live", "members", "name", "order", "preferring")
+    __slots__ = ("finish", "key", "live", "order", "preferring", "queue", "rank", "start", "weight")
 
-    def __init__(self, name: str, members: tuple[SlotPool, ...]) -> None:
-        self.name = name
-        self.members = members
+    def __init__(self, queue: _Queue, key: str | None, rank: int, weight: int) -> None:
+        self.queue = queue
+        self.key = key
+        self.rank = rank
+        self.weight = weight
         self.order: deque[_Waiter] = deque()
         self.preferring: dict[str, deque[_Waiter]] = {}
         self.live = 0
-
-    @property
-    def bound(self) -> int:
-        return sum(m.queue for m in self.members)
-
-    def add(self, w: _Waiter) -> None:
-        self.order.append(w)
-        if w.preferred is not None:
-            self.preferring.setdefault(w.preferred.name, deque()).append(w)
-        if w.counted is not None:
-            w.counted.waiting += 1
-        self.live += 1
-
-    def leave(self, w: _Waiter) -> None:
-        if w.gone:
-            return
-        w.gone = True
-        if w.counted is not None:
-            w.counted.waiting -= 1
-        self.live -= 1
-        if not self.live:
-            self.order.clear()
-            self.preferring.clear()
+        self.start = 0.0
+        self.finish = 0.0
 
     def oldest_for(self, member: SlotPool) -> _Waiter | None:
         order = self.order
@@ -207,12 +208,76 @@ class _Queue:
             waiting.popleft()
         return waiting[0] if waiting else None
 
+
+class _Queue:
+    """One pool's waiting requests, one line per key, and the virtual time of its turns."""
+
+    __slots__ = ("active", "lines", "live", "members", "name", "vtime")
+
+    def __init__(self, name: str, members: tuple[SlotPool, ...]) -> None:
+        self.name = name
+        self.members = members
+        self.lines: dict[str | None, _Line] = {}
+        # The lines with requests waiting.
+        self.active: dict[str | None, _Line] = {}
+        self.live = 0
+        self.vtime = 0.0
+
+    @property
+    def bound(self) -> int:
+        return sum(m.queue for m in self.members)
+
+    def line(self, key: str | None, rank: int, weight: int) -> _Line:
+        line = self.lines.get(key)
+        if line is None:
+            line = self.lines[key] = _Line(self, key, rank, weight)
+        line.rank, line.weight = rank, weight
+        return line
+
+    def add(self, w: _Waiter) -> None:
+        line = w.line
+        if not line.live:
+            line.start = activated(line.finish, self.vtime)
+            self.active[line.key] = line
+        line.order.append(w)
+        if w.preferred is not None:
+            line.preferring.setdefault(w.preferred.name, deque()).append(w)
+        if w.counted is not None:
+            w.counted.waiting += 1
+        line.live += 1
+        self.live += 1
+
+    def leave(self, w: _Waiter) -> None:
+        if w.gone:
+            return
+        w.gone = True
+        if w.counted is not None:
+            w.counted.waiting -= 1
+        line = w.line
+        line.live -= 1
+        self.live -= 1
+        if not line.live:
+            line.order.clear()
+            line.preferring.clear()
+            del self.active[line.key]
+
+    def served(self, line: _Line) -> None:
+        """`line`'s turn is taken: a waiting request of it took a freed slot."""
+        self.vtime = max(self.vtime, line.start)
+        line.finish = charged(line.start, line.weight)
+        line.start = line.finish
+
+    def served_at_once(self, line: _Line) -> None:
+        """A request of `line` took a free slot without waiting: a turn all the same."""
+        line.finish = charged(activated(line.finish, self.vtime), line.weight)
+
     def fail_all(self, exc: BaseException) -> None:
-        for w in list(self.order):
-            if not w.gone:
-                self.leave(w)
-                if not w.fut.done():
-                    w.fut.set_exception(exc)
+        for line in list(self.active.values()):
+            for w in list(line.order):
+                if not w.gone:
+                    self.leave(w)
+                    if not w.fut.done():
+                        w.fut.set_exception(exc)
 
 
 class SlotPool:
@@ -284,36 +349,54 @@ class SlotPool:
 
 def _next_waiter(member: SlotPool) -> _Waiter | None:
     """The waiting request a free slot of `member` goes to (it leaves its queue), or None:
-    the oldest of every queue the member serves, and the oldest of each whose conversation
-    lives on the member, judged by `pick_waiting`."""
-    heads: list[_Waiter] = []
+    in each queue the member serves, the line whose turn it is (`policy.fair.pick_line`), and
+    in it the oldest request or one whose conversation lives on the member
+    (`policy.affinity.pick_waiting`); of several queues, the one whose line comes first."""
+    board = member.board
+    now = time.monotonic()
+    aging = board.aging_s if board is not None else AGING_S
+    best: tuple[_Queue, _Line, _Waiter] | None = None
+    best_view: FairLine | None = None
     for q in member.queues:
         if not q.live:
             continue
-        oldest = q.oldest_for(member)
-        if oldest is not None:
-            heads.append(oldest)
-        preferring = q.preferring_head(member)
-        if preferring is not None and preferring is not oldest:
-            heads.append(preferring)
-    if not heads:
+        lines: list[_Line] = []
+        views: list[FairLine] = []
+        heads: list[_Waiter] = []
+        for line in q.active.values():
+            head = line.oldest_for(member)
+            if head is not None:
+                lines.append(line)
+                heads.append(head)
+                views.append(FairLine(line.rank, line.start, head.at))
+        i = pick_line(views, now, aging)
+        if i is None:
+            continue
+        if best_view is not None and pick_line([best_view, views[i]], now, aging) == 0:
+            continue
+        best, best_view = (q, lines[i], heads[i]), views[i]
+    if best is None:
         return None
-    if len(heads) > 1:
-        heads.sort(key=_arrival)
-    board = member.board
-    bound = board.wait_bound if board is not None else 0.0
-    name = member.name
-    views = [Waiting(w.at, name if w.preferred is member else None) for w in heads]
-    i = pick_waiting(views, name, time.monotonic(), bound)
-    w = heads[i or 0]
-    w.queue.leave(w)
+    q, line, head = best
+    w = _affine(line, head, member, now, board)
+    q.leave(w)
+    q.served(line)
     if board is not None:
-        board.handed(w, member)
+        board.handed(w, q, member)
     return w
 
 
-def _arrival(w: _Waiter) -> float:
-    return w.at
+def _affine(
+    line: _Line, head: _Waiter, member: SlotPool, now: float, board: Board | None
+) -> _Waiter:
+    """Within a line: its oldest request, or the oldest whose conversation lives on `member`
+    while the oldest has waited less than the affinity bound."""
+    preferring = line.preferring_head(member)
+    if preferring is None or preferring is head:
+        return head
+    bound = board.wait_bound if board is not None else 0.0
+    views = (Waiting(head.at, None), Waiting(preferring.at, member.name))
+    return preferring if pick_waiting(views, member.name, now, bound) == 1 else head
 
 
 class Board:
@@ -325,10 +408,11 @@ class Board:
         self,
         balance: BalanceConfig | None = None,
         members: Callable[[str], SlotPool | None] | None = None,
+        keys: Sequence[KeyConfig] = (),
     ) -> None:
         balance = balance or BalanceConfig()
         self.table = PrefixTable(balance.prefix_entries)
-        self.configure(balance)
+        self.configure(balance, keys)
         self.members = members or (lambda _name: None)
         self._queues: dict[tuple[str, tuple[int, ...]], _Queue] = {}
         # Each pool's queue, as requests name it (cleared by a reload: `rebind`).
@@ -336,13 +420,18 @@ class Board:
         # Per pool: decisions by why, answers that missed the prefix expected.
         self.routed: dict[str, dict[Why, int]] = {}
         self.missed: dict[str, int] = {}
+        # Per key: the slots its requests hold.
+        self.held_by_key: dict[str, int] = {}
 
-    def configure(self, balance: BalanceConfig) -> None:
-        """The `[balance]` settings (at start and at a reload); the table keeps what it knows."""
+    def configure(self, balance: BalanceConfig, keys: Sequence[KeyConfig] = ()) -> None:
+        """The `[balance]` settings and the keys' classes and weights (at start and at a
+        reload); the table keeps what it knows."""
         self.affinity = balance.affinity
         self.epsilon = balance.epsilon
         self.wait_bound = balance.affinity_wait_s
+        self.aging_s = balance.aging_s
         self.table.max_entries = balance.prefix_entries
+        self.ranks = {k.id: (k.rank, k.weight) for k in keys}
 
     def adopt(self, slots: SlotPool) -> None:
         """An upstream's slots (at start, and each added by a reload) learn from this board."""
@@ -382,6 +471,7 @@ class Board:
         timeout: float,
         exclude: frozenset[str] = frozenset(),
         admission: AdmissionId | None = None,
+        key: str | None = None,
     ) -> Slot:
         q = self._by_pool.get(pool)
         if q is None:
@@ -392,9 +482,9 @@ class Board:
                     raise Busy(f"upstream {name} is gone (a reload removed it)")
                 members.append(m)
             q = self._by_pool[pool] = self.queue(pool.name, tuple(members))
-        return await _take(self, q, want, timeout, exclude)
+        return await _take(self, q, want, timeout, exclude, key)
 
-    def ahead(self, admission: AdmissionId, pool: Pool, want: Want) -> None:
+    def ahead(self, admission: AdmissionId, pool: Pool, want: Want, key: str | None = None) -> None:
         pass
 
     def chosen(self, q: _Queue, eligible: list[SlotPool], want: Want) -> tuple[SlotPool, int]:
@@ -425,12 +515,27 @@ class Board:
         found = self.table.longest_holder(fingerprint, (member.name,))
         return found[1] if found is not None else 0
 
-    def handed(self, w: _Waiter, member: SlotPool) -> None:
+    def handed(self, w: _Waiter, q: _Queue, member: SlotPool) -> None:
         """A waiting request takes a freed slot of `member`: counted as its pool's decision."""
-        if len(w.queue.members) > 1:
+        if len(q.members) > 1:
             why = Why.AFFINITY if w.preferred is member else Why.WAITED
-            counts = self.routed.setdefault(w.queue.name, {})
+            counts = self.routed.setdefault(q.name, {})
             counts[why] = counts.get(why, 0) + 1
+
+    def rank_of(self, key: str | None) -> tuple[int, int]:
+        """A key's priority class and weight (`[[key]]`); a request without a key: 0 and 1."""
+        if key is None:
+            return 0, 1
+        return self.ranks.get(key, (0, 1))
+
+    def waiting_by_key(self) -> dict[str, int]:
+        """The requests of each key waiting in any queue."""
+        out: dict[str, int] = {}
+        for q in self._queues.values():
+            for key, line in q.active.items():
+                if key is not None:
+                    out[key] = out.get(key, 0) + line.live
+        return out
 
     def figures(self, registry: Registry, pools: list[Pool]) -> None:
         """The pools' live figures into `registry` (for the relay's own views): members, the
@@ -457,12 +562,16 @@ class Board:
 
 
 async def _take(
-    board: Board | None, q: _Queue, want: Want, timeout: float, exclude: frozenset[str]
-) -> Slot:
-    """A slot of one of `q`'s members but `exclude`: a free one at once, else a wait in `q`."""
+    board: Board | None, q: _Queue, want: Want, timeout: float, exclude: frozenset[str],
+    key: str | None = None,
+) -> Slot:  # fmt: skip
+    """A slot of one of `q`'s members but `exclude`: a free one at once, else a wait in the
+    line of `key`."""
     eligible = [m for m in q.members if m.name not in exclude]
     if any(m.closed for m in eligible):
         raise SlotsClosed()
+    rank, weight = board.rank_of(key) if board is not None else (0, 1)
+    line = q.line(key, rank, weight)
     free = [m for m in eligible if m.in_flight < m.parallel]
     if free:
         if len(eligible) == 1 or board is None:
@@ -470,14 +579,15 @@ async def _take(
         else:
             member, units = board.chosen(q, eligible, want)
         member.in_flight += 1
-        return Slot(member, board, want.fingerprint, units)
+        q.served_at_once(line)
+        return Slot(member, board, want.fingerprint, units, key)
     bound = q.bound
     if q.live >= bound or timeout <= 0 or not eligible:
         raise Busy("queue full" if bound else "no free slot")
     preferred = board.preferred(eligible, want) if board is not None else None
     counted = preferred or (eligible[0] if len(eligible) == 1 else None)
     fut: asyncio.Future[SlotPool] = asyncio.get_running_loop().create_future()
-    w = _Waiter(q, fut, exclude, preferred, counted, time.monotonic())
+    w = _Waiter(line, fut, exclude, preferred, counted, time.monotonic())
     q.add(w)
     try:
         member = await asyncio.wait_for(asyncio.shield(fut), timeout)
@@ -498,4 +608,4 @@ async def _take(
             q.leave(w)
         raise
     units = board.units_on(member, want.fingerprint) if board is not None else 0
-    return Slot(member, board, want.fingerprint, units)
+    return Slot(member, board, want.fingerprint, units, key, w.position)

@@ -1,15 +1,18 @@
 """The `relay sim` command line: its flags, the per-request knobs' help, serving until a signal.
 
 ``relay sim ...``, ``python -m relay.sim ...`` and `main([...])` parse the flags into a
-SimDefaults, start one Simulator (over TLS with --tls-cert), print a ``sim_listening`` JSON
-line with the bound port, and serve until SIGINT or SIGTERM.
+SimDefaults and the state's slot switches (--parallel, --slot-prompt-similarity, --defer),
+start one Simulator (over TLS with --tls-cert), print a ``sim_listening`` JSON line with the
+bound port, and serve until SIGINT or SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import signal
+import sys
 
 from relay.sim.server import Simulator
 from relay.sim.shapes import SHAPES
@@ -37,9 +40,13 @@ async def _serve(args: argparse.Namespace) -> None:
             shape=Shape(args.shape),
             events_per_chunk=args.events_per_chunk,
             chunks_per_write=args.chunks_per_write,
+            prefill_ms_per_token=args.prefill_ms_per_token,
         ),
         ssl=ctx,
     )
+    sim.parallel = args.parallel
+    sim.slot_prompt_similarity = args.slot_prompt_similarity
+    sim.defer = args.defer
     await sim.start()
     print(
         jdump({"event": "sim_listening", "host": args.host, "port": sim.port}).decode(),
@@ -64,6 +71,7 @@ per-request knobs: a request body may carry "sim": {...} overriding the flags fo
   interval_ms            float  ms between streamed tokens; default --interval-ms
   first_token_delay_ms   float  ms from the head to the first token; default --first-token-delay-ms
   head_delay_ms          float  ms before the response head; default --head-delay-ms
+  prefill_ms_per_token   float  ms per prompt token not reused (before the first token); default --prefill-ms-per-token
   status                 int    answer this HTTP status (>= 400) with an error body; default none
   error_event            bool   a 200 SSE stream holding only an {"error": ...} event; default false
   stall_after            int    stop sending after this many tokens, keep the connection; default none
@@ -81,7 +89,45 @@ per-request knobs: a request body may carry "sim": {...} overriding the flags fo
                                 (after `tokens` text tokens: the request's first tool,
                                 arguments {"city": "Paris"} in word-sized deltas; an object
                                 sets "name", "arguments" (text or value), "pieces")
+the body's own "cache_prompt": false (llama-server's field) reuses nothing of the slot's cache.
+
+slots: --parallel slots, each keeping its last prompt and reply as llama-server's prompt
+cache does; a generation takes the free slot whose cache shares more than
+--slot-prompt-similarity of its prompt, else the least recently used one, and reuses the
+common prefix (all of the prompt but its last token at most): timings.cache_n, usage's cached
+tokens. With every slot busy it runs without one (nothing reused), or with --defer waits for
+one, first come first served.
 """
+
+
+def _slots(text: str) -> int:
+    n = int(text)
+    if not 1 <= n <= 256:
+        raise argparse.ArgumentTypeError("must be 1..256")
+    return n
+
+
+def _fraction(text: str) -> float:
+    x = float(text)
+    if not 0.0 <= x <= 1.0:
+        raise argparse.ArgumentTypeError("must be 0..1")
+    return x
+
+
+def _ms(text: str) -> float:
+    x = float(text)
+    if not x >= 0.0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return x
+
+
+def _cannot_start(exc: OSError, host: str, port: int) -> str:
+    """Why the simulator cannot start, in one line: the port in use, a certificate file."""
+    if exc.errno == errno.EADDRINUSE:
+        return f"{host}:{port}: address already in use (--port 0 takes any free one)"
+    if exc.filename:
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc)
 
 
 def _count(text: str) -> int:
@@ -133,6 +179,32 @@ def main(argv: list[str] | None = None) -> int:
         help="from the request to the response head (milliseconds, default %(default)s)",
     )
     ap.add_argument(
+        "--prefill-ms-per-token",
+        type=_ms,
+        default=0.0,
+        help="prompt processing before the first token, per prompt token not reused from the "
+        "slot's cache (milliseconds, default %(default)s)",
+    )
+    ap.add_argument(
+        "--parallel",
+        type=_slots,
+        default=2,
+        help="slots, each with its prompt cache (count, default %(default)s)",
+    )
+    ap.add_argument(
+        "--slot-prompt-similarity",
+        type=_fraction,
+        default=0.1,
+        help="a prompt takes the free slot whose cache shares more than this fraction of it, "
+        "else the least recently used; 0: least recently used only (default %(default)s)",
+    )
+    ap.add_argument(
+        "--defer",
+        action="store_true",
+        help="with every slot busy, a generation waits for one, first come first served, as "
+        "llama-server defers it (default: it runs at once, without a slot, reusing nothing)",
+    )
+    ap.add_argument(
         "--model", default="models/tiny.gguf", help="model name it reports (default %(default)s)"
     )
     ap.add_argument(
@@ -179,4 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             runner.run(_serve(args))
         except KeyboardInterrupt:
             pass
+        except OSError as exc:
+            print(f"relay sim: {_cannot_start(exc, args.host, args.port)}", file=sys.stderr)
+            return 1
     return 0

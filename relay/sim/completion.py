@@ -1,6 +1,8 @@
 """The JSON of a finished completion, streamed or not: ids, timings, usage, native settings.
 
-`timings` and `usage` ride in both the last streamed events and the non-streamed bodies;
+`timings` and `usage` ride in both the last streamed events and the non-streamed bodies (the
+prompt's tokens reused from a slot's cache in ``timings.cache_n`` and
+``usage.prompt_tokens_details.cached_tokens``, the others in ``timings.prompt_n``);
 `native_final` is /completion's last object (its `generation_settings` in the real server's
 key order); `nonstream_body` is a whole non-streamed chat, text or native completion.
 """
@@ -31,8 +33,18 @@ class Usage(TypedDict):
     prompt_tokens_details: dict[str, int]
 
 
-def timings(prompt_n: int, predicted_n: int, predicted_ms: float, cache_n: int = 0) -> Timings:
-    prompt_ms = max(round(prompt_n * 0.036, 3), 0.001)
+def timings(
+    prompt_n: int,
+    predicted_n: int,
+    predicted_ms: float,
+    cache_n: int = 0,
+    prompt_ms: float | None = None,
+) -> Timings:
+    """llama-server's ``timings``: `prompt_n` is the prompt tokens processed (`cache_n` more
+    were reused), in `prompt_ms` (default 0.036 ms a token, the tiny model's pace)."""
+    if prompt_ms is None:
+        prompt_ms = prompt_n * 0.036
+    prompt_ms = max(round(prompt_ms, 3), 0.001)
     predicted_ms = max(round(predicted_ms, 3), 0.001)
     return {
         "cache_n": cache_n,
@@ -47,12 +59,13 @@ def timings(prompt_n: int, predicted_n: int, predicted_ms: float, cache_n: int =
     }
 
 
-def usage(prompt_n: int, completion_n: int) -> Usage:
+def usage(prompt_n: int, completion_n: int, cache_n: int = 0) -> Usage:
+    """The OpenAI routes' usage: `prompt_n` the whole prompt, `cache_n` of it reused."""
     return {
         "completion_tokens": completion_n,
         "prompt_tokens": prompt_n,
         "total_tokens": prompt_n + completion_n,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": cache_n},
     }
 
 
@@ -139,12 +152,16 @@ def native_final(
     stop_word: str | None = None,
     settings: Json | None = None,
     prompt: str = "",
+    slot: int = 0,
 ) -> Json:
+    """/completion's last object: `prompt_n` the whole prompt (``tokens_evaluated``), and what
+    the slot (``id_slot``) then holds, ``tokens_cached``: the prompt and the tokens generated
+    but the last."""
     return {
         "index": 0,
         "content": content,
         "tokens": [],
-        "id_slot": 0,
+        "id_slot": slot,
         "stop": True,
         "model": model,
         "tokens_predicted": predicted_n,
@@ -175,8 +192,11 @@ def nonstream_body(
     stop_word: str | None = None,
     settings: Json | None = None,
     prompt: str = "",
+    cache_n: int = 0,
+    slot: int = 0,
 ) -> bytes:
-    """Non-streamed completion JSON (chat.completion / text_completion / native)."""
+    """Non-streamed completion JSON (chat.completion / text_completion / native); `prompt_n`
+    is the whole prompt, `cache_n` of it reused, `slot` the native answer's ``id_slot``."""
     created, rid = int(time.time()), new_id()
     if kind == Kind.CHAT:
         return jdump(
@@ -192,7 +212,7 @@ def nonstream_body(
                 "model": model,
                 "system_fingerprint": FINGERPRINT,
                 "object": "chat.completion",
-                "usage": usage(prompt_n, predicted_n),
+                "usage": usage(prompt_n, predicted_n, cache_n),
                 "id": rid,
                 "timings": tm,
             }
@@ -212,7 +232,7 @@ def nonstream_body(
                 "model": model,
                 "system_fingerprint": FINGERPRINT,
                 "object": "text_completion",
-                "usage": usage(prompt_n, predicted_n),
+                "usage": usage(prompt_n, predicted_n, cache_n),
                 "id": rid,
                 "timings": tm,
             }
@@ -228,5 +248,6 @@ def nonstream_body(
             stop_word,
             settings,
             prompt,
+            slot,
         )
     )

@@ -4,14 +4,17 @@
 parses its requests one at a time (pipelined ones wait); each is recorded as a SimRequest,
 routed by method and percent-decoded path, and answered: a Content-Length body (after the
 delays its knobs ask for), or a stream that a Gen (gen.py) paces, on the OpenAI routes, the
-native /completion, Anthropic's /v1/messages and OpenAI's /v1/responses. Keep-alive as
-llama-server's: at most 100 requests, an idle timeout, and the connection closed after every
-stream (unless SimDefaults.keep_streams).
+native /completion, Anthropic's /v1/messages and OpenAI's /v1/responses. A generation first
+asks the state for a slot (state.SimState.begin): it runs once it has one (or none, see
+state.py), its delays counted from then and its first token after the prefill of the prompt
+tokens its slot's cache does not spare. Keep-alive as llama-server's: at most 100 requests, an
+idle timeout, and the connection closed after every stream (unless SimDefaults.keep_streams).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import Protocol, cast
 from urllib.parse import unquote
@@ -25,7 +28,7 @@ from relay.sim.completion import timings
 from relay.sim.endpoints import metrics_body, misc_body
 from relay.sim.frames import StreamFrames, any_nonstream_body
 from relay.sim.gen import Gen
-from relay.sim.state import SimRequest, SimState
+from relay.sim.state import SimRequest, SimState, SlotAsk
 from relay.sim.wire import Json, Kind, Route
 
 # The routes that generate, each with the body kind of its name.
@@ -56,7 +59,9 @@ _ROUTES = {
     ("POST", "/v1/embeddings"): Route.EMBEDDINGS,
     ("POST", "/embeddings"): Route.EMBEDDINGS,
 }
-_LOADING = W.error_body(503, "Loading model", "unavailable_error")
+# llama-server's middleware answers it before any route, members in its own order (message,
+# type, code: captured in health_loading.http), not in the order of a handler's errors.
+_LOADING = b'{"error":{"message":"Loading model","type":"unavailable_error","code":503}}'
 
 
 class _Pending(Protocol):
@@ -73,6 +78,8 @@ class _Stalled:
 
 
 _STALLED = _Stalled()
+# A generation waiting for a slot: the state's queue drops it when its request ends.
+_WAITING = _Stalled()
 
 
 class SimConnection(asyncio.Protocol):
@@ -151,6 +158,7 @@ class SimConnection(asyncio.Protocol):
             req.closed.set()
             if req.is_generation:
                 self.sim.active_generations -= 1
+                self.sim.end(req)
 
     def _arm_idle(self) -> None:
         if not self.closing and self.idle is None:
@@ -332,14 +340,7 @@ class SimConnection(asyncio.Protocol):
                 ctype=W.METRICS_CT,
                 extra=(b"Process-Start-Time-Unix: %d" % int(sim.start_time),),
             )
-        out = misc_body(
-            route,
-            body,
-            sim.defaults.model,
-            int(sim.start_time),
-            sim.parallel,
-            sim.active_generations,
-        )
+        out = misc_body(route, body, sim.defaults.model, int(sim.start_time), sim.slot_views())
         self._respond(req, 200, out)
 
     def _generate(self, req: SimRequest, kind: Kind, body: Json) -> None:
@@ -347,15 +348,37 @@ class SimConnection(asyncio.Protocol):
         p = P.make_plan(kind, body, sim.defaults)
         req.is_generation = True
         sim.active_generations += 1
-        sim.prompt_tokens_total += p.prompt_n
-        if p.error_event:
-            self._error_stream(req, p)
-        elif p.stream:
-            self._stream(req, p, body)
-        else:
-            self._whole(req, p)
+        self.active = _WAITING
+        waited = False
 
-    def _error_stream(self, req: SimRequest, p: P.Plan) -> None:
+        def start(cache_n: int) -> None:
+            # One that waited for a slot counts its delays from the slot; one that did not
+            # from its request.
+            at = self.loop.time() if waited else req.started_at
+            self._run(req, dataclasses.replace(p, cache_n=cache_n), body, at)
+
+        def reply(made: int) -> list[int]:
+            return P.reply_tokens(p, made)
+
+        sim.begin(req, SlotAsk(p.tokens, p.cache_prompt, p.limit, reply, start))
+        waited = True
+
+    def _run(self, req: SimRequest, p: P.Plan, body: Json, at: float) -> None:
+        """The generation runs, its delays counted from `at`."""
+        self.active = None
+        if p.error_event:
+            self._error_stream(req, p, at)
+        elif p.stream:
+            self._stream(req, p, body, at)
+        else:
+            self._whole(req, p, at)
+
+    def _slot(self, req: SimRequest) -> int:
+        """The slot a generation holds, as ``id_slot`` (0 for one run without a slot)."""
+        lease = req.lease
+        return lease.slot.id if lease is not None and lease.slot is not None else 0
+
+    def _error_stream(self, req: SimRequest, p: P.Plan, at: float) -> None:
         """The error_event knob: a 200 stream holding only an {"error": ...} event."""
         req.status = 200
         out = W.SSE_HEAD + W.chunk(W.ERROR_EVENT) + W.TERMINATOR
@@ -364,14 +387,16 @@ class SimConnection(asyncio.Protocol):
             self.transport.write(out)
             self.finish_stream()
 
-        self.active = self.loop.call_at(req.started_at + p.head_delay, send)
+        self.active = self.loop.call_at(at + p.head_delay, send)
 
-    def _stream(self, req: SimRequest, p: P.Plan, body: Json) -> None:
+    def _stream(self, req: SimRequest, p: P.Plan, body: Json, at: float) -> None:
         """A streamed generation, paced by a Gen."""
         req.status = 200
         opts = body.get("stream_options")
         include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
-        empty = timings(p.prompt_n, p.predicted_n, 0.0) if p.n == 0 else None
+        empty = (
+            timings(p.processed, p.predicted_n, 0.0, p.cache_n, p.prompt_ms) if p.n == 0 else None
+        )
         frames = StreamFrames(
             p.kind,
             self.sim.defaults.model,
@@ -381,14 +406,17 @@ class SimConnection(asyncio.Protocol):
             text_n=p.text_n,
             tool=p.tool,
             empty_timings=empty,
+            cache_n=p.cache_n,
+            slot=self._slot(req),
         )
-        g = Gen(self, req, p, frames)
+        g = Gen(self, req, p, frames, at)
         self.active = g
         g.start()
 
-    def _whole(self, req: SimRequest, p: P.Plan) -> None:
+    def _whole(self, req: SimRequest, p: P.Plan, at: float) -> None:
         """A non-streamed generation: its Content-Length body once the whole generation's time
-        has passed, unless the stall or drop knob stops it first."""
+        has passed (the prefill, then the tokens), unless the stall or drop knob stops it
+        first."""
         sim = self.sim
         n = p.n or 0
         gen_s = p.ftd + max(n - 1, 0) * p.interval
@@ -397,7 +425,7 @@ class SimConnection(asyncio.Protocol):
             return
         if p.drop_after is not None:
             self.active = self.loop.call_at(
-                req.started_at + p.head_delay + p.ftd + p.drop_after * p.interval, self.abort
+                at + p.head_delay + p.prefill + p.ftd + p.drop_after * p.interval, self.abort
             )
             return
 
@@ -414,15 +442,18 @@ class SimConnection(asyncio.Protocol):
                 n,
                 p.predicted_n,
                 p.finish,
-                timings(p.prompt_n, p.predicted_n, gen_s * 1000.0),
+                timings(p.processed, p.predicted_n, gen_s * 1000.0, p.cache_n, p.prompt_ms),
                 p.stop_word,
                 p.settings,
                 p.prompt,
                 p.text_n,
                 p.tool,
+                p.cache_n,
+                self._slot(req),
             )
 
-        self._respond(req, 200, build, delay=p.head_delay + gen_s, setup=count)
+        delay = at - req.started_at + p.head_delay + p.prefill + gen_s
+        self._respond(req, 200, build, delay=delay, setup=count)
 
 
 def _decode(raw: bytes) -> Json | P.Refusal:

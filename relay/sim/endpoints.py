@@ -2,13 +2,21 @@
 
 /v1/models (and /models), /props, /slots, /metrics (Prometheus text), /tokenize, /detokenize
 and the embeddings routes, in llama-server's key order, from the tiny model (tinymodel.py).
-Pure builders; `misc_body` picks one by route name.
+/slots shows a slot as llama-server does: id, context, speculation and whether it is
+processing; once it took a task also that task's id, the tokens the slot holds, the prompt
+tokens processed and reused, and its next token's state (all 0 / -1 but the task and the
+tokens once the task ended; llama-server's ``params``, ``prompt`` and ``generated`` left out).
+The token counts of /v1/messages/count_tokens and /v1/responses/input_tokens are those of the
+prompt a generation would read. Pure builders; `misc_body` picks one by route name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from relay.sim import messages as M
 from relay.sim import responses as R
+from relay.sim.slots import SlotView
 from relay.sim.tinymodel import FINGERPRINT, N_CTX, N_VOCAB, detokenize, embedding, tokenize
 from relay.sim.wire import Json, Route, jdump
 
@@ -140,13 +148,26 @@ def props_body(model: str, slots: int) -> bytes:
     )
 
 
-def slots_body(slots: int, busy: int) -> bytes:
-    return jdump(
-        [
-            {"id": i, "n_ctx": N_CTX, "speculative": False, "is_processing": i < busy}
-            for i in range(slots)
+def _slot(v: SlotView) -> Json:
+    out: Json = {"id": v.id, "n_ctx": N_CTX, "speculative": False, "is_processing": v.busy}
+    if v.task >= 0:
+        out["id_task"] = v.task
+        out["n_prompt_tokens"] = v.n_tokens
+        out["n_prompt_tokens_processed"] = v.processed
+        out["n_prompt_tokens_cache"] = v.cached
+        out["next_token"] = [
+            {
+                "has_next_token": v.busy,
+                "has_new_line": False,
+                "n_remain": v.remain,
+                "n_decoded": v.decoded,
+            }
         ]
-    )
+    return out
+
+
+def slots_body(slots: Sequence[SlotView]) -> bytes:
+    return jdump([_slot(v) for v in slots])
 
 
 _METRICS = (
@@ -209,7 +230,9 @@ def embeddings_body(model: str, inputs: list[str]) -> bytes:
     )
 
 
-def misc_body(route: Route, body: Json, model: str, created: int, slots: int, busy: int) -> bytes:
+def misc_body(
+    route: Route, body: Json, model: str, created: int, slots: Sequence[SlotView]
+) -> bytes:
     """JSON body of a non-generation endpoint (COUNT_TOKENS is /v1/messages/count_tokens,
     INPUT_TOKENS /v1/responses/input_tokens; a route not named here is the embeddings')."""
     if route == Route.HEALTH:
@@ -217,16 +240,16 @@ def misc_body(route: Route, body: Json, model: str, created: int, slots: int, bu
     if route == Route.MODELS:
         return models_body(model, created)
     if route == Route.PROPS:
-        return props_body(model, slots)
+        return props_body(model, len(slots))
     if route == Route.SLOTS:
-        return slots_body(slots, busy)
+        return slots_body(slots)
     if route == Route.TOKENIZE:
         c = body.get("content")
         return jdump({"tokens": tokenize(c if isinstance(c, str) else "")})
     if route == Route.COUNT_TOKENS:
-        return M.count_tokens_body(max(1, M.prompt_chars(body) // 4))
+        return M.count_tokens_body(len(M.prompt_tokens(body)))
     if route == Route.INPUT_TOKENS:
-        return R.input_tokens_body(max(1, R.prompt_chars(body) // 4))
+        return R.input_tokens_body(len(R.prompt_tokens(body)))
     if route == Route.DETOKENIZE:
         t = body.get("tokens")
         return jdump({"content": detokenize(t if isinstance(t, list) else [])})

@@ -44,7 +44,8 @@ def octet_payload(i: int) -> bytes:
 
 class StreamFrames:
     """Per-request event builder, by the body's `Kind`: chat, text (/v1/completions), native
-    or octet here; messages and responses from messages.py and responses.py (`api`)."""
+    or octet here; messages and responses from messages.py and responses.py (`api`).
+    `prompt_n` is the whole prompt, `cache_n` of it reused from `slot` (native ``id_slot``)."""
 
     __slots__ = (
         "_cache",
@@ -54,12 +55,14 @@ class StreamFrames:
         "_repeats",
         "alt",
         "api",
+        "cache_n",
         "created",
         "id",
         "include_usage",
         "kind",
         "model",
         "prompt_n",
+        "slot",
     )
 
     def __init__(
@@ -75,19 +78,23 @@ class StreamFrames:
         text_n: int | None = None,
         tool: ToolCall | None = None,
         empty_timings: Timings | None = None,
+        cache_n: int = 0,
+        slot: int = 0,
     ) -> None:
         self.kind = kind
         self.model = model
-        self.prompt_n = prompt_n
+        self.prompt_n, self.cache_n, self.slot = prompt_n, cache_n, slot
         self.include_usage = include_usage
         self.created = int(time.time()) if created is None else created
         self.id = rid or new_id()
         self._cache: dict[int, bytes] = {}
         self.api: M.MessagesFrames | R.ResponsesFrames | None = None
         if kind == Kind.MESSAGES:
-            self.api = M.MessagesFrames(model, prompt_n, text_n, tool)
+            self.api = M.MessagesFrames(model, prompt_n, text_n, tool, cache_n=cache_n)
         elif kind == Kind.RESPONSES:
-            self.api = R.ResponsesFrames(model, prompt_n, text_n, tool, empty_timings)
+            self.api = R.ResponsesFrames(
+                model, prompt_n, text_n, tool, empty_timings, cache_n=cache_n
+            )
         m = self._model_json = jdump(model)
         if kind == Kind.CHAT:
             self._pre = b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":'
@@ -219,7 +226,9 @@ class StreamFrames:
         if self.api is not None:
             return self.api.final_events(n, predicted_n, finish, tm, stop_word)
         if self.alt is not None:
-            return self.alt.final_events(finish, self.prompt_n, predicted_n, self.include_usage)
+            return self.alt.final_events(
+                finish, self.prompt_n, predicted_n, self.include_usage, self.cache_n
+            )
         if kind == Kind.CHAT:
             fin: Json = {
                 "choices": [{"finish_reason": finish, "index": 0, "delta": {}}],
@@ -239,7 +248,7 @@ class StreamFrames:
                 "model": self.model,
                 "system_fingerprint": FINGERPRINT,
                 "object": "chat.completion.chunk",
-                "usage": usage(self.prompt_n, predicted_n),
+                "usage": usage(self.prompt_n, predicted_n, self.cache_n),
                 "timings": tm,
             }
             return b"data: " + jdump(fin) + b"\n\ndata: " + jdump(use) + b"\n\n"
@@ -250,7 +259,7 @@ class StreamFrames:
                 "model": self.model,
                 "system_fingerprint": FINGERPRINT,
                 "object": "text_completion",
-                "usage": usage(self.prompt_n, predicted_n),
+                "usage": usage(self.prompt_n, predicted_n, self.cache_n),
                 "id": self.id,
                 "timings": tm,
             }
@@ -269,6 +278,7 @@ class StreamFrames:
                         stop_word,
                         settings,
                         prompt,
+                        self.slot,
                     )
                 )
                 + b"\n\n"
@@ -300,12 +310,28 @@ def any_nonstream_body(
     prompt: str = "",
     text_n: int | None = None,
     tool: ToolCall | None = None,
+    cache_n: int = 0,
+    slot: int = 0,
 ) -> bytes:
-    """The non-streamed body of any generation route (completion.py's, or the APIs')."""
+    """The non-streamed body of any generation route (completion.py's, or the APIs'):
+    `prompt_n` the whole prompt, `cache_n` of it reused, on `slot`."""
     if kind == Kind.MESSAGES:
-        return M.nonstream_body(model, prompt_n, n, predicted_n, finish, stop_word, text_n, tool)
+        return M.nonstream_body(
+            model, prompt_n, n, predicted_n, finish, stop_word, text_n, tool, cache_n
+        )
     if kind == Kind.RESPONSES:
-        return R.nonstream_body(model, prompt_n, n, predicted_n, text_n, tool)
+        return R.nonstream_body(model, prompt_n, n, predicted_n, text_n, tool, cache_n)
     return nonstream_body(
-        kind, model, prompt_n, n, predicted_n, finish, tm, stop_word, settings, prompt
+        kind,
+        model,
+        prompt_n,
+        n,
+        predicted_n,
+        finish,
+        tm,
+        stop_word,
+        settings,
+        prompt,
+        cache_n,
+        slot,
     )

@@ -1,6 +1,8 @@
 """One streamed generation of the simulator: frames paced by a loop.call_at chain.
 
-Token i is due at t0 + i*interval (no drift), each event is one transport.write (or, with the
+The head is due `head_delay` after the generation may run (its request, or the slot it waited
+for), the first token `ftd` plus the prompt's prefill after that, at t0; token i is due at
+t0 + i*interval (no drift), each event is one transport.write (or, with the
 events_per_chunk / chunks_per_write knobs, a group of them when its last one is due), and
 production stops while the connection's transport is paused. Knobs (stall, drop, mid-line
 or mid-chunk cuts, content-length bodies) come from the request's plan (plan.Plan). What it
@@ -63,6 +65,7 @@ class Gen:
     """One streamed generation response, driven by a call_at chain."""
 
     __slots__ = (
+        "at",
         "cl_tail",
         "conn",
         "frames",
@@ -76,8 +79,17 @@ class Gen:
         "t0",
     )
 
-    def __init__(self, conn: Link, req: SimRequest, plan: Plan, frames: StreamFrames) -> None:
+    def __init__(
+        self,
+        conn: Link,
+        req: SimRequest,
+        plan: Plan,
+        frames: StreamFrames,
+        at: float | None = None,
+    ) -> None:
         self.conn, self.req, self.plan, self.frames = conn, req, plan, frames
+        # When it may run: its request's arrival, or the slot it waited for.
+        self.at = req.started_at if at is None else at
         self.i = 0
         self.handle: asyncio.Handle | None = None
         self.state = GenState.HEAD
@@ -85,13 +97,11 @@ class Gen:
         self.cl_tail = b""
         lim = [x for x in (plan.stall_after, plan.drop_after, plan.n) if x is not None and x >= 0]
         self.stop_at = min(lim) if lim else None
-        self.t0 = req.started_at + plan.head_delay + plan.ftd
+        self.t0 = self.at + plan.head_delay + plan.prefill + plan.ftd
 
     def start(self) -> None:
         if self.plan.head_delay > 0:
-            self.handle = self.conn.loop.call_at(
-                self.req.started_at + self.plan.head_delay, self._head
-            )
+            self.handle = self.conn.loop.call_at(self.at + self.plan.head_delay, self._head)
         else:
             self._head()
 
@@ -128,8 +138,9 @@ class Gen:
         keep = self.conn.keep_alive
         if p.content_length:
             n = p.n or 0
+            ms = (p.ftd + max(n - 1, 0) * p.interval) * 1e3
             self.cl_tail = self._tail(
-                timings(p.prompt_n, p.predicted_n, (p.ftd + max(n - 1, 0) * p.interval) * 1e3)
+                timings(p.processed, p.predicted_n, ms, p.cache_n, p.prompt_ms)
             )
             length = f.body_len(n) + len(role or b"") + len(self.cl_tail)
             head = W.head(200, W.SSE_CT, length=length, sse=True, close=not keep)
@@ -137,7 +148,7 @@ class Gen:
             head = W.head(200, f.content_type, sse=True, close=not keep)
         else:
             head = W.SSE_HEAD
-        if role is not None and (p.ftd > 0 or self.stop_at == 0):
+        if role is not None and (p.ftd > 0 or p.prefill > 0 or self.stop_at == 0):
             head += role if p.content_length else W.chunk(role)
         else:
             self.role = role
@@ -229,5 +240,6 @@ class Gen:
             self.conn.transport.write(b"%x\r\n" % len(nxt) + half)
 
     def _timings(self) -> Timings:
+        p = self.plan
         ms = (self.conn.loop.time() - self.t0) * 1000.0 if self.i else 0.0
-        return timings(self.plan.prompt_n, self.plan.predicted_n, ms)
+        return timings(p.processed, p.predicted_n, ms, p.cache_n, p.prompt_ms)

@@ -2,46 +2,78 @@
 
 A stream (tests/support/captures/messages_stream*.http) is named SSE events, ``event: X`` then
 ``data: {...}``, with no ``[DONE]`` and no ``ping``: ``message_start`` (its ``usage`` has
-``cache_read_input_tokens``, ``input_tokens`` and ``output_tokens`` 0) alone or in the chunk of
-the first token, then per token a ``content_block_delta`` (the first one of a block after its
+``cache_read_input_tokens``, the prompt tokens reused from the slot's cache, ``input_tokens``,
+the prompt's other tokens, as llama-server counts them, and ``output_tokens`` 0) alone or in
+the chunk of the first token, then per token a ``content_block_delta`` (the first one of a block after its
 ``content_block_start``), and a last chunk with every block's ``content_block_stop`` (in index
 order, all at the end: llama-server closes a text block only after a tool_use block opened
 after it), ``message_delta`` (``stop_reason`` ``max_tokens``, ``end_turn`` also for a stop
 sequence, or ``tool_use``; ``stop_sequence``; ``usage.output_tokens``) and ``message_stop``.
 A tool_use block (the ``tool_call`` knob) streams its arguments as ``input_json_delta``
-pieces; its ``content_block_start`` has no ``input``. Pure byte builders.
+pieces; its ``content_block_start`` has no ``input``. The prompt the model reads is
+`prompt_turns`: ``system`` and the tools, then the messages (text, images, tool_use and
+tool_result blocks). Pure byte builders.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from relay.sim.tinymodel import gen_text, token_text
-from relay.sim.wire import (
-    Finish,
-    Json,
-    PiecedFrames,
-    Timings,
-    ToolCall,
-    jdump,
-    rand32,
-    sse,
-    text_chars,
+from relay.sim.tinymodel import (
+    Part,
+    PartKind,
+    Turn,
+    call_arguments,
+    content_parts,
+    gen_text,
+    template_tokens,
+    token_text,
+    tools_part,
 )
+from relay.sim.wire import Finish, Json, PiecedFrames, Timings, ToolCall, jdump, rand32, sse
 
 
-def prompt_chars(body: Json) -> int:
-    """Characters of the prompt: the system text and every message's text."""
-    total = text_chars(body.get("system"))
+def _block(block: Json) -> list[Part] | None:
+    """A tool_use block as a call, a tool_result as a result (its text, then its other
+    blocks), a thinking block as nothing the template renders again; else None."""
+    kind = block.get("type")
+    if kind == "tool_use":
+        name = block.get("name")
+        args = call_arguments(block.get("input", {}))
+        return [Part(PartKind.CALL, args, name if isinstance(name, str) else "")]
+    if kind == "tool_result":
+        parts = content_parts(block.get("content"))
+        text = "".join(p.text for p in parts if p.kind is PartKind.TEXT)
+        return [Part(PartKind.RESULT, text), *(p for p in parts if p.kind is not PartKind.TEXT)]
+    if kind in ("thinking", "redacted_thinking"):
+        return []
+    return None
+
+
+def prompt_turns(body: Json) -> list[Turn]:
+    """The turns the model reads: ``system`` and the tools, then every message."""
+    head = content_parts(body.get("system")) + tools_part(body.get("tools"))
+    turns = [Turn("system", tuple(head))] if head else []
     msgs = body.get("messages")
     for m in msgs if isinstance(msgs, list) else ():
         if isinstance(m, dict):
-            total += text_chars(m.get("content"))
-    return total
+            role = m.get("role")
+            parts = content_parts(m.get("content"), _block)
+            turns.append(Turn(role if isinstance(role, str) else "user", tuple(parts)))
+    return turns
 
 
-def _usage(prompt_n: int, output_n: int) -> dict[str, int]:
-    return {"cache_read_input_tokens": 0, "input_tokens": prompt_n, "output_tokens": output_n}
+def prompt_tokens(body: Json) -> list[int]:
+    return template_tokens(prompt_turns(body))
+
+
+def _usage(prompt_n: int, cache_n: int, output_n: int) -> dict[str, int]:
+    """llama-server's Messages usage: the tokens reused, then the prompt's others."""
+    return {
+        "cache_read_input_tokens": cache_n,
+        "input_tokens": prompt_n - cache_n,
+        "output_tokens": output_n,
+    }
 
 
 def stop_reason(finish: Finish, called: bool) -> str:
@@ -59,6 +91,7 @@ class MessagesFrames(PiecedFrames):
     __slots__ = (
         "_cache",
         "_pre",
+        "cache_n",
         "id",
         "model",
         "pieces",
@@ -75,8 +108,9 @@ class MessagesFrames(PiecedFrames):
         text_n: int | None = None,
         tool: ToolCall | None = None,
         rid: str | None = None,
+        cache_n: int = 0,
     ) -> None:
-        self.model, self.prompt_n = model, prompt_n
+        self.model, self.prompt_n, self.cache_n = model, prompt_n, cache_n
         self.id = rid or "chatcmpl-" + rand32()
         self.tool_name = tool.name if tool else None
         self.pieces = tool.pieces if tool else []
@@ -98,7 +132,7 @@ class MessagesFrames(PiecedFrames):
             "model": self.model,
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": _usage(self.prompt_n, 0),
+            "usage": _usage(self.prompt_n, self.cache_n, 0),
         }
         return sse(b"message_start", jdump({"type": "message_start", "message": msg}))
 
@@ -174,6 +208,7 @@ def nonstream_body(
     stop_word: str | None,
     text_n: int | None = None,
     tool: ToolCall | None = None,
+    cache_n: int = 0,
 ) -> bytes:
     """A non-streamed /v1/messages answer (no ``timings``)."""
     tn = n if text_n is None else min(n, text_n)
@@ -198,7 +233,7 @@ def nonstream_body(
             "model": model,
             "stop_reason": stop_reason(finish, n > tn),
             "stop_sequence": stop_word,
-            "usage": _usage(prompt_n, predicted_n),
+            "usage": _usage(prompt_n, cache_n, predicted_n),
         }
     )
 

@@ -1,10 +1,13 @@
 """What the simulator sends for one request: the error its knobs ask for, or a generation's plan.
 
 Knobs come from an optional ``"sim": {...}`` object in the request body (tokens, pacing,
-first-token and head delays, stall / drop points, body shapes, an error status or event, a
-tool call on the Messages and Responses routes) over the server's SimDefaults; the rest
-follows llama-server (n_predict, then max_tokens and its aliases, stop words, the EOS event of
-the text routes, the errors of a Messages or Responses request it cannot take).
+first-token and head delays, prefill time, stall / drop points, body shapes, an error status
+or event, a tool call on the Messages and Responses routes) over the server's SimDefaults;
+the rest follows llama-server (n_predict, then max_tokens and its aliases, stop words, the EOS
+event of the text routes, ``cache_prompt``, the errors of a Messages or Responses request it
+cannot take). The prompt's tokens are `prompt_tokens` (a conversation rendered by the chat
+template, or the raw prompt: tinymodel.py), and a reply's tokens, as a slot keeps them and the
+next turn renders them, `reply_tokens`.
 """
 
 from __future__ import annotations
@@ -13,12 +16,30 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
 
+from relay.sim import chat as C
 from relay.sim import messages as M
 from relay.sim import responses as R
 from relay.sim.completion import generation_settings
 from relay.sim.shapes import SHAPES
 from relay.sim.state import SimDefaults
-from relay.sim.tinymodel import DEFAULT_TOOL_ARGS, arg_pieces, stop_match, stop_words
+from relay.sim.tinymodel import (
+    DEFAULT_TOOL_ARGS,
+    EOS_ID,
+    TOKEN_IDS,
+    Part,
+    PartKind,
+    Turn,
+    arg_pieces,
+    call_arguments,
+    gen_text,
+    generated_tokens,
+    raw_prompt_tokens,
+    stop_match,
+    stop_words,
+    template_tokens,
+    token_text,
+    turn_tokens,
+)
 from relay.sim.wire import (
     Finish,
     Json,
@@ -28,8 +49,6 @@ from relay.sim.wire import (
     ToolCall,
     error_body,
     jdump,
-    json_iter,
-    text_chars,
 )
 
 # Anthropic Messages and OpenAI Responses: chat-style text, and the tool_call knob.
@@ -68,6 +87,11 @@ class Plan:
     (so several reach the peer in one read). `error_event` makes a 200 stream holding only an
     {"error": ...} event. With the tool_call knob (Messages and Responses), `text_n` text
     tokens (None: text only) come before the `tool` call's argument pieces, one event each.
+
+    `tokens` is the prompt's tokens (`prompt_n` of them); `cache_n` of them are reused from a
+    slot's cache (set once the slot is known, conn.py), unless `cache_prompt` is off; the
+    others take `prefill_ms` each before the first token. `limit` is the token limit (-1
+    none), as /slots shows it.
     """
 
     kind: Kind
@@ -79,6 +103,7 @@ class Plan:
     interval: float
     ftd: float
     head_delay: float
+    tokens: list[int]
     stall_after: int | None = None
     stall_cut: Cut = Cut.NONE
     drop_after: int | None = None
@@ -93,6 +118,26 @@ class Plan:
     error_event: bool = False
     text_n: int | None = None
     tool: ToolCall | None = None
+    cache_prompt: bool = True
+    prefill_ms: float = 0.0
+    cache_n: int = 0
+    limit: int = -1
+
+    @property
+    def processed(self) -> int:
+        """The prompt tokens processed, not reused."""
+        return self.prompt_n - self.cache_n
+
+    @property
+    def prefill(self) -> float:
+        """Seconds of prompt processing before the first token (0 with no prefill knob)."""
+        return self.processed * self.prefill_ms / 1000.0
+
+    @property
+    def prompt_ms(self) -> float | None:
+        """``timings.prompt_ms``: the prefill time, or None (the tiny model's pace) without
+        the knob."""
+        return self.processed * self.prefill_ms if self.prefill_ms > 0 else None
 
 
 class ErrorReply(NamedTuple):
@@ -157,9 +202,35 @@ def request_error(route: Route, body: Json) -> Refusal | None:
     return Refusal(400, error_body(400, msg))
 
 
-def prompt_n(kind: Kind, body: Json) -> int:
-    """The prompt's tokens as the simulator counts them: a token per 4 characters."""
-    return max(1, _prompt_chars(kind, body) // 4)
+def prompt_tokens(kind: Kind, body: Json) -> list[int]:
+    """The prompt's tokens: a conversation rendered by the chat template (chat, Messages,
+    Responses), or the raw ``prompt`` (/v1/completions, /completion)."""
+    if kind == Kind.MESSAGES:
+        return M.prompt_tokens(body)
+    if kind == Kind.RESPONSES:
+        return R.prompt_tokens(body)
+    if kind == Kind.CHAT:
+        return template_tokens(C.prompt_turns(body))
+    return raw_prompt_tokens(body.get("prompt"))
+
+
+def reply_tokens(p: Plan, made: int) -> list[int]:
+    """The tokens of a reply that generated `made` tokens, as the slot keeps them: on the
+    chat routes the assistant turn the next request renders (its text, then the tool call's
+    arguments so far), on the text routes the ids generated (the stop token last)."""
+    if p.kind in (Kind.TEXT, Kind.NATIVE, Kind.OCTET):
+        text = min(made, p.n) if p.n is not None else made
+        ids = generated_tokens(text, False)
+        if made > text:
+            stop = TOKEN_IDS[token_text(text, False)] if p.stop_word is not None else EOS_ID
+            ids.append(stop)
+        return ids
+    tn = made if p.text_n is None else min(made, p.text_n)
+    parts = [Part(PartKind.TEXT, gen_text(tn, True))]
+    if p.tool is not None and made > tn:
+        args = call_arguments("".join(p.tool.pieces[: made - tn]))
+        parts.append(Part(PartKind.CALL, args, p.tool.name))
+    return turn_tokens(Turn("assistant", tuple(parts)))
 
 
 def _first_tool(body: Json) -> str | None:
@@ -193,20 +264,6 @@ def tool_call(body: Json, knob: object) -> ToolCall | None:
         return ToolCall(name, arg_pieces(args))
     size = -(-len(args) // k)
     return ToolCall(name, [args[j : j + size] for j in range(0, len(args), size)])
-
-
-def _prompt_chars(kind: Kind, body: Json) -> int:
-    if kind == Kind.MESSAGES:
-        return M.prompt_chars(body)
-    if kind == Kind.RESPONSES:
-        return R.prompt_chars(body)
-    if kind == Kind.CHAT:
-        messages = json_iter(body.get("messages") or ())
-        return sum(text_chars(m.get("content")) for m in messages if isinstance(m, dict))
-    p = body.get("prompt")
-    if isinstance(p, list):
-        return sum(len(x) if isinstance(x, str) else 4 for x in p)
-    return len(p) if isinstance(p, str) else 0
 
 
 def _count(v: object, default: int) -> int:
@@ -254,6 +311,7 @@ def _native_final(body: Json, limit: int | None) -> tuple[Json, str]:
 def make_plan(kind: Kind, body: Json, d: SimDefaults) -> Plan:
     """The plan of a generation request on route ``kind``, from its body and the defaults."""
     knobs = knobs_of(body)
+    tokens = prompt_tokens(kind, body)
     limit = _token_limit(kind, body)
     n: int | None
     n, finish = _length(as_int(knobs.get("tokens")), limit, d.tokens)
@@ -300,10 +358,11 @@ def make_plan(kind: Kind, body: Json, d: SimDefaults) -> Plan:
         n=n,
         predicted_n=predicted,
         finish=finish,
-        prompt_n=prompt_n(kind, body),
+        prompt_n=len(tokens),
         interval=interval,
         ftd=as_num(knobs.get("first_token_delay_ms"), d.first_token_delay_ms) / 1000.0,
         head_delay=as_num(knobs.get("head_delay_ms"), d.head_delay_ms) / 1000.0,
+        tokens=tokens,
         stall_after=as_int(knobs.get("stall_after")),
         stall_cut=_cut(knobs),
         drop_after=as_int(knobs.get("drop_after")),
@@ -318,6 +377,9 @@ def make_plan(kind: Kind, body: Json, d: SimDefaults) -> Plan:
         error_event=bool(knobs.get("error_event")),
         text_n=text_n,
         tool=tool,
+        cache_prompt=body.get("cache_prompt") is not False,
+        prefill_ms=as_num(knobs.get("prefill_ms_per_token"), d.prefill_ms_per_token),
+        limit=-1 if limit is None else limit,
     )
 
 

@@ -10,47 +10,81 @@ and ``response.completed`` (the whole response with ``usage``, and ``timings`` b
 A function call (the ``tool_call`` knob) is an ``output_item.added`` of type
 ``function_call`` with ``response.function_call_arguments.delta`` pieces (no ``.done``
 event); an empty answer is created + in_progress (carrying ``timings``), then completed.
-The non-streamed body has its keys sorted at the top and in message items. Pure builders.
+The non-streamed body has its keys sorted at the top and in message items. ``usage`` counts
+the whole prompt in ``input_tokens`` and the tokens reused from the slot's cache in
+``input_tokens_details.cached_tokens``. The prompt the model reads is `prompt_turns`: the
+instructions and the tools, then the input's messages, function calls and their outputs.
+Pure builders.
 """
 
 from __future__ import annotations
 
 import time
 
-from relay.sim.tinymodel import gen_text, token_text
-from relay.sim.wire import (
-    Finish,
-    Json,
-    PiecedFrames,
-    Timings,
-    ToolCall,
-    jdump,
-    rand32,
-    sse,
-    text_chars,
+from relay.sim.tinymodel import (
+    Part,
+    PartKind,
+    Turn,
+    call_arguments,
+    content_parts,
+    gen_text,
+    template_tokens,
+    token_text,
+    tools_part,
+    with_head,
 )
+from relay.sim.wire import Finish, Json, PiecedFrames, Timings, ToolCall, jdump, rand32, sse
 
 
-def prompt_chars(body: Json) -> int:
-    """Characters of the prompt: the instructions and the input's text."""
-    total = text_chars(body.get("instructions"))
+def _item_turn(item: object, turns: list[Turn]) -> None:
+    """Add one input item to `turns`: a message a turn of its role; a function call joins
+    the assistant turn before it (or opens one); a call's output is a ``tool`` turn."""
+    if isinstance(item, str):
+        turns.append(Turn("user", (Part(PartKind.TEXT, item),) if item else ()))
+        return
+    if not isinstance(item, dict):
+        return
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        parts = content_parts(item.get("content"))
+        turns.append(Turn(role if isinstance(role, str) else "user", tuple(parts)))
+    elif kind == "function_call":
+        name = item.get("name")
+        call = Part(
+            PartKind.CALL,
+            call_arguments(item.get("arguments", "")),
+            name if isinstance(name, str) else "",
+        )
+        if turns and turns[-1].role == "assistant":
+            turns[-1] = Turn("assistant", (*turns[-1].parts, call))
+        else:
+            turns.append(Turn("assistant", (call,)))
+    elif kind == "function_call_output":
+        turns.append(Turn("tool", tuple(content_parts(item.get("output")))))
+
+
+def prompt_turns(body: Json) -> list[Turn]:
+    """The turns the model reads: the instructions and the tools, then the input (a string
+    is one user message)."""
+    turns: list[Turn] = []
     inp = body.get("input")
-    if not isinstance(inp, list):
-        return total + text_chars(inp)
-    for item in inp:
-        if isinstance(item, dict):
-            total += text_chars(item.get("content")) + text_chars(item.get("output"))
-        elif isinstance(item, str):
-            total += len(item)
-    return total
+    for item in inp if isinstance(inp, list) else [inp] if isinstance(inp, str) else ():
+        _item_turn(item, turns)
+    head = content_parts(body.get("instructions")) + tools_part(body.get("tools"))
+    return with_head(turns, head)
 
 
-def _usage(prompt_n: int, output_n: int) -> Json:
+def prompt_tokens(body: Json) -> list[int]:
+    return template_tokens(prompt_turns(body))
+
+
+def _usage(prompt_n: int, cache_n: int, output_n: int) -> Json:
     return {
         "input_tokens": prompt_n,
         "output_tokens": output_n,
         "total_tokens": prompt_n + output_n,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cache_n},
     }
 
 
@@ -75,6 +109,7 @@ class ResponsesFrames(PiecedFrames):
     __slots__ = (
         "_cache",
         "_pre",
+        "cache_n",
         "created",
         "fid",
         "first_timings",
@@ -95,8 +130,9 @@ class ResponsesFrames(PiecedFrames):
         tool: ToolCall | None = None,
         first_timings: Timings | None = None,
         rid: str | None = None,
+        cache_n: int = 0,
     ) -> None:
-        self.model, self.prompt_n = model, prompt_n
+        self.model, self.prompt_n, self.cache_n = model, prompt_n, cache_n
         self.id = rid or "resp_" + rand32()
         self.msg_id = "msg_" + rand32()
         self.fid = rand32()
@@ -213,7 +249,7 @@ class ResponsesFrames(PiecedFrames):
             "status": "completed",
             "model": self.model,
             "output": output,
-            "usage": _usage(self.prompt_n, predicted_n),
+            "usage": _usage(self.prompt_n, self.cache_n, predicted_n),
         }
         done_ev = {"type": "response.completed", "response": resp, "timings": tm}
         return out + sse(b"response.completed", jdump(done_ev))
@@ -226,6 +262,7 @@ def nonstream_body(
     predicted_n: int,
     text_n: int | None = None,
     tool: ToolCall | None = None,
+    cache_n: int = 0,
 ) -> bytes:
     """A non-streamed /v1/responses answer (sorted keys, no ``timings``)."""
     tn = n if text_n is None else min(n, text_n)
@@ -252,7 +289,7 @@ def nonstream_body(
             "object": "response",
             "output": output,
             "status": "completed",
-            "usage": _usage(prompt_n, predicted_n),
+            "usage": _usage(prompt_n, cache_n, predicted_n),
         }
     )
 

@@ -99,7 +99,12 @@ class ShapedChunks:
         return self._choice(i, b'{"content":' + _jdump(text) + b"}")
 
     def final_events(
-        self, finish: Finish, prompt_n: int, completion_n: int, include_usage: bool
+        self,
+        finish: Finish,
+        prompt_n: int,
+        completion_n: int,
+        include_usage: bool,
+        cache_n: int = 0,
     ) -> bytes:
         fin = _jdump(finish)
         if self.shape == Shape.VLLM:
@@ -120,7 +125,7 @@ class ShapedChunks:
                     "completion_tokens": completion_n,
                 }
             else:
-                use["prompt_tokens_details"] = {"cached_tokens": 0, "audio_tokens": 0}
+                use["prompt_tokens_details"] = {"cached_tokens": cache_n, "audio_tokens": 0}
                 use["completion_tokens_details"] = {
                     "reasoning_tokens": 0,
                     "audio_tokens": 0,

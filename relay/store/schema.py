@@ -55,6 +55,7 @@ ADDED = (
     ("last_content_ms", "REAL"),
     ("pool", "TEXT"),
     ("cached_tokens", "INTEGER"),
+    ("queue_position", "INTEGER"),
 )
 COLUMN_TYPES += ADDED
 COLUMNS = tuple(c for c, _ in COLUMN_TYPES)

@@ -44,26 +44,26 @@ class Asked:
     def __init__(self, answers: Answers[SlotAnswer], unslot: Callable[[int], None]) -> None:
         self._answers = answers
         self._unslot = unslot
-        self._planned: dict[AdmissionId, tuple[Pool, Want]] = {}
+        self._planned: dict[AdmissionId, tuple[Pool, Want, str | None]] = {}
         self._asked: dict[AdmissionId, _Asked] = {}
 
-    def plan(self, admission: AdmissionId, pool: Pool, want: Want) -> None:
+    def plan(self, admission: AdmissionId, pool: Pool, want: Want, key: str | None) -> None:
         """The request of this admission takes a slot of `pool` first (it generates)."""
-        self._planned[admission] = (pool, want)
+        self._planned[admission] = (pool, want, key)
 
     def ask(self, admission: AdmissionId, timeout_s: float) -> SlotAsk | None:
         """What the admission asks for with it: a slot of the pool planned, if any."""
         planned = self._planned.pop(admission, None)
         if planned is None:
             return None
-        pool, want = planned
+        pool, want, key = planned
         i, fut = self._answers.expect()
-        ask = SlotAsk(i, pool.name, timeout_s, pool.members, (), want)
+        ask = SlotAsk(i, pool.name, timeout_s, pool.members, (), want, key)
         self._asked[admission] = _Asked(ask, fut)
         return ask
 
     def take(
-        self, admission: AdmissionId, pool: Pool, exclude: frozenset[str]
+        self, admission: AdmissionId, pool: Pool, exclude: frozenset[str], key: str | None
     ) -> tuple[int, asyncio.Future[SlotAnswer]] | None:
         """The exchange of the slot asked for with the admission, when it asked for what the
         request asks now; one asked for something else is given back (None: the caller asks
@@ -71,7 +71,7 @@ class Asked:
         asked = self._asked.pop(admission, None)
         if asked is None:
             return None
-        if not asked.ask.asks_for(pool, exclude):
+        if not asked.ask.asks_for(pool, exclude, key):
             self._unslot(asked.ask.id)
             return None
         return asked.ask.id, asked.future

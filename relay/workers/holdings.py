@@ -153,7 +153,9 @@ async def _grant(app: Parent, w: Worker, ask: wire.SlotAsk) -> None:
     """A slot from the one board, and the answer to the worker."""
     i = ask.id
     try:
-        slot = await app.board.acquire(ask.of, ask.want, ask.timeout_s, frozenset(ask.exclude))
+        slot = await app.board.acquire(
+            ask.of, ask.want, ask.timeout_s, frozenset(ask.exclude), key=ask.key
+        )
     except Busy as exc:
         w.send(wire.SlotAnswer(i, SlotVerdict.BUSY, exc.reason))
         return
@@ -166,7 +168,7 @@ async def _grant(app: Parent, w: Worker, ask: wire.SlotAsk) -> None:
         slot.release()
         return
     w.held[i] = slot
-    w.send(wire.SlotAnswer(i, SlotVerdict.OK, member=slot.member))
+    w.send(wire.SlotAnswer(i, SlotVerdict.OK, member=slot.member, position=slot.position))
 
 
 def admit(app: Parent, w: Worker, msg: wire.Admit) -> None:

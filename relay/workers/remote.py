@@ -58,10 +58,11 @@ class Link:
         self.ahead = Asked(self.slot_answers, self.unslot)
 
     def ask_slot(
-        self, pool: Pool, want: Want, timeout: float, exclude: frozenset[str]
+        self, pool: Pool, want: Want, timeout: float, exclude: frozenset[str], key: str | None
     ) -> tuple[int, asyncio.Future[wire.SlotAnswer]]:
         i, fut = self.slot_answers.expect()
-        self.send(wire.SlotAsk(i, pool.name, timeout, pool.members, tuple(sorted(exclude)), want))
+        exclude_names = tuple(sorted(exclude))
+        self.send(wire.SlotAsk(i, pool.name, timeout, pool.members, exclude_names, want, key))
         return i, fut
 
     def unslot(self, i: int) -> None:
@@ -99,10 +100,11 @@ class Link:
 
 
 class RemoteSlot:
-    __slots__ = ("i", "released", "slots")
+    __slots__ = ("i", "position", "released", "slots")
 
-    def __init__(self, slots: RemoteSlots, i: int) -> None:
+    def __init__(self, slots: RemoteSlots, i: int, position: int = 0) -> None:
         self.slots, self.i, self.released = slots, i, False
+        self.position = position
 
     @property
     def member(self) -> str:
@@ -151,8 +153,8 @@ class RemoteBoard:
         self.link = link
         self.slots_of = slots_of
 
-    def ahead(self, admission: AdmissionId, pool: Pool, want: Want) -> None:
-        self.link.ahead.plan(admission, pool, want)
+    def ahead(self, admission: AdmissionId, pool: Pool, want: Want, key: str | None = None) -> None:
+        self.link.ahead.plan(admission, pool, want, key)
 
     async def acquire(
         self,
@@ -161,6 +163,7 @@ class RemoteBoard:
         timeout: float,
         exclude: frozenset[str] = frozenset(),
         admission: AdmissionId | None = None,
+        key: str | None = None,
     ) -> RemoteSlot:
         """A slot of the parent's board (Busy, SlotsClosed): the one asked for with the
         request's admission when there is one (relay.workers.ahead), else one asked now. The
@@ -170,8 +173,8 @@ class RemoteBoard:
         if any(m.closed for m in members):
             raise SlotsClosed()
         link = self.link
-        asked = link.ahead.take(admission, pool, exclude) if admission is not None else None
-        i, fut = asked if asked is not None else link.ask_slot(pool, want, timeout, exclude)
+        asked = link.ahead.take(admission, pool, exclude, key) if admission is not None else None
+        i, fut = asked if asked is not None else link.ask_slot(pool, want, timeout, exclude, key)
         for m in members:
             m.waiters.add(fut)
         try:
@@ -194,7 +197,7 @@ class RemoteBoard:
                 link.send(wire.Free(i))
                 raise Busy(f"upstream {answer.member} is gone (a reload removed it)")
             slots.in_flight += 1
-            return RemoteSlot(slots, i)
+            return RemoteSlot(slots, i, answer.position)
         if answer.verdict is SlotVerdict.CLOSED:
             raise SlotsClosed()
         raise Busy(answer.why)
@@ -206,9 +209,7 @@ class LooseBudgets(Budgets):
     key with limits: `RemoteStore.admit`); the parent charges it, from the row."""
 
     def reserve(self, key_id: str, tokens: int, now: float) -> Reservation:
-        kb = self.keys.get(key_id)
-        limited = kb is not None and bool(kb.windows)
-        return Reservation(key_id, tokens, empty=not limited, admitted_at=now)
+        return Reservation(key_id, tokens, empty=not self.limited(key_id), admitted_at=now)
 
     def spend(self, res: Reservation, requests: int, tokens: int, now: float) -> None:
         res.spent = res.empty = True

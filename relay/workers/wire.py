@@ -84,14 +84,16 @@ class SlotAsk(msgspec.Struct, tag="slot", array_like=True, frozen=True):
     members: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     want: Want = NO_WANT
+    # The request's key: its line in the pool's queue (`policy.fair`).
+    key: str | None = None
 
     @property
     def of(self) -> Pool:
         return Pool(self.pool, self.members or (self.pool,))
 
-    def asks_for(self, pool: Pool, exclude: frozenset[str]) -> bool:
+    def asks_for(self, pool: Pool, exclude: frozenset[str], key: str | None) -> bool:
         """Whether this asks for what a request asks now."""
-        return self.of == pool and set(self.exclude) == exclude
+        return self.of == pool and set(self.exclude) == exclude and self.key == key
 
 
 class Unslot(msgspec.Struct, tag="unslot", array_like=True, frozen=True):
@@ -168,13 +170,15 @@ class Health(msgspec.Struct, tag="health", array_like=True, frozen=True):
 
 
 class SlotAnswer(msgspec.Struct, tag="slot", array_like=True, frozen=True):
-    """`member`: the upstream whose slot is given; `why`: the reason a slot was refused
-    (`Busy`), empty otherwise."""
+    """`member`: the upstream whose slot is given, and `position` the request's place among
+    its key's waiting requests when it was queued (0: not queued); `why`: the reason a slot
+    was refused (`Busy`), empty otherwise."""
 
     id: int
     verdict: SlotVerdict
     why: str = ""
     member: str = ""
+    position: int = 0
 
 
 class AdmitAnswer(msgspec.Struct, tag="admit", array_like=True, frozen=True):

@@ -32,7 +32,7 @@ import msgspec
 from relay.app import App, run
 from relay.config import Config, ConfigError, DispatcherConfig, UpstreamConfig
 from relay.errors import Code, RelayError
-from relay.observe.log import Log, shared_stderr
+from relay.observe.log import Log, LogFormat, shared_stderr
 from relay.observe.metrics import UpstreamMetrics
 from relay.observe.record import Record
 from relay.observe.ui_state import Trended
@@ -40,6 +40,7 @@ from relay.policy.budget import Budgets
 from relay.proxy.app_view import ViewAnswer
 from relay.proxy.client import ClientConn
 from relay.proxy.client_writer import JSON
+from relay.proxy.health import DOWN, READY, Change
 from relay.proxy.upstreams import Upstream
 from relay.store.admissions import AdmissionId
 from relay.workers import wire
@@ -73,14 +74,9 @@ class WorkerApp(App):
         return self.config.dispatcher.pool_timeout_s
 
     def new_upstream(self, cfg: UpstreamConfig, d: DispatcherConfig) -> Upstream:
-        """An upstream whose slots are the parent's. A request that finds it down tells the
-        parent (which probes it now), and one that gets an answer from it again, that it is
-        up."""
+        """An upstream whose slots are the parent's."""
         up = super().new_upstream(cfg, d)
         up.slots = RemoteSlots(self.link, cfg.name, cfg.parallel, cfg.queue)
-        up.health.on_change = None
-        up.health.on_down = lambda: self.link.send(wire.Down(up.name, up.health.last_error))
-        up.health.on_up = lambda: self.link.send(wire.Up(up.name))
         return up
 
     @property
@@ -92,6 +88,17 @@ class WorkerApp(App):
         up = self.upstreams.get(name)
         slots = up.slots if up is not None else None
         return slots if isinstance(slots, RemoteSlots) else None
+
+    def health_changed(self, up: Upstream, change: Change) -> None:
+        """A request found an upstream down, or answering again: the parent is told (it
+        probes a down one now, logs the change once for the relay, and tells every worker)."""
+        if change.now is DOWN:
+            self.link.send(wire.Down(up.name, change.error))
+        elif change.now is READY:
+            self.link.send(wire.Up(up.name))
+
+    def opened(self) -> None:
+        """The parent warns of an open relay, once."""
 
     def make_budgets(self, config: Config) -> Budgets:
         return LooseBudgets(config.key)
@@ -188,8 +195,8 @@ def _die_with_parent() -> None:
         pass
 
 
-async def _main(listen_fd: int, link_fd: int, index: int) -> int:
-    log = Log(sink=shared_stderr)
+async def _main(listen_fd: int, link_fd: int, index: int, fmt: LogFormat) -> int:
+    log = Log(sink=shared_stderr, fmt=fmt)
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(
         lambda _loop, ctx: log.event(
@@ -227,13 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--listen-fd", type=int, required=True)
     p.add_argument("--link-fd", type=int, required=True)
     p.add_argument("--index", type=int, default=0)
+    p.add_argument("--log-format", type=LogFormat, default=LogFormat.JSON)
     args = p.parse_args(argv)
     _die_with_parent()
     _close_inherited({args.listen_fd, args.link_fd})
     if os.getppid() == 1:
         # The parent died before the line above.
         return PARENT_GONE_EXIT
-    return run(_main(args.listen_fd, args.link_fd, args.index))
+    return run(_main(args.listen_fd, args.link_fd, args.index, args.log_format))
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ async def test_sighup_reloads_keys_limits_and_upstreams(tmp_path):
         mark = len(log.lines)
         proc.send_signal(signal.SIGHUP)
         rec = await log.wait("config_reloaded", mark)
-        assert rec["changed"] == ["llm"] and rec["keys"] == 2
+        assert rec["changed"] == [{"upstream": "llm", "changed": ["url"]}] and rec["keys"] == 2
         a_before = len(chats(sim_a))
         resp = await httpc.fetch(port, "POST", CHAT, httpc.chat(3), _auth(OTHER_SECRET))
         assert resp.status == 200 and len(chats(sim_b)) == 1

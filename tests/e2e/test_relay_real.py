@@ -329,7 +329,6 @@ async def test_llama_4xx_pass_through_verbatim(llama_any, relay, method, path, b
 
 # ---- plain endpoints pass through -------------------------------------------------------------
 PLAIN = {
-    "health": ("GET", "/health", None),
     "props": ("GET", "/props", None),
     "slots": ("GET", "/slots", None),
     "tokenize": ("POST", "/tokenize", {"content": "Hello from a tiny llama.", "with_pieces": True}),
@@ -353,6 +352,17 @@ async def test_plain_endpoints_pass_through(llama_any, relay, method, path, body
         (k, v) for k, v in expected if k != "content-length"
     ]
     assert int(via.header("content-length")) == len(via.body)
+
+
+async def test_health_is_the_relays_own_in_llama_servers_shape(llama_any, make_relay):
+    """GET /health is answered by the relay (no key, never forwarded): with the upstream
+    probed ready, the same status, body and Content-Type as llama-server's own."""
+    relay = await make_relay(url=llama_any.url, parallel=2, health_interval_s=5.0)
+    await wait_for(lambda: relay.upstreams["llm"].health.probe == "ready", timeout=10)
+    direct = await request(llama_any.port, "GET", "/health")
+    via = await relayed(relay, "GET", "/health", None, "e2e-health")
+    assert (via.status, via.body) == (direct.status, direct.body) == (200, b'{"status":"ok"}')
+    assert via.header("content-type") == direct.header("content-type")
 
 
 # ---- connection reuse ---------------------------------------------------------------------------

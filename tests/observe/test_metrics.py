@@ -279,11 +279,11 @@ def test_prometheus_families_and_values():
     assert states[1] == {
         ("relay_upstream_state", lab(upstream=u, state=s)): int(s == cur)
         for u, cur in ((A, "serving"), (B, "down"))
-        for s in ("ready", "serving", "loading", "down")
+        for s in ("ready", "serving", "loading", "down", "unknown")
     }
     for u in (A, B):
         ones = [v for (_, labels), v in states[1].items() if dict(labels)["upstream"] == u]
-        assert sorted(ones) == [0, 0, 0, 1]
+        assert sorted(ones) == [0, 0, 0, 0, 1]
 
     # counters: the parser names the family without `_total`, samples keep it
     assert fams["relay_requests"] == (

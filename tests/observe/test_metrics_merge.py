@@ -74,7 +74,7 @@ def test_live_gauges_are_not_added_and_last_seen_figures_kept():
     into = UpstreamMetrics("llm", 2)
     absorb(into, a)
     absorb(into, b)
-    assert (into.in_flight, into.queued, into.state) == (0, 0, "ready")
+    assert (into.in_flight, into.queued, into.state) == (0, 0, "unknown")  # its own
     assert (into.decoding_speed_tps, into.kv_occupancy_pct) == (30.0, 55.0)
 
 

@@ -94,31 +94,31 @@ async def test_request_and_token_counters_equal_what_the_simulator_sent(make_rel
     assert prom[("relay_upstream_up", up())] == 1
     assert {
         s: prom[("relay_upstream_state", up(state=s))]
-        for s in ("ready", "serving", "loading", "down")
-    } == {"ready": 1, "serving": 0, "loading": 0, "down": 0}
+        for s in ("ready", "serving", "loading", "down", "unknown")
+    } == {"ready": 1, "serving": 0, "loading": 0, "down": 0, "unknown": 0}
     assert prom[("relay_queue_wait_seconds_count", up())] == 8
     assert not [k for k in prom if k[0] == "relay_requests_failed_total"]
 
 
 async def test_requests_that_generate_nothing_are_counted_apart(make_relay, sim):
-    """GET /health, GET /v1/models (forwarded: no upstream lists its models) and POST /tokenize
+    """GET /props, GET /v1/models (forwarded: no upstream lists its models) and POST /tokenize
     move `relay_other_requests_total`, never `relay_requests_total` or a latency histogram."""
     app = await make_relay()
     for method, path, body in (
-        ("GET", "/health", None),
+        ("GET", "/props", None),
         ("GET", "/v1/models", None),
-        ("GET", "/health", None),
+        ("GET", "/props", None),
         ("POST", "/tokenize", {"content": "hello"}),
     ):
         resp = await httpc.fetch(app.port, method, path, body)
         assert resp.status == 200, path
-    assert {r.path for r in sim.requests} == {"/health", "/v1/models", "/tokenize"}  # forwarded
+    assert {r.path for r in sim.requests} == {"/props", "/v1/models", "/tokenize"}  # forwarded
     resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(3))  # and one that generates
     assert resp.status == 200 and resp.complete
     resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(2, stream=False))
     assert resp.status == 200
     got = await settled(app, 6)
-    assert [r["path"] for r in got].count("/health") == 2
+    assert [r["path"] for r in got].count("/props") == 2
     prom = await prometheus(app)
     assert prom[("relay_requests_total", up())] == 2
     assert prom[("relay_other_requests_total", up())] == 4
@@ -133,8 +133,8 @@ async def test_requests_that_generate_nothing_are_counted_apart(make_relay, sim)
     assert (u["requests_total"], u["other_requests_total"]) == (2, 4)
     assert [r["path"] for r in doc["recent"]] == [CHAT, CHAT]
     assert sorted(r["path"] for r in doc["recent_other"]) == [
-        "/health",
-        "/health",
+        "/props",
+        "/props",
         "/tokenize",
         "/v1/models",
     ]

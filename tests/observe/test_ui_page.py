@@ -123,7 +123,8 @@ async def test_page_live_in_chromium(make_relay, sim, browser, tmp_path):
         assert all(v is not None for v in series[figure]), figure
     page = await browser.page()
     await page.navigate(f"http://127.0.0.1:{app.port}/ui")
-    assert await page.wait_for(f"{state_of('llm')} === 'ready' && {state_of('gone')}")
+    # (llm: no probe and no request yet)
+    assert await page.wait_for(f"{state_of('llm')} === 'unknown' && {state_of('gone')}")
     assert await page.eval("document.getElementById('keyform').hidden") is True
     # the charts: uPlot's, one per figure, each with the window named, a time axis and data
     assert await page.wait_for("document.querySelectorAll('#charts .uplot canvas').length === 6")
@@ -183,18 +184,18 @@ async def test_page_live_in_chromium(make_relay, sim, browser, tmp_path):
     assert [b[:3] for b in budget] == [["alpha", "daily", "2 / 100"]]
     # a request that generates nothing: not in the counts unless asked for
     resp = await httpc.fetch(
-        app.port, "GET", "/health", headers={**bearer(), "X-Request-Id": "ui-health-1"}
+        app.port, "GET", "/props", headers={**bearer(), "X-Request-Id": "ui-props-1"}
     )
     assert resp.status == 200
     await page.wait_for(
         "document.getElementById('hidden').textContent.includes('not counted: 1 request that generates nothing')"
     )
-    assert await page.eval(row_cells("ui-health-1")) is None
+    assert await page.eval(row_cells("ui-props-1")) is None
     assert await page.eval(requests_of("llm")) == "2"
     await page.screenshot(str(tmp_path / "ui.png"))
     await page.eval("document.getElementById('showall').click(); true")
-    cells = await page.wait_for(row_cells("ui-health-1"), timeout=2.0)
-    assert cells[4:6] == ["GET /health", "200"]
+    cells = await page.wait_for(row_cells("ui-props-1"), timeout=2.0)
+    assert cells[4:6] == ["GET /props", "200"]
     assert await page.eval(requests_of("llm")) == "3"
     assert await page.eval("location.search") == "?all=1"
     assert await page.eval("document.getElementById('hidden').textContent") == ""
@@ -206,7 +207,7 @@ async def test_page_live_in_chromium(make_relay, sim, browser, tmp_path):
     # /ui?all=1 opens with them shown
     page = await browser.page()
     await page.navigate(f"http://127.0.0.1:{app.port}/ui?all=1")
-    assert await page.wait_for(row_cells("ui-health-1"), timeout=3.0)
+    assert await page.wait_for(row_cells("ui-props-1"), timeout=3.0)
     assert await page.eval("document.getElementById('showall').checked") is True
     assert page.errors() == []
     await page.close()
@@ -244,7 +245,7 @@ async def test_admin_key_prompt_in_chromium(make_relay, sim, browser, tmp_path):
     assert await page.eval("document.querySelectorAll('[data-upstream]').length") == 0
     assert await page.eval("location.href") == f"http://127.0.0.1:{app.port}/ui"  # no key in it
     await submit(ADMIN)
-    assert await page.wait_for(state_of("llm")) == "ready"
+    assert await page.wait_for(state_of("llm")) == "unknown"  # no probe, no request yet
     assert await page.eval("document.getElementById('keyform').hidden") is True
     await page.screenshot(str(tmp_path / "ui-admin.png"))
     # the only errors: the refused wrong key's 401

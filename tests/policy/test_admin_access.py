@@ -12,6 +12,7 @@ from relay.policy.admin_access import (
     NOT_OUR_HOST,
     OTHER_ORIGIN,
     admin_refusal,
+    beyond_loopback,
     cross_origin,
     is_loopback,
     is_mutating,
@@ -19,6 +20,7 @@ from relay.policy.admin_access import (
     is_upstream_admin,
     loopback_refusal,
     names_relay,
+    open_to_network,
     same_origin,
 )
 from relay.policy.keys import Auth
@@ -302,3 +304,33 @@ async def test_no_keys_leaves_everything_open(make_relay, sim):
         resp = await fetch_from("127.0.0.1", app.port, method, target)
         assert resp.status not in (401, 403), target
     assert sim.requests[-1].path.startswith("/slots/0")
+
+
+@pytest.mark.parametrize(
+    "host, beyond",
+    [
+        ("127.0.0.1", False),
+        ("127.1.2.3", False),
+        ("::1", False),
+        ("[::1]", False),
+        ("localhost", False),
+        ("LocalHost", False),
+        ("0.0.0.0", True),
+        ("", True),
+        ("::", True),
+        ("192.0.2.7", True),
+        ("relay.example", True),
+    ],
+)
+def test_beyond_loopback(host, beyond):
+    assert beyond_loopback(host) is beyond
+
+
+def test_open_to_network_only_without_any_key():
+    from relay.config import KeyConfig
+
+    k = [KeyConfig(id="k", sha256="ab" * 32)]
+    assert open_to_network(Auth([], None), "0.0.0.0")
+    assert not open_to_network(Auth([], None), "127.0.0.1")
+    assert not open_to_network(Auth(k, None), "0.0.0.0")
+    assert not open_to_network(Auth([], "cd" * 32), "0.0.0.0")

@@ -320,6 +320,26 @@ def test_head_check():
     assert A.head_check(open_auth, b"POST", "/props", [], far) == (None, None)
 
 
+def test_the_health_check_asks_for_no_key():
+    """GET/HEAD /health and /v1/health, as llama-server: no key, and one sent anyway (even a
+    wrong one) is not looked at; any other method or path asks as before."""
+    import hashlib
+
+    auth = Auth(
+        [KeyConfig(id="k", sha256=hashlib.sha256(b"s").hexdigest())],
+        hashlib.sha256(b"adm").hexdigest(),
+    )
+    far = "192.0.2.2"
+    for method in (b"GET", b"HEAD"):
+        for path in ("/health", "/v1/health"):
+            assert A.is_health(method, path)
+            for sent in ([], [(b"Authorization", b"Bearer s")], [(b"Authorization", b"Bearer x")]):
+                assert A.head_check(auth, method, path, sent, far) == (None, None), (method, path)
+    for method, path in ((b"POST", "/health"), (b"GET", "/healthz"), (b"GET", "/v1/healthz")):
+        assert not A.is_health(method, path)
+        assert A.head_check(auth, method, path, [], far)[1].status == 401, (method, path)
+
+
 def test_body_bytes_bound():
     b = BodyBytes(10)
     assert b.take(6) and not b.take(5) and b.held == 6

@@ -4,13 +4,14 @@ request goes and which waiting request a freed slot takes."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 
-from relay.config import BalanceConfig
+from relay.config import BalanceConfig, KeyConfig
 from relay.observe.metrics import Registry
 from relay.policy.affinity import NO_WANT, Reuse, Want
-from relay.policy.prefix import first_key, fingerprint
+from relay.policy.prefix import fingerprint, first_key
 from relay.policy.routing import Pool
 from relay.proxy.slots import Board, Busy, SlotPool, SlotsClosed
 from relay.stream.dialect import Api
@@ -59,7 +60,7 @@ async def test_a_follow_up_turn_goes_where_its_prefix_is_cached():
 
 
 async def test_new_conversations_spread_and_each_keeps_its_member():
-    board, m = board_of(("a", 4, 8), ("b", 4, 8))
+    board, _m = board_of(("a", 4, 8), ("b", 4, 8))
     homes = {}
     held = []
     for i in range(4):
@@ -77,7 +78,7 @@ async def test_new_conversations_spread_and_each_keeps_its_member():
 
 
 async def test_the_load_bound_sends_a_conversation_away_from_a_busy_home():
-    board, m = board_of(("a", 8, 8), ("b", 8, 8), epsilon=0.0)
+    board, _m = board_of(("a", 8, 8), ("b", 8, 8), epsilon=0.0)
     c = conversation("hot")
     s = await board.acquire(POOL, c, 1.0)
     home = s.member
@@ -91,7 +92,7 @@ async def test_the_load_bound_sends_a_conversation_away_from_a_busy_home():
 
 
 async def test_without_affinity_the_least_loaded_member_is_chosen():
-    board, m = board_of(("a", 4, 8), ("b", 4, 8), affinity=False)
+    board, _m = board_of(("a", 4, 8), ("b", 4, 8), affinity=False)
     c = conversation("hello")
     s1 = await board.acquire(POOL, c, 1.0)
     s1.release(Reuse(10, 0))
@@ -148,7 +149,7 @@ async def test_a_freed_slot_prefers_a_waiter_whose_conversation_lives_there_unti
 
 
 async def test_a_waiter_past_the_bound_is_never_passed_over():
-    board, m = board_of(("a", 1, 8), ("b", 1, 8), affinity_wait_s=0.0)
+    board, _m = board_of(("a", 1, 8), ("b", 1, 8), affinity_wait_s=0.0)
     on_a = conversation("lives on a")
     s = await board.acquire(POOL, on_a, 1.0)
     home = s.member
@@ -196,7 +197,7 @@ async def test_a_down_member_hands_no_slot_on_until_it_is_back():
 
 
 async def test_an_answer_that_missed_is_counted_and_a_member_down_is_forgotten():
-    board, m = board_of(("a", 2, 8), ("b", 2, 8))
+    board, _m = board_of(("a", 2, 8), ("b", 2, 8))
     c = conversation("remember me")
     s = await board.acquire(POOL, c, 1.0)
     home = s.member
@@ -235,3 +236,96 @@ async def test_a_wait_that_runs_out_leaves_the_queue():
     for h in held:
         h.release()
     assert m["a"].in_flight == m["b"].in_flight == 0
+
+
+# ---- fair share between keys ----------------------------------------------------------------
+def keyed_board(*keys: KeyConfig, aging_s: float = 60.0) -> tuple[Board, SlotPool]:
+    members: dict[str, SlotPool] = {}
+    board = Board(BalanceConfig(aging_s=aging_s), members.get, keys)
+    slots = members["a"] = SlotPool(2, 1000, "a", Health())
+    board.adopt(slots)
+    return board, slots
+
+
+def key(name: str, **kw: object) -> KeyConfig:
+    return KeyConfig(id=name, sha256="0" * 64, **kw)  # type: ignore[arg-type]
+
+
+ALONE = Pool("a", ("a",))
+
+
+async def _drain_order(held: list, tasks: dict, turns: int) -> list[str]:
+    """Release slots one at a time: the keys of the requests each freed slot goes to."""
+    order = []
+    pending = {t: name for name, ts in tasks.items() for t in ts}
+    for _ in range(turns):
+        held.pop(0).release()
+        done, _ = await asyncio.wait(pending, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1
+        (t,) = done
+        order.append(pending.pop(t))
+        held.append(t.result())
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return order
+
+
+async def test_a_flood_of_one_key_does_not_hold_back_another():
+    board, slots = keyed_board(key("batch"), key("person"))
+    held = [await board.acquire(ALONE, NO_WANT, 5.0, key="batch") for _ in range(2)]
+    flood = [
+        asyncio.create_task(board.acquire(ALONE, NO_WANT, 30.0, key="batch")) for _ in range(50)
+    ]
+    await asyncio.sleep(0)
+    person = [asyncio.create_task(board.acquire(ALONE, NO_WANT, 30.0, key="person"))]
+    await asyncio.sleep(0)
+    assert board.waiting_by_key() == {"batch": 50, "person": 1}
+    # The first freed slot goes to the person, though 50 of the batch came before it.
+    held.pop(0).release()
+    got = await asyncio.wait_for(person[0], 1)
+    assert got.position == 1 and not any(t.done() for t in flood)
+    for t in flood:
+        t.cancel()
+    await asyncio.gather(*flood, return_exceptions=True)
+    got.release()
+    held[0].release()
+    assert slots.in_flight == 0 and board.held_by_key == {"batch": 0, "person": 0}
+
+
+async def test_two_keys_of_one_class_take_turns_and_weights_share():
+    for weights, expect in (((1, 1), 1.0), ((2, 1), 2.0)):
+        board, _ = keyed_board(key("x", weight=weights[0]), key("y", weight=weights[1]), key("z"))
+        held = [await board.acquire(ALONE, NO_WANT, 5.0, key="z") for _ in range(2)]
+        tasks = {
+            n: [asyncio.create_task(board.acquire(ALONE, NO_WANT, 30.0, key=n)) for _ in range(30)]
+            for n in ("x", "y")
+        }
+        await asyncio.sleep(0)
+        order = await _drain_order(held, tasks, 24)
+        assert order.count("x") / order.count("y") == pytest.approx(expect, rel=0.15)
+        if expect == 1.0:
+            # Strictly alternating once both wait.
+            assert all(a != b for a, b in itertools.pairwise(order))
+
+
+async def test_a_higher_class_goes_first_and_a_lower_one_ages_in():
+    board, _ = keyed_board(key("chat", priority="high"), key("bulk", priority="low"), aging_s=0.2)
+    held = [await board.acquire(ALONE, NO_WANT, 5.0, key="bulk") for _ in range(2)]
+    bulk = asyncio.create_task(board.acquire(ALONE, NO_WANT, 30.0, key="bulk"))
+    await asyncio.sleep(0)
+    chat = asyncio.create_task(board.acquire(ALONE, NO_WANT, 30.0, key="chat"))
+    await asyncio.sleep(0)
+    held.pop(0).release()
+    held.append(await asyncio.wait_for(chat, 1))
+    assert not bulk.done()
+    # A fresh request of the high class, but the low one has waited past the aging bound.
+    await asyncio.sleep(0.25)
+    fresh = asyncio.create_task(board.acquire(ALONE, NO_WANT, 30.0, key="chat"))
+    await asyncio.sleep(0)
+    held.pop(0).release()
+    aged = await asyncio.wait_for(bulk, 1)
+    assert aged.key == "bulk" and not fresh.done()
+    held[0].release()
+    (await asyncio.wait_for(fresh, 1)).release()
+    aged.release()

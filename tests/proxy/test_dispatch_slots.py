@@ -456,7 +456,7 @@ async def test_down_upstream_is_not_even_tried(make_relay):
 async def test_connect_failure_marks_down_without_a_probe(make_relay):
     port = closed_port()
     app = await make_relay(url=f"http://127.0.0.1:{port}", health_interval_s=0)
-    assert (await slots_metrics(app))["llm"]["state"] == "ready"
+    assert (await slots_metrics(app))["llm"]["state"] == "unknown"  # never seen yet
     resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(3))
     assert resp.status == 502 and error_of(resp)["code"] == "upstream_unavailable"
     assert (await slots_metrics(app))["llm"]["state"] == "down"
@@ -472,7 +472,7 @@ async def test_connect_failure_marks_down_without_a_probe(make_relay):
 
 async def test_serving_state_while_a_request_holds_a_slot(make_relay, sim):
     app = await make_relay(parallel=2)
-    assert (await slots_metrics(app))["llm"]["state"] == "ready"
+    assert (await slots_metrics(app))["llm"]["state"] == "unknown"  # no probe, no request yet
     holder = await Held.open(app.port)
     snap = (await slots_metrics(app))["llm"]
     assert (snap["state"], snap["in_flight"], snap["parallel"]) == ("serving", 1, 2)
@@ -485,7 +485,6 @@ async def test_serving_state_while_a_request_holds_a_slot(make_relay, sim):
 @pytest.mark.parametrize(
     "method, path, body",
     [
-        ("GET", "/health", None),
         ("GET", "/props", None),
         ("GET", "/slots", None),
         ("POST", "/tokenize", {"content": "Hello from a tiny llama"}),

@@ -16,7 +16,8 @@ from tests.support.sim_client import events, hval, parse_chunks, parse_head
 
 SEP = b"======== RESPONSE (raw bytes) ========\n"
 # values that differ from run to run, or between the tiny model and the simulator's token
-# count (a token per 4 prompt characters, no prompt cache): only their type must match
+# count (a token per 4 prompt characters, no BOS; its prompt cache does not hold the requests
+# the captures' server saw before): only their type must match
 VARIABLE = {
     "id",
     "item_id",

@@ -1,0 +1,63 @@
+"""Which key's waiting request a freed slot serves: priority classes, then fair turns.
+
+Pure: the queue (`proxy.slots`) keeps one line of waiting requests per key (requests without a
+key share one line), and asks here which line is served next:
+
+1. **Priority**: the line of the highest class (`[[key]].priority`) first.
+2. **No starvation**: a line whose oldest request has waited `aging_s` or more is served as
+   if it were of the highest class, so a steady flood of a higher class delays a lower one's
+   request by at most `aging_s` plus the turns of the lines it then shares with.
+3. **Fair turns within a class**: start-time fair queuing (Goyal, Vin and Cheng, 1996). The
+   queue keeps a virtual time; each line a virtual start (its next request's) and finish (its
+   last request's): a line that gets waiting requests starts at the later of its finish and
+   the virtual time, the line with the lowest start is served, and serving moves the virtual
+   time to that start and the line's finish to start + 1 / `weight`. Two keys of one weight
+   with requests waiting take turns 1:1 however many each has queued; weights 2 and 1 take
+   2:1. A key that was idle starts at the virtual time: it cannot bank turns while idle, and
+   its first request is served next (a request served at once, with a free slot, counts as a
+   turn too: `charged`).
+4. Ties go to the line whose oldest request came first.
+
+Within a line, requests are first come first served, but for prompt-cache affinity
+(`policy.affinity.pick_waiting`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+# The class of a line that waited past the aging bound: above every configured one.
+AGED = 1 << 30
+
+
+class Line(msgspec.Struct, frozen=True, gc=False):
+    """A line as the choice sees it: its class, its virtual start, and when its oldest
+    request (one the freed slot may take) was queued."""
+
+    rank: int
+    start: float
+    oldest_at: float
+
+
+def pick_line(lines: Sequence[Line], now: float, aging_s: float) -> int | None:
+    """The index of the line served next, None when there is none."""
+    best: int | None = None
+    best_key: tuple[int, float, float] | None = None
+    for i, line in enumerate(lines):
+        rank = AGED if now - line.oldest_at >= aging_s else line.rank
+        key = (-rank, line.start, line.oldest_at)
+        if best_key is None or key < best_key:
+            best, best_key = i, key
+    return best
+
+
+def activated(finish: float, vtime: float) -> float:
+    """The virtual start of a line that gets waiting requests again."""
+    return max(finish, vtime)
+
+
+def charged(start: float, weight: int) -> float:
+    """The line's virtual finish once its request that started at `start` is served."""
+    return start + 1.0 / weight
