@@ -4,8 +4,9 @@ shape; a down member is passed by, a failing one passes the request on, the pool
 `/metrics` counts it all, and a reload adds and removes members while requests are served.
 
 Where a request landed is read from the simulators' own request logs (the relay passes the
-`X-Request-Id` upstream) and from its row. The simulator reports no prompt-cache reuse yet:
-the figures of reuse come from scripted members answering the usage each request names.
+`X-Request-Id` upstream) and from its row. What a follow-up turn reuses is what the
+simulator's prompt cache reports (relay/sim/slots.py, as llama-server does); the pool's sums
+of reuse come from scripted members answering the usage each request names.
 """
 
 from __future__ import annotations
@@ -176,6 +177,63 @@ async def test_each_conversation_keeps_the_member_of_its_first_turn(make_relay, 
                 0,
             )
             assert row["path"] == convs[n].path
+
+
+def timings_of(resp) -> dict:
+    """The `timings` of a chat stream's last event that has them (llama-server's, and the
+    simulator's prompt cache's)."""
+    found = [e["timings"] for e in resp.data_events() if isinstance(e, dict) and "timings" in e]
+    assert found
+    return found[-1]
+
+
+@pytest.mark.parametrize("affinity", [True, False], ids=["affinity", "least_loaded"])
+async def test_a_follow_up_reads_only_what_is_new_where_its_prompt_is_cached(
+    make_relay, sims, helds, affinity
+):
+    await sims.start(2)
+    app = await make_relay(
+        upstreams=members(*(s.url for s in sims.values()), parallel=2),
+        balance=BalanceConfig(affinity=affinity),
+    )
+    conv = Conversation("chat", "reuse")
+    resp = await httpc.fetch(app.port, "POST", CHAT, conv.body(tokens=6), {"X-Request-Id": "u1"})
+    assert resp.status == 200 and resp.complete
+    [x] = landed(sims, "u1")
+    [y] = [m for m in sims if m != x]
+    first = timings_of(resp)
+    assert first["cache_n"] == 0
+    read = first["prompt_n"]
+    # Another agent's conversation streams on X (its own system prompt: the simulator gives
+    # it the free slot, as llama-server would), Y is idle.
+    other = "Review the diff and list its risks."
+    for i in range(2):
+        rid = f"other{i}"
+        on = await held_on(app, sims, helds, Conversation("chat", rid, system=other), rid)
+        if on == x:
+            break
+        # On Y (the pool was idle: rendezvous chose): let go, and the next goes to X.
+        helds[-1].close()
+        await idle(app, y)
+    assert on == x
+    conv.follow("".join(c for c in contents(resp) if c))
+    resp = await httpc.fetch(app.port, "POST", CHAT, conv.body(tokens=3), {"X-Request-Id": "u2"})
+    assert resp.status == 200 and resp.complete
+    second = timings_of(resp)
+    row = await settled_row(app, "u2")
+    assert (row["cached_tokens"], row["prompt_tokens"]) == (
+        second["cache_n"],
+        second["cache_n"] + second["prompt_n"],
+    )
+    if affinity:
+        # Home, though busier: the member reads only what is new.
+        assert landed(sims, "u2") == [x]
+        assert second["cache_n"] >= read
+    else:
+        # The least loaded, which reads it all.
+        assert landed(sims, "u2") == [y]
+        assert second["cache_n"] == 0
+    print(f"affinity {affinity}: first turn read {read}; second turn {second}")
 
 
 async def test_v1_models_lists_the_pooled_model_once(make_relay, sims):

@@ -73,9 +73,10 @@ PATHS = {
 
 class Conversation:
     """One conversation of `api` (chat, messages, responses, completions, native), named
-    `name`: the body of its current turn, and the next turn's."""
+    `name`, of an agent whose system prompt is `system`: the body of its current turn, and the
+    next turn's."""
 
-    def __init__(self, api: str, name: str) -> None:
+    def __init__(self, api: str, name: str, system: str = SYSTEM) -> None:
         self.api = api
         self.name = name
         self.path = PATHS[api]
@@ -85,7 +86,7 @@ class Conversation:
             self.doc: dict = {
                 "tools": TOOLS_CHAT,
                 "messages": [
-                    {"role": "system", "content": SYSTEM},
+                    {"role": "system", "content": system},
                     {"role": "user", "content": first},
                 ],
             }
@@ -93,13 +94,13 @@ class Conversation:
             # Claude Code: the system prompt and the newest message carry cache_control.
             self.doc = {
                 "max_tokens": 32000,
-                "system": [text_block(SYSTEM, marked=True)],
+                "system": [text_block(system, marked=True)],
                 "tools": TOOLS_MESSAGES,
                 "messages": [{"role": "user", "content": [text_block(first, marked=True)]}],
             }
         elif api == "responses":
             self.doc = {
-                "instructions": SYSTEM,
+                "instructions": system,
                 "input": [
                     {
                         "type": "message",
