@@ -777,6 +777,7 @@ async def replay(
                     "prompt_n": tm.get("prompt_n"),
                     "cache_n": tm.get("cache_n"),
                     "prompt_ms": tm.get("prompt_ms"),
+                    "predicted_ms": tm.get("predicted_ms"),
                     "member": member_of.get(out.model or ""),
                     "reply": out.content,
                     "error": error,
@@ -824,6 +825,7 @@ async def probe_prefill(host: str, port: int, convs: Sequence[Conversation], sha
                 "tokens": (tm.get("prompt_n") or 0) + (tm.get("cache_n") or 0),
                 "prompt_n": tm.get("prompt_n"),
                 "prompt_ms": tm.get("prompt_ms"),
+                "predicted_ms": tm.get("predicted_ms"),
                 "ttft_ms": None if r.t_first is None else (r.t_first - r.t_sent) * 1e3,
             }
         )
@@ -1097,29 +1099,33 @@ def _notes(rows: list[dict], a, probe: list[dict]) -> list[str]:
     ok = [r for r in rows if "skipped" not in r]
     if not ok:
         return []
-    share = median_of(ok, "prefill_share_p50")
-    pm = median_of(ok, "prompt_ms_p50")
     fixed = min((r["rest_min_ms"] for r in ok if r.get("rest_min_ms") is not None), default=None)
+    own = ", ".join(
+        f"{t} {_f(median_of(_runs(rows, t), 'prefill_share_p50'), 2)}"
+        for t in dict.fromkeys(r["target"] for r in ok)
+    )
     return [
-        "- Prefill dominates TTFT, fixed costs do not: a follow-up turn's TTFT is its own"
-        " prefill (`timings.prompt_ms`), the wait for a slot (other turns' prefill, and their"
-        " 16 tokens of decode), and fixed costs (connections, the proxy, the first token). Over"
-        f" every run the median follow-up spent {_f(share, 2)} of its TTFT in its own prefill"
-        f" (median {_f(pm, 0)} ms); the fixed costs, the smallest TTFT − prompt_ms of any"
-        f" follow-up (a turn that did not wait), are {_f(fixed, 1)} ms. One request at a time"
-        " on an idle member, cold: "
+        "- Prefill, not fixed costs, makes TTFT here. A follow-up turn's TTFT is its own"
+        " prefill (`timings.prompt_ms`), the wait for a slot, and fixed costs (connections,"
+        " the proxy, the first token); the fixed costs, the smallest TTFT − prompt_ms of any"
+        f" follow-up (a turn that did not wait), are {_f(fixed, 1)} ms. The wait is other turns'"
+        " prefill and decode. One request at a time on an idle member, cold: "
         + "; ".join(
             f"{p['tokens']} prompt tokens, TTFT {_f(p['ttft_ms'], 0)} ms of which prefill"
-            f" {_f(p['prompt_ms'], 0)} ms"
+            f" {_f(p['prompt_ms'], 0)} ms, then {_f(p['predicted_ms'], 0)} ms for the"
+            f" {a.max_tokens} tokens of decode"
             for p in probe
         )
-        + " (attention grows with the context). So the replay's long prompts, not a larger"
-        " model, make prefill the cost, as a coding agent's are: the tiny model is kept.",
+        + " (attention grows with the context): a turn's work is mostly prefill. The median"
+        f" follow-up's own prefill, as a share of its TTFT (the rest mostly the wait): {own}."
+        " So the replay's long prompts, not a larger model, make prefill the cost, as a coding"
+        " agent's are: the tiny model is kept.",
         f"- The members' host-memory prompt cache (`--cache-ram {a.cache_ram}` MiB) is"
         " llama-server's default 8192 MiB scaled by the tiny model's state per token (528"
         " bytes) against an 8B model's (128 KiB): a member holds some seven conversations at"
-        " their longest, as a real box holds a handful. With the default the tiny model's"
-        " members would hold every conversation whatever the routing.",
+        " their longest, as a real box holds a handful. With the default, 8192 MiB, every"
+        " member could hold every conversation of the replay (16 x some 4.3 MB), which no"
+        " real box does with an 8B model's 16 x 1 GiB.",
         f"- nginx keeps {a.nginx_keepalive} idle upstream connections"
         + (
             " (a new one per request): llama-server closes its connection after a stream, and"

@@ -81,7 +81,9 @@ def test_an_answer_gives_its_text_its_timings_and_its_server():
     assert F.read_stream(b"") == F.Readout("", None, None)
 
 
-def _turn(conv, turn, prompt_n, cache_n, ttft, member="m1", error=None, prompt_ms=None):
+def _turn(
+    conv, turn, prompt_n, cache_n, ttft, member="m1", error=None, prompt_ms=None, predicted_ms=None
+):
     return {
         "conv": conv,
         "turn": turn,
@@ -89,6 +91,7 @@ def _turn(conv, turn, prompt_n, cache_n, ttft, member="m1", error=None, prompt_m
         "cache_n": cache_n,
         "ttft_ms": ttft,
         "prompt_ms": prompt_ms,
+        "predicted_ms": predicted_ms,
         "member": member,
         "error": error,
     }
@@ -130,7 +133,7 @@ def test_moves_count_follow_ups_served_elsewhere():
 def test_figures_of_a_run():
     turns = [
         _turn(0, 0, 1000, 0, 500.0),
-        _turn(0, 1, 200, 1016, 100.0, prompt_ms=80.0),
+        _turn(0, 1, 200, 1016, 100.0, prompt_ms=80.0, predicted_ms=20.0),
         _turn(1, 0, 1000, 0, 600.0, member="m2"),
         _turn(1, 1, 1216, 0, 300.0, member="m3", prompt_ms=150.0),
         _turn(2, 0, None, None, None, error="HTTP 503"),
