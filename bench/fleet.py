@@ -1158,7 +1158,19 @@ def _commit() -> str:
             check=True,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "-C", str(procs.ROOT), "status", "--porcelain", "--", "relay", "bench"],
+            # (the results the harness writes are no change to what ran)
+            [
+                "git",
+                "-C",
+                str(procs.ROOT),
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                "relay",
+                "bench",
+                ":(exclude)bench/RESULTS*.md",
+            ],
             capture_output=True,
             text=True,
         ).stdout.strip()
