@@ -147,6 +147,8 @@ def test_figures_of_a_run():
     # TTFT less prefill: 100 - 80 and 300 - 150
     assert (f["rest_p50_ms"], f["rest_min_ms"]) == (20.0, 20.0)
     assert (f["load_spread"], f["moves"], f["follow_ups"]) == (1.5, 1, 2)
+    nameless = [{**t, "member": None} for t in turns]
+    assert F.figures(nameless, 2, [2, 1, 1])["moves"] is None
     f = F.figures(turns[:4], 2, [2, 1, 1])
     # each prefix once: 1216 + 1216 tokens; read: 1000 + 200 + 1000 + 1216
     assert (f["ideal"], f["over_ideal"]) == (2432, 3416 / 2432)
