@@ -4,9 +4,11 @@ Pure: the queue (`proxy.slots`) keeps one line of waiting requests per key (requ
 key share one line), and asks here which line is served next:
 
 1. **Priority**: the line of the highest class (`[[key]].priority`) first.
-2. **No starvation**: a line whose oldest request has waited `aging_s` or more is served as
-   if it were of the highest class, so a steady flood of a higher class delays a lower one's
-   request by at most `aging_s` plus the turns of the lines it then shares with.
+2. **No starvation**: a line whose oldest request has waited `aging_s` or more takes its
+   turns as if it were of the highest class among the lines waiting (not above it: a flood's
+   own line always has an old request, and must not jump ahead of fresh requests of its own
+   class), so a steady flood of a higher class delays a lower one's request by at most
+   `aging_s` plus the turns of the lines it then shares them with.
 3. **Fair turns within a class**: start-time fair queuing (Goyal, Vin and Cheng, 1996). The
    queue keeps a virtual time; each line a virtual start (its next request's) and finish (its
    last request's): a line that gets waiting requests starts at the later of its finish and
@@ -28,9 +30,6 @@ from collections.abc import Sequence
 
 import msgspec
 
-# The class of a line that waited past the aging bound: above every configured one.
-AGED = 1 << 30
-
 
 class Line(msgspec.Struct, frozen=True, gc=False):
     """A line as the choice sees it: its class, its virtual start, and when its oldest
@@ -45,8 +44,9 @@ def pick_line(lines: Sequence[Line], now: float, aging_s: float) -> int | None:
     """The index of the line served next, None when there is none."""
     best: int | None = None
     best_key: tuple[int, float, float] | None = None
+    top = max((line.rank for line in lines), default=0)
     for i, line in enumerate(lines):
-        rank = AGED if now - line.oldest_at >= aging_s else line.rank
+        rank = top if now - line.oldest_at >= aging_s else line.rank
         key = (-rank, line.start, line.oldest_at)
         if best_key is None or key < best_key:
             best, best_key = i, key
