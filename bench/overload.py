@@ -722,6 +722,20 @@ def commit() -> str:
     return rev + (" (with uncommitted changes)" if dirty else "")
 
 
+def settings_of(argv: list[str]) -> list[str]:
+    """The command line without where files went (no machine's paths in the report)."""
+    out: list[str] = []
+    skip = False
+    for x in argv:
+        if skip:
+            skip = False
+        elif x in ("--output", "--json"):
+            skip = True
+        elif not x.startswith(("--output=", "--json=", "--keep-logs")):
+            out.append(x)
+    return out
+
+
 def brief(r: dict) -> str:
     if "skipped" in r:
         return r["skipped"]
@@ -803,7 +817,7 @@ def main(argv=None) -> int:
             import shutil
 
             shutil.rmtree(logdir, ignore_errors=True)
-    cmd = "python -m bench.overload " + " ".join(shlex.quote(x) for x in argv)
+    cmd = "python -m bench.overload " + " ".join(shlex.quote(x) for x in settings_of(argv))
     text = render(rows, a, targets, cap, cmd, commit())
     print(text)
     path = Path(a.output)

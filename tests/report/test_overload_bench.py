@@ -164,3 +164,8 @@ def test_the_report_replaces_its_section_or_goes_on_top():
     assert O.place(section, "# older\n") == section + "\n# older\n"
     old = f"# newest\n\n{O.BEGIN}\n# overload before\n{O.END}\n\n# older\n"
     assert O.place(section, old) == f"# newest\n\n{section}\n# older\n"
+
+
+def test_the_report_names_no_path_the_run_wrote_to():
+    argv = ["--repeat", "3", "--json", "/tmp/x.json", "--output=/tmp/r.md", "--keep-logs"]
+    assert O.settings_of(argv + ["--seed", "2"]) == ["--repeat", "3", "--seed", "2"]
