@@ -8,6 +8,8 @@ import itertools
 import statistics
 from pathlib import Path
 
+import pytest
+
 from bench import overload as O
 from relay.config import load_config, parse_config
 
@@ -169,3 +171,10 @@ def test_the_report_replaces_its_section_or_goes_on_top():
 def test_the_report_names_no_path_the_run_wrote_to():
     argv = ["--repeat", "3", "--json", "/tmp/x.json", "--output=/tmp/r.md", "--keep-logs"]
     assert O.settings_of(argv + ["--seed", "2"]) == ["--repeat", "3", "--seed", "2"]
+
+
+def test_python_m_bench_overload_is_the_same_entry():
+    from bench.__main__ import main
+
+    with pytest.raises(SystemExit, match=r"unknown target: \['relay_lifo'\]"):
+        main(["overload", "--targets", "unloaded,relay_lifo"])
