@@ -150,8 +150,16 @@ def test_every_prefix_of_an_ending_event_in_any_spelling_is_dropped(api, pick, e
         closing = close_event(event[:i], api, 8 if api == D.RESPONSES else None)
         got = [(e.name, e.data) for e in read(event[:i] + closing.tail)]
         if got == whole:
-            # whole, its blank line missing: the upstream's own, nothing added
-            assert closing.fate == Fate.FINISHED
+            # whole, its blank line missing: the upstream's own, nothing added (BROKEN when
+            # even whole it is no JSON a strict parser takes: a lone surrogate's escape)
+            assert closing.fate in (Fate.FINISHED, Fate.BROKEN)
+            continue
+        if closing.fate == Fate.BROKEN:
+            # Nothing valid could be made of it (a lone surrogate's escape, say, which no
+            # strict parser takes): left as it is, it parses as no event at all.
+            for ev in read(event[:i] + closing.tail):
+                with pytest.raises(ValueError):
+                    view(api, ev)
             continue
         for ev in read(event[:i] + closing.tail):
             v = view(api, ev)
