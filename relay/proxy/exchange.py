@@ -29,6 +29,7 @@ from relay.http import response_framing as framing
 from relay.http.body import BodyReader, ChunkError, reader_for
 from relay.http.response_framing import EMPTY, PASS, REFRAME, UNTIL_CLOSE, Carriage
 from relay.http.response_head import BadHead, HeadReader, ResponseHead
+from relay.http.to_client import server_timing
 from relay.proxy.client_flow import ClientFlow
 from relay.proxy.client_writer import ClientWriter
 from relay.proxy.deadlines import Deadlines
@@ -62,12 +63,16 @@ class Relaying(msgspec.Struct, frozen=True, gc=False):
 class Hop(msgspec.Struct, frozen=True):
     """One candidate's part of a request: the upstream's name, the public model name (a
     stall frame's), whether another candidate is left (a failure before content may then
-    quietly move on), and what hears the first content event's time once it is written."""
+    quietly move on), what hears the first content event's time once it is written, and for
+    the client head's `Server-Timing`: when the dispatcher took the request (`since`,
+    perf_counter) and the ms this candidate's slot was waited for (`queue_ms`)."""
 
     upstream: str
     model: str
     more: bool
     on_content: ContentHook | None = None
+    since: float = 0.0
+    queue_ms: float = 0.0
 
 
 # The ways the wait for an upstream's head can end other than with the head.
@@ -119,6 +124,7 @@ class Exchange(asyncio.BaseProtocol):
         "flow",
         "got_bytes",
         "guard",
+        "head_at",
         "head_fut",
         "head_reader",
         "head_resp",
@@ -133,6 +139,7 @@ class Exchange(asyncio.BaseProtocol):
         "path",
         "reader",
         "reply",
+        "sent_at",
         "stall",
         "status",
         "summary",
@@ -167,6 +174,10 @@ class Exchange(asyncio.BaseProtocol):
         self.head_reader: HeadReader | None = HeadReader()
         self.head_fut: asyncio.Future[None] | None = loop.create_future()
         self.head_resp: ResponseHead | None = None
+        # When the request was written upstream (set by its writer, `attempt`) and when its
+        # head was read (perf_counter): the client head's `Server-Timing`; 0: not yet.
+        self.sent_at = 0.0
+        self.head_at = 0.0
         self.got_bytes = False
         self.body_started = False
         self._leftover = b""
@@ -277,6 +288,7 @@ class Exchange(asyncio.BaseProtocol):
         if parsed is None:
             return
         resp, self._leftover = parsed
+        self.head_at = _perf()
         self.head_reader = None
         self.guard.head_in(self.loop.time())
         self.head_resp = resp
@@ -347,9 +359,21 @@ class Exchange(asyncio.BaseProtocol):
             self.discard = not p.holdable
             return
         head = reply.hold.client_head(
-            resp, framing.client_chunked(p.kind, p.mode), self.client_keep_alive
+            resp,
+            framing.client_chunked(p.kind, p.mode),
+            self.client_keep_alive,
+            timing=self._timing(),
         )
         reply.hold_head(head, framing.relay_frames(p.mode), self if p.holdable else None)
+
+    def _timing(self) -> bytes:
+        """The relay's `Server-Timing` line for the client's head (b"" before the request
+        was written, as in tests that drive an exchange by hand)."""
+        hop, sent = self.hop, self.sent_at
+        if not sent:
+            return b""
+        relay_ms = max(0.0, (sent - hop.since) * 1000 - hop.queue_ms)
+        return server_timing(relay_ms, hop.queue_ms, (self.head_at - sent) * 1000)
 
     def _observer(self, p: framing.Plan) -> Observer:
         """What reads the body in passing: the SSE scanner for an event stream, a bounded
@@ -363,7 +387,7 @@ class Exchange(asyncio.BaseProtocol):
         head, re-framed as the relay's chunks, and go on as a committed response."""
         reply, resp, reader = self.reply, self.head_resp, self.reader
         assert reply is not None and resp is not None and reader is not None
-        held = reply.commit_upstream(resp, reader.kind, self.carriage)
+        held = reply.commit_upstream(resp, reader.kind, self.carriage, self._timing())
         self.carriage = framing.committed_carriage(reader.kind, self.http11)
         self.client_keep_alive = self.keep_alive and self.http11
         if held:

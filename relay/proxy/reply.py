@@ -108,10 +108,13 @@ class Reply:
         if self.holder is holder:
             self.holder = None
 
-    def commit_upstream(self, resp: ResponseHead, kind: BodyKind, mode: Carriage) -> bytes:
-        """Commit with the upstream's own head; what was held comes back as body payload."""
+    def commit_upstream(
+        self, resp: ResponseHead, kind: BodyKind, mode: Carriage, timing: bytes = b""
+    ) -> bytes:
+        """Commit with the upstream's own head (and the relay's `Server-Timing` line,
+        `timing`); what was held comes back as body payload."""
         self.holder = None
-        out, held = self.hold.commit_upstream(resp, kind, mode)
+        out, held = self.hold.commit_upstream(resp, kind, mode, timing)
         self.writer.write(out)
         return held
 
