@@ -327,6 +327,12 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "busbar":
+        # Busbar's method, concurrency 1: relay, nginx, HAProxy (bench/busbar.py).
+        from bench import busbar
+
+        return busbar.main(argv[1:])
     a = parse_args(argv)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
