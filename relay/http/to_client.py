@@ -20,16 +20,19 @@ def with_cors(headers: HeaderPairs, own: HeaderPairs) -> Headers:
     return [(k, v) for k, v in headers if not k.lower().startswith(b"access-control-")] + list(own)
 
 
-def server_timing(relay_ms: float, queue_ms: float, upstream_ms: float) -> bytes:
+def server_timing(relay_ms: float, queue_ms: float, upstream_ms: float, hold_ms: float) -> bytes:
     """The relay's own `Server-Timing` field line (W3C Server Timing; durations in ms, to the
-    microsecond) for a response that went upstream: `relay`, its own time before the request
-    was written upstream, the queue wait excluded; `queue`, the wait for a slot; `upstream`,
-    from the request written upstream to the response head read. A line of its own: an
-    upstream's `Server-Timing` crosses unchanged beside it (a list field may be repeated)."""
-    return b"Server-Timing: relay;dur=%.3f, queue;dur=%.3f, upstream;dur=%.3f" % (
+    microsecond) for a response head relayed from an upstream's: `relay`, its own time before
+    the request was written upstream, the queue wait excluded; `queue`, the wait for a slot;
+    `upstream`, from the request written upstream to the response head read; `hold`, from
+    that head read to the read that let it go out (an event stream's first content event).
+    A line of its own: an upstream's `Server-Timing` crosses unchanged beside it (a list
+    field may be repeated)."""
+    return b"Server-Timing: relay;dur=%.3f, queue;dur=%.3f, upstream;dur=%.3f, hold;dur=%.3f" % (
         relay_ms,
         queue_ms,
         upstream_ms,
+        hold_ms,
     )
 
 
@@ -40,14 +43,12 @@ def client_response(
     request_id: bytes,
     chunked: bool,
     keep_alive: bool,
-    timing: bytes = b"",
 ) -> bytes:
     """The response head sent to the client: upstream headers minus hop-by-hop ones.
 
     Content-Length crosses unchanged when the upstream gave one (the body is passed through
     as is); `chunked` adds the relay's own Transfer-Encoding instead, so the head never holds
-    both. A 204 or 1xx never carries a Content-Length. `timing`, when given, is the relay's
-    `Server-Timing` line (`server_timing`).
+    both. A 204 or 1xx never carries a Content-Length.
     """
     no_length = chunked or status == 204 or status < 200
     drop = (_NOT_DOWNSTREAM_NO_LENGTH if no_length else _NOT_DOWNSTREAM) | connection_tokens(
@@ -60,8 +61,6 @@ def client_response(
     if chunked:
         lines.append(b"Transfer-Encoding: chunked")
     lines.append(b"X-Request-Id: " + request_id)
-    if timing:
-        lines.append(timing)
     if not keep_alive:
         lines.append(b"Connection: close")
     return b"\r\n".join(lines) + b"\r\n\r\n"

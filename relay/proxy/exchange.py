@@ -359,21 +359,26 @@ class Exchange(asyncio.BaseProtocol):
             self.discard = not p.holdable
             return
         head = reply.hold.client_head(
-            resp,
-            framing.client_chunked(p.kind, p.mode),
-            self.client_keep_alive,
-            timing=self._timing(),
+            resp, framing.client_chunked(p.kind, p.mode), self.client_keep_alive
         )
-        reply.hold_head(head, framing.relay_frames(p.mode), self if p.holdable else None)
+        reply.hold_head(
+            head,
+            framing.relay_frames(p.mode),
+            self if p.holdable else None,
+            # (None in tests that drive an exchange by hand, writing no request.)
+            self._timing if self.sent_at else None,
+        )
 
     def _timing(self) -> bytes:
-        """The relay's `Server-Timing` line for the client's head (b"" before the request
-        was written, as in tests that drive an exchange by hand)."""
-        hop, sent = self.hop, self.sent_at
-        if not sent:
-            return b""
+        """The relay's `Server-Timing` line, made as the client's head goes out: the hold
+        ends at the read holding the first content event, or now (a heartbeat commits the
+        head, the body is no event stream, or it ended first)."""
+        hop, sent, head = self.hop, self.sent_at, self.head_at
+        obs = self.observer
+        first = obs.first_content_at if obs is not None else None
+        out = first if first is not None and first > head else _perf()
         relay_ms = max(0.0, (sent - hop.since) * 1000 - hop.queue_ms)
-        return server_timing(relay_ms, hop.queue_ms, (self.head_at - sent) * 1000)
+        return server_timing(relay_ms, hop.queue_ms, (head - sent) * 1000, (out - head) * 1000)
 
     def _observer(self, p: framing.Plan) -> Observer:
         """What reads the body in passing: the SSE scanner for an event stream, a bounded
@@ -387,7 +392,7 @@ class Exchange(asyncio.BaseProtocol):
         head, re-framed as the relay's chunks, and go on as a committed response."""
         reply, resp, reader = self.reply, self.head_resp, self.reader
         assert reply is not None and resp is not None and reader is not None
-        held = reply.commit_upstream(resp, reader.kind, self.carriage, self._timing())
+        held = reply.commit_upstream(resp, reader.kind, self.carriage)
         self.carriage = framing.committed_carriage(reader.kind, self.http11)
         self.client_keep_alive = self.keep_alive and self.http11
         if held:

@@ -158,15 +158,9 @@ class Hold:
         return self.state is OPEN or self.state is FAILED
 
     def client_head(
-        self,
-        resp: ResponseHead,
-        chunked: bool,
-        keep_alive: bool,
-        keep_length: bool = True,
-        timing: bytes = b"",
+        self, resp: ResponseHead, chunked: bool, keep_alive: bool, keep_length: bool = True
     ) -> bytes:
-        """The head the client gets for an upstream response head (`resp`), with the relay's
-        `Server-Timing` line (`timing`) when given."""
+        """The head the client gets for an upstream response head (`resp`)."""
         raw: HeaderPairs = resp.headers
         if self.extra:
             # CORS: the relay's answer replaces the upstream's.
@@ -176,13 +170,7 @@ class Hold:
             raw = [(k, v) for k, v in raw if k.lower() != b"content-length"]
         status = resp.status_code
         return client_response(
-            status,
-            resp.reason or reason_phrase(status),
-            raw,
-            self.request_id,
-            chunked,
-            keep_alive,
-            timing,
+            status, resp.reason or reason_phrase(status), raw, self.request_id, chunked, keep_alive
         )
 
     def take(self, piece: bytes, content: bool, error_first: bool, more: bool) -> tuple[Took, Out]:
@@ -236,16 +224,14 @@ class Hold:
         return Out(head, frames=self.frames)
 
     def commit_upstream(
-        self, resp: ResponseHead, kind: BodyKind, mode: Carriage, timing: bytes = b""
+        self, resp: ResponseHead, kind: BodyKind, mode: Carriage
     ) -> tuple[Out, bytes]:
         """Commit with the upstream's own head (`resp`), re-framed for the relay's chunks, as
         a heartbeat falls due while it and its pieces are held: the head to write, and what
         was held as body payload (to be fed again)."""
         held = payload_of(kind, mode, self.parts)
         chunked = self.http11
-        head = self.client_head(
-            resp, chunked, chunked and self.keep_alive, keep_length=False, timing=timing
-        )
+        head = self.client_head(resp, chunked, chunked and self.keep_alive, keep_length=False)
         return self.commit(head), held
 
     def beat(self) -> Out:

@@ -1,13 +1,15 @@
 """The relay's `Server-Timing` line on answers that went upstream (issue 35 item 4): its own time
 before the upstream write (`relay`), the slot's queue wait (`queue`), the upstream's time to its
-response head (`upstream`), so a benchmark client can take the relay out of what it measured.
+response head (`upstream`) and from there to the read that let the head go out (`hold`: an event
+stream's first content event), so a benchmark client can take the relay out of what it measured.
 
 Every bound is one the test measured itself: the client stamps just before its request is
 written and just after the response head is read (perf_counter, the relay's clock, in this
 process), so the three durations lie inside that window; a head the test's upstream wrote a
 measured while after it read the request cannot have been read by the relay sooner after the
 relay wrote it; a slot the test held from the moment it saw the second request queued to the
-moment it let go was waited for at least that long.
+moment it let go was waited for at least that long; a head the test saw the relay read before
+it let the upstream write the first content event was held at least that long.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 import pytest
 
 from relay.config import UpstreamConfig
+from relay.http.to_client import server_timing
 from relay.sim import wire as W
 from relay.sim.frames import StreamFrames
 from tests.support import httpc
@@ -28,6 +31,12 @@ from tests.support.helpers import CHAT, closed_port, wait_for
 ROUNDING = 0.0005
 HEAD_DELAY_MS = 60.0
 WHOLE = b'{"choices":[{"index":0,"message":{"role":"assistant","content":"hi"}}]}'
+
+
+def test_the_line_is_w3c_server_timing_in_ms_to_the_microsecond():
+    assert server_timing(0.2344, 0.0, 12.3456, 1500.0) == (
+        b"Server-Timing: relay;dur=0.234, queue;dur=0.000, upstream;dur=12.346, hold;dur=1500.000"
+    )
 
 
 def timings(resp: httpc.Response) -> list[dict[str, float]]:
@@ -48,7 +57,7 @@ def timings(resp: httpc.Response) -> list[dict[str, float]]:
 
 def relays_line(resp: httpc.Response) -> dict[str, float]:
     """The relay's own line: the one naming its three metrics."""
-    [mine] = [t for t in timings(resp) if set(t) == {"relay", "queue", "upstream"}]
+    [mine] = [t for t in timings(resp) if set(t) == {"relay", "queue", "upstream", "hold"}]
     return mine
 
 
@@ -109,10 +118,40 @@ async def test_a_relayed_answer_says_the_upstreams_time_to_head(make_relay, stre
     assert delayed.waited > HEAD_DELAY_MS - 2
     assert t["upstream"] >= delayed.waited - ROUNDING, (t, delayed.waited)
     # Nothing of it lies outside what the client waited for the head.
-    assert t["relay"] + t["queue"] + t["upstream"] <= to_head + 3 * ROUNDING, (t, to_head)
+    assert sum(t.values()) <= to_head + 4 * ROUNDING, (t, to_head)
     assert t["queue"] >= 0 and t["relay"] >= 0
     # One line for the relay: no upstream line here (this upstream sends none).
     assert len(timings(resp)) == 1
+
+
+async def test_the_hold_is_the_wait_from_the_head_to_the_first_content_event(make_relay):
+    gate = asyncio.Event()
+
+    async def script(up, index, reader, writer) -> None:
+        await up.read_request(reader)
+        frames = StreamFrames(W.Kind.CHAT, "tiny", 3)
+        # The head and the role event at once (as vLLM sends its head), content later.
+        writer.write(W.SSE_HEAD + W.chunk(frames.role_event() or b""))
+        await writer.drain()
+        await asyncio.wait_for(gate.wait(), 10)
+        writer.write(W.chunk(frames.event(0)) + W.chunk(W.DONE_EVENT) + W.TERMINATOR)
+        await writer.drain()
+
+    up = await Scripted(script).start()
+    app = await make_relay(upstreams=[UpstreamConfig(name="llm", url=up.url)])
+    asked = asyncio.create_task(timed(app.port, httpc.chat(1)))
+    await wait_for(lambda: any(c.exchange is not None and c.exchange.head_at for c in app.clients))
+    seen = time.perf_counter()
+    # The first content event is kept back on purpose: the hold the answer must report.
+    await asyncio.sleep(0.05)
+    held_ms = (time.perf_counter() - seen) * 1000
+    gate.set()
+    resp, to_head = await asyncio.wait_for(asked, 10)
+    await up.stop()
+    assert resp.status == 200 and resp.complete
+    t = relays_line(resp)
+    assert t["hold"] >= held_ms - ROUNDING, (t, held_ms)
+    assert sum(t.values()) <= to_head + 4 * ROUNDING, (t, to_head)
 
 
 async def test_the_queue_wait_is_at_least_what_the_slot_was_held(make_relay, sim):
@@ -134,7 +173,7 @@ async def test_the_queue_wait_is_at_least_what_the_slot_was_held(make_relay, sim
     assert resp.status == 200
     t = relays_line(resp)
     assert t["queue"] >= held_ms - ROUNDING, (t, held_ms)
-    assert t["relay"] + t["queue"] + t["upstream"] <= to_head + 3 * ROUNDING, (t, to_head)
+    assert sum(t.values()) <= to_head + 4 * ROUNDING, (t, to_head)
 
 
 async def test_an_upstreams_own_server_timing_crosses_beside_the_relays(make_relay):
@@ -158,7 +197,7 @@ async def test_an_upstreams_own_server_timing_crosses_beside_the_relays(make_rel
     lines = [v for k, v in resp.headers if k.lower() == "server-timing"]
     # The upstream's line as it sent it, and the relay's on a line of its own.
     assert lines[0] == 'gpu;dur=12.5;desc="prefill", cache;desc=hit'
-    assert set(timings(resp)[1]) == {"relay", "queue", "upstream"}
+    assert set(timings(resp)[1]) == {"relay", "queue", "upstream", "hold"}
     assert len(lines) == 2
 
 
@@ -170,7 +209,7 @@ async def test_a_head_committed_by_a_heartbeat_carries_the_line(make_relay):
     assert resp.status == 200 and resp.complete
     assert resp.body.startswith(b": relay heartbeat")
     t = relays_line(resp)
-    assert t["relay"] + t["queue"] + t["upstream"] <= to_head + 3 * ROUNDING, (t, to_head)
+    assert sum(t.values()) <= to_head + 4 * ROUNDING, (t, to_head)
 
 
 async def test_the_relays_own_answers_carry_none(make_relay, sim):
@@ -192,4 +231,4 @@ async def test_the_relays_own_answers_carry_none(make_relay, sim):
         assert timings(resp) == [], (path, resp.headers)
     # A request the relay passes through does carry it.
     resp = await httpc.fetch(app.port, "POST", CHAT, httpc.chat(2, model="tiny"))
-    assert resp.status == 200 and set(relays_line(resp)) == {"relay", "queue", "upstream"}
+    assert resp.status == 200 and set(relays_line(resp)) == {"relay", "queue", "upstream", "hold"}
