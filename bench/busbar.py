@@ -79,6 +79,8 @@ FIGS = (
     ("gap", "gap"),
     ("whole", "whole body"),
 )
+# The relay's Server-Timing metrics (docs/benchmarking.md).
+METRICS = ("relay", "queue", "upstream", "hold")
 GOAL_TTFT_P99_US = 500.0
 GOAL_CHUNK_US = 20.0
 
@@ -615,13 +617,14 @@ def run_repeat(rep: int, targets: list[str], up: Upstream, logdir: Path, a) -> l
         ]
         if timed:
             row["server_timing"] = {
-                m: quantiles([x.timing.get(m, 0.0) * 1e3 for x in timed])
-                for m in ("relay", "queue", "upstream")
+                m: quantiles([x.timing.get(m, 0.0) * 1e3 for x in timed]) for m in METRICS
             }
-            # What a client subtracting the upstream's share is left with: TTFT - upstream.
+            # What a client taking out the upstream's share and the queue is left with: the
+            # relay itself, and the client's way to it and back.
             row["ttft_less_upstream"] = quantiles(
                 [
-                    (x.events[0][1] - x.sent) / 1e3 - x.timing.get("upstream", 0.0) * 1e3
+                    (x.events[0][1] - x.sent) / 1e3
+                    - sum(x.timing.get(m, 0.0) for m in ("queue", "upstream", "hold")) * 1e3
                     for x in timed
                 ]
             )
@@ -664,7 +667,7 @@ def commit() -> str:
             check=True,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--", "relay", "bench"],
+            ["git", "-C", str(root), "status", "--porcelain", "--", "relay", "bench/*.py"],
             capture_output=True,
             text=True,
         ).stdout.strip()
@@ -766,17 +769,18 @@ def repeat_table(rows, targets) -> list[str]:
 
 
 def timing_table(rows) -> list[str]:
-    """The relay's Server-Timing beside what this run measured: upstream;dur estimates what
-    a direct client would see as TTFT (direct TTFT, same repeat), and client TTFT −
-    upstream;dur what the relay itself took of it (the added TTFT, same repeat)."""
+    """The relay's Server-Timing beside what this run measured: upstream;dur + hold;dur
+    estimates what a direct client would see as TTFT (direct TTFT, same repeat), and client
+    TTFT − queue − upstream − hold what the relay itself took of it with the way to it and
+    back (beside the added TTFT, same repeat)."""
     rs = sorted((r for r in rows if r.get("server_timing")), key=lambda r: r["repeat"])
     if not rs:
         return []
     out = [
         "| repeat | relay;dur p50 / p99 | queue;dur p50 / p99 | upstream;dur p50 / p99"
-        " | direct TTFT p50 / p99 | client TTFT − upstream;dur p50 / p99"
-        " | added TTFT p50 / p99 |",
-        "|" + "---|" * 7,
+        " | hold;dur p50 / p99 | direct TTFT p50 / p99"
+        " | client TTFT − queue − upstream − hold p50 / p99 | added TTFT p50 / p99 |",
+        "|" + "---|" * 8,
     ]
     for r in rs:
         st, less = r["server_timing"], r["ttft_less_upstream"]
@@ -785,7 +789,8 @@ def timing_table(rows) -> list[str]:
         add = f"{_s(added(rows, r, 'ttft', 'p50'))} / {_s(added(rows, r, 'ttft', 'p99'))}"
         out.append(
             f"| {r['repeat'] + 1} | {pair(st['relay'])} | {pair(st['queue'])}"
-            f" | {pair(st['upstream'])} | {pair(d['ttft'])} | {pair(less)} | {add} |"
+            f" | {pair(st['upstream'])} | {pair(st['hold'])} | {pair(d['ttft'])}"
+            f" | {pair(less)} | {add} |"
         )
     return out
 

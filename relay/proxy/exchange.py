@@ -342,7 +342,9 @@ class Exchange(asyncio.BaseProtocol):
             return
         leftover, self._leftover = self._leftover, b""
         if leftover:
-            self.upstream_data(leftover)
+            # Read with the head: its events are timed at that read.
+            self.guard.last_read = self.loop.time()
+            self._body_read(leftover, self.head_at)
         if not p.holdable and self.reply is not None and not reply.committed:
             self._release(reply)
         if self.ending is None:
@@ -361,22 +363,28 @@ class Exchange(asyncio.BaseProtocol):
         head = reply.hold.client_head(
             resp, framing.client_chunked(p.kind, p.mode), self.client_keep_alive
         )
-        reply.hold_head(
-            head,
-            framing.relay_frames(p.mode),
-            self if p.holdable else None,
-            # (None in tests that drive an exchange by hand, writing no request.)
-            self._timing if self.sent_at else None,
-        )
+        if not self.sent_at:
+            # (Tests that drive an exchange by hand write no request.)
+            stamp = None
+        else:
+            stamp = self._timing if p.holdable else self._timing_unheld
+        reply.hold_head(head, framing.relay_frames(p.mode), self if p.holdable else None, stamp)
 
     def _timing(self) -> bytes:
         """The relay's `Server-Timing` line, made as the client's head goes out: the hold
         ends at the read holding the first content event, or now (a heartbeat commits the
-        head, the body is no event stream, or it ended first)."""
-        hop, sent, head = self.hop, self.sent_at, self.head_at
+        head, or the body ended first)."""
         obs = self.observer
         first = obs.first_content_at if obs is not None else None
-        out = first if first is not None and first > head else _perf()
+        return self._timing_to(first if first is not None else _perf())
+
+    def _timing_unheld(self) -> bytes:
+        """The same for a head that goes out with the read that brought it (nothing is held
+        for a body that is no event stream)."""
+        return self._timing_to(self.head_at)
+
+    def _timing_to(self, out: float) -> bytes:
+        hop, sent, head = self.hop, self.sent_at, self.head_at
         relay_ms = max(0.0, (sent - hop.since) * 1000 - hop.queue_ms)
         return server_timing(relay_ms, hop.queue_ms, (head - sent) * 1000, (out - head) * 1000)
 

@@ -120,6 +120,8 @@ async def test_a_relayed_answer_says_the_upstreams_time_to_head(make_relay, stre
     # Nothing of it lies outside what the client waited for the head.
     assert sum(t.values()) <= to_head + 4 * ROUNDING, (t, to_head)
     assert t["queue"] >= 0 and t["relay"] >= 0
+    # The head and the first content event came in one write, so in one read: no hold.
+    assert t["hold"] == 0, t
     # One line for the relay: no upstream line here (this upstream sends none).
     assert len(timings(resp)) == 1
 
