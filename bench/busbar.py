@@ -910,6 +910,19 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _public(argv: list[str]) -> list[str]:
+    """The command's arguments without where its files went (no machine path in a report)."""
+    out, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+        elif x in ("--output", "--json"):
+            skip = True
+        elif not x.startswith(("--output=", "--json=")):
+            out.append(x)
+    return out
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "upstream":
@@ -954,7 +967,7 @@ def main(argv=None) -> int:
         procs.stop_all()
         if not a.keep_logs:
             shutil.rmtree(logdir, ignore_errors=True)
-    command = "python -m bench busbar " + " ".join(shlex.quote(x) for x in argv)
+    command = "python -m bench busbar " + " ".join(shlex.quote(x) for x in _public(argv))
     text = render(rows, a, targets, command.strip())
     print(text)
     out = Path(a.output)
