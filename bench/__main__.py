@@ -336,6 +336,10 @@ def main(argv=None) -> int:
         from bench import overload
 
         return overload.main(args[1:])
+    if args[:1] == ["busbar"]:  # Busbar's method, concurrency 1: bench/busbar.py
+        from bench import busbar
+
+        return busbar.main(args[1:])
     a = parse_args(argv)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

@@ -20,6 +20,22 @@ def with_cors(headers: HeaderPairs, own: HeaderPairs) -> Headers:
     return [(k, v) for k, v in headers if not k.lower().startswith(b"access-control-")] + list(own)
 
 
+def server_timing(relay_ms: float, queue_ms: float, upstream_ms: float, hold_ms: float) -> bytes:
+    """The relay's own `Server-Timing` field line (W3C Server Timing; durations in ms, to the
+    microsecond) for a response head relayed from an upstream's: `relay`, its own time before
+    the request was written upstream, the queue wait excluded; `queue`, the wait for a slot;
+    `upstream`, from the request written upstream to the response head read; `hold`, from
+    that head read to the read that let it go out (an event stream's first content event).
+    A line of its own: an upstream's `Server-Timing` crosses unchanged beside it (a list
+    field may be repeated)."""
+    return b"Server-Timing: relay;dur=%.3f, queue;dur=%.3f, upstream;dur=%.3f, hold;dur=%.3f" % (
+        relay_ms,
+        queue_ms,
+        upstream_ms,
+        hold_ms,
+    )
+
+
 def client_response(
     status: int,
     reason: bytes,

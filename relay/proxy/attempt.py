@@ -163,6 +163,7 @@ async def open_exchange(
         transport = conn.transport
         assert transport is not None
         transport.write(sent)
+        ex.sent_at = time.perf_counter()
         timer = app.loop.call_later(d.direct_read_timeout_s, ex.head_timeout)
         head = ex.head_fut
         assert head is not None

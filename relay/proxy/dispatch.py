@@ -457,6 +457,8 @@ class Dispatcher:
             rec.model or "",
             more,
             lambda at: metrics.observe_ttft(at - t0, time.monotonic()),
+            t0,
+            (rec.queue_ms or 0.0) if ledger.generates else 0.0,
         )
         ex = await open_exchange(app, client, req, up, rid, ledger, hop)
         if not ex.body_started:

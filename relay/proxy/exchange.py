@@ -29,6 +29,7 @@ from relay.http import response_framing as framing
 from relay.http.body import BodyReader, ChunkError, reader_for
 from relay.http.response_framing import EMPTY, PASS, REFRAME, UNTIL_CLOSE, Carriage
 from relay.http.response_head import BadHead, HeadReader, ResponseHead
+from relay.http.to_client import server_timing
 from relay.proxy.client_flow import ClientFlow
 from relay.proxy.client_writer import ClientWriter
 from relay.proxy.deadlines import Deadlines
@@ -62,12 +63,16 @@ class Relaying(msgspec.Struct, frozen=True, gc=False):
 class Hop(msgspec.Struct, frozen=True):
     """One candidate's part of a request: the upstream's name, the public model name (a
     stall frame's), whether another candidate is left (a failure before content may then
-    quietly move on), and what hears the first content event's time once it is written."""
+    quietly move on), what hears the first content event's time once it is written, and for
+    the client head's `Server-Timing`: when the dispatcher took the request (`since`,
+    perf_counter) and the ms this candidate's slot was waited for (`queue_ms`)."""
 
     upstream: str
     model: str
     more: bool
     on_content: ContentHook | None = None
+    since: float = 0.0
+    queue_ms: float = 0.0
 
 
 # The ways the wait for an upstream's head can end other than with the head.
@@ -119,6 +124,7 @@ class Exchange(asyncio.BaseProtocol):
         "flow",
         "got_bytes",
         "guard",
+        "head_at",
         "head_fut",
         "head_reader",
         "head_resp",
@@ -133,6 +139,7 @@ class Exchange(asyncio.BaseProtocol):
         "path",
         "reader",
         "reply",
+        "sent_at",
         "stall",
         "status",
         "summary",
@@ -167,6 +174,10 @@ class Exchange(asyncio.BaseProtocol):
         self.head_reader: HeadReader | None = HeadReader()
         self.head_fut: asyncio.Future[None] | None = loop.create_future()
         self.head_resp: ResponseHead | None = None
+        # When the request was written upstream (set by its writer, `attempt`) and when its
+        # head was read (perf_counter): the client head's `Server-Timing`; 0: not yet.
+        self.sent_at = 0.0
+        self.head_at = 0.0
         self.got_bytes = False
         self.body_started = False
         self._leftover = b""
@@ -277,6 +288,7 @@ class Exchange(asyncio.BaseProtocol):
         if parsed is None:
             return
         resp, self._leftover = parsed
+        self.head_at = _perf()
         self.head_reader = None
         self.guard.head_in(self.loop.time())
         self.head_resp = resp
@@ -330,7 +342,9 @@ class Exchange(asyncio.BaseProtocol):
             return
         leftover, self._leftover = self._leftover, b""
         if leftover:
-            self.upstream_data(leftover)
+            # Read with the head: its events are timed at that read.
+            self.guard.last_read = self.loop.time()
+            self._body_read(leftover, self.head_at)
         if not p.holdable and self.reply is not None and not reply.committed:
             self._release(reply)
         if self.ending is None:
@@ -349,7 +363,30 @@ class Exchange(asyncio.BaseProtocol):
         head = reply.hold.client_head(
             resp, framing.client_chunked(p.kind, p.mode), self.client_keep_alive
         )
-        reply.hold_head(head, framing.relay_frames(p.mode), self if p.holdable else None)
+        if not self.sent_at:
+            # (Tests that drive an exchange by hand write no request.)
+            stamp = None
+        else:
+            stamp = self._timing if p.holdable else self._timing_unheld
+        reply.hold_head(head, framing.relay_frames(p.mode), self if p.holdable else None, stamp)
+
+    def _timing(self) -> bytes:
+        """The relay's `Server-Timing` line, made as the client's head goes out: the hold
+        ends at the read holding the first content event, or now (a heartbeat commits the
+        head, or the body ended first)."""
+        obs = self.observer
+        first = obs.first_content_at if obs is not None else None
+        return self._timing_to(first if first is not None else _perf())
+
+    def _timing_unheld(self) -> bytes:
+        """The same for a head that goes out with the read that brought it (nothing is held
+        for a body that is no event stream)."""
+        return self._timing_to(self.head_at)
+
+    def _timing_to(self, out: float) -> bytes:
+        hop, sent, head = self.hop, self.sent_at, self.head_at
+        relay_ms = max(0.0, (sent - hop.since) * 1000 - hop.queue_ms)
+        return server_timing(relay_ms, hop.queue_ms, (head - sent) * 1000, (out - head) * 1000)
 
     def _observer(self, p: framing.Plan) -> Observer:
         """What reads the body in passing: the SSE scanner for an event stream, a bounded

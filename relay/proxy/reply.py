@@ -13,13 +13,14 @@ goes out.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Protocol
 
 from relay.errors import UpstreamErrorFields
 from relay.http.response_framing import BodyKind, Carriage
 from relay.http.response_head import ResponseHead
 from relay.proxy.client_writer import ClientWriter
-from relay.stream.content_hold import COMMITTED, NOTHING, OPEN, WRITTEN, Hold, Took
+from relay.stream.content_hold import COMMITTED, NOTHING, OPEN, WRITTEN, Hold, Out, Took
 from relay.stream.dialect import Api
 
 
@@ -30,7 +31,17 @@ class EarlyCommit(Protocol):
 
 
 class Reply:
-    __slots__ = ("hold", "holder", "interval", "loop", "since", "timer", "timer_at", "writer")
+    __slots__ = (
+        "hold",
+        "holder",
+        "interval",
+        "loop",
+        "since",
+        "stamp",
+        "timer",
+        "timer_at",
+        "writer",
+    )
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, writer: ClientWriter, hold: Hold, interval: float
@@ -41,6 +52,8 @@ class Reply:
         # heartbeat_s; 0: never commit early.
         self.interval = interval
         self.holder: EarlyCommit | None = None
+        # The relay's Server-Timing line for the upstream's head, made as it goes out.
+        self.stamp: Callable[[], bytes] | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = 0.0
         self.since = 0.0
@@ -93,16 +106,25 @@ class Reply:
     def close(self) -> None:
         """No more heartbeats (the hold opened, or the request ends)."""
         self.holder = None
+        self.stamp = None
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
 
     # ---- the exchange holding its head -------------------------------------------------
-    def hold_head(self, head: bytes, frames: bool, holder: EarlyCommit | None) -> None:
+    def hold_head(
+        self,
+        head: bytes,
+        frames: bool,
+        holder: EarlyCommit | None,
+        stamp: Callable[[], bytes] | None = None,
+    ) -> None:
         """The head an exchange would send (`frames`: the relay frames the body after it);
-        `holder` commits with it if a heartbeat falls due meanwhile."""
+        `holder` commits with it if a heartbeat falls due meanwhile; `stamp` makes the
+        relay's Server-Timing line it goes out with."""
         self.hold.hold_head(head, frames)
         self.holder = holder
+        self.stamp = stamp
 
     def detach(self, holder: EarlyCommit) -> None:
         if self.holder is holder:
@@ -112,26 +134,35 @@ class Reply:
         """Commit with the upstream's own head; what was held comes back as body payload."""
         self.holder = None
         out, held = self.hold.commit_upstream(resp, kind, mode)
-        self.writer.write(out)
+        self._write(out)
         return held
+
+    def _write(self, out: Out) -> None:
+        """One step of the hold out; the upstream's head, the first time, with the relay's
+        Server-Timing line (`stamp`) added last."""
+        stamp = self.stamp
+        if stamp is not None and out.head:
+            self.stamp = None
+            out = Out(out.head[:-2] + stamp() + b"\r\n\r\n", out.pieces, out.frames, out.end)
+        self.writer.write(out)
 
     # ---- body pieces -------------------------------------------------------------------
     def take(self, piece: bytes, content: bool, error_first: bool, more: bool) -> Took:
         took, out = self.hold.take(piece, content, error_first, more)
         if out is not NOTHING:
-            self.writer.write(out)
+            self._write(out)
         if took is WRITTEN:
             self.close()
         return took
 
     def release(self) -> None:
         """What is held goes out: the client is open from here."""
-        self.writer.write(self.hold.release())
+        self._write(self.hold.release())
         self.close()
 
     def finish(self) -> None:
         """The upstream's body ended cleanly while held: it all goes out, and the end."""
-        self.writer.write(self.hold.finish())
+        self._write(self.hold.finish())
         self.close()
 
     def fail(self, message: str, type_: str, code: str | None, api: Api) -> bool:
@@ -145,4 +176,5 @@ class Reply:
     def retry(self) -> None:
         """The next candidate starts."""
         self.holder = None
+        self.stamp = None
         self.hold.retry()
