@@ -17,6 +17,9 @@ import msgspec
 
 from relay.config import UpstreamConfig
 
+# The routes cache's key for every name no upstream lists (the catch-all's).
+_OTHER = "\x00other"
+
 
 class NoRoute(LookupError):
     def __init__(self, model: str) -> None:
@@ -117,6 +120,8 @@ class Router:
     def candidates(self, model: str | None) -> Route:
         """The pool serving `model`, then its members' fallbacks (NoRoute: none serves it)."""
         route = self._routes.get(model)
+        if route is None and model and model not in self.exact and model not in self.alias:
+            route = self._routes.get(_OTHER)
         if route is not None:
             return route
         pool = self.primary(model)
@@ -128,8 +133,11 @@ class Router:
                     fallbacks.append(alone)
         route = Route(pool, tuple(fallbacks))
         if model is None or model in self.exact or model in self.alias:
-            # Configured names only: a client cannot grow this map with names of its own.
             self._routes[model] = route
+        else:
+            # Any other name goes to the catch-all: one entry for all of them (a client
+            # cannot grow this map with names of its own).
+            self._routes[_OTHER] = route
         return route
 
 

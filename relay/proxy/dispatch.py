@@ -323,6 +323,16 @@ class Dispatcher:
         loading is passed by while another is ready, since probes watch it), and the first
         down member, when that is why none is left."""
         probing = self.app.config.dispatcher.health_interval_s > 0
+        members = pool.members
+        if len(members) == 1 and not tried:
+            # One upstream, the usual pool.
+            up = upstreams.get(members[0])
+            if up is None:
+                return [], None
+            probe = up.health.probe
+            if probe is DOWN and probing:
+                return [], up
+            return [up.name], None
         ready: list[str] = []
         loading: list[str] = []
         down: Upstream | None = None

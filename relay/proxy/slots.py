@@ -270,8 +270,12 @@ class _Queue:
         line.start = line.finish
 
     def served_at_once(self, line: _Line) -> None:
-        """A request of `line` took a free slot without waiting: a turn all the same."""
-        line.finish = charged(activated(line.finish, self.vtime), line.weight)
+        """A request of `line` took a free slot without waiting: a turn all the same, which
+        moves the virtual time as a turn taken from the queue does (so no line banks turns
+        while nobody waits)."""
+        start = activated(line.finish, self.vtime)
+        self.vtime = start
+        line.finish = charged(start, line.weight)
 
     def fail_all(self, exc: BaseException) -> None:
         for line in list(self.active.values()):
@@ -489,7 +493,7 @@ class Board:
     def ahead(self, admission: AdmissionId, pool: Pool, want: Want, key: str | None = None) -> None:
         pass
 
-    def chosen(self, q: _Queue, eligible: list[SlotPool], want: Want) -> tuple[SlotPool, int]:
+    def chosen(self, q: _Queue, eligible: Sequence[SlotPool], want: Want) -> tuple[SlotPool, int]:
         """The member with room a request takes at once (`policy.affinity.choose`), and the
         prefix units it is believed to hold."""
         fp = want.fingerprint if self.affinity else ()
@@ -502,7 +506,7 @@ class Board:
         member = next(m for m in eligible if m.name == choice.member)
         return member, choice.reused_units
 
-    def preferred(self, eligible: list[SlotPool], want: Want) -> SlotPool | None:
+    def preferred(self, eligible: Sequence[SlotPool], want: Want) -> SlotPool | None:
         """The member a waiting request's conversation lives on, if any."""
         if not self.affinity or not want.fingerprint:
             return None
@@ -560,26 +564,48 @@ class Board:
             self.missed[slot.pool] = self.missed.get(slot.pool, 0) + 1
 
 
+def _rank(board: Board | None, key: str | None) -> tuple[int, int]:
+    return board.rank_of(key) if board is not None else (0, 1)
+
+
+def _free(
+    board: Board | None, q: _Queue, want: Want, exclude: frozenset[str]
+) -> tuple[Sequence[SlotPool], SlotPool | None, int]:
+    """The members a request may have, and the one with a free slot it takes now (None: it
+    waits) with the prefix units that member is believed to hold."""
+    members = q.members
+    if len(members) == 1 and not exclude:
+        # One upstream, the usual pool: no choice to make.
+        only = members[0]
+        if only.closed:
+            raise SlotsClosed()
+        return members, (only if only.in_flight < only.parallel else None), 0
+    eligible = [m for m in members if m.name not in exclude]
+    if any(m.closed for m in eligible):
+        raise SlotsClosed()
+    free = [m for m in eligible if m.in_flight < m.parallel]
+    if not free:
+        return eligible, None, 0
+    if len(eligible) == 1 or board is None:
+        return eligible, free[0], 0
+    member, units = board.chosen(q, eligible, want)
+    return eligible, member, units
+
+
 async def _take(
     board: Board | None, q: _Queue, want: Want, timeout: float, exclude: frozenset[str],
     key: str | None = None,
 ) -> Slot:  # fmt: skip
-    """A slot of one of `q`'s members but `exclude`: a free one at once, else a wait in the
-    line of `key`."""
-    eligible = [m for m in q.members if m.name not in exclude]
-    if any(m.closed for m in eligible):
-        raise SlotsClosed()
-    rank, weight = board.rank_of(key) if board is not None else (0, 1)
-    line = q.line(key, rank, weight)
-    free = [m for m in eligible if m.in_flight < m.parallel]
-    if free:
-        if len(eligible) == 1 or board is None:
-            member, units = free[0], 0
-        else:
-            member, units = board.chosen(q, eligible, want)
+    """A slot of one of `q`'s members but `exclude`: a free one at once (a turn of its key's
+    line all the same), else a wait in the line of `key`."""
+    eligible, member, units = _free(board, q, want, exclude)
+    if member is not None:
         member.in_flight += 1
-        q.served_at_once(line)
+        if key is not None:
+            # (Requests without a key share one line: no turns to count between them.)
+            q.served_at_once(q.line(key, *_rank(board, key)))
         return Slot(member, board, want.fingerprint, units, key, 0, q.name)
+    line = q.line(key, *_rank(board, key))
     bound = q.bound
     if q.live >= bound or timeout <= 0 or not eligible:
         raise Busy("queue full" if bound else "no free slot")
