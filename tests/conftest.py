@@ -8,6 +8,7 @@ import pytest
 
 from relay.app import App
 from relay.config import (
+    BalanceConfig,
     Config,
     DispatcherConfig,
     ServerConfig,
@@ -54,6 +55,7 @@ async def make_relay(sim):
         parallel: int = 256,
         queue: int = 64,
         otel=None,
+        balance: BalanceConfig | None = None,
         **fields,
     ) -> App:
         server = {k: v for k, v in fields.items() if k in ServerConfig.__struct_fields__}
@@ -72,6 +74,7 @@ async def make_relay(sim):
             store=StoreConfig(path=store),
             admin_key_sha256=admin_key_sha256,
             otel=otel,
+            balance=balance or BalanceConfig(),
         )
         app = App(cfg, quiet())
         await app.start()
