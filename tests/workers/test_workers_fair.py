@@ -9,8 +9,8 @@ what one process does the two workers do together.
   a 429 with its code and a row. The counts come from what the test sent and got.
 - Fair turns: a key flooding 200 requests does not hold back another key's requests sent one
   by one: each waits at most one service time of the flood's (as tests/proxy/
-  test_fair_share.py shows in one process); `relay_key_queued` and `relay_key_in_flight`
-  are the parent's figures.
+  test_fair_share.py shows in one process); `relay_key_queued` and `relay_key_in_flight`,
+  and the operator page's key table, are the parent's figures.
 """
 
 from __future__ import annotations
@@ -270,6 +270,7 @@ async def test_a_flood_does_not_hold_back_another_key_across_workers(tmp_path):
             for i in range(5):
                 await ask("b", f"b{i}")
             gauges = await relay.gauges()
+            page = (await httpc.fetch(relay.port, "GET", "/api/ui/state")).json()
             b_rows = await relay.rows_in(5, "WHERE key_id = 'b'")
             a_rows = [r for r in relay.rows("WHERE key_id = 'a'") if r["status"] == 200]
             await cancel(tasks)
@@ -288,3 +289,6 @@ async def test_a_flood_does_not_hold_back_another_key_across_workers(tmp_path):
     assert gauges[("relay_key_queued", "a")] >= 150, gauges
     assert 1 <= gauges[("relay_key_in_flight", "a")] <= 2, gauges
     assert gauges[("relay_key_queued", "b")] == gauges[("relay_key_in_flight", "b")] == 0
+    # The operator page's key table, from the parent too.
+    live = {k["key"]: (k["in_flight"], k["queued"]) for k in page["budgets"]}
+    assert live["a"][1] >= 150 and 1 <= live["a"][0] <= 2 and live["b"] == (0, 0), live
