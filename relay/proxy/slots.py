@@ -49,11 +49,13 @@ AGING_S = BalanceConfig().aging_s
 
 
 class Busy(Exception):
-    """No slot: the queue is full, or none came free within the wait bound."""
+    """No slot: the queue is full, or none came free within the wait bound (`position`: the
+    request's place among its key's waiting requests when it was queued; 0: not queued)."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, position: int = 0) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.position = position
 
 
 class SlotsClosed(Exception):
@@ -598,7 +600,7 @@ async def _take(
         else:
             fut.cancel()
             q.leave(w)
-            raise Busy(f"no slot free within {timeout}s") from None
+            raise Busy(f"no slot free within {timeout}s", w.position) from None
     except asyncio.CancelledError:
         if fut.done() and not fut.cancelled() and fut.exception() is None:
             # Granted, but the caller is gone: it is passed on.

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from relay.config import BalanceConfig
 from tests.support import httpc
-from tests.support.helpers import rows, wait_for
+from tests.support.helpers import LOOP_EARLY_MS, rows, wait_for
 from tests.support.keys import key, sha
 
 CHAT = "/v1/chat/completions"
@@ -370,3 +370,30 @@ async def test_rows_and_metrics_say_where_each_key_stands(make_relay, sim):
     resp = await httpc.fetch(app.port, "GET", "/metrics")
     assert set(key_gauges(resp.body.decode()).values()) == {0}
     assert sha(SECRETS["a"]) not in resp.body.decode()
+
+
+async def test_a_request_that_waited_in_vain_keeps_its_place_in_its_row(make_relay, sim):
+    """Queued, then no slot within `pool_timeout_s`: a 503, and the row still says where in
+    its key's line it waited (it was queued), beside how long."""
+    app = await make_relay(keys=keyed("a", "z"), parallel=1, queue=400, pool_timeout_s=0.5)
+    holders = Holders()
+    await holders.hold(app.port, "z", 1)
+    await wait_for(lambda: app.board.held_by_key.get("z") == 1, WAIT_S)
+    try:
+        first = asyncio.create_task(
+            httpc.fetch(app.port, "POST", CHAT, body("a"), headers("a", "late1"), timeout=WAIT_S)
+        )
+        await wait_for(lambda: app.board.waiting_by_key().get("a") == 1, WAIT_S)
+        second = await httpc.fetch(
+            app.port, "POST", CHAT, body("a"), headers("a", "late2"), timeout=WAIT_S
+        )
+        assert (await first).status == second.status == 503
+    finally:
+        holders.hang_up()
+    got = {r["request_id"]: r for r in rows(app, "WHERE key_id = 'a'")}
+    assert {rid: (r["error_code"], r["queue_position"]) for rid, r in got.items()} == {
+        "late1": ("upstream_busy", 1),
+        "late2": ("upstream_busy", 2),
+    }
+    assert all(r["queue_ms"] >= 500 - LOOP_EARLY_MS for r in got.values())
+    assert started(sim) == ["z"]

@@ -52,11 +52,14 @@ async def until(read, ok, what: str, timeout: float = WAIT_S):
     return value
 
 
-def config(path, db: str, sim_port: int, parallel: int, keys: dict[str, str]) -> None:
-    """A relay with an upstream of `parallel` slots and the keys given (id -> TOML lines)."""
+def config(
+    path, db: str, sim_port: int, parallel: int, keys: dict[str, str], wait_s: float = 300
+) -> None:
+    """A relay with an upstream of `parallel` slots, a slot wait of `wait_s` at most, and the
+    keys given (id -> TOML lines)."""
     text = (
         f'[server]\nport = 0\ndrain_timeout_s = 5\n[store]\npath = "{db}"\n'
-        f"[dispatcher]\npool_timeout_s = 300\nhealth_interval_s = 0\n"
+        f"[dispatcher]\npool_timeout_s = {wait_s}\nhealth_interval_s = 0\n"
         f'[[upstream]]\nname = "llm"\nurl = "http://127.0.0.1:{sim_port}"\n'
         f"parallel = {parallel}\nqueue = 1000\n"
     )
@@ -68,10 +71,12 @@ def config(path, db: str, sim_port: int, parallel: int, keys: dict[str, str]) ->
 class Workers:
     """`relay serve --workers 2` on a config, its log read as it comes."""
 
-    def __init__(self, tmp_path, sim_port: int, parallel: int, keys: dict[str, str]) -> None:
+    def __init__(
+        self, tmp_path, sim_port: int, parallel: int, keys: dict[str, str], wait_s: float = 300
+    ) -> None:
         self.db = str(tmp_path / "relay.db")
         self.path = tmp_path / "relay.toml"
-        config(self.path, self.db, sim_port, parallel, keys)
+        config(self.path, self.db, sim_port, parallel, keys, wait_s)
         self.proc = None
         self.port = 0
 
@@ -292,3 +297,33 @@ async def test_a_flood_does_not_hold_back_another_key_across_workers(tmp_path):
     # The operator page's key table, from the parent too.
     live = {k["key"]: (k["in_flight"], k["queued"]) for k in page["budgets"]}
     assert live["a"][1] >= 150 and 1 <= live["a"][0] <= 2 and live["b"] == (0, 0), live
+
+
+async def test_a_request_that_waited_in_vain_has_its_place_in_its_row_across_workers(tmp_path):
+    """The parent's 503 after a wait says where the request waited: its row's
+    `queue_position`, as in one process."""
+    sim = Simulator()
+    await sim.start()
+    writers = []
+    try:
+        async with Workers(tmp_path, sim.port, 1, {"a": "", "z": ""}, wait_s=0.5) as relay:
+            _r, w = await asyncio.open_connection("127.0.0.1", relay.port)
+            w.write(httpc.build_request("POST", CHAT, body("z", ENDLESS), headers("z", "z0")))
+            writers.append(w)
+
+            async def z_in():
+                return started(sim).count("z")
+
+            await until(z_in, lambda n: n == 1, "z's request upstream")
+            resp = await httpc.fetch(
+                relay.port, "POST", CHAT, body("a", SERVICE), headers("a", "late"), timeout=WAIT_S
+            )
+            assert resp.status == 503 and resp.json()["error"]["code"] == "upstream_busy"
+            (row,) = await relay.rows_in(1, "WHERE request_id = 'late'")
+            w.close()
+    finally:
+        for w in writers:
+            w.close()
+        await sim.stop()
+    assert (row["status"], row["queue_position"]) == (503, 1), row
+    assert started(sim) == ["z"]
