@@ -57,18 +57,18 @@ class Holders:
     test hangs up on them."""
 
     def __init__(self) -> None:
-        self.writers: list[asyncio.StreamWriter] = []
+        self.writers: dict[str, asyncio.StreamWriter] = {}
 
     async def hold(self, port: int, rid: str, body: dict | None = None) -> None:
         _reader, writer = await asyncio.open_connection("127.0.0.1", port)
         body = body or chat(ENDLESS["tokens"], stream=True, **ENDLESS)
         writer.write(httpc.build_request("POST", CHAT, body, auth(rid)))
-        self.writers.append(writer)
+        self.writers[rid] = writer
 
-    def hang_up(self, n: int | None = None) -> None:
-        for w in self.writers[:n]:
-            w.close()
-        del self.writers[: n if n is not None else len(self.writers)]
+    def hang_up(self, *rids: str) -> None:
+        """Those named, or all."""
+        for rid in rids or list(self.writers):
+            self.writers.pop(rid).close()
 
 
 def iso(ts: float) -> str:
@@ -150,17 +150,22 @@ async def test_max_concurrent_counts_the_queued_and_refuses_before_any_slot(make
         )
         assert again["used"] == 2
         assert await daily(app.port) == before
-        # One of the two settles: room for one more.
-        holders.hang_up(1)
+        # The one waiting goes away while queued: room for one more, which queues.
+        holders.hang_up("queued")
+        await row_of(app, "queued")
+        await holders.hold(app.port, "queued2")
+        await wait_for(lambda: app.board.waiting_by_key() == {"team": 1}, WAIT_S)
+        # The one in the slot settles: the one waiting takes it, and there is room again.
+        holders.hang_up("held")
         await row_of(app, "held")
         await wait_for(lambda: chats(sim) == 2, WAIT_S)
         holders.hang_up()
-        await row_of(app, "queued")
+        await row_of(app, "queued2")
         resp = await post(app.port, chat(5), "fifth")
         assert resp.status == 200
     finally:
         holders.hang_up()
-    # The three served are charged, the two refused not.
+    # The three served are charged; the two refused and the one that left the queue not.
     assert (await daily(app.port))["requests"] == 3
 
 
