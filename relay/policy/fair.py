@@ -4,9 +4,12 @@ Pure: the queue (`proxy.slots`) keeps one line of waiting requests per key (requ
 key share one line), and asks here which line is served next:
 
 1. **Priority**: the line of the highest class (`[[key]].priority`) first.
-2. **No starvation**: a line whose oldest request has waited `aging_s` or more is served as
-   if it were of the highest class, so a steady flood of a higher class delays a lower one's
-   request by at most `aging_s` plus the turns of the lines it then shares with.
+2. **No starvation**: a line that has waited `aging_s` or more for a turn (since its oldest
+   request came or since its last turn, whichever is later) is served before every class, for
+   one turn; it then waits again. So a steady flood of a higher class delays a lower one's
+   request by at most `aging_s` plus the turns of the lines aged with it, and gives the lower
+   class a turn every `aging_s`; a lower class's backlog that is being served (not starved)
+   never goes ahead of a higher class, however long its requests have queued.
 3. **Fair turns within a class**: start-time fair queuing (Goyal, Vin and Cheng, 1996). The
    queue keeps a virtual time; each line a virtual start (its next request's) and finish (its
    last request's): a line that gets waiting requests starts at the later of its finish and
@@ -28,17 +31,19 @@ from collections.abc import Sequence
 
 import msgspec
 
-# The class of a line that waited past the aging bound: above every configured one.
+# The class of a line that waited past the aging bound for a turn: above every configured one.
 AGED = 1 << 30
 
 
 class Line(msgspec.Struct, frozen=True, gc=False):
-    """A line as the choice sees it: its class, its virtual start, and when its oldest
-    request (one the freed slot may take) was queued."""
+    """A line as the choice sees it: its class, its virtual start, when its oldest request
+    (one the freed slot may take) was queued, and when its wait for a turn began (`since`:
+    the later of that and its last turn; None: `oldest_at`)."""
 
     rank: int
     start: float
     oldest_at: float
+    since: float | None = None
 
 
 def pick_line(lines: Sequence[Line], now: float, aging_s: float) -> int | None:
@@ -46,7 +51,8 @@ def pick_line(lines: Sequence[Line], now: float, aging_s: float) -> int | None:
     best: int | None = None
     best_key: tuple[int, float, float] | None = None
     for i, line in enumerate(lines):
-        rank = AGED if now - line.oldest_at >= aging_s else line.rank
+        since = line.oldest_at if line.since is None else line.since
+        rank = AGED if now - since >= aging_s else line.rank
         key = (-rank, line.start, line.oldest_at)
         if best_key is None or key < best_key:
             best, best_key = i, key

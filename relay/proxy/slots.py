@@ -182,7 +182,18 @@ class _Line:
     by the member each prefers; its class, weight, and virtual start and finish. Entries that
     left are skipped where they are met (and dropped whole when none is left)."""
 
-    __slots__ = ("finish", "key", "live", "order", "preferring", "queue", "rank", "start", "weight")
+    __slots__ = (
+        "finish",
+        "key",
+        "live",
+        "order",
+        "preferring",
+        "queue",
+        "rank",
+        "start",
+        "turn_at",
+        "weight",
+    )
 
     def __init__(self, queue: _Queue, key: str | None, rank: int, weight: int) -> None:
         self.queue = queue
@@ -194,6 +205,9 @@ class _Line:
         self.live = 0
         self.start = 0.0
         self.finish = 0.0
+        # When it last took a turn (the aging bound counts from the later of this and its
+        # oldest request's arrival).
+        self.turn_at = 0.0
 
     def oldest_for(self, member: SlotPool) -> _Waiter | None:
         order = self.order
@@ -263,15 +277,17 @@ class _Queue:
             line.preferring.clear()
             del self.active[line.key]
 
-    def served(self, line: _Line) -> None:
+    def served(self, line: _Line, now: float) -> None:
         """`line`'s turn is taken: a waiting request of it took a freed slot."""
         self.vtime = max(self.vtime, line.start)
         line.finish = charged(line.start, line.weight)
         line.start = line.finish
+        line.turn_at = now
 
-    def served_at_once(self, line: _Line) -> None:
+    def served_at_once(self, line: _Line, now: float) -> None:
         """A request of `line` took a free slot without waiting: a turn all the same."""
         line.finish = charged(activated(line.finish, self.vtime), line.weight)
+        line.turn_at = now
 
     def fail_all(self, exc: BaseException) -> None:
         for line in list(self.active.values()):
@@ -370,7 +386,7 @@ def _next_waiter(member: SlotPool) -> _Waiter | None:
             if head is not None:
                 lines.append(line)
                 heads.append(head)
-                views.append(FairLine(line.rank, line.start, head.at))
+                views.append(FairLine(line.rank, line.start, head.at, max(head.at, line.turn_at)))
         i = pick_line(views, now, aging)
         if i is None:
             continue
@@ -382,7 +398,7 @@ def _next_waiter(member: SlotPool) -> _Waiter | None:
     q, line, head = best
     w = _affine(line, head, member, now, board)
     q.leave(w)
-    q.served(line)
+    q.served(line, now)
     if board is not None:
         board.handed(w, q, member)
     return w
@@ -581,7 +597,7 @@ async def _take(
         else:
             member, units = board.chosen(q, eligible, want)
         member.in_flight += 1
-        q.served_at_once(line)
+        q.served_at_once(line, time.monotonic())
         return Slot(member, board, want.fingerprint, units, key)
     bound = q.bound
     if q.live >= bound or timeout <= 0 or not eligible:

@@ -39,7 +39,10 @@ SERVICE = {"tokens": 8, "interval_ms": 25}
 ENDLESS = {"tokens": 4000, "interval_ms": 50}
 # A deadline for what the relay is waited for, generous for a busy machine.
 WAIT_S = 120.0
-SECRETS = {name: f"sk-{name}-0123456789-secret" for name in ("a", "b", "x", "y", "z", "hi", "lo")}
+SECRETS = {
+    name: f"sk-{name}-0123456789-secret"
+    for name in ("a", "b", "x", "y", "z", "hi", "lo", "l1", "l2")
+}
 
 
 def keyed(*names: str, **per_key: dict) -> list:
@@ -286,6 +289,44 @@ async def test_a_low_class_is_served_within_the_aging_bound_under_a_high_flood(m
         one_service,
     )
     assert lo["queue_position"] == 1
+
+
+async def test_a_high_class_is_not_held_back_by_an_aged_backlog_of_a_low_one(make_relay, sim):
+    """A batch key of the low class keeps both slots busy and 40 requests queued, all waiting
+    past `aging_s`; a high-class request then comes. Aging is there so the low class is not
+    starved by a higher one, not to put a backlog nobody starves ahead of the high class: the
+    high-class request takes the next slot that comes free (one service time at most, less
+    when the two slots' turns are apart), not `aging_s` later."""
+    aging_s = 1.0
+    app = await make_relay(
+        keys=keyed("hi", "lo", "z", hi={"priority": "high"}, lo={"priority": "low"}),
+        parallel=2,
+        queue=400,
+        pool_timeout_s=300,
+        balance=BalanceConfig(aging_s=aging_s),
+    )
+    holders = Holders()
+    await holders.hold(app.port, "z", 1)
+    await wait_for(lambda: app.board.held_by_key.get("z") == 1, WAIT_S)
+    loop = asyncio.get_running_loop()
+    tasks = [asyncio.create_task(ask(app.port, "lo", f"lo{i}")) for i in range(40)]
+    try:
+        await wait_for(
+            lambda: app.board.waiting_by_key().get("lo", 0) + started(sim).count("lo") >= 40,
+            WAIT_S,
+        )
+        await staggered(app, sim, holders, "lo")
+        # Every waiting request of the batch has waited past the aging bound.
+        aged_at = loop.time() + aging_s
+        await wait_for(lambda: loop.time() >= aged_at, WAIT_S)
+        assert app.board.waiting_by_key().get("lo", 0) >= 10
+        await ask(app.port, "hi", "hi0")
+        (hi,) = rows_of(app, "hi")
+        lo_rows = [r for r in rows_of(app, "lo") if r["status"] == 200]
+    finally:
+        await cancel(tasks)
+    one_service = max(service_ms(r) for r in lo_rows)
+    assert hi["queue_ms"] <= one_service, (hi["queue_ms"], one_service)
 
 
 # ---- heartbeats while waiting -------------------------------------------------------------
