@@ -18,7 +18,10 @@ key share one line), and asks here which line is served next:
    with requests waiting take turns 1:1 however many each has queued; weights 2 and 1 take
    2:1. A key that was idle starts at the virtual time: it cannot bank turns while idle, and
    its first request is served next (a request served at once, with a free slot, counts as a
-   turn too: `charged`).
+   turn too: `charged`). Nor while it waited for a higher class: a line's start is taken at
+   the virtual time at least (`activated`) whenever a freed slot looks at it, so a key of a
+   lower class that waited through a higher class's run takes turns with the keys of its
+   own class afterwards, not a run of turns ahead of them.
 4. Ties go to the line whose oldest request came first.
 
 Within a line, requests are first come first served, but for prompt-cache affinity

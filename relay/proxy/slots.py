@@ -384,6 +384,8 @@ def _next_waiter(member: SlotPool) -> _Waiter | None:
         for line in q.active.values():
             head = line.oldest_for(member)
             if head is not None:
+                # Passed over while a higher class was served, it banked no turns.
+                line.start = activated(line.start, q.vtime)
                 lines.append(line)
                 heads.append(head)
                 views.append(FairLine(line.rank, line.start, head.at, max(head.at, line.turn_at)))

@@ -329,6 +329,38 @@ async def test_a_high_class_is_not_held_back_by_an_aged_backlog_of_a_low_one(mak
     assert hi["queue_ms"] <= one_service, (hi["queue_ms"], one_service)
 
 
+async def test_a_lower_class_banks_no_turns_while_a_higher_one_is_served(make_relay, sim):
+    """Two keys of the low class, one slot: L1 queued 6 before a high-class run of 6, L2 came
+    during that run. Once the high class is done, L1 and L2 take turns: L1's wait behind the
+    high class earned it no run of turns ahead of L2 (a key that waits for a higher class is
+    like an idle one, whose line starts at the virtual time)."""
+    app = await make_relay(
+        keys=keyed(
+            "hi", "l1", "l2", "z", hi={"priority": "high"}, l1={"priority": "low"},
+            l2={"priority": "low"},
+        ),
+        parallel=1,
+        queue=400,
+        pool_timeout_s=300,
+    )  # fmt: skip
+    holders = Holders()
+    await holders.hold(app.port, "z", 1)
+    await wait_for(lambda: app.board.held_by_key.get("z") == 1, WAIT_S)
+    tasks = [asyncio.create_task(ask(app.port, "l1", f"l1-{i}")) for i in range(6)]
+    await wait_for(lambda: app.board.waiting_by_key().get("l1") == 6, WAIT_S)
+    tasks += [asyncio.create_task(ask(app.port, "hi", f"hi{i}")) for i in range(6)]
+    await wait_for(lambda: app.board.waiting_by_key().get("hi") == 6, WAIT_S)
+    holders.hang_up()
+    await wait_for(lambda: started(sim).count("hi") >= 5, WAIT_S)
+    tasks += [asyncio.create_task(ask(app.port, "l2", f"l2-{i}")) for i in range(3)]
+    await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S)
+    order = [who for who in started(sim) if who != "z"]
+    assert order[:6] == ["hi"] * 6, order
+    low = order[6:]
+    # Taking turns: L2's three among the first six of the low class, not after L1's six.
+    assert [i for i, who in enumerate(low) if who == "l2"][-1] < 6, low
+
+
 # ---- heartbeats while waiting -------------------------------------------------------------
 async def test_a_waiting_stream_gets_heartbeats(make_relay, sim):
     app = await make_relay(
