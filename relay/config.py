@@ -80,8 +80,8 @@ class BalanceConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     affinity_wait_s: Annotated[float, Meta(ge=0.0, le=60.0)] = 0.25
     # The prefix table's bound (about 150 bytes an entry).
     prefix_entries: Annotated[int, Meta(ge=1, le=10_000_000)] = 100_000
-    # A waiting request of a lower priority class that has waited this long takes turns
-    # with the highest class (docs/fairness.md): the bound on its wait under a flood.
+    # A key whose waiting requests have had no turn for this long takes the next one before
+    # every class (docs/fairness.md): the bound on a lower class's wait under a flood.
     aging_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 5.0
 
 
