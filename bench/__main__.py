@@ -327,6 +327,15 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["fleet"]:  # python -m bench fleet ...: bench/fleet.py
+        from bench import fleet
+
+        return fleet.main(args[1:])
+    if args[:1] == ["overload"]:  # python -m bench overload ...: bench/overload.py
+        from bench import overload
+
+        return overload.main(args[1:])
     a = parse_args(argv)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))

@@ -31,8 +31,7 @@ http {{
     keepalive_requests 100000;
 
     upstream llm {{
-        server {up_host}:{up_port};
-        keepalive 64;
+        {servers}{keepalive}
     }}
 
     server {{
@@ -90,7 +89,12 @@ def write_conf(
     ca: Path | None = None,
     ssl_name: str = "localhost",
     workers: int = 1,
+    servers: list[tuple[str, int]] | None = None,
+    keepalive: int = 64,
 ) -> Path:
+    """Write nginx.conf into `tmp`: one upstream at up_host:up_port, or round-robin over
+    `servers` (host, port) when given; `keepalive` idle upstream connections kept (0: none,
+    a new connection per request; bench/fleet.py)."""
     tmp.mkdir(parents=True, exist_ok=True)
     # As root the workers would switch to "nobody"; keep them as us so they
     # can use the temp dir.
@@ -107,11 +111,13 @@ def write_conf(
             host=host,
             port=port,
             nofile=nofile,
-            up_host=up_host,
-            up_port=up_port,
+            servers="\n        ".join(
+                f"server {h}:{p};" for h, p in servers or [(up_host, up_port)]
+            ),
             scheme="https" if ca else "http",
             tls=tls,
             workers=workers,
+            keepalive=f"\n        keepalive {keepalive};" if keepalive else "",
         )
     )
     return conf

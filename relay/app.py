@@ -18,7 +18,7 @@ from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from relay import reload
-from relay.config import Config, ConfigError, DispatcherConfig, UpstreamConfig
+from relay.config import Config, ConfigError, DispatcherConfig, UpstreamConfig, at_upstream
 from relay.observe import otel_start
 from relay.observe.log import Log
 from relay.observe.metrics import Registry, UpstreamMetrics
@@ -123,7 +123,10 @@ class App:
         )
         # Every upstream's slots and every pool's queue (proxy.slots).
         self.board = Board(config.balance, self._slots_of, config.key)
-        self.upstreams = {u.name: self.new_upstream(u, d) for u in config.upstream}
+        self.upstreams: dict[str, Upstream] = {}
+        for i, u in enumerate(config.upstream):
+            with at_upstream(i, u):
+                self.upstreams[u.name] = self.new_upstream(u, d)
         self.router = Router(config.upstream)
         self.auth = Auth(config.key, config.admin_key_sha256)
         self.cors = Cors(config.server.cors_origins)

@@ -7,9 +7,12 @@ time with small bounds; everything read from a file or the command line goes thr
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl, urlsplit
 
@@ -80,8 +83,9 @@ class BalanceConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     affinity_wait_s: Annotated[float, Meta(ge=0.0, le=60.0)] = 0.25
     # The prefix table's bound (about 150 bytes an entry).
     prefix_entries: Annotated[int, Meta(ge=1, le=10_000_000)] = 100_000
-    # A key whose waiting requests have had no turn for this long takes the next one before
-    # every class (docs/fairness.md): the bound on a lower class's wait under a flood.
+    # A line of waiting requests of a lower priority class that has had no turn for this long
+    # (since its oldest came, or since its last turn) takes turns with the highest class
+    # waiting (docs/fairness.md): the bound on its wait under a flood.
     aging_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 5.0
 
 
@@ -213,11 +217,11 @@ class ConfigError(ValueError):
 
 
 def parse_target_url(url: str) -> Target:
-    """An `[[upstream]].url` -> Target (`http.upstream_url`); ConfigError naming the URL."""
+    """An `[[upstream]].url` -> Target (`http.upstream_url`); ConfigError naming the key."""
     try:
         return parse_target(url)
     except TargetError as exc:
-        raise ConfigError(f"upstream url {url!r}: {exc}") from None
+        raise ConfigError(f"url: {exc}") from None
 
 
 def parse_url(url: str) -> tuple[str, int]:
@@ -226,18 +230,126 @@ def parse_url(url: str) -> tuple[str, int]:
     return t.host, t.port
 
 
-def _key_path(msg: str) -> str:
-    """msgspec's message with the key it names first, dotted: msgspec says "... - at
-    `$.dispatcher.x`"; an unknown key is named itself (`server.bogus: unknown key`)."""
+# ---- where an error is: every ConfigError names its key in one style. A key path is dotted
+# from the document's top; an `[[array]]` item is named by its position and, when it has one,
+# its name or id: `upstream[1] (name "b").fallback`, `key[0] (id "alice").tokens_per_day`. The
+# command line puts the file in front (`relay.toml: server.port: ...`; `relay.cli`).
+
+
+def quoted(text: str) -> str:
+    """A name as an error message shows it: in double quotes, control characters escaped."""
+    return msgspec.json.encode(text).decode()
+
+
+def item_path(table: str, index: int, item: object) -> str:
+    """`table[index]`, with the item's name (or id) when it has a usable one."""
+    where = f"{table}[{index}]"
+    if isinstance(item, Mapping):
+        for label in ("name", "id"):
+            value = item.get(label)
+            if isinstance(value, str) and value:
+                return f"{where} ({label} {quoted(value)})"
+    return where
+
+
+def upstream_path(index: int, up: UpstreamConfig) -> str:
+    return item_path("upstream", index, {"name": up.name})
+
+
+def key_path(index: int, key: KeyConfig) -> str:
+    return item_path("key", index, {"id": key.id})
+
+
+_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]|(\[\.\.\.\])")
+
+
+def _steps(where: str) -> list[str | int]:
+    """msgspec's `$.upstream[0].model_map[...]` -> ["upstream", 0, "model_map", "[...]"]."""
+    return [
+        name or (int(index) if index else any_key)
+        for name, index, any_key in _STEP.findall(where.removeprefix("$"))
+    ]
+
+
+def _dotted(steps: list[str | int], data: object) -> str:
+    """The key path of `steps` in `data`, each array item labelled by `item_path`."""
+    out, node, table = "", data, ""
+    for step in steps:
+        if isinstance(step, int):
+            node = node[step] if isinstance(node, list) and 0 <= step < len(node) else None
+            out = out.removesuffix(table) + item_path(table, step, node)
+        elif step == "[...]":
+            out, node = out + step, None
+        else:
+            table = step
+            node = node.get(step) if isinstance(node, Mapping) else None
+            out += f".{step}" if out else step
+    return out
+
+
+def _struct_at(steps: list[str | int]) -> type[Struct] | None:
+    """The struct a key path leads to in `Config` (None: not a struct)."""
+    info: msgspec.inspect.Type = msgspec.inspect.type_info(Config)
+    for step in [*steps, None]:
+        while isinstance(info, msgspec.inspect.UnionType | msgspec.inspect.ListType):
+            if isinstance(info, msgspec.inspect.ListType):
+                info = info.item_type
+            else:
+                structs = [t for t in info.types if isinstance(t, msgspec.inspect.StructType)]
+                if not structs:
+                    return None
+                info = structs[0]
+        if not isinstance(info, msgspec.inspect.StructType):
+            return None
+        if step is None:
+            return info.cls
+        if isinstance(step, int):
+            continue
+        fields = {f.name: f.type for f in info.fields}
+        if step not in fields:
+            return None
+        info = fields[step]
+    return None
+
+
+def did_you_mean(name: str, struct: type[Struct] | None) -> str:
+    """The nearest of `struct`'s keys to an unknown `name`, as a hint to append (`prot` in
+    ServerConfig: "; did you mean port?"); "" when none is near."""
+    if struct is None:
+        return ""
+    near = difflib.get_close_matches(name, struct.__struct_fields__, n=1)
+    return f"; did you mean {near[0]}?" if near else ""
+
+
+def _key_error(msg: str, data: object) -> str:
+    """msgspec's message with the key path it names first (`upstream[0] (name "a").parallel:
+    Expected ...`); an unknown key is named itself, with the nearest known one."""
     text, sep, where = msg.rpartition(" - at `")
     if not sep:
-        return msg
-    key = where.rstrip("`").removeprefix("$").lstrip(".")
-    unknown = text.removeprefix("Object contains unknown field `")
-    if unknown != text:
-        name = unknown.rstrip("`")
-        return f"{key + '.' if key else ''}{name}: unknown key"
-    return f"{key or '<top>'}: {text}"
+        text, where = msg, "$"
+    where = where.rstrip("`")
+    if where.startswith("key` in `"):
+        where, text = where.removeprefix("key` in `"), f"a key: {text}"
+    steps = _steps(where)
+    unknown = re.fullmatch(r"Object contains unknown field `(.*)`", text, re.S)
+    if unknown:
+        name = unknown.group(1)
+        return (
+            f"{_dotted([*steps, name], data)}: unknown key{did_you_mean(name, _struct_at(steps))}"
+        )
+    missing = re.fullmatch(r"Object missing required field `(.*)`", text, re.S)
+    if missing:
+        return f"{_dotted([*steps, missing.group(1)], data)}: required, missing"
+    return f"{_dotted(steps, data) or '<top>'}: {text}"
+
+
+def _unique(table: str, label: str, values: list[str], paths: list[str]) -> None:
+    """ConfigError naming the first item whose `label` an earlier item has too."""
+    first: dict[str, int] = {}
+    for i, value in enumerate(values):
+        if value in first:
+            raise ConfigError(f"{paths[i]}.{label}: not unique, {table}[{first[value]}] has it too")
+        first[value] = i
 
 
 def check(cfg: Config) -> Config:
@@ -252,39 +364,49 @@ def check(cfg: Config) -> Config:
             f"server.max_body_bytes ({s.max_body_bytes}): a body the relay accepts must fit"
         )
     names = [u.name for u in cfg.upstream]
-    if len(set(names)) != len(names):
-        raise ConfigError("upstream.name: names must be unique")
-    for up in cfg.upstream:
-        check_upstream(up, names)
+    _unique("upstream", "name", names, [upstream_path(i, u) for i, u in enumerate(cfg.upstream)])
+    for i, up in enumerate(cfg.upstream):
+        with at_upstream(i, up):
+            check_upstream(up, names)
     ids = [k.id for k in cfg.key]
-    if len(set(ids)) != len(ids):
-        raise ConfigError("key.id: ids must be unique")
+    _unique("key", "id", ids, [key_path(i, k) for i, k in enumerate(cfg.key)])
     return cfg
+
+
+@contextmanager
+def at_upstream(index: int, up: UpstreamConfig) -> Iterator[None]:
+    """A ConfigError raised inside names its key under the upstream (`fallback: ...`,
+    `relay.proxy.upstreams`); it leaves with the upstream's path in front."""
+    try:
+        yield
+    except ConfigError as exc:
+        raise ConfigError(f"{upstream_path(index, up)}.{exc}") from None
 
 
 def check_upstream(up: UpstreamConfig, names: list[str]) -> None:
     """One `[[upstream]]`'s cross-field rules; `names`: every upstream's name, in order.
     Its `auth_header` is checked here, its value (from the environment) where the upstream
-    reads it."""
+    reads it. An error names the key under the upstream (`at_upstream` puts it in place)."""
     target = parse_target_url(up.url)
     if not target.tls and (up.ca_file is not None or not up.verify):
-        raise ConfigError(f"upstream.{up.name}: ca_file and verify apply to https:// only")
+        raise ConfigError(f"{'ca_file' if up.ca_file else 'verify'}: applies to https:// only")
     if up.ca_file is not None and not up.verify:
-        raise ConfigError(f"upstream.{up.name}: ca_file with verify = false verifies nothing")
+        raise ConfigError("ca_file: with verify = false it verifies nothing")
     try:
         check_static_headers(up.headers, up.auth_header)
     except ValueError as exc:
-        raise ConfigError(f"upstream.{up.name}.headers: {exc}") from None
+        raise ConfigError(f"headers: {exc}") from None
     for fb in up.fallback:
         if fb not in names or fb == up.name:
-            raise ConfigError(f"upstream.{up.name}.fallback: unknown upstream {fb!r}")
+            raise ConfigError(f"fallback: unknown upstream {quoted(fb)}")
     if (up.auth_header is None) != (up.auth_value_env is None):
-        raise ConfigError(f"upstream.{up.name}: auth_header and auth_value_env go together")
+        given = "auth_header" if up.auth_value_env is None else "auth_value_env"
+        raise ConfigError(f"{given}: auth_header and auth_value_env go together")
     if up.auth_header is not None:
         try:
             check_header_name(up.auth_header)
         except ValueError as exc:
-            raise ConfigError(f"upstream.{up.name}.auth_header: {exc}") from None
+            raise ConfigError(f"auth_header: {exc}") from None
 
 
 def check_store(cfg: StoreConfig, raw: Mapping[str, object]) -> None:
@@ -302,12 +424,17 @@ def check_store(cfg: StoreConfig, raw: Mapping[str, object]) -> None:
         raise ConfigError(f"store.url: {exc}") from None
 
 
+def in_file(path: str | None, exc: ConfigError) -> ConfigError:
+    """A file's error with the file in front (`relay.toml: server.port: ...`)."""
+    return ConfigError(f"{path}: {exc}") if path else exc
+
+
 def parse_config(data: Mapping[str, object]) -> Config:
     """The checked configuration of a TOML document (`load_config`), or ConfigError."""
     try:
         cfg = msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(_key_path(str(exc))) from None
+        raise ConfigError(_key_error(str(exc), data)) from None
     store = data.get("store")
     check_store(cfg.store, store if isinstance(store, dict) else {})
     return check(cfg)
@@ -320,9 +447,9 @@ def load_config(path: str) -> dict[str, Any]:
         with open(path, "rb") as fh:
             return tomllib.load(fh)
     except OSError as exc:
-        raise ConfigError(f"cannot read config {path!r}: {exc.strerror}") from None
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config {path!r}: {exc}") from None
+        raise ConfigError(f"{path}: not TOML: {exc}") from None
 
 
 # ---- `[store].url`: a PostgreSQL URL checked before anything connects, and how it connects.
@@ -375,3 +502,14 @@ def pg_connect_kwargs(
             raise KeyError(password_env)
         kw["password"] = environ[password_env]
     return kw
+
+
+def store_connect(cfg: StoreConfig, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """`pg_connect_kwargs` of `[store]` (its `url` set): ConfigError naming
+    `store.password_env` when the variable it names is not set."""
+    try:
+        return pg_connect_kwargs(cfg.url or "", cfg.password_env, environ)
+    except KeyError as exc:
+        raise ConfigError(
+            f"store.password_env: environment variable {exc.args[0]} is not set"
+        ) from None

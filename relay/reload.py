@@ -30,7 +30,9 @@ import time
 from dataclasses import dataclass
 from typing import Protocol, TypedDict
 
-from relay.config import Config, ConfigError, DispatcherConfig, UpstreamConfig
+import msgspec
+
+from relay.config import Config, ConfigError, DispatcherConfig, UpstreamConfig, at_upstream
 from relay.http.to_upstream import fixed_headers
 from relay.observe.metrics import Registry
 from relay.policy.budget import Budgets, window_bounds
@@ -101,7 +103,7 @@ class Summary(TypedDict):
 def changed_keys(old: UpstreamConfig, new: UpstreamConfig) -> list[str]:
     """The keys of an `[[upstream]]` that differ, in the schema's order: names only (a
     header's value is not for the log)."""
-    return [k for k in new.__struct_fields__ if getattr(old, k) != getattr(new, k)]
+    return [path.removeprefix(".") for path in changed_paths("", old, new)]
 
 
 # An upstream kept across the reload, with what it gets: its configuration, key and TLS.
@@ -191,6 +193,29 @@ def _cannot(exc: BaseException) -> ConfigError:
     )
 
 
+def changed_paths(what: str, a: object, b: object) -> list[str]:
+    """The key paths under `what` whose values differ: a table's own keys when both sides
+    are the same table (`otel.endpoint`), else `what` itself."""
+    if isinstance(a, msgspec.Struct) and type(a) is type(b):
+        return [
+            path
+            for name in a.__struct_fields__
+            for path in changed_paths(f"{what}.{name}", getattr(a, name), getattr(b, name))
+        ]
+    return [] if a == b else [what]
+
+
+def needs_restart(what: str, a: object, b: object) -> str:
+    """Why a reload is refused: the keys that changed, with the values of a plain one (a
+    table's contents are not printed)."""
+    keys = changed_paths(what, a, b)
+    if keys != [what]:
+        return f"{', '.join(keys)}: changing {'it' if len(keys) == 1 else 'them'} needs a restart"
+    if isinstance(a, msgspec.Struct) or isinstance(b, msgspec.Struct):
+        return f"{what}: {'added' if a is None else 'removed'}, which needs a restart"
+    return f"{what}: changing it needs a restart ({a!r} -> {b!r})"
+
+
 def prepare(app: Reloadable, new: Config) -> _Plan:
     """Build and check everything `new` needs (ConfigError: nothing has changed)."""
     old = app.config
@@ -204,7 +229,7 @@ def prepare(app: Reloadable, new: Config) -> _Plan:
         ("server.workers", old.server.workers, new.server.workers),
     ):
         if a != b:
-            raise ConfigError(f"{what}: changing it needs a restart ({a!r} -> {b!r})")
+            raise ConfigError(needs_restart(what, a, b))
     if not new.upstream:
         raise ConfigError("upstream: at least one [[upstream]] is required")
     d = new.dispatcher
@@ -213,16 +238,18 @@ def prepare(app: Reloadable, new: Config) -> _Plan:
     added: list[str] = []
     changed: list[str] = []
     edits: list[UpstreamChanged] = []
-    for cfg in new.upstream:
+    for i, cfg in enumerate(new.upstream):
         cur = app.upstreams.get(cfg.name)
         keys = changed_keys(cur.cfg, cfg) if cur is not None else []
         if keys:
             edits.append({"upstream": cfg.name, "changed": keys})
         if cur is not None and cur.cfg.url == cfg.url:
-            in_place.append((cur, cfg, upstream_auth(cfg), upstream_tls(cfg, cur.target)))
+            with at_upstream(i, cfg):
+                in_place.append((cur, cfg, upstream_auth(cfg), upstream_tls(cfg, cur.target)))
             ups[cfg.name] = cur
             continue
-        up = app.new_upstream(cfg, d)
+        with at_upstream(i, cfg):
+            up = app.new_upstream(cfg, d)
         if cur is not None:
             # The same name: its counters carry on.
             up.metrics = cur.metrics

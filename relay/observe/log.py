@@ -1,9 +1,12 @@
-"""Structured log lines: one JSON object per line on stderr (or any sink, for tests)."""
+"""Structured log lines: one JSON object per line on stderr (or any sink, for tests), or one
+human line per event for a terminal (`--log-format text`)."""
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import os
+import re
 import sys
 import threading
 import time
@@ -20,16 +23,65 @@ Entry = dict[str, object]
 PIPE_BUF = 4096
 
 
+class LogFormat(enum.StrEnum):
+    """How a line is written: a JSON object (the default, for collectors), or `text`."""
+
+    JSON = "json"
+    TEXT = "text"
+
+
+# A value written bare in a text line; any other is quoted and escaped.
+_BARE = re.compile(r"[A-Za-z0-9_.,:/@%+*-]+")
+# What a quoted value never holds raw: quotes, backslashes, control characters (C0, DEL,
+# C1: a terminal acts on ESC and CSI) and line or paragraph separators.
+_UNSAFE = re.compile(r'["\\\x00-\x1f\x7f-\x9f\u2028\u2029]')
+# What JSON leaves raw of those (it escapes the rest).
+_RAW_IN_JSON = re.compile(r"[\x7f-\x9f\u2028\u2029]")
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(char: re.Match[str]) -> str:
+    c = char.group()
+    return _ESCAPES.get(c) or f"\\u{ord(c):04x}"
+
+
+def text_value(value: object) -> str:
+    """A field's value in a text line: a plain word as it is, any other string quoted with
+    every unsafe character escaped, anything else as its JSON (escaped as well), so a
+    value from a client can neither end the line nor forge another."""
+    if isinstance(value, str):
+        return value if _BARE.fullmatch(value) else f'"{_UNSAFE.sub(_escape, value)}"'
+    return _RAW_IN_JSON.sub(_escape, _encode(value).decode())
+
+
+def text_line(entry: Mapping[str, object]) -> bytes:
+    """One event as a text line: its UTC time, its name, then key=value in its order."""
+    ts = entry.get("ts")
+    seconds = ts if isinstance(ts, float | int) else time.time()
+    when = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+    ms = int(seconds * 1000) % 1000
+    fields = " ".join(
+        f"{text_value(k)}={text_value(v)}" for k, v in entry.items() if k not in ("ts", "event")
+    )
+    head = f"{when}.{ms:03d}Z {text_value(entry.get('event'))}"
+    return f"{head} {fields}\n".encode() if fields else f"{head}\n".encode()
+
+
 class Log:
     """Lines are buffered and written together at most `flush_s` later (one write syscall
     per batch, not per request) when an event loop runs; immediately otherwise (another
     thread, such as the store's writer, writes its line at once: a lock keeps lines whole)."""
 
     def __init__(
-        self, sink: Callable[[bytes], object] | None = None, flush_s: float = 0.05
+        self,
+        sink: Callable[[bytes], object] | None = None,
+        flush_s: float = 0.05,
+        fmt: LogFormat = LogFormat.JSON,
     ) -> None:
         self._sink = sink
         self.flush_s = flush_s
+        self.format = fmt
+        self._line = text_line if fmt is LogFormat.TEXT else _json_line
         # Set to a list to keep the lines as dicts too (tests read them with `of`).
         self.lines: list[Entry] | None = None
         self._pending: list[bytes] = []
@@ -48,7 +100,7 @@ class Log:
         """`event` with the fields of a dict (not copied once more as keywords)."""
         entry: Entry = {"ts": round(time.time(), 3), "event": event}
         entry.update(fields)
-        line = _encode(entry) + b"\n"
+        line = self._line(entry)
         with self._lock:
             if self.lines is not None:
                 self.lines.append(entry)
@@ -85,6 +137,10 @@ class Log:
 
     def of(self, event: str) -> list[Entry]:
         return [r for r in (self.lines or []) if r["event"] == event]
+
+
+def _json_line(entry: Mapping[str, object]) -> bytes:
+    return _encode(entry) + b"\n"
 
 
 def shared_stderr(data: bytes) -> None:

@@ -529,7 +529,6 @@ class _Exposition:
             *(self.ttft, self.ttft_avg, self.requests, self.failed, self.other, self.tokens),
             *(self.stalls, self.qwait, self.ttft_h, self.tpot_h, self.e2e_h, self.speed),
             *(self.kv, self.dropped, self.rejected, self.key_req, self.key_tok),
-            *(self.key_in_flight, self.key_queued),
         ]
         self.pending: _Family | None = None
         self.spilled: _Family | None = None
@@ -582,6 +581,9 @@ class _Exposition:
             self.key_req.add(refused, key=key, outcome=KeyOutcome.REFUSED)
             self.key_tok.add(prompt, key=key, kind="prompt")
             self.key_tok.add(completion, key=key, kind="completion")
+        if r.key_live:
+            # Shown with keys (the process holding the slots sets them).
+            self.families += (self.key_in_flight, self.key_queued)
         for key, (held, waiting) in sorted(r.key_live.items()):
             self.key_in_flight.add(held, key=key)
             self.key_queued.add(waiting, key=key)

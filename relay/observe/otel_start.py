@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from relay.config import ConfigError, OtelConfig
 from relay.observe.log import Log
 from relay.observe.metrics import UpstreamMetrics
-from relay.observe.otel_env import EXTRA_HINT, settings
+from relay.observe.otel_env import EXTRA_HINT, Settings, settings
 
 if TYPE_CHECKING:
     from relay.observe.otel import Telemetry
@@ -31,13 +31,23 @@ def start(
     s = settings(cfg, environ)
     if s is None:
         return None
+    if not available(s):
+        log.event("otel_extra_missing", note=f"OTEL_* set but {EXTRA_HINT} is not: off")
+        return None
+    from relay.observe.otel import Telemetry
+
+    return Telemetry(s, log, upstreams)
+
+
+def available(s: Settings) -> bool:
+    """Whether OpenTelemetry can be imported for `s`: ConfigError when `[otel]` asks for it
+    and the extra is missing; False when only the environment does (it is then off)."""
     try:
-        from relay.observe.otel import Telemetry
+        import relay.observe.otel  # noqa: F401
     except ImportError as exc:
         if s.configured:
             raise ConfigError(
                 f"otel: OpenTelemetry needs the 'otel' extra ({EXTRA_HINT}): {exc}"
             ) from None
-        log.event("otel_extra_missing", note=f"OTEL_* set but {EXTRA_HINT} is not: off")
-        return None
-    return Telemetry(s, log, upstreams)
+        return False
+    return True

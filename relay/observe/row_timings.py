@@ -72,11 +72,12 @@ def fill(
     counted = rec.tokens_source in ("exact", "approx")  # not a reservation charged instead
     end = rec.last_content_ms if rec.last_content_ms is not None else rec.e2e_ms
     rec.tpot_ms = tpot_ms(end, rec.ttft_ms, rec.completion_tokens if counted else None)
-    if gaps is not None and gaps.count:
-        rec.itl_p50_ms = _ms(gaps.quantile(0.5))
-        rec.itl_p99_ms = _ms(gaps.quantile(0.99))
-        rec.itl_max_ms = _ms(gaps.max)
-        rec.itl_hist = gaps.encode()
+    kept = gaps.row() if gaps is not None else None
+    if gaps is not None and kept is not None:
+        p50, p99, rec.itl_hist = kept
+        rec.itl_p50_ms = round3(p50 * 1000)
+        rec.itl_p99_ms = round3(p99 * 1000)
+        rec.itl_max_ms = round3(gaps.max * 1000)
     if exact is not None:
         rec.prompt_ms = exact.prompt_ms
         rec.prompt_per_second = exact.prompt_per_second

@@ -16,8 +16,9 @@ their first k hashes are equal.
   that brought it is gone: about 145 bytes per entry, 14.5 MB at the default bound. The
   bound is an LRU over entries, least recently served first.
 - `choose` picks among the eligible members with a free slot: the member holding the longest
-  prefix, unless taking the request would put it over the bounded-load capacity of
-  Mirrokni, Thorup and Zadimoghaddam ("Consistent Hashing with Bounded Loads"):
+  prefix (the head and the first message at least: `SHORTEST_PREFIX`), unless taking the
+  request would put it over the bounded-load capacity of Mirrokni, Thorup and
+  Zadimoghaddam ("Consistent Hashing with Bounded Loads"):
   `ceil((1 + ε) × (total load + 1) / N)` over the N eligible members. Over it, the next
   longest holder within it; else the request is placed as a new conversation is: the least
   loaded member, ties broken by rendezvous (highest random weight) hashing of `first_key`
@@ -48,6 +49,12 @@ DEFAULT_MAX_ENTRIES = 100_000
 DEFAULT_WAIT_BOUND = 0.25
 # Under this share of the expected reuse, an answer says the prefix was not in the cache.
 DEFAULT_REUSE_RATIO = 0.5
+# A prefix keeps a conversation on a member once it covers the head and the first message
+# (what `first_key` covers). The head alone, the system prompt and tools every conversation of
+# an agent shares, is held by whichever member served any of them: it would pull each new
+# conversation there rather than to the least loaded, and relays whose tables saw it on other
+# members would place one new conversation apart.
+SHORTEST_PREFIX = 2
 _MASK64 = (1 << 64) - 1
 # A float product such as 1.1 × 10 is 11.000000000000002: the capacity's ceiling ignores
 # what is left over below this.
@@ -207,11 +214,12 @@ class PrefixTable:
 
     def holders(self, fingerprint: Sequence[int], among: int) -> list[tuple[int, int]]:
         """(prefix units, members' mask) for each length at which some member of the mask
-        `among` first appears, longest first."""
+        `among` first appears, longest first, from `SHORTEST_PREFIX` units on."""
         entries = self._entries
         out: list[tuple[int, int]] = []
         left = among
-        for k in range(len(fingerprint) - 1, -1, -1):
+        shortest = min(SHORTEST_PREFIX, max(len(fingerprint), 1))
+        for k in range(len(fingerprint) - 1, shortest - 2, -1):
             held = entries.get(fingerprint[k])
             if held is not None and held & left:
                 out.append((k + 1, held & left))

@@ -5,11 +5,14 @@ key share one line), and asks here which line is served next:
 
 1. **Priority**: the line of the highest class (`[[key]].priority`) first.
 2. **No starvation**: a line that has waited `aging_s` or more for a turn (since its oldest
-   request came or since its last turn, whichever is later) is served before every class, for
-   one turn; it then waits again. So a steady flood of a higher class delays a lower one's
-   request by at most `aging_s` plus the turns of the lines aged with it, and gives the lower
-   class a turn every `aging_s`; a lower class's backlog that is being served (not starved)
-   never goes ahead of a higher class, however long its requests have queued.
+   request came, or since its last turn, whichever is later) takes turns as if it were of the
+   highest class among the lines waiting (not above it: a flood's own line always has an old
+   request, and must not jump ahead of fresh requests of its own class). Its start is the
+   virtual time (3.) and its oldest request old, so it takes the next turn but for a line as
+   early and older, then waits again. A steady flood of a higher class thus delays a lower
+   one's request by at most `aging_s` plus the turns of the lines it then shares them with,
+   and gives the lower class a turn every `aging_s`; a lower class's backlog that is being
+   served (not starved) never goes ahead of a higher class, however long it has queued.
 3. **Fair turns within a class**: start-time fair queuing (Goyal, Vin and Cheng, 1996). The
    queue keeps a virtual time; each line a virtual start (its next request's) and finish (its
    last request's): a line that gets waiting requests starts at the later of its finish and
@@ -34,9 +37,6 @@ from collections.abc import Sequence
 
 import msgspec
 
-# The class of a line that waited past the aging bound for a turn: above every configured one.
-AGED = 1 << 30
-
 
 class Line(msgspec.Struct, frozen=True, gc=False):
     """A line as the choice sees it: its class, its virtual start, when its oldest request
@@ -53,9 +53,10 @@ def pick_line(lines: Sequence[Line], now: float, aging_s: float) -> int | None:
     """The index of the line served next, None when there is none."""
     best: int | None = None
     best_key: tuple[int, float, float] | None = None
+    top = max((line.rank for line in lines), default=0)
     for i, line in enumerate(lines):
         since = line.oldest_at if line.since is None else line.since
-        rank = AGED if now - since >= aging_s else line.rank
+        rank = top if now - since >= aging_s else line.rank
         key = (-rank, line.start, line.oldest_at)
         if best_key is None or key < best_key:
             best, best_key = i, key

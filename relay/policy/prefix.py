@@ -2,9 +2,9 @@
 
 A pool keeps a conversation on the member whose prompt cache holds its prefix. No tokenizer:
 `fingerprint` cuts what the model reads into units and returns one 64-bit hash per unit, each
-covering every unit up to its own (`h_k = blake2b(h_{k-1} || unit_k)`, 8 bytes, read as a
+covering every unit up to its own (`h_k = sha256(h_{k-1} || unit_k)`, cut to 8 bytes, read as a
 big-endian integer). Two requests share a prefix of k units exactly when their first k hashes
-are equal. blake2b, not `hash()`: Python randomises `hash()` per process, and several relays
+are equal. SHA-256, not `hash()`: Python randomises `hash()` per process, and several relays
 and workers must agree.
 
 The units, per API:
@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterator
-from hashlib import blake2b
+from hashlib import sha256
 
 import msgspec
 
@@ -128,24 +128,28 @@ def first_key(fp: Fingerprint) -> int | None:
 
 
 def _chain(seed: bytes, units: Iterator[bytes]) -> Fingerprint:
-    """The cumulative hashes of `units`, bounded by MAX_UNITS and MAX_BYTES."""
-    prev = blake2b(seed, digest_size=_DIGEST).digest()
+    """The cumulative hashes of `units`, bounded by MAX_UNITS and MAX_BYTES: one running
+    SHA-256 over the seed and each unit (its length first, so units cannot run into each
+    other), its digest read after each unit."""
+    h = sha256(seed)
     hashes: list[int] = []
     left = MAX_BYTES
     absorbed = False
+    digest = b""
     for unit in units:
-        h = blake2b(prev, digest_size=_DIGEST)
-        h.update(unit[:left] if len(unit) > left else unit)
-        prev = h.digest()
+        piece = unit[:left] if len(unit) > left else unit
+        h.update(len(piece).to_bytes(4, "big"))
+        h.update(piece)
         left -= len(unit)
         if len(hashes) < MAX_UNITS - 1:
-            hashes.append(int.from_bytes(prev, "big"))
+            hashes.append(int.from_bytes(h.copy().digest()[:_DIGEST], "big"))
         else:
             absorbed = True
         if left <= 0:
             break
     if absorbed:
-        hashes.append(int.from_bytes(prev, "big"))
+        digest = h.digest()[:_DIGEST]
+        hashes.append(int.from_bytes(digest, "big"))
     return tuple(hashes)
 
 

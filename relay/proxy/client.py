@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 import h11
 
 from relay.errors import Code, RelayError, shutting_down
-from relay.http import fields, request_framing
+from relay.http import fields, request_framing, usual_head
 from relay.policy import request_head
 from relay.proxy import settle
 from relay.proxy.app_view import AppView
@@ -185,9 +185,12 @@ class ClientConn(asyncio.Protocol):
         if self.lingering:
             return
         if not (self.busy or self.inbox or self.turn) and len(data) <= _SLICE:
-            # The common case: a small read while idle goes to h11 without a copy.
+            # The common case: a small read while idle, a whole request (`usual_head`) or
+            # the start of one for h11, without a copy.
             if self.wait is _IDLE:
                 self._arm(_HEAD, self.app.config.server.header_timeout_s)
+            if self.h11 is None and self._whole(data):
+                return
             self._give(data)
             self._pump()
             return
@@ -278,14 +281,14 @@ class ClientConn(asyncio.Protocol):
                 if ev is h11.NEED_DATA:
                     return _NEED, budget
                 if isinstance(ev, h11.Request):
-                    self._on_head(conn, ev)
+                    self._on_head(ev, request_framing.has_obs_fold(self.head_bytes), conn)
                     if self.busy or self.out.gone:
                         return _STOP, budget
                 elif isinstance(ev, h11.Data):
-                    if not self._on_data(ev):
+                    if not self._take_body(ev.data, ev.chunk_start):
                         return _STOP, budget
                 elif isinstance(ev, h11.EndOfMessage):
-                    self._dispatch(conn)
+                    self._dispatch(conn.trailing_data[0])
                     return _STOP, budget
                 else:
                     # PAUSED or ConnectionClosed: nothing more to read on this connection.
@@ -295,10 +298,29 @@ class ClientConn(asyncio.Protocol):
             self._reject(request_head.malformed(exc.error_status_hint, str(exc)))
             return _STOP, budget
 
-    def _on_head(self, conn: h11.Connection, ev: h11.Request) -> None:
+    def _whole(self, data: bytes) -> bool:
+        """A whole request of the usual kind in one read (`http.usual_head`), served
+        without h11: whether it was (False: h11 reads the bytes)."""
+        head = usual_head.read(data, self.app.config.server.max_header_bytes)
+        if head is None:
+            return False
+        end = head.body_at + head.length
+        if end > len(data):
+            return False
+        self.awaiting_head = True
+        self._on_head(head.request, False, None)
+        if self.busy or self.out.gone:
+            return True
+        if head.length and not self._take_body(data[head.body_at : end], False):
+            return True
+        self._dispatch(data[end:])
+        return True
+
+    def _on_head(self, ev: h11.Request, folded: bool, conn: h11.Connection | None) -> None:
+        """A request head read (by h11, which `conn` is, or whole by `usual_head`): judged
+        before any body byte; `folded`: it held an obs-fold."""
         self.head = ev
         self.awaiting_head = False
-        folded = request_framing.has_obs_fold(self.head_bytes)
         self.head_bytes = bytearray()
         self.body = bytearray()
         self.body_size = self.chunks = 0
@@ -320,16 +342,17 @@ class ClientConn(asyncio.Protocol):
         if verdict.refusal is not None:
             self._reject(verdict.refusal)
             return
-        if conn.they_are_waiting_for_100_continue:
+        if conn is not None and conn.they_are_waiting_for_100_continue:
             continue_ = conn.send(h11.InformationalResponse(status_code=100, headers=[]))
             if continue_ is not None:
                 self.out.send_answer(continue_)
 
-    def _on_data(self, ev: h11.Data) -> bool:
-        """Buffer one piece of body; False when the request was refused instead."""
+    def _take_body(self, data: bytes, chunk_start: bool) -> bool:
+        """Buffer one piece of body (`chunk_start`: the first piece of a chunk); False when
+        the request was refused instead."""
         cfg = self.app.config.server
-        n = len(ev.data)
-        if ev.chunk_start:
+        n = len(data)
+        if chunk_start:
             self.chunks += 1
             if self.chunks > cfg.max_body_chunks:
                 self._reject(request_head.too_many_chunks(cfg.max_body_chunks))
@@ -343,7 +366,7 @@ class ClientConn(asyncio.Protocol):
             self._reject(request_head.busy(bodies.limit))
             return False
         self.held += n
-        self.body += ev.data
+        self.body += data
         return True
 
     def _release_body(self) -> None:
@@ -352,7 +375,8 @@ class ClientConn(asyncio.Protocol):
             self.app.bodies.give(self.held)
             self.held = 0
 
-    def _dispatch(self, conn: h11.Connection) -> None:
+    def _dispatch(self, trailing: bytes) -> None:
+        """The request is read whole: its task starts; `trailing`, what came after it."""
         self._disarm()
         ev = self.head
         assert ev is not None
@@ -371,9 +395,10 @@ class ClientConn(asyncio.Protocol):
         self.head = None
         self.raw = []
         self.busy = True
-        # The request is read whole: what h11 holds past it (a pipelined next request) waits
-        # in the inbox with what arrives meanwhile, and h11 itself is dropped (see __init__).
-        self.inbox[:0] = conn.trailing_data[0]
+        # The request is read whole: what came past it (a pipelined next request) waits in
+        # the inbox with what arrives meanwhile, and h11 itself is dropped (see __init__).
+        if trailing:
+            self.inbox[:0] = trailing
         self.h11 = None
         self.out.begin()
         self.task = self.loop.create_task(self.app.dispatcher.handle(self, req))

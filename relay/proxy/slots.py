@@ -123,13 +123,15 @@ class Usable(Protocol):
 
 
 class Slot:
-    __slots__ = ("board", "fingerprint", "key", "position", "released", "slots", "units")
+    __slots__ = ("board", "fingerprint", "key", "pool", "position", "released", "slots", "units")
 
     def __init__(
         self, slots: SlotPool, board: Board | None = None, fingerprint: tuple[int, ...] = (),
-        units: int = 0, key: str | None = None, position: int = 0,
+        units: int = 0, key: str | None = None, position: int = 0, pool: str = "",
     ) -> None:  # fmt: skip
         self.slots = slots
+        # The pool it was taken for (its figures count there).
+        self.pool = pool
         self.board = board
         self.fingerprint = fingerprint
         # The prefix units the member was believed to hold when it was chosen.
@@ -150,7 +152,7 @@ class Slot:
             self.released = True
             board = self.board
             if board is not None:
-                if reuse is not None:
+                if reuse is not None and self.fingerprint:
                     board.learnt(self, reuse)
                 if self.key is not None:
                     board.held_by_key[self.key] -= 1
@@ -574,11 +576,8 @@ class Board:
         """A served answer: what it says of the member's prompt cache (`policy.affinity`)."""
         if not self.affinity:
             return
-        slot_pool = slot.slots
-        if learn(self.table, slot_pool.name, slot.fingerprint, slot.units, reuse) is Learnt.MISSED:
-            for q in slot_pool.queues:
-                self.missed[q.name] = self.missed.get(q.name, 0) + 1
-                break
+        if learn(self.table, slot.member, slot.fingerprint, slot.units, reuse) is Learnt.MISSED:
+            self.missed[slot.pool] = self.missed.get(slot.pool, 0) + 1
 
 
 async def _take(
@@ -600,7 +599,7 @@ async def _take(
             member, units = board.chosen(q, eligible, want)
         member.in_flight += 1
         q.served_at_once(line, time.monotonic())
-        return Slot(member, board, want.fingerprint, units, key)
+        return Slot(member, board, want.fingerprint, units, key, 0, q.name)
     bound = q.bound
     if q.live >= bound or timeout <= 0 or not eligible:
         raise Busy("queue full" if bound else "no free slot")
@@ -628,4 +627,4 @@ async def _take(
             q.leave(w)
         raise
     units = board.units_on(member, want.fingerprint) if board is not None else 0
-    return Slot(member, board, want.fingerprint, units, key, w.position)
+    return Slot(member, board, want.fingerprint, units, key, w.position, q.name)

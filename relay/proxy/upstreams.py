@@ -2,7 +2,8 @@
 
 Built at start and again by a reload (a changed URL is a new upstream under the same name);
 what it reads from the environment (its key) and from disk (its CA file) is read here, and a
-failure names the configuration key.
+failure names the configuration key under the upstream (`auth_value_env: ...`): the caller
+puts the upstream's path in front (`config.at_upstream`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def upstream_auth(cfg: UpstreamConfig) -> tuple[bytes, bytes] | None:
     would add lines to every request) is refused naming the key, never quoting the value."""
     if not cfg.auth_header:
         return None
-    where = f"upstream.{cfg.name}.auth_value_env: environment variable {cfg.auth_value_env}"
+    where = f"auth_value_env: environment variable {cfg.auth_value_env}"
     value = os.environ.get(cfg.auth_value_env or "")
     if value is None:
         raise ConfigError(f"{where} is not set")
@@ -51,8 +52,7 @@ def upstream_tls(cfg: UpstreamConfig, target: Target) -> ssl.SSLContext | None:
         return client_context(cfg.verify, cfg.ca_file)
     except (OSError, ValueError) as exc:  # (ssl.SSLError is an OSError)
         raise ConfigError(
-            f"upstream.{cfg.name}.ca_file: cannot load {cfg.ca_file!r}: "
-            f"{getattr(exc, 'strerror', None) or exc}"
+            f"ca_file: cannot load {cfg.ca_file!r}: {getattr(exc, 'strerror', None) or exc}"
         ) from None
 
 

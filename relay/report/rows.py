@@ -1,7 +1,8 @@
 """Read-only access to the stored rows for `relay report`: a SQLite file (`[store].path`) or
 the PostgreSQL table several relays share (`--db postgresql://...`; the password from libpq's
-PGPASSWORD or ~/.pgpass, never the command line). The SQL is written once in SQLite's
-spelling; store.pg_sql `portable` turns it into PostgreSQL's. A row is read with its id
+PGPASSWORD or ~/.pgpass, or with `--config` from the variable its `[store].password_env`
+names; never the command line). The SQL is written once in SQLite's spelling; store.pg_sql
+`portable` turns it into PostgreSQL's. A row is read with its id
 (`row_id`), by which the report names a row it leaves out.
 """
 
@@ -11,6 +12,7 @@ import importlib
 import os
 import re
 import sqlite3
+from dataclasses import dataclass
 
 from relay.config import is_pg_url
 from relay.store import POSTGRES_EXTRA_HINT
@@ -19,6 +21,15 @@ from relay.store.sqlite_file import is_memory, open_readonly
 
 # The key a row's id is read under: SQLite's rowid, or the row_id of PostgreSQL's rows.
 ROW_ID = "row_id"
+
+
+@dataclass(frozen=True, slots=True)
+class Db:
+    """Where the rows are: a SQLite file or a PostgreSQL URL (`where`), and the password
+    to connect with (None: libpq's own, PGPASSWORD or ~/.pgpass)."""
+
+    where: str
+    password: str | None = None
 
 
 def row_id(db: str) -> str:
@@ -62,16 +73,19 @@ def missing(db: str) -> str | None:
     return None
 
 
-def fetch(db: str, sql: str, params: Params = ()) -> list[DbRow]:
-    if is_pg_url(db):
+def fetch(db: Db, sql: str, params: Params = ()) -> list[DbRow]:
+    if is_pg_url(db.where):
         import psycopg
         from psycopg.rows import dict_row
 
         from relay.store.pg_sql import portable
 
-        with psycopg.connect(db, autocommit=True, row_factory=dict_row) as conn:
+        # (A None password is left out: libpq's own.)
+        with psycopg.connect(
+            db.where, autocommit=True, row_factory=dict_row, password=db.password
+        ) as conn:
             return conn.execute(portable(sql), params).fetchall()
-    lite = open_readonly(db)
+    lite = open_readonly(db.where)
     lite.text_factory = _text
     try:
         rows: list[DbRow] = lite.execute(sql, params).fetchall()
@@ -80,8 +94,8 @@ def fetch(db: str, sql: str, params: Params = ()) -> list[DbRow]:
         lite.close()
 
 
-def columns(db: str, table: str = "request") -> set[str]:
-    if is_pg_url(db):
+def columns(db: Db, table: str = "request") -> set[str]:
+    if is_pg_url(db.where):
         return {
             r["column_name"]
             for r in fetch(

@@ -12,15 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal, TypedDict, cast
 
+from relay.config import ConfigError, in_file, load_config, parse_config, store_connect
 from relay.report import bench as benchview
 from relay.report import prompt_cache as cache
 from relay.report import rows as stored
@@ -69,7 +71,8 @@ class Group(TypedDict):
 class ReportArgs:
     """The command line, as `_parser` reads it."""
 
-    db: str
+    db: str | None
+    config: str | None
     since: str
     json: bool
     bench: bool
@@ -273,18 +276,18 @@ def render_pools(pools: list[cache.PoolHits], total: cache.Hits) -> str:
 
 
 # ---- I/O -------------------------------------------------------------------------------
-def read_rows(path: str, since_ts: float | None) -> tuple[list[SummaryRow], list[BadRow]]:
+def read_rows(db: stored.Db, since_ts: float | None) -> tuple[list[SummaryRow], list[BadRow]]:
     """(the rows since a time (None: all), those left out). They are SummaryRows: the SELECT
     names exactly its columns (and the row's id), and each holds what its column should."""
-    sql = f"SELECT {stored.row_id(path)}, {_selected(path, READ_COLUMNS)} FROM request"
+    sql = f"SELECT {stored.row_id(db.where)}, {_selected(db, READ_COLUMNS)} FROM request"
     params: tuple[float, ...] = ()
     if since_ts is not None:
         sql, params = sql + " WHERE ts >= ?", (since_ts,)
-    rows, bad = checked(stored.fetch(path, sql, params), READ_COLUMNS, stored.ROW_ID)
+    rows, bad = checked(stored.fetch(db, sql, params), READ_COLUMNS, stored.ROW_ID)
     return cast("list[SummaryRow]", rows), bad
 
 
-def _selected(db: str, columns: tuple[str, ...]) -> str:
+def _selected(db: stored.Db, columns: tuple[str, ...]) -> str:
     """The SELECT terms of `columns`: one the table lacks (a database no relay that has it
     opened yet; a report reads, never migrates) reads NULL."""
     have = stored.columns(db)
@@ -297,9 +300,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--db",
-        default="relay.db",
         help="SQLite file ([store].path, default relay.db) or "
-        "postgresql://... ([store].url; password from PGPASSWORD)",
+        "postgresql://... ([store].url; password from PGPASSWORD); wins over --config",
+    )
+    p.add_argument(
+        "--config",
+        help="read the rows where this relay config file's [store] keeps them (its path, "
+        "or its url with the password from its password_env)",
     )
     p.add_argument("--since", default="1h", help="30m, 1h, 24h, 7d or all (default 1h)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -360,7 +367,7 @@ def window(args: ReportArgs, now: float) -> tuple[float | None, float]:
 
 
 def read_bench_rows(
-    db: str, start: float | None, end: float
+    db: stored.Db, start: float | None, end: float
 ) -> tuple[list[benchview.BenchRow], list[BadRow]]:
     """(the rows of [start, end] (start None: up to end) for the benchmark view, those left
     out). A database no relay with the timing columns opened yet lacks them: they read NULL.
@@ -368,7 +375,7 @@ def read_bench_rows(
     holds what its column should."""
     params: tuple[float, ...] = (end,) if start is None else (end, start)
     cols = _selected(db, benchview.READ_COLUMNS)
-    sql = f"SELECT {stored.row_id(db)}, {cols} FROM request WHERE ts <= ?" + (
+    sql = f"SELECT {stored.row_id(db.where)}, {cols} FROM request WHERE ts <= ?" + (
         "" if start is None else " AND ts >= ?"
     )
     rows, bad = checked(stored.fetch(db, sql, params), benchview.READ_COLUMNS, stored.ROW_ID)
@@ -386,16 +393,16 @@ def skipped(bad: list[BadRow]) -> None:
         say(row.line())
 
 
-def bench_main(args: ReportArgs, parser: argparse.ArgumentParser) -> int:
+def bench_main(args: ReportArgs, db: stored.Db, parser: argparse.ArgumentParser) -> int:
     try:
         start, end = window(args, time.time())
         slo = benchview.parse_slo(args.slo) if args.slo else None
     except ValueError as exc:
         parser.error(str(exc))
     try:
-        rows, bad = read_bench_rows(args.db, start, end)
+        rows, bad = read_bench_rows(db, start, end)
     except stored.errors() as exc:
-        say(f"cannot read {stored.shown(args.db)!r}: {exc}")
+        say(f"cannot read {stored.shown(db.where)!r}: {exc}")
         return 2
     skipped(bad)
     # All rows asked for: the window is the rows' own span.
@@ -413,7 +420,7 @@ def bench_main(args: ReportArgs, parser: argparse.ArgumentParser) -> int:
         print(benchview.render_csv(groups, total), end="")
     else:
         print(
-            f"relay report: {printable(stored.shown(args.db))}, {len(rows)} requests from "
+            f"relay report: {printable(stored.shown(db.where))}, {len(rows)} requests from "
             f"{_iso(start)} to {_iso(end)}; times in ms"
         )
         print(benchview.render_text(groups, total, by), end="")
@@ -422,6 +429,24 @@ def bench_main(args: ReportArgs, parser: argparse.ArgumentParser) -> int:
 
 def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def source(args: ReportArgs, environ: Mapping[str, str] = os.environ) -> tuple[stored.Db, str]:
+    """Where the rows are: `--db`, else the `[store]` of `--config` (a relative path read
+    from the working directory, as the relay does), else relay.db; and a note for stderr
+    when `--db` and `--config` are both given ("" otherwise). ConfigError naming the file."""
+    if args.db is not None:
+        note = f"--db given: the [store] of {args.config} is not read" if args.config else ""
+        return stored.Db(args.db), note
+    if args.config is None:
+        return stored.Db("relay.db"), ""
+    data = load_config(args.config)
+    try:
+        store = parse_config(data).store
+        password = store_connect(store, environ).get("password") if store.url else None
+    except ConfigError as exc:
+        raise in_file(args.config, exc) from None
+    return stored.Db(store.url or store.path, password), ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -433,17 +458,24 @@ def main(argv: list[str] | None = None) -> int:
         since_s = parse_since(args.since)
     except ValueError as exc:
         parser.error(str(exc))
-    why = stored.missing(args.db)
+    try:
+        db, note = source(args)
+    except ConfigError as exc:
+        say(str(exc))
+        return 2
+    if note:
+        say(note)
+    why = stored.missing(db.where)
     if why is not None:
         say(why)
         return 2
     if args.wants_bench():
-        return bench_main(args, parser)
+        return bench_main(args, db, parser)
     since_ts = None if since_s is None else time.time() - since_s
     try:
-        rows, bad = read_rows(args.db, since_ts)
+        rows, bad = read_rows(db, since_ts)
     except stored.errors() as exc:
-        say(f"cannot read {stored.shown(args.db)!r}: {exc}")
+        say(f"cannot read {stored.shown(db.where)!r}: {exc}")
         return 2
     skipped(bad)
     groups = aggregate(rows)
@@ -459,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(doc, indent=2))
         return 0
     scope = "all rows" if since_s is None else f"last {args.since}"
-    shown = printable(stored.shown(args.db))
+    shown = printable(stored.shown(db.where))
     print(f"relay report: {shown}, {scope}, {len(rows)} requests; times in ms")
     print(render_table(groups, total), end="")
     if pools:

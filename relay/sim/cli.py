@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import signal
+import sys
 
 from relay.sim.server import Simulator
 from relay.sim.shapes import SHAPES
@@ -117,6 +119,15 @@ def _ms(text: str) -> float:
     if not x >= 0.0:
         raise argparse.ArgumentTypeError("must be 0 or more")
     return x
+
+
+def _cannot_start(exc: OSError, host: str, port: int) -> str:
+    """Why the simulator cannot start, in one line: the port in use, a certificate file."""
+    if exc.errno == errno.EADDRINUSE:
+        return f"{host}:{port}: address already in use (--port 0 takes any free one)"
+    if exc.filename:
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc)
 
 
 def _count(text: str) -> int:
@@ -240,4 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             runner.run(_serve(args))
         except KeyboardInterrupt:
             pass
+        except OSError as exc:
+            print(f"relay sim: {_cannot_start(exc, args.host, args.port)}", file=sys.stderr)
+            return 1
     return 0

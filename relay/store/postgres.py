@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Unpack
 import psycopg
 from psycopg.rows import TupleRow, dict_row
 
-from relay.config import ConfigError, StoreConfig, pg_connect_kwargs
+from relay.config import ConfigError, StoreConfig, store_connect
 from relay.observe.log import Log
 from relay.observe.record import Record
 from relay.policy.budget import Budgets, Reservation, window_bounds
@@ -121,12 +121,7 @@ class PgStore(Store):
     def configured(cls, cfg: StoreConfig, log: Log) -> PgStore:
         if cfg.url is None:
             raise ConfigError("store.url: not set (SQLite's store.path is store.sqlite's)")
-        try:
-            given = pg_connect_kwargs(cfg.url, cfg.password_env)
-        except KeyError as exc:
-            raise ConfigError(
-                f"store.password_env: environment variable {exc.args[0]} is not set"
-            ) from None
+        given = store_connect(cfg)
         kw = ConnectKw(conninfo=given["conninfo"])
         if "password" in given:
             kw["password"] = given["password"]

@@ -122,6 +122,19 @@ class Gaps:
         self._flush()
         return quantile_of(self.buckets, self.zeros, q, self.max)
 
+    def row(self) -> tuple[float, float, str] | None:
+        """What a row keeps of the gaps, in one pass over the buckets: the p50 and p99 gaps
+        (as `quantile` says) and the buckets as text (`encode`); None with no gap."""
+        self._flush()
+        buckets, zeros = self.buckets, self.zeros
+        keys = sorted(buckets)
+        total = zeros + sum(buckets.values())
+        if total <= 0:
+            return None
+        cap = self.max
+        p50, p99 = (_at_rank(buckets, keys, zeros, _rank(q, total), cap) for q in (0.5, 0.99))
+        return p50, p99, _encoded(buckets, keys, zeros)
+
     def encode(self) -> str | None:
         """The buckets as text for a row (`z<zeros> <key>:<count> ...`); None with no gap."""
         return encode(self.buckets, self.zeros) if self.count else None
@@ -168,23 +181,38 @@ def quantile_of(
     total = zeros + sum(buckets.values())
     if total <= 0:
         return None
-    # The nearest rank.
-    rank = max(1, min(total, ceil(round(q * total, 9))))
+    return _at_rank(buckets, sorted(buckets), zeros, _rank(q, total), cap)
+
+
+def _rank(q: float, total: int) -> int:
+    """The nearest rank of the q-quantile of `total` values."""
+    return max(1, min(total, ceil(round(q * total, 9))))
+
+
+def _at_rank(
+    buckets: dict[int, int], keys: list[int], zeros: int, rank: int, cap: float | None
+) -> float:
+    """The midpoint of the bucket (`keys` sorted) holding the value of that rank (0 for the
+    zero gaps), never above `cap`."""
     if rank <= zeros:
         return 0.0
     seen = zeros
-    for k in sorted(buckets):
+    for k in keys:
         seen += buckets[k]
         if seen >= rank:
-            lo, hi = bucket_bounds(k)
+            lo, hi = _bounds(k)
             mid = (lo + hi) / 2
             return min(mid, cap) if cap else mid
-    # (Not reached: the ranks add up to `total`.)
-    return cap
+    # (Not reached: the ranks add up to the total.)
+    return cap or 0.0
 
 
 def encode(buckets: dict[int, int], zeros: int) -> str:
-    return " ".join([MARK, f"z{zeros}", *(f"{k}:{buckets[k]}" for k in sorted(buckets))])
+    return _encoded(buckets, sorted(buckets), zeros)
+
+
+def _encoded(buckets: dict[int, int], keys: list[int], zeros: int) -> str:
+    return " ".join([MARK, f"z{zeros}", *(f"{k}:{buckets[k]}" for k in keys)])
 
 
 def decode(text: str | None, into: dict[int, int] | None = None) -> tuple[dict[int, int], int]:

@@ -168,6 +168,8 @@ class ParentApp(App):
                 str(theirs.fileno()),
                 "--index",
                 str(index),
+                "--log-format",
+                self.log.format,
                 pass_fds=(lfd, theirs.fileno()),
                 start_new_session=True,
                 env=worker_environ(os.environ, index),

@@ -32,7 +32,7 @@ import msgspec
 from relay.app import App, run
 from relay.config import Config, ConfigError, DispatcherConfig, UpstreamConfig
 from relay.errors import Code, RelayError
-from relay.observe.log import Log, shared_stderr
+from relay.observe.log import Log, LogFormat, shared_stderr
 from relay.observe.metrics import UpstreamMetrics
 from relay.observe.record import Record
 from relay.observe.ui_state import Trended
@@ -195,8 +195,8 @@ def _die_with_parent() -> None:
         pass
 
 
-async def _main(listen_fd: int, link_fd: int, index: int) -> int:
-    log = Log(sink=shared_stderr)
+async def _main(listen_fd: int, link_fd: int, index: int, fmt: LogFormat) -> int:
+    log = Log(sink=shared_stderr, fmt=fmt)
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(
         lambda _loop, ctx: log.event(
@@ -234,13 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--listen-fd", type=int, required=True)
     p.add_argument("--link-fd", type=int, required=True)
     p.add_argument("--index", type=int, default=0)
+    p.add_argument("--log-format", type=LogFormat, default=LogFormat.JSON)
     args = p.parse_args(argv)
     _die_with_parent()
     _close_inherited({args.listen_fd, args.link_fd})
     if os.getppid() == 1:
         # The parent died before the line above.
         return PARENT_GONE_EXIT
-    return run(_main(args.listen_fd, args.link_fd, args.index))
+    return run(_main(args.listen_fd, args.link_fd, args.index, args.log_format))
 
 
 if __name__ == "__main__":

@@ -9,20 +9,26 @@ import asyncio
 import contextlib
 import io
 import json
+import os
 import re
 import signal
+import socket
+import sys
 
 import pytest
 
 from relay import __version__, cli
 from relay.observe.record import MAX_AGENT_CHARS
 from tests.support import httpc
+from tests.support.fixtures import ROOT
 from tests.support.helpers import wait_for
-from tests.support.processes import start, wait_listening
+from tests.support.processes import kill, start, wait_listening
 
 
-async def run_to_end(*args: str, stdout: bool = False) -> tuple[int, str]:
-    proc = await start(*args)
+async def run_to_end(
+    *args: str, stdout: bool = False, env: dict | None = None, cwd=None
+) -> tuple[int, str]:
+    proc = await start(*args, env=env, cwd=None if cwd is None else str(cwd))
     out, err = await asyncio.wait_for(proc.communicate(), 20)
     return proc.returncode, (out if stdout else err).decode()
 
@@ -118,7 +124,10 @@ async def test_a_secret_in_the_file_or_an_unreadable_ca_file_stops_the_start(tmp
     )
     code, err = await run_to_end("serve", "--config", str(cfg))
     assert code == 2
-    assert "upstream.openai.headers: 'Authorization' looks like a credential" in err
+    [rec] = _all_json(err)
+    assert rec["error"].startswith(
+        f"{cfg}: upstream[0] (name \"openai\").headers: 'Authorization' looks like a credential"
+    )
     assert "sk-in-file" not in err
     cfg.write_text(
         '[server]\nport = 0\n[[upstream]]\nname = "openai"\n'
@@ -126,7 +135,8 @@ async def test_a_secret_in_the_file_or_an_unreadable_ca_file_stops_the_start(tmp
         f'ca_file = "{tmp_path / "missing.pem"}"\n'
     )
     code, err = await run_to_end("serve", "--config", str(cfg))
-    assert code == 2 and "upstream.openai.ca_file: cannot load" in err
+    [rec] = _all_json(err)
+    assert code == 2 and rec["error"].startswith(f'{cfg}: upstream[0] (name "openai").ca_file: ')
 
 
 def _all_json(err: str) -> list[dict]:
@@ -182,7 +192,7 @@ def run(argv: list[str]) -> tuple[int, str]:
 def test_help_lists_every_command():
     code, text = run(["--help"])
     assert code == 0
-    for cmd in ("serve", "report", "sim"):
+    for cmd in ("serve", "check", "key", "report", "sim"):
         assert re.search(rf"^\s+{cmd}\s+\S", text, re.M), cmd
     assert "--version" in text
 
@@ -230,3 +240,74 @@ async def test_access_line_names_client_and_user_agent(make_relay):
     assert first["client_addr"] == "127.0.0.1"
     assert first["user_agent"] == agent[:MAX_AGENT_CHARS]
     assert second["client_addr"] == "127.0.0.1" and second["user_agent"] == "a?b"
+
+
+# ---- errors that point (issue 34 item 6) ---------------------------------------------------------
+async def test_sim_on_a_busy_port_says_so_in_one_line():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, err = await run_to_end("sim", "--port", str(port))
+    assert code == 1
+    assert (
+        err
+        == f"relay sim: 127.0.0.1:{port}: address already in use (--port 0 takes any free one)\n"
+    )
+
+
+async def test_report_into_a_reader_gone_early_ends_quietly(tmp_path):
+    """`relay report | head -1`: once a BrokenPipeError traceback. Here the reader has gone
+    before the first byte: every write fails, as it does once head has its line."""
+    from relay.store.sqlite import Store
+
+    store = Store(str(tmp_path / "relay.db"), retention_days=0)
+    store.start()
+    for i in range(50):
+        store.put({"request_id": f"r{i}", "model": f"m{i}", "ok": 1, "status": 200})
+    store.close()
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "relay", "report", "--db", str(tmp_path / "relay.db"),
+            "--since", "all", stdout=write, stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    _, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert (proc.returncode, err) == (141, b"")
+
+
+async def test_a_refused_sighup_names_the_file_and_the_changed_key(tmp_path):
+    cfg = tmp_path / "relay.toml"
+    text = (
+        f'[server]\nport = 0\n[store]\npath = "{tmp_path / "relay.db"}"\n'
+        '[[upstream]]\nname = "a"\nurl = "http://127.0.0.1:9"\n'
+    )
+    cfg.write_text(text)
+    proc = await start("serve", "--config", str(cfg))
+    try:
+        await wait_listening(proc)
+        cfg.write_text(text.replace("port = 0", "port = 1"))
+        proc.send_signal(signal.SIGHUP)
+        while True:
+            rec = json.loads(await asyncio.wait_for(proc.stderr.readline(), 20))
+            if rec["event"].startswith("config_reload"):
+                break
+        assert rec["event"] == "config_reload_failed"
+        assert rec["reason"] == f"{cfg}: server.port: changing it needs a restart (0 -> 1)"
+        cfg.write_text(text + "paralel = 2\n")
+        proc.send_signal(signal.SIGHUP)
+        while True:
+            rec = json.loads(await asyncio.wait_for(proc.stderr.readline(), 20))
+            if rec["event"].startswith("config_reload"):
+                break
+        assert rec["reason"] == (
+            f'{cfg}: upstream[0] (name "a").paralel: unknown key; did you mean parallel?'
+        )
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    finally:
+        await kill(proc)

@@ -79,6 +79,34 @@ async def test_reload_refuses_a_new_listen_address_or_store(make_relay):
     assert app.config.server.port == 0
 
 
+async def test_a_refused_reload_names_the_changed_keys_not_two_whole_tables(make_relay):
+    """(issue 34 item 6) An `[otel]` change printed both structs whole; it names the keys."""
+    import msgspec
+
+    from relay.config import OtelConfig
+
+    # (disabled: nothing of OpenTelemetry starts)
+    app = await make_relay(otel=OtelConfig(disabled=True, endpoint="http://collector-a:4318"))
+    for otel, message in (
+        (
+            OtelConfig(disabled=True, endpoint="http://collector-b:4318"),
+            "otel.endpoint: changing it needs a restart",
+        ),
+        (
+            OtelConfig(disabled=True, endpoint="http://b:4318", service_name="edge"),
+            "otel.endpoint, otel.service_name: changing them needs a restart",
+        ),
+        (None, "otel: removed, which needs a restart"),
+    ):
+        with pytest.raises(ConfigError) as exc:
+            app.reload(msgspec.structs.replace(app.config, otel=otel))
+        assert str(exc.value) == message
+    server = msgspec.structs.replace(app.config.server, workers=2)
+    with pytest.raises(ConfigError) as exc:
+        app.reload(msgspec.structs.replace(app.config, server=server))
+    assert str(exc.value) == "server.workers: changing it needs a restart (1 -> 2)"
+
+
 async def test_reload_timeouts_apply_to_new_streams_not_to_those_in_flight(make_relay, sim):
     import msgspec
 
@@ -279,9 +307,10 @@ async def test_an_injected_header_line_from_the_config_stops_the_start_and_a_rel
         assert await proc.wait() == 2
     finally:
         await kill(proc)
-    assert (
-        "upstream.llm.auth_value_env: environment variable BAD_KEY: the value has control "
-        "characters" in err.decode()
+    [failed] = [json.loads(x) for x in err.splitlines() if b"relay_start_failed" in x]
+    assert failed["error"] == (
+        f'{cfg}: upstream[0] (name "llm").auth_value_env: environment variable BAD_KEY: the '
+        "value has control characters (CR, LF, ...) or blanks at its ends"
     )
     assert b"sk-bad" not in err and up.heads == []
 
@@ -307,8 +336,8 @@ async def test_an_injected_header_line_from_the_config_stops_the_start_and_a_rel
         lines += [json.dumps(rec).encode() for rec in seen]
         assert b"\r\nX-Key: sk-good-123\r\n" in await sent_key()
         for header, var, key in (
-            ("X-Key", "BAD_KEY", "upstream.llm.auth_value_env: "),
-            ("X-Key\r\nX-Evil: 1", "GOOD_KEY", "upstream.llm.auth_header: "),
+            ("X-Key", "BAD_KEY", f'{cfg}: upstream[0] (name "llm").auth_value_env: '),
+            ("X-Key\r\nX-Evil: 1", "GOOD_KEY", f'{cfg}: upstream[0] (name "llm").auth_header: '),
         ):
             write(header, var)
             proc.send_signal(signal.SIGHUP)

@@ -105,6 +105,23 @@ def test_a_new_conversation_goes_to_the_least_loaded_member():
     assert got == Choice("b", Why.NEW, 0)
 
 
+def test_the_head_alone_makes_no_home():
+    # Every conversation of an agent shares its head (unit 0: the system prompt and tools):
+    # a member that served one holds it, and another conversation is new all the same.
+    table = PrefixTable()
+    table.record("a", (11, 12, 13))
+    got = choose(table, pool(a=1, b=0, c=0), ABC, (11, 21), first_key=21)
+    assert got == Choice(hrw(21, ["b", "c"]), Why.NEW, 0)
+    assert table.longest_holder((11, 21, 22), ABC) is None
+    # The head and the first message make one: a conversation's own.
+    assert table.longest_holder((11, 12, 22), ABC) == ("a", 2)
+    # A request of one unit is matched on it (the same request again).
+    table.record("b", (31,))
+    assert choose(table, pool(a=0, b=0, c=0), ABC, (31,), first_key=31) == Choice(
+        "b", Why.AFFINITY, 1
+    )
+
+
 def test_a_member_not_eligible_is_never_chosen():
     table = PrefixTable()
     table.record("a", (11, 12, 13))

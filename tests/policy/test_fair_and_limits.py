@@ -27,6 +27,15 @@ def test_a_line_waiting_past_the_aging_bound_competes_with_the_highest_class():
     assert pick_line([low, high], now=15.0, aging_s=5.0) == 0
 
 
+def test_an_aged_line_takes_turns_with_the_highest_class_never_above_it():
+    # A flood's own line always has an old request: aged, it still waits for its turn behind
+    # a fresh line of the highest class with a lower virtual start, and of its own class too.
+    flood, person = Line(0, 10.0, 0.0), Line(1, 5.0, 5.9)
+    assert pick_line([flood, person], now=6.0, aging_s=5.0) == 1
+    same = Line(0, 5.0, 5.9)
+    assert pick_line([flood, same], now=6.0, aging_s=5.0) == 1
+
+
 def test_aging_counts_from_the_lines_last_turn():
     # Queued at 0 but served at 9: a backlog being served is not starved, so not aged.
     backlog, high = Line(-1, 0.0, 0.0, since=9.0), Line(1, 5.0, 9.5)

@@ -319,13 +319,17 @@ async def test_a_higher_class_goes_first_and_a_lower_one_ages_in():
     held.pop(0).release()
     held.append(await asyncio.wait_for(chat, 1))
     assert not bulk.done()
-    # A fresh request of the high class, but the low one has waited past the aging bound.
+    # Past the aging bound the low class takes turns with the high one: the next fresh high
+    # request first (its turn comes first), then the aged one, ahead of a second high one.
     await asyncio.sleep(0.25)
-    fresh = asyncio.create_task(board.acquire(ALONE, NO_WANT, 30.0, key="chat"))
+    fresh = [asyncio.create_task(board.acquire(ALONE, NO_WANT, 30.0, key="chat")) for _ in range(2)]
     await asyncio.sleep(0)
     held.pop(0).release()
+    held.append(await asyncio.wait_for(fresh[0], 1))
+    assert not bulk.done()
+    held.pop(0).release()
     aged = await asyncio.wait_for(bulk, 1)
-    assert aged.key == "bulk" and not fresh.done()
+    assert aged.key == "bulk" and not fresh[1].done()
     held[0].release()
-    (await asyncio.wait_for(fresh, 1)).release()
+    (await asyncio.wait_for(fresh[1], 1)).release()
     aged.release()

@@ -199,7 +199,9 @@ async def test_verify_false_connects_and_is_logged_at_start(make_relay, tls_sim)
 
 
 async def test_unreadable_ca_file_stops_the_start(make_relay, tmp_path):
-    with pytest.raises(ConfigError, match=r"^upstream\.remote\.ca_file: cannot load"):
+    with pytest.raises(
+        ConfigError, match=r'^upstream\[0\] \(name "remote"\)\.ca_file: cannot load'
+    ):
         await make_relay(
             upstreams=[remote("https://127.0.0.1:1", ca_file=str(tmp_path / "missing.pem"))]
         )

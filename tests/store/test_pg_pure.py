@@ -225,7 +225,8 @@ def test_a_relay_without_the_driver_does_not_start_and_names_the_extra(tmp_path)
     )
     assert done.returncode == 2, done.stderr
     [line] = [json.loads(x) for x in done.stderr.splitlines() if "relay_start_failed" in x]
-    assert line["error"].startswith("store.url: PostgreSQL needs the 'postgres' extra")
+    # (Named as every config error is: the file, then the key.)
+    assert line["error"].startswith(f"{conf}: store.url: PostgreSQL needs the 'postgres' extra")
     assert "pip install -e '.[postgres]'" in line["error"] and "Traceback" not in done.stderr
 
 

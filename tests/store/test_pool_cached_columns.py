@@ -18,8 +18,8 @@ from relay.store.sqlite import Store
 from tests.support.pg_server import PASSWORD_ENV
 
 NEW = ("pool", "cached_tokens")
-# The table as the relay before these columns made it: every column but the two, in order.
-OLD_TYPES = tuple((c, t) for c, t in COLUMN_TYPES if c not in NEW)
+# The table as the relay before these columns made it: every column before the two, in order.
+OLD_TYPES = COLUMN_TYPES[: COLUMNS.index("pool")]
 OLD_COLUMNS = tuple(c for c, _ in OLD_TYPES)
 
 
@@ -34,8 +34,9 @@ def record(rid: str, pool: str | None, cached: int | None) -> Record:
 def test_the_columns_follow_the_tables_order_and_types():
     assert dict(COLUMN_TYPES)["pool"] == "TEXT"
     assert dict(COLUMN_TYPES)["cached_tokens"] == "INTEGER"
-    # added at the end, after every column an older relay has
-    assert COLUMNS[-2:] == NEW
+    # added after every column an older relay has (and before any added since)
+    at = COLUMNS.index("pool")
+    assert COLUMNS[at : at + 2] == NEW and "queue_position" in COLUMNS[at + 2 :]
 
 
 # ---- SQLite -------------------------------------------------------------------------------------
@@ -158,4 +159,4 @@ def test_an_old_postgres_table_gains_the_columns_and_an_old_spill_replays(
         " ORDER BY column_name",
     )
     assert types == [("cached_tokens", "bigint"), ("pool", "text")]
-    assert pg_sql.ROW_COLUMNS[-3:] == (*NEW, "row_id")
+    assert pg_sql.ROW_COLUMNS[-4:] == (*NEW, "queue_position", "row_id")
