@@ -291,6 +291,63 @@ async def test_a_low_class_is_served_within_the_aging_bound_under_a_high_flood(m
     assert lo["queue_position"] == 1
 
 
+async def test_a_low_class_backlog_gets_a_turn_each_aging_bound_under_a_high_flood(make_relay, sim):
+    """A low-class key with 30 requests queued under a steady high-class flood: it is not
+    starved (a turn at least every `aging_s` plus one service time), and its backlog, old as
+    it is, does not turn into an equal share with the high class (a turn at most every
+    `aging_s`): the count of its turns while the flood lasted, against that window as the
+    simulator's clock measured it."""
+    aging_s = 0.5
+    app = await make_relay(
+        keys=keyed("hi", "lo", "z", hi={"priority": "high"}, lo={"priority": "low"}),
+        parallel=2,
+        queue=400,
+        pool_timeout_s=300,
+        balance=BalanceConfig(aging_s=aging_s),
+    )
+    holders = Holders()
+    await holders.hold(app.port, "z", 1)
+    await wait_for(lambda: app.board.held_by_key.get("z") == 1, WAIT_S)
+    loop = asyncio.get_running_loop()
+    backlog = [asyncio.create_task(ask(app.port, "lo", f"lo{i}")) for i in range(30)]
+    await wait_for(lambda: app.board.waiting_by_key().get("lo") == 29, WAIT_S)
+    stop = asyncio.Event()
+
+    async def steady(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            await ask(app.port, "hi", f"hi{i}-{n}")
+            n += 1
+
+    flooders = [asyncio.create_task(steady(i)) for i in range(6)]
+    try:
+        await staggered(app, sim, holders, "lo")
+        began = loop.time()
+        await wait_for(lambda: loop.time() >= began + 8 * aging_s, WAIT_S)
+        ended = loop.time()
+        # The flood was steady: high-class requests still waiting at its end.
+        assert app.board.waiting_by_key().get("hi", 0) >= 1
+        lo_turns = [
+            r.started_at
+            for r in sim.requests
+            if r.json is not None
+            and r.json["messages"][0]["content"] == "from lo"
+            and began <= r.started_at < ended
+        ]
+        hi_rows = [r for r in rows_of(app, "hi") if r["status"] == 200]
+    finally:
+        stop.set()
+        await cancel(backlog)
+        await asyncio.wait_for(asyncio.gather(*flooders), WAIT_S)
+    window = ended - began
+    one_service = max(service_ms(r) for r in hi_rows) / 1000
+    assert window / (aging_s + one_service) - 2 <= len(lo_turns) <= window / aging_s + 2, (
+        len(lo_turns),
+        window,
+        one_service,
+    )
+
+
 async def test_a_high_class_is_not_held_back_by_an_aged_backlog_of_a_low_one(make_relay, sim):
     """A batch key of the low class keeps both slots busy and 40 requests queued, all waiting
     past `aging_s`; a high-class request then comes. Aging is there so the low class is not
