@@ -83,9 +83,9 @@ class BalanceConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     affinity_wait_s: Annotated[float, Meta(ge=0.0, le=60.0)] = 0.25
     # The prefix table's bound (about 150 bytes an entry).
     prefix_entries: Annotated[int, Meta(ge=1, le=10_000_000)] = 100_000
-    # A line of waiting requests of a lower priority class whose oldest has waited this long
-    # takes turns with the highest class waiting (docs/fairness.md): the bound on its wait
-    # under a flood.
+    # A line of waiting requests of a lower priority class that has had no turn for this long
+    # (since its oldest came, or since its last turn) takes turns with the highest class
+    # waiting (docs/fairness.md): the bound on its wait under a flood.
     aging_s: Annotated[float, Meta(ge=0.0, le=3600.0)] = 5.0
 
 

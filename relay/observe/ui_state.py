@@ -15,6 +15,8 @@
   decode span (first token to last byte), so a long stream does not land in one step.
   Bounded: `SERIES_MAX` series, `KEEP_MAX` latencies per series and step (a uniform sample);
   `encoded()` is its JSON, built again only when a point changes, not at each poll.
+- `budgets`: per key, its requests holding a slot and waiting for one now (the figures of the
+  process holding the slots: `Registry.key_live`), and its windows' use against their limits.
 - `state(app, ...)`: the JSON document of `/api/ui/state`, built only when someone asks.
 
 Pure apart from reading the app's objects: tested without sockets.
@@ -114,6 +116,9 @@ class PageSource(Protocol):
 
     @property
     def store(self) -> DroppedRows: ...
+
+    @property
+    def registry(self) -> Registry: ...
 
 
 # ---- the recent requests ------------------------------------------------------------------------
@@ -485,15 +490,25 @@ class BudgetWindow(TypedDict):
 
 
 class KeyBudgets(TypedDict):
+    """One key on the page: its requests holding a slot (`in_flight`) and waiting for one
+    (`queued`) now, and its windows."""
+
     key: str
+    in_flight: int
+    queued: int
     windows: list[BudgetWindow]
 
 
 def budgets(
-    config_keys: Iterable[KeyConfig], usage_of: Callable[[str], KeyUsage]
+    config_keys: Iterable[KeyConfig],
+    usage_of: Callable[[str], KeyUsage],
+    live: Mapping[str, tuple[int, int]] | None = None,
 ) -> list[KeyBudgets]:
-    """Per key and window: used against limits (0 = no limit); keys without limits too."""
+    """Per key: its requests in flight and queued now (`live`: key -> (holding a slot,
+    waiting), as `Registry.key_live` has them; none there: 0), and per window, used against
+    limits (0 = no limit); keys without limits too."""
     out: list[KeyBudgets] = []
+    live = live or {}
     for k in config_keys:
         limits = {
             "daily": (k.requests_per_day, k.tokens_per_day),
@@ -515,7 +530,8 @@ def budgets(
                     "reserved_tokens": u.get("reserved_tokens", 0) if u is not None else 0,
                 }
             )
-        out.append({"key": k.id, "windows": windows})
+        in_flight, queued = live.get(k.id, (0, 0))
+        out.append({"key": k.id, "in_flight": in_flight, "queued": queued, "windows": windows})
     return out
 
 
@@ -570,7 +586,9 @@ def upstream_figures(up: MeteredUpstream, now: float) -> UpstreamFigures:
 def state(app: PageSource, wall: float, now: float) -> PageState:
     """Everything the page shows. The requests that generate nothing come apart (`recent_other`,
     `other_requests_total`, series with `generating` false): the page leaves them out of its
-    counts, latency figures and charts unless asked (`/ui?all=1`, or its toggle)."""
+    counts, latency figures and charts unless asked (`/ui?all=1`, or its toggle). Each key's
+    requests in flight and queued are `registry.key_live` as the caller's `gauged()` just set
+    them (the figures of the process holding the slots: the parent, with workers)."""
     recent = app.ui_recent
     return {
         "now": wall,
@@ -578,6 +596,8 @@ def state(app: PageSource, wall: float, now: float) -> PageState:
         "trend": app.ui_trend.encoded(),
         "recent": recent.rows(),
         "recent_other": recent.rows(other=True),
-        "budgets": budgets(app.config.key, lambda k: app.budgets.usage(k, wall)),
+        "budgets": budgets(
+            app.config.key, lambda k: app.budgets.usage(k, wall), app.registry.key_live
+        ),
         "rows_dropped": app.store.rows_dropped,
     }

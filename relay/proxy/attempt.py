@@ -71,6 +71,9 @@ async def take_slot(
         # The relay began draining while this request queued.
         raise shutting_down() from None
     except Busy as exc:
+        if exc.position:
+            # It was queued: its row says where, as a served one's does.
+            rec.queue_position = exc.position
         retry_after = max(1, int(d.pool_timeout_s + 0.999))
         many = len(pool.members) > 1
         raise PoolBusy(

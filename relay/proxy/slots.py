@@ -49,11 +49,13 @@ AGING_S = BalanceConfig().aging_s
 
 
 class Busy(Exception):
-    """No slot: the queue is full, or none came free within the wait bound."""
+    """No slot: the queue is full, or none came free within the wait bound (`position`: the
+    request's place among its key's waiting requests when it was queued; 0: not queued)."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, position: int = 0) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.position = position
 
 
 class SlotsClosed(Exception):
@@ -182,7 +184,18 @@ class _Line:
     by the member each prefers; its class, weight, and virtual start and finish. Entries that
     left are skipped where they are met (and dropped whole when none is left)."""
 
-    __slots__ = ("finish", "key", "live", "order", "preferring", "queue", "rank", "start", "weight")
+    __slots__ = (
+        "finish",
+        "key",
+        "live",
+        "order",
+        "preferring",
+        "queue",
+        "rank",
+        "start",
+        "turn_at",
+        "weight",
+    )
 
     def __init__(self, queue: _Queue, key: str | None, rank: int, weight: int) -> None:
         self.queue = queue
@@ -194,6 +207,9 @@ class _Line:
         self.live = 0
         self.start = 0.0
         self.finish = 0.0
+        # When it last took a turn (the aging bound counts from the later of this and its
+        # oldest request's arrival).
+        self.turn_at = 0.0
 
     def oldest_for(self, member: SlotPool) -> _Waiter | None:
         order = self.order
@@ -263,19 +279,21 @@ class _Queue:
             line.preferring.clear()
             del self.active[line.key]
 
-    def served(self, line: _Line) -> None:
+    def served(self, line: _Line, now: float) -> None:
         """`line`'s turn is taken: a waiting request of it took a freed slot."""
         self.vtime = max(self.vtime, line.start)
         line.finish = charged(line.start, line.weight)
         line.start = line.finish
+        line.turn_at = now
 
-    def served_at_once(self, line: _Line) -> None:
+    def served_at_once(self, line: _Line, now: float) -> None:
         """A request of `line` took a free slot without waiting: a turn all the same, which
         moves the virtual time as a turn taken from the queue does (so no line banks turns
         while nobody waits)."""
         start = activated(line.finish, self.vtime)
         self.vtime = start
         line.finish = charged(start, line.weight)
+        line.turn_at = now
 
     def fail_all(self, exc: BaseException) -> None:
         for line in list(self.active.values()):
@@ -372,9 +390,11 @@ def _next_waiter(member: SlotPool) -> _Waiter | None:
         for line in q.active.values():
             head = line.oldest_for(member)
             if head is not None:
+                # Passed over while a higher class was served, it banked no turns.
+                line.start = activated(line.start, q.vtime)
                 lines.append(line)
                 heads.append(head)
-                views.append(FairLine(line.rank, line.start, head.at))
+                views.append(FairLine(line.rank, line.start, head.at, max(head.at, line.turn_at)))
         i = pick_line(views, now, aging)
         if i is None:
             continue
@@ -386,7 +406,7 @@ def _next_waiter(member: SlotPool) -> _Waiter | None:
     q, line, head = best
     w = _affine(line, head, member, now, board)
     q.leave(w)
-    q.served(line)
+    q.served(line, now)
     if board is not None:
         board.handed(w, q, member)
     return w
@@ -603,7 +623,7 @@ async def _take(
         member.in_flight += 1
         if key is not None:
             # (Requests without a key share one line: no turns to count between them.)
-            q.served_at_once(q.line(key, *_rank(board, key)))
+            q.served_at_once(q.line(key, *_rank(board, key)), time.monotonic())
         return Slot(member, board, want.fingerprint, units, key, 0, q.name)
     line = q.line(key, *_rank(board, key))
     bound = q.bound
@@ -623,7 +643,7 @@ async def _take(
         else:
             fut.cancel()
             q.leave(w)
-            raise Busy(f"no slot free within {timeout}s") from None
+            raise Busy(f"no slot free within {timeout}s", w.position) from None
     except asyncio.CancelledError:
         if fut.done() and not fut.cancelled() and fut.exception() is None:
             # Granted, but the caller is gone: it is passed on.

@@ -157,7 +157,7 @@ async def _grant(app: Parent, w: Worker, ask: wire.SlotAsk) -> None:
             ask.of, ask.want, ask.timeout_s, frozenset(ask.exclude), key=ask.key
         )
     except Busy as exc:
-        w.send(wire.SlotAnswer(i, SlotVerdict.BUSY, exc.reason))
+        w.send(wire.SlotAnswer(i, SlotVerdict.BUSY, exc.reason, position=exc.position))
         return
     except SlotsClosed:
         w.send(wire.SlotAnswer(i, SlotVerdict.CLOSED))

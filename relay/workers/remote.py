@@ -200,7 +200,7 @@ class RemoteBoard:
             return RemoteSlot(slots, i, answer.position)
         if answer.verdict is SlotVerdict.CLOSED:
             raise SlotsClosed()
-        raise Busy(answer.why)
+        raise Busy(answer.why, answer.position)
 
 
 class LooseBudgets(Budgets):

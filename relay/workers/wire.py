@@ -170,9 +170,9 @@ class Health(msgspec.Struct, tag="health", array_like=True, frozen=True):
 
 
 class SlotAnswer(msgspec.Struct, tag="slot", array_like=True, frozen=True):
-    """`member`: the upstream whose slot is given, and `position` the request's place among
-    its key's waiting requests when it was queued (0: not queued); `why`: the reason a slot
-    was refused (`Busy`), empty otherwise."""
+    """`member`: the upstream whose slot is given; `position`: the request's place among its
+    key's waiting requests when it was queued (0: not queued), given a slot or not; `why`: the
+    reason a slot was refused (`Busy`), empty otherwise."""
 
     id: int
     verdict: SlotVerdict

@@ -10,6 +10,7 @@ under the test's temp dir."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -20,8 +21,8 @@ from relay.observe.record import Record
 from relay.stream.itl import key_of
 from tests.support import httpc
 from tests.support.cdp import Browser, chromium_path
-from tests.support.helpers import closed_port
-from tests.support.keys import ADMIN, SECRET, bearer, key, sha
+from tests.support.helpers import closed_port, wait_for
+from tests.support.keys import ADMIN, OTHER_SECRET, SECRET, bearer, key, sha
 from tests.support.need import missing
 
 CHAT = "/v1/chat/completions"
@@ -181,7 +182,8 @@ async def test_page_live_in_chromium(make_relay, sim, browser, tmp_path):
         "[...document.querySelectorAll('#budgets tr[data-key=alpha]')]"
         ".map(r => [...r.cells].map(c => c.textContent))"
     )
-    assert [b[:3] for b in budget] == [["alpha", "daily", "2 / 100"]]
+    # (nothing in flight or queued now)
+    assert [b[:5] for b in budget] == [["alpha", "0", "0", "daily", "2 / 100"]]
     # a request that generates nothing: not in the counts unless asked for
     resp = await httpc.fetch(
         app.port, "GET", "/props", headers={**bearer(), "X-Request-Id": "ui-props-1"}
@@ -209,6 +211,78 @@ async def test_page_live_in_chromium(make_relay, sim, browser, tmp_path):
     await page.navigate(f"http://127.0.0.1:{app.port}/ui?all=1")
     assert await page.wait_for(row_cells("ui-props-1"), timeout=3.0)
     assert await page.eval("document.getElementById('showall').checked") is True
+    assert page.errors() == []
+    await page.close()
+
+
+def key_row(key_id: str) -> str:
+    return (
+        f"[...document.querySelectorAll('#budgets tr[data-key={key_id}]')]"
+        ".map(r => [...r.cells].map(c => c.textContent))"
+    )
+
+
+async def shows(page, key_id: str, in_flight: int, queued: int, timeout: float = 10.0) -> None:
+    """The key's row shows these figures in its two columns (within `timeout`: the page polls
+    once a second)."""
+    cells = await page.wait_for(
+        f"(r => r.length && r[0][1] === '{in_flight}' && r[0][2] === '{queued}' && r)"
+        f"({key_row(key_id)})",
+        timeout=timeout,
+    )
+    assert cells[0][:3] == [key_id, str(in_flight), str(queued)]
+
+
+async def test_key_table_shows_requests_in_flight_and_queued_in_chromium(
+    make_relay, sim, browser, tmp_path
+):
+    """The key table's two columns are the board's figures: each key's requests holding a slot
+    and waiting for one, as the test makes them (one slot; streams that hold it until the test
+    hangs up)."""
+    keys = [key("alpha", requests_per_day=100), key("beta", OTHER_SECRET)]
+    app = await make_relay(keys=keys, parallel=1, pool_timeout_s=60)
+    page = await browser.page()
+    await page.navigate(f"http://127.0.0.1:{app.port}/ui")
+    assert await page.wait_for(f"{key_row('alpha')}.length === 1") is True
+    assert await page.eval(key_row("alpha")) == [
+        ["alpha", "0", "0", "daily", "0 / 100", "0 (no limit)"]
+    ]
+    assert await page.eval(key_row("beta")) == [["beta", "0", "0", "no limits"]]
+    writers = []
+    endless = {**httpc.chat(4000), "sim": {"tokens": 4000, "interval_ms": 50}}
+    try:
+        # alpha: one holding the slot, two waiting; beta: one waiting.
+        for secret, rid, holding, waiting in (
+            (SECRET, "a-held", {"alpha": 1}, {}),
+            (SECRET, "a-q1", {"alpha": 1}, {"alpha": 1}),
+            (SECRET, "a-q2", {"alpha": 1}, {"alpha": 2}),
+            (OTHER_SECRET, "b-q1", {"alpha": 1}, {"alpha": 2, "beta": 1}),
+        ):
+            _r, w = await asyncio.open_connection("127.0.0.1", app.port)
+            w.write(
+                httpc.build_request("POST", CHAT, endless, {**bearer(secret), "X-Request-Id": rid})
+            )
+            writers.append(w)
+            await wait_for(
+                lambda h=holding, q=waiting: (
+                    {k: n for k, n in app.board.held_by_key.items() if n} == h
+                    and app.board.waiting_by_key() == q
+                ),
+                timeout=30,
+            )
+        await shows(page, "alpha", 1, 2)
+        await shows(page, "beta", 0, 1)
+        await page.screenshot(str(tmp_path / "ui-keys.png"))
+        # The one holding the slot hangs up: the slot is beta's turn (alpha had the last one).
+        writers.pop(0).close()
+        await wait_for(lambda: app.board.waiting_by_key() == {"alpha": 2}, timeout=30)
+        await shows(page, "alpha", 0, 2)
+        await shows(page, "beta", 1, 0)
+    finally:
+        for w in writers:
+            w.close()
+    await shows(page, "alpha", 0, 0, timeout=30)
+    await shows(page, "beta", 0, 0, timeout=30)
     assert page.errors() == []
     await page.close()
 

@@ -277,9 +277,12 @@ def test_budgets_against_limits():
     usage = {
         "a": {"daily": {"requests": 3, "tokens": 40}, "monthly": {"requests": 5, "tokens": 90}}
     }
-    assert budgets(keys, lambda k: usage.get(k, {})) == [
+    live = {"a": (2, 5)}
+    assert budgets(keys, lambda k: usage.get(k, {}), live) == [
         {
             "key": "a",
+            "in_flight": 2,
+            "queued": 5,
             "windows": [
                 {
                     "window": "daily",
@@ -299,7 +302,7 @@ def test_budgets_against_limits():
                 },
             ],
         },
-        {"key": "b", "windows": []},
+        {"key": "b", "in_flight": 0, "queued": 0, "windows": []},
     ]
 
 

@@ -36,6 +36,13 @@ def test_an_aged_line_takes_turns_with_the_highest_class_never_above_it():
     assert pick_line([flood, same], now=6.0, aging_s=5.0) == 1
 
 
+def test_aging_counts_from_the_lines_last_turn():
+    # Queued at 0 but served at 9: a backlog being served is not starved, so not aged.
+    backlog, high = Line(-1, 0.0, 0.0, since=9.0), Line(1, 5.0, 9.5)
+    assert pick_line([backlog, high], now=13.9, aging_s=5.0) == 1
+    assert pick_line([backlog, high], now=14.0, aging_s=5.0) == 0
+
+
 def _serve(order: list[str], queues: dict[str, int], weights: dict[str, int], n: int) -> None:
     """n turns of the start-time fair queue over keys with `queues[key]` requests waiting."""
     vtime = 0.0

@@ -339,20 +339,26 @@ function usage(used, limit) {
   return cell;
 }
 
+// One row per key and window; a key's name and its requests in flight and queued now span its
+// rows (a key without limits: one row).
 function renderBudgets(keys) {
   const body = $("budgets").tBodies[0];
   const rows = [];
   for (const k of keys) {
+    const span = {rowspan: Math.max(1, k.windows.length)};
+    const lead = [el("td", span, k.key),
+                  el("td", {...span, class: "num", "data-role": "in-flight"}, k.in_flight),
+                  el("td", {...span, class: "num", "data-role": "queued"}, k.queued)];
     if (!k.windows.length) {
-      rows.push(el("tr", {"data-key": k.key}, el("td", {}, k.key),
+      rows.push(el("tr", {"data-key": k.key}, ...lead,
                    el("td", {colspan: 3, class: "empty"}, "no limits")));
     }
-    for (const w of k.windows) {
-      rows.push(el("tr", {"data-key": k.key}, el("td", {}, k.key), el("td", {}, w.window),
+    k.windows.forEach((w, i) => {
+      rows.push(el("tr", {"data-key": k.key}, ...(i ? [] : lead), el("td", {}, w.window),
                    usage(w.requests, w.requests_limit), usage(w.tokens, w.tokens_limit)));
-    }
+    });
   }
-  if (!rows.length) rows.push(el("tr", {}, el("td", {colspan: 4, class: "empty"}, "no API keys configured")));
+  if (!rows.length) rows.push(el("tr", {}, el("td", {colspan: 6, class: "empty"}, "no API keys configured")));
   body.replaceChildren(...rows);
 }
 
