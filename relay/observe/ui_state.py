@@ -552,6 +552,19 @@ class UpstreamFigures(TypedDict):
     stall_trips: dict[str, int]
 
 
+class PoolRow(TypedDict):
+    """One pool on the page: its members, the requests waiting in its queue, and its
+    prompt-cache figures (the prompt tokens of its served requests, those reused from a
+    member's cache, and the hit ratio: cached / prompt, None before any prompt)."""
+
+    pool: str
+    members: list[str]
+    waiting: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_ratio: float | None
+
+
 class PageState(TypedDict):
     """The document of `/api/ui/state`."""
 
@@ -561,7 +574,24 @@ class PageState(TypedDict):
     recent: list[RecentRow]
     recent_other: list[RecentRow]
     budgets: list[KeyBudgets]
+    pools: list[PoolRow]
     rows_dropped: int
+
+
+def pools(registry: Registry) -> list[PoolRow]:
+    """The pools the registry has figures of (the caller's `gauged()` just set their live
+    ones), by name."""
+    return [
+        {
+            "pool": name,
+            "members": list(p.members),
+            "waiting": p.waiting,
+            "prompt_tokens": p.prompt_tokens,
+            "cached_tokens": p.cached_tokens,
+            "hit_ratio": None if p.hit_ratio is None else round(p.hit_ratio, 4),
+        }
+        for name, p in sorted(registry.pools.items())
+    ]
 
 
 def upstream_figures(up: MeteredUpstream, now: float) -> UpstreamFigures:
@@ -588,7 +618,8 @@ def state(app: PageSource, wall: float, now: float) -> PageState:
     `other_requests_total`, series with `generating` false): the page leaves them out of its
     counts, latency figures and charts unless asked (`/ui?all=1`, or its toggle). Each key's
     requests in flight and queued are `registry.key_live` as the caller's `gauged()` just set
-    them (the figures of the process holding the slots: the parent, with workers)."""
+    them (the figures of the process holding the slots: the parent, with workers), and so are
+    the pools' live figures (`pools`)."""
     recent = app.ui_recent
     return {
         "now": wall,
@@ -599,5 +630,6 @@ def state(app: PageSource, wall: float, now: float) -> PageState:
         "budgets": budgets(
             app.config.key, lambda k: app.budgets.usage(k, wall), app.registry.key_live
         ),
+        "pools": pools(app.registry),
         "rows_dropped": app.store.rows_dropped,
     }

@@ -520,3 +520,49 @@ async def test_charts_fit_and_draw_in_chromium(make_relay, sim, browser, tmp_pat
         await page.screenshot(str(tmp_path / f"charts-{width}-to-{then}.png"))
         assert page.errors() == []
         await page.close()
+
+
+def pool_row(name: str) -> str:
+    return (
+        f"[...document.querySelectorAll('#pools tr[data-pool=\"{name}\"] td')]"
+        ".map(td => td.textContent)"
+    )
+
+
+async def test_pools_table_shows_the_hit_ratio_in_chromium(make_relay, sim, sim_b, browser):
+    """The pools table: a pool's members, its queue and its prompt-cache hit ratio, the
+    figures the test reads off the rows (each simulator keeps a prompt cache per slot)."""
+    ups = [
+        UpstreamConfig(name="a", url=sim.url, models=["tiny"], parallel=2),
+        UpstreamConfig(name="b", url=sim_b.url, models=["tiny"], parallel=2),
+    ]
+    app = await make_relay(upstreams=ups)
+    page = await browser.page()
+    await page.navigate(f"http://127.0.0.1:{app.port}/ui")
+    assert await page.wait_for(f"{pool_row('tiny')}.length === 6") is True
+    assert await page.eval(pool_row("tiny")) == ["tiny", "a, b", "0", "0", "0", ""]
+    system = {"role": "system", "content": "You answer in one line. " * 20}
+    turn = [system, {"role": "user", "content": "What is a relay?"}]
+    first = await httpc.fetch(
+        app.port, "POST", CHAT, {**httpc.chat(3, stream=False), "messages": turn}
+    )
+    turn += [first.json()["choices"][0]["message"], {"role": "user", "content": "And a pool?"}]
+    second = await httpc.fetch(
+        app.port, "POST", CHAT, {**httpc.chat(3, stream=False), "messages": turn}
+    )
+    assert first.status == second.status == 200
+    app.store.flush()
+    rows = app.store.query("SELECT pool, prompt_tokens, cached_tokens FROM request")
+    assert [r["pool"] for r in rows] == ["tiny", "tiny"] and rows[1]["cached_tokens"] > 0
+    prompt = sum(r["prompt_tokens"] for r in rows)
+    cached = sum(r["cached_tokens"] or 0 for r in rows)
+    expect = ["tiny", "a, b", "0", str(prompt), str(cached), f"{100 * cached / prompt:.1f} %"]
+    assert (
+        await page.wait_for(
+            f"JSON.stringify({pool_row('tiny')}) === {json.dumps(json.dumps(expect, separators=(',', ':')))}",
+            timeout=15,
+        )
+        is True
+    )
+    assert page.errors() == []
+    await page.close()

@@ -126,6 +126,7 @@ function render(state) {
   renderCharts(state.trend, state.now);
   renderRecent(showAll ? merged(state.recent, state.recent_other) : state.recent);
   renderBudgets(state.budgets);
+  renderPools(state.pools || []);
 }
 
 function merged(rows, other) {
@@ -360,6 +361,18 @@ function renderBudgets(keys) {
   }
   if (!rows.length) rows.push(el("tr", {}, el("td", {colspan: 6, class: "empty"}, "no API keys configured")));
   body.replaceChildren(...rows);
+}
+
+// One row per pool: its members, its queue now, and its prompt-cache hit ratio.
+function renderPools(pools) {
+  const rows = pools.map((p) => el("tr", {"data-pool": p.pool},
+    el("td", {}, p.pool), el("td", {}, p.members.join(", ")),
+    el("td", {class: "num", "data-role": "waiting"}, p.waiting),
+    el("td", {class: "num"}, p.prompt_tokens), el("td", {class: "num"}, p.cached_tokens),
+    el("td", {class: "num", "data-role": "hit-ratio"},
+       p.hit_ratio === null ? "" : (100 * p.hit_ratio).toFixed(1) + " %")));
+  if (!rows.length) rows.push(el("tr", {}, el("td", {colspan: 6, class: "empty"}, "no pool served yet")));
+  $("pools").tBodies[0].replaceChildren(...rows);
 }
 
 start();
