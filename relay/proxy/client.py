@@ -132,9 +132,10 @@ class ClientConn(asyncio.Protocol):
         self.h11: h11.Connection | None = None
         # A request is being served.
         self.busy = False
-        # Bytes received and not yet handed to h11, and a scheduled continuation of the
+        # Bytes received and not yet handed to h11 (b"" while none: an open connection keeps
+        # no buffer; a bytearray once it held any), and a scheduled continuation of the
         # parsing.
-        self.inbox = bytearray()
+        self.inbox: bytes | bytearray = b""
         self.turn: asyncio.Handle | None = None
         # Answered an error mid-request: input is read and discarded, then the close.
         self.lingering = False
@@ -144,15 +145,17 @@ class ClientConn(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.wait = _NO_WAIT
         self.head: h11.Request | None = None
-        self.raw: fields.Headers = []
-        # Bytes handed to h11 since the last head (the obs-fold check).
-        self.head_bytes = bytearray()
+        self.raw: fields.Headers | None = None
+        # Bytes handed to h11 since the last head (the obs-fold check), and the body read
+        # so far: b"" between requests (a stream being relayed keeps no buffer), the piece
+        # itself while there is one, a bytearray from the second piece on.
+        self.head_bytes: bytes | bytearray = b""
         self.awaiting_head = True
         self.key_id: str | None = None
         # The client's address (the admin rule reads it).
         self.peer_host: str | None = None
         self.path = ""
-        self.body = bytearray()
+        self.body: bytes | bytearray = b""
         self.body_size = 0
         self.chunks = 0
         # Body bytes taken from the relay-wide bound.
@@ -194,8 +197,12 @@ class ClientConn(asyncio.Protocol):
             self._give(data)
             self._pump()
             return
-        self.inbox += data
-        if len(self.inbox) > _READ_BUFFER_LIMIT:
+        inbox = self.inbox
+        if inbox:
+            inbox += data
+        else:
+            inbox = self.inbox = bytearray(data)
+        if len(inbox) > _READ_BUFFER_LIMIT:
             self.transport.pause_reading()
         if self.busy or self.turn is not None:
             return
@@ -213,7 +220,7 @@ class ClientConn(asyncio.Protocol):
         self.app.forget(self)
         self._disarm()
         self._cancel_turn()
-        self.inbox = bytearray()
+        self.inbox = b""
         if self.exchange is not None:
             self.exchange.client_gone()
         elif self.task is not None and not self.task.done():
@@ -252,14 +259,23 @@ class ClientConn(asyncio.Protocol):
             self.transport.resume_reading()
 
     def _feed(self) -> int:
-        piece = bytes(self.inbox[:_SLICE])
-        del self.inbox[:_SLICE]
+        inbox = self.inbox
+        # (Called only while the inbox holds bytes: a bytearray then.)
+        assert isinstance(inbox, bytearray)
+        piece = bytes(inbox[:_SLICE])
+        del inbox[:_SLICE]
         self._give(piece)
         return len(piece)
 
     def _give(self, piece: bytes) -> None:
         if self.awaiting_head:
-            self.head_bytes += piece
+            head = self.head_bytes
+            if not head:
+                self.head_bytes = piece
+            else:
+                if not isinstance(head, bytearray):
+                    head = self.head_bytes = bytearray(head)
+                head += piece
         if self.h11 is None:
             self.h11 = self._new_h11()
         self.h11.receive_data(piece)
@@ -321,8 +337,7 @@ class ClientConn(asyncio.Protocol):
         before any body byte; `folded`: it held an obs-fold."""
         self.head = ev
         self.awaiting_head = False
-        self.head_bytes = bytearray()
-        self.body = bytearray()
+        self.head_bytes = self.body = b""
         self.body_size = self.chunks = 0
         raw = self.raw = fields.request_headers(ev.headers)
         app = self.app
@@ -366,11 +381,18 @@ class ClientConn(asyncio.Protocol):
             self._reject(request_head.busy(bodies.limit))
             return False
         self.held += n
-        self.body += data
+        body = self.body
+        if not body:
+            # The usual body is one piece: kept as read, not copied (nor by `_dispatch`).
+            self.body = data
+        else:
+            if not isinstance(body, bytearray):
+                body = self.body = bytearray(body)
+            body += data
         return True
 
     def _release_body(self) -> None:
-        self.body = bytearray()
+        self.body = b""
         if self.held:
             self.app.bodies.give(self.held)
             self.held = 0
@@ -381,11 +403,13 @@ class ClientConn(asyncio.Protocol):
         ev = self.head
         assert ev is not None
         body = bytes(self.body)
-        self.body = bytearray()
+        self.body = b""
+        raw = self.raw
+        assert raw is not None
         req = Request(
             ev.method,
             ev.target,
-            self.raw,
+            raw,
             body,
             self.http11,
             self.wants_keep_alive,
@@ -393,12 +417,12 @@ class ClientConn(asyncio.Protocol):
             self.path,
         )
         self.head = None
-        self.raw = []
+        self.raw = None
         self.busy = True
         # The request is read whole: what came past it (a pipelined next request) waits in
         # the inbox with what arrives meanwhile, and h11 itself is dropped (see __init__).
         if trailing:
-            self.inbox[:0] = trailing
+            self.inbox = bytearray(trailing) + self.inbox
         self.h11 = None
         self.out.begin()
         self.task = self.loop.create_task(self.app.dispatcher.handle(self, req))
@@ -410,7 +434,7 @@ class ClientConn(asyncio.Protocol):
         self._disarm()
         self._cancel_turn()
         self.busy = True
-        self.inbox = bytearray()
+        self.inbox = b""
         self._release_body()
         head = self.head
         headers = head.headers.raw_items() if head is not None else []
@@ -444,7 +468,7 @@ class ClientConn(asyncio.Protocol):
         # (Already None, unless the request was answered before it was read whole.)
         self.h11 = None
         self.awaiting_head = True
-        self.head_bytes = bytearray()
+        self.head_bytes = b""
         self.busy = False
         self.transport.resume_reading()
         self._arm(_IDLE, self.app.config.server.keepalive_timeout_s)
