@@ -29,7 +29,7 @@ from enum import Enum, auto
 import msgspec
 
 from relay.errors import UpstreamErrorFields, reason_phrase
-from relay.http.fields import HeaderPairs, Headers
+from relay.http.fields import HeaderPairs
 from relay.http.response_framing import BodyKind, Carriage, payload_of
 from relay.http.response_head import ResponseHead
 from relay.http.to_client import client_response, with_cors
@@ -121,8 +121,8 @@ class Hold:
         keep_alive: bool = True,
     ) -> None:
         self.request_id = request_id
-        # The headers every response of this request carries (CORS).
-        self.extra: Headers = list(extra)
+        # The headers every response of this request carries (CORS), as given: not copied.
+        self.extra = extra
         # The client's side: its HTTP version and whether it wants the connection kept.
         self.http11 = http11
         self.keep_alive: bool = keep_alive

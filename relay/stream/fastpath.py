@@ -62,20 +62,30 @@ class Shape:
                 _SHARED.clear()
             shared = _SHARED[prefix] = (prefix, {})
         self.prefix, self.heads = shared
-        self.lp, self.sfx = len(prefix), sfx
-        # A one-event chunk ends so.
+        self.lp = len(prefix)
+        # A one-event chunk ends so; the suffix alone is kept too only once a read of several
+        # events in a chunk asks (`suffix`): it holds the stream's id, so each stream keeps
+        # its own, about 200 bytes for llama-server's, which sends one event a chunk.
         self.sfxc = sfx + b"\r\n"
+        self.sfx: bytes | None = None
         # The suffix around its varying value, set together.
         self.s1: bytes | None = None
         self.s2 = self.s2c = b""
         self.split = False
+
+    def suffix(self) -> bytes:
+        """The suffix alone: from the text's closing quote to the event's end."""
+        sfx = self.sfx
+        if sfx is None:
+            sfx = self.sfx = self.sfxc[:-2]
+        return sfx
 
     def vary(self) -> bytes | None:
         """`s1` (with `s2`, `s2c`), found the first time a read asks; None when the suffix
         ends in no `:"value"` that may vary."""
         if not self.split:
             self.split = True
-            sfx = self.sfx
+            sfx = self.suffix()
             r2 = sfx.rfind(b'"')
             r1 = sfx.rfind(b'"', 0, r2)
             # `:"value"` (58 is `:`, 92 a backslash).
@@ -174,8 +184,8 @@ def several(data: bytes, shape: Shape) -> int:
     event with the learned suffix is seen whole; others event by event (`tokens`)."""
     n = len(data)
     pos = count = 0
-    prefix, lp, sfx = shape.prefix, shape.lp, shape.sfx
-    ls = len(sfx)
+    prefix, lp, sfxc = shape.prefix, shape.lp, shape.sfxc
+    ls = len(sfxc) - 2
     while pos < n:
         # (a size of 2 or 3 hex digits, looked at directly)
         nl = (
@@ -197,7 +207,8 @@ def several(data: bytes, shape: Shape) -> int:
         # The last chunk (size 0) ends the body: it is never here.
         if size <= lp or not data.startswith(prefix, start) or data[end:pos] != b"\r\n":
             return 0
-        if data.startswith(sfx, end - ls):
+        # (The chunk's CRLF follows at `end`: the suffix with it.)
+        if data.startswith(sfxc, end - ls):
             text = data[start + lp : end - ls]
             if text and not (34 in text or 10 in text or 13 in text or text in _META_WORDS):
                 count += 1
@@ -214,7 +225,7 @@ def tokens(data: bytes, t: int, end: int, shape: Shape) -> int:
     `t` (its prefix checked); 0 if anything else. A text or a varying value holds no CR or
     LF and is not `usage` / `timings` (quoted, a key the scanner would keep); a text is not
     empty; the suffix, learned from an event the scanner counted alone, adds nothing."""
-    sfx, s1 = shape.sfx, shape.s1 if shape.split else shape.vary()
+    sfx, s1 = shape.sfx or shape.suffix(), shape.s1 if shape.split else shape.vary()
     k = 0
     while True:
         q = data.find(b'"', t, end)

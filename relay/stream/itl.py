@@ -10,7 +10,9 @@ finding the bucket again), any other gap a `frexp` and a dict increment. Nothing
 the stream: gaps land in log-linear buckets, `SUB` (32) per octave (a bucket is at most 3.1%
 wide, its midpoint within 1.6% of any gap in it, so a quantile read as a midpoint is within
 2% of the exact one), held in a dict of the buckets actually hit (a steady stream hits a few;
-every bucket from 1 us to a day is under 1200). Gaps of exactly 0 (several events in one
+every bucket from 1 us to a day is under 1200), made when a third bucket is hit or the gaps
+are read: the last two buckets' counts are kept apart, so a stream that has had a gap or two
+(or none: it waits for its first token) holds no dict. Gaps of exactly 0 (several events in one
 read: a client sees them at once) are counted apart.
 
 Encoded rows say `o32` first; rows written before (8 buckets per octave, no marker) are read
@@ -43,7 +45,8 @@ class Gaps:
     )
 
     def __init__(self) -> None:
-        self.buckets: dict[int, int] = {}
+        # Made when first needed (`_flush`, `add`).
+        self.buckets: dict[int, int] | None = None
         # The perf_counter time of the read that held the last content event.
         self.last = 0.0
         self.max = 0.0
@@ -78,6 +81,8 @@ class Gaps:
                 k = (e << 5) + int(m * 64.0)
                 if self.run2:
                     b = self.buckets
+                    if b is None:
+                        b = self.buckets = {}
                     b[self.key2] = b.get(self.key2, 0) + self.run2
                 self.lo2, self.hi2, self.key2, self.run2 = self.lo, self.hi, self.key, self.run
                 self.key, self.run = k, 1
@@ -86,14 +91,18 @@ class Gaps:
         else:
             self.zeros += 1
 
-    def _flush(self) -> None:
+    def _flush(self) -> dict[int, int]:
+        """The buckets, with the two last buckets' runs counted in."""
         b = self.buckets
+        if b is None:
+            b = self.buckets = {}
         if self.run:
             b[self.key] = b.get(self.key, 0) + self.run
             self.run = 0
         if self.run2:
             b[self.key2] = b.get(self.key2, 0) + self.run2
             self.run2 = 0
+        return b
 
     def events(self, now: float, before: int, after: int) -> None:
         """The count of content events went from `before` to `after` in one read at loop
@@ -113,20 +122,17 @@ class Gaps:
 
     @property
     def count(self) -> int:
-        self._flush()
-        return self.zeros + sum(self.buckets.values())
+        return self.zeros + sum(self._flush().values())
 
     def quantile(self, q: float) -> float | None:
         """Seconds: the midpoint of the bucket holding the nearest-rank q-quantile gap (0 for
         the zero gaps), never above the largest gap seen; None with no gap."""
-        self._flush()
-        return quantile_of(self.buckets, self.zeros, q, self.max)
+        return quantile_of(self._flush(), self.zeros, q, self.max)
 
     def row(self) -> tuple[float, float, str] | None:
         """What a row keeps of the gaps, in one pass over the buckets: the p50 and p99 gaps
         (as `quantile` says) and the buckets as text (`encode`); None with no gap."""
-        self._flush()
-        buckets, zeros = self.buckets, self.zeros
+        buckets, zeros = self._flush(), self.zeros
         keys = sorted(buckets)
         total = zeros + sum(buckets.values())
         if total <= 0:
@@ -137,7 +143,7 @@ class Gaps:
 
     def encode(self) -> str | None:
         """The buckets as text for a row (`z<zeros> <key>:<count> ...`); None with no gap."""
-        return encode(self.buckets, self.zeros) if self.count else None
+        return encode(self._flush(), self.zeros) if self.count else None
 
 
 # Buckets per octave, and the first word of an encoded row in these buckets.

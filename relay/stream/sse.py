@@ -254,7 +254,8 @@ class SseScanner:
         # response.created went by, that event, and the last event (its sequence_number
         # goes on).
         self.started = False
-        self.blocks: dict[int, str] = {}
+        # (Made at the first content block: most streams speak another API.)
+        self.blocks: dict[int, str] | None = None
         self.delta_seen = False
         self.head_event = b""
         self.last_event = b""
@@ -274,7 +275,7 @@ class SseScanner:
         other = copy.copy(self)
         other.on_first_content = None
         other.pending = bytes(self.pending)
-        other.blocks = dict(self.blocks)
+        other.blocks = dict(self.blocks) if self.blocks is not None else None
         other.feed(data)
         return other
 
@@ -414,8 +415,11 @@ class SseScanner:
                 start = _block_start.decode(body) if body else _BlockStart()
             except (msgspec.DecodeError, msgspec.ValidationError):
                 start = _BlockStart()
-            self.blocks[start.index] = start.content_block.type
-        elif name == b"content_block_stop":
+            blocks = self.blocks
+            if blocks is None:
+                blocks = self.blocks = {}
+            blocks[start.index] = start.content_block.type
+        elif name == b"content_block_stop" and self.blocks:
             body = event_json(ev)
             try:
                 self.blocks.pop(_block_start.decode(body).index if body else -1, None)

@@ -222,6 +222,8 @@ def test_other_reads_do_not_pass_for_the_stream_shape():
     for data in (
         good[:-1],
         good[1:],
+        good[:-2] + b"\r\r",  # the chunk's CRLF damaged, its length kept
+        good[:-2] + b"\n\n",
         chunk(TOKEN, size=len(TOKEN) + 1),
         chunk(TOKEN, size=len(TOKEN) - 1),
         chunk(TOKEN, size_text=b"0x%x" % len(TOKEN)),
@@ -252,7 +254,7 @@ def test_nothing_is_learned_from_an_event_the_scanner_would_keep_or_not_count():
     ):
         assert learn(chunk(ev)) is None, ev
     assert learn(chunk(TOKEN)[:-1]) is None
-    assert learn(chunk(TOKEN + TOKEN)).sfx == learn(chunk(TOKEN)).sfx  # (from the first event)
+    assert learn(chunk(TOKEN + TOKEN)).suffix() == learn(chunk(TOKEN)).suffix()  # (the first)
 
 
 def test_streams_whose_events_start_alike_share_one_prefix_and_its_heads():
@@ -265,7 +267,7 @@ def test_streams_whose_events_start_alike_share_one_prefix_and_its_heads():
     fastpath._SHARED.clear()  # (what earlier tests' streams left there)
     one = shape_of(TOKEN)
     two = shape_of(TOKEN.replace(b'"chatcmpl-x"', b'"chatcmpl-y"'))  # (after the text)
-    assert two.sfx != one.sfx and two.prefix is one.prefix and two.heads is one.heads
+    assert two.sfxc != one.sfxc and two.prefix is one.prefix and two.heads is one.heads
     assert events_in(chunk(retext(TOKEN, b" a")), one) == 1 and len(two.heads) == 1
     assert one.s1 is None and not one.split  # (never needed)
     f1, f2 = stream_frames(("chat", "openai", True), 1), stream_frames(("chat", "openai", True), 2)
