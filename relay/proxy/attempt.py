@@ -167,7 +167,10 @@ async def open_exchange(
         assert transport is not None
         transport.write(sent)
         ex.sent_at = time.perf_counter()
-        timer = app.loop.call_later(d.direct_read_timeout_s, ex.head_timeout)
+        # One deadline among every stream's (`Exchange.fire`), not a loop timer of its own: a
+        # slow upstream keeps many requests waiting here.
+        deadlines = app.deadlines
+        deadlines.add(app.loop.time() + d.direct_read_timeout_s, ex)
         head = ex.head_fut
         assert head is not None
         try:
@@ -186,7 +189,7 @@ async def open_exchange(
             client.exchange = None
             raise
         finally:
-            timer.cancel()
+            deadlines.cancel(ex)
             # Seen (or failed, holding an exception whose frames hold the exchange): not kept.
             ex.head_fut = None
         up.health.answered()

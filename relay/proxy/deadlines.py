@@ -1,15 +1,21 @@
-"""Many deadlines kept by one loop timer: the stall guards of every open stream.
+"""Many deadlines kept by one loop timer: every open stream's stall guard, its heartbeat until
+its first content event, its wait for the upstream's head.
 
-A loop timer per stream (uvloop: a TimerHandle and a libuv timer each, about 530 bytes) is
-most of what an idle stream's guard costs. Here every stream's next check is one heap entry
-(`(when, seq)`) and one dict entry, and a single loop timer is armed at the earliest of them.
-A deadline fires at its own time, not rounded to a tick: the loop timer is re-armed whenever
-an earlier deadline comes in.
+A loop timer per deadline (uvloop: a TimerHandle and a libuv timer each, about 530 bytes) would
+be most of what an idle stream's timers cost. Here a deadline is one heap entry, `[when,
+owner]`, and a single loop timer is armed at the earliest of them. The owner is what fires
+(`Due`: a stall guard, a reply's heartbeat, a wait for a head): it names its entry itself
+(`deadline`), so a deadline costs no callback object, no id and no dict entry either (about
+100 bytes an entry, where those made it 240: an idle stream keeps one or two). A deadline
+fires at its own time, not rounded to a tick: the loop timer is re-armed whenever an earlier
+deadline comes in.
 
-`cancel` is O(1): the entry leaves the dict and its heap entry is skipped when it comes up
-(the heap is rebuilt when skipped entries outnumber live ones, so a churn of short streams
-cannot grow it). Callbacks run in deadline order, each in its own try (one failing callback
-is reported to the loop's exception handler and does not stop the others).
+`cancel` is O(1): the entry lets go of its owner and is skipped when it comes up (the heap is
+rebuilt when skipped entries outnumber half the live ones plus 64, so a churn of short streams
+cannot grow it; every stream cancels two at its start, the wait for its upstream's head and its
+heartbeat, and with a looser bound what an idle stream holds would vary by up to two entries
+with when the last rebuild came). Owners fire in deadline order, each in its own try (one
+that fails is reported to the loop's exception handler and does not stop the others).
 
 The loop is only asked for `time()` and `call_at()`, so tests drive it with a fake clock.
 """
@@ -18,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from heapq import heapify, heappop, heappush
-from itertools import count
 from typing import Protocol
 
 # A loop timer may fire up to a clock tick early (uvloop counts whole ms).
@@ -39,34 +44,73 @@ class Clock(Protocol):
     def call_exception_handler(self, context: dict[str, object], /) -> None: ...
 
 
+class Due:
+    """What a deadline fires (`fire`), with at most one deadline at a time: `deadline` is its
+    heap entry while one is set."""
+
+    __slots__ = ("deadline",)
+
+    def __init__(self) -> None:
+        self.deadline: Entry | None = None
+
+    def fire(self) -> None:
+        raise NotImplementedError
+
+    def __lt__(self, other: Due) -> bool:
+        # Two deadlines at the same time: either may fire first.
+        return id(self) < id(other)
+
+
+class _Gone(Due):
+    """What a cancelled entry holds instead of its owner (which it no longer keeps alive)."""
+
+    __slots__ = ()
+
+    def fire(self) -> None:
+        """Never called: a cancelled entry is skipped."""
+
+
+_GONE = _Gone()
+# [when, owner]: a list, so that a cancelled entry lets go of its owner (`_GONE` instead).
+Entry = list[float | Due]
+
+
 class Deadlines:
-    __slots__ = ("_heap", "_live", "_loop", "_seq", "_timer", "_timer_at")
+    __slots__ = ("_heap", "_live", "_loop", "_timer", "_timer_at")
 
     def __init__(self, loop: Clock) -> None:
         self._loop = loop
-        self._heap: list[tuple[float, int]] = []
-        # seq -> callback, for the deadlines not cancelled.
-        self._live: dict[int, Callable[[], object]] = {}
-        self._seq = count()
+        self._heap: list[Entry] = []
+        self._live = 0
         self._timer: Cancellable | None = None
         self._timer_at = float("inf")
 
     def __len__(self) -> int:
-        return len(self._live)
+        return self._live
 
-    def add(self, when: float, callback: Callable[[], object]) -> int:
-        """Call `callback()` at loop time `when`; the id returned cancels it."""
-        seq = next(self._seq)
-        heappush(self._heap, (when, seq))
-        self._live[seq] = callback
+    def add(self, when: float, due: Due) -> None:
+        """Call `due.fire()` at loop time `when`, instead of at its deadline before (if any)."""
+        entry: Entry = [when, due]
+        old = due.deadline
+        if old is None:
+            self._live += 1
+        else:
+            old[1] = _GONE
+        due.deadline = entry
+        heappush(self._heap, entry)
         if when < self._timer_at:
             self._arm(when)
-        return seq
 
-    def cancel(self, seq: int) -> None:
-        if self._live.pop(seq, None) is not None and len(self._heap) > 2 * len(self._live) + 64:
-            live = self._live
-            self._heap = [e for e in self._heap if e[1] in live]
+    def cancel(self, due: Due) -> None:
+        """`due` is not fired (harmless if it has no deadline)."""
+        entry = due.deadline
+        if entry is None:
+            return
+        entry[1] = _GONE
+        due.deadline = None
+        self._live -= 1
+        if len(self._heap) > self._live * 3 // 2 + 64:
+            self._heap = [e for e in self._heap if e[1] is not _GONE]
             heapify(self._heap)
 
     def _arm(self, when: float) -> None:
@@ -77,25 +121,34 @@ class Deadlines:
 
     def _fire(self) -> None:
         self._timer, self._timer_at = None, float("inf")
-        heap, live = self._heap, self._live
-        due: list[Callable[[], object]] = []
+        heap = self._heap
+        due: list[Due] = []
         now = self._loop.time() + _SLACK
-        while heap and heap[0][0] <= now:
-            cb = live.pop(heappop(heap)[1], None)
-            if cb is not None:
-                due.append(cb)
-        while heap and heap[0][1] not in live:
+        while heap and _when(heap[0]) <= now:
+            owner = heappop(heap)[1]
+            if owner is not _GONE:
+                assert isinstance(owner, Due)
+                owner.deadline = None
+                self._live -= 1
+                due.append(owner)
+        while heap and heap[0][1] is _GONE:
             heappop(heap)
-        # Armed for what is left first: a callback's new deadline re-arms if earlier.
+        # Armed for what is left first: an owner's new deadline re-arms if earlier.
         if heap:
-            self._arm(heap[0][0])
-        # The callbacks run after the heap is read: one that adds a deadline (a guard not
+            self._arm(_when(heap[0]))
+        # The owners fire after the heap is read: one that sets a new deadline (a guard not
         # due yet looks again later) lands in the heap for the next firing, not in this one.
-        for cb in due:
+        for owner in due:
             try:
-                cb()
+                owner.fire()
             except Exception as exc:
-                # A bug in one guard must not leave the others unarmed.
+                # A bug in one owner must not leave the others unarmed.
                 self._loop.call_exception_handler(
                     {"message": "stall deadline callback failed", "exception": exc}
                 )
+
+
+def _when(entry: Entry) -> float:
+    when = entry[0]
+    assert not isinstance(when, Due)
+    return when

@@ -252,6 +252,7 @@ class Dispatcher:
             client.out,
             Hold(rid, ledger.cors, req.http11, req.keep_alive),
             app.config.dispatcher.heartbeat_s if rec.stream else 0.0,
+            app.deadlines,
         )
         reply.start()
         return await self._relay(client, req, rid, rec, ledger, upstreams, route, route_want, t0)

@@ -32,7 +32,7 @@ from relay.http.response_head import BadHead, HeadReader, ResponseHead
 from relay.http.to_client import server_timing
 from relay.proxy.client_flow import ClientFlow
 from relay.proxy.client_writer import ClientWriter
-from relay.proxy.deadlines import Deadlines
+from relay.proxy.deadlines import Deadlines, Due
 from relay.proxy.pool import UpstreamConn
 from relay.proxy.reply import Reply
 from relay.proxy.request import Request
@@ -102,9 +102,10 @@ def _ended(*_: object) -> None:
     exchange is kept alive by them."""
 
 
-class Exchange(asyncio.BaseProtocol):
+class Exchange(asyncio.BaseProtocol, Due):
     """Reads the upstream: its head (handed to the dispatcher), then the body, relayed as it
-    comes; the stall guard, client flow control and the other ways an exchange is cut."""
+    comes; the stall guard, client flow control and the other ways an exchange is cut. Its
+    own deadline (`Due`) is the wait for the head (`fire`, armed by `attempt`)."""
 
     # Slots: the body path reads several fields per event, and an exchange lives as long as
     # its stream.
@@ -166,7 +167,7 @@ class Exchange(asyncio.BaseProtocol):
         # the first content event is out (then `writer`).
         self.reply: Reply | None = reply
         self.writer: ClientWriter = reply.writer
-        self.guard = StallGuard(loop, relaying.deadlines, relaying.policy, self.trip)
+        self.guard = StallGuard(loop, relaying.deadlines, relaying.policy, self)
         # Made the first time the client falls behind.
         self.flow: ClientFlow | None = None
         # The head, as it comes: resolved once it is in (the dispatcher waits for it; None
@@ -178,6 +179,7 @@ class Exchange(asyncio.BaseProtocol):
         # head was read (perf_counter): the client head's `Server-Timing`; 0: not yet.
         self.sent_at = 0.0
         self.head_at = 0.0
+        self.deadline = None
         self.got_bytes = False
         self.body_started = False
         self._leftover = b""
@@ -665,6 +667,10 @@ class Exchange(asyncio.BaseProtocol):
     def head_timeout(self) -> None:
         if self._head_failed(TimeoutError()):
             self.head_reader = None
+
+    def fire(self) -> None:
+        """The wait for the head is up (its deadline, set by `attempt`)."""
+        self.head_timeout()
 
     def client_gone(self) -> None:
         """The client closed or reset: close the upstream socket at once. A client that

@@ -4,7 +4,9 @@ and the heartbeat's timer.
 The hold (`stream.content_hold`) decides what is held and what goes out; a `Reply` writes each
 step through the connection's `ClientWriter` and keeps the heartbeat: a streamed request
 that got nothing for `heartbeat_s` gets a 200 event-stream head and a heartbeat comment each
-`heartbeat_s` until content. The timer is re-armed lazily from the last write to the client.
+`heartbeat_s` until content. The timer is re-armed lazily from the last write to the client;
+it is one deadline among every stream's (`deadlines`: one loop timer for all), not a loop timer
+of its own, since a stream waiting for its first token keeps it the whole wait.
 When a heartbeat falls due while an exchange holds its upstream's head, the exchange commits
 with that head (`EarlyCommit`, attached while it holds one); otherwise the relay's own head
 goes out.
@@ -20,6 +22,7 @@ from relay.errors import UpstreamErrorFields
 from relay.http.response_framing import BodyKind, Carriage
 from relay.http.response_head import ResponseHead
 from relay.proxy.client_writer import ClientWriter
+from relay.proxy.deadlines import Deadlines, Due
 from relay.stream.content_hold import COMMITTED, NOTHING, OPEN, WRITTEN, Hold, Out, Took
 from relay.stream.dialect import Api
 
@@ -30,23 +33,31 @@ class EarlyCommit(Protocol):
     def commit_early(self) -> None: ...
 
 
-class Reply:
+class Reply(Due):
+    """The heartbeat's deadline is this reply's (`Due.deadline`) while armed."""
+
     __slots__ = (
+        "deadlines",
         "hold",
         "holder",
         "interval",
         "loop",
         "since",
         "stamp",
-        "timer",
         "timer_at",
         "writer",
     )
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, writer: ClientWriter, hold: Hold, interval: float
+        self,
+        loop: asyncio.AbstractEventLoop,
+        writer: ClientWriter,
+        hold: Hold,
+        interval: float,
+        deadlines: Deadlines,
     ) -> None:
         self.loop = loop
+        self.deadlines = deadlines
         self.writer = writer
         self.hold = hold
         # heartbeat_s; 0: never commit early.
@@ -54,7 +65,7 @@ class Reply:
         self.holder: EarlyCommit | None = None
         # The relay's Server-Timing line for the upstream's head, made as it goes out.
         self.stamp: Callable[[], bytes] | None = None
-        self.timer: asyncio.TimerHandle | None = None
+        self.deadline = None
         self.timer_at = 0.0
         self.since = 0.0
 
@@ -84,10 +95,10 @@ class Reply:
 
     def _arm(self, at: float) -> None:
         self.timer_at = at
-        self.timer = self.loop.call_at(at, self._tick)
+        self.deadlines.add(at, self)
 
-    def _tick(self) -> None:
-        self.timer = None
+    def fire(self) -> None:
+        """The heartbeat's deadline is up: a heartbeat, or armed again from the last write."""
         hold, writer = self.hold, self.writer
         if hold.over or writer.gone:
             return
@@ -107,9 +118,7 @@ class Reply:
         """No more heartbeats (the hold opened, or the request ends)."""
         self.holder = None
         self.stamp = None
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self.deadlines.cancel(self)
 
     # ---- the exchange holding its head -------------------------------------------------
     def hold_head(

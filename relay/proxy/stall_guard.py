@@ -4,15 +4,15 @@ for all), re-armed lazily from the last upstream read, and the rule it applies
 
 The exchange notes each read's time (`last_read`) and the client's pauses: a client that is
 the slow side owes the upstream no read, so the idle bound waits for it (`pause`, `resume`).
-When the rule says the stream is stuck, `on_stall(reason, now)` is called, once.
+When the rule says the stream is stuck, its owner's `trip(reason, now)` is called, once (the
+owner itself is kept, not a bound method of it: a stream keeps its guard).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
-from relay.proxy.deadlines import Deadlines
+from relay.proxy.deadlines import Deadlines, Due
 from relay.stream.stall import StallPolicy, StallReason
 
 
@@ -20,51 +20,50 @@ class Clock(Protocol):
     def time(self) -> float: ...
 
 
-OnStall = Callable[[StallReason, float], None]
+class Stalls(Protocol):
+    """What a guard trips: its exchange."""
+
+    def trip(self, reason: StallReason, now: float) -> None: ...
 
 
-def _ended(_reason: StallReason, _now: float) -> None:
-    """What a cancelled guard calls instead of its exchange (no reference is kept to it)."""
+class StallGuard(Due):
+    """One exchange's guard; its deadline among every stream's (`Due.deadline`) while armed."""
 
-
-class StallGuard:
     __slots__ = (
         "clock",
         "deadlines",
         "head_at",
         "head_seen",
         "last_read",
-        "on_stall",
+        "owner",
         "paused",
         "policy",
-        "timer",
     )
 
     def __init__(
-        self, clock: Clock, deadlines: Deadlines, policy: StallPolicy, on_stall: OnStall
+        self, clock: Clock, deadlines: Deadlines, policy: StallPolicy, owner: Stalls
     ) -> None:
         self.clock = clock
         self.deadlines = deadlines
         self.policy = policy
-        self.on_stall = on_stall
+        # None once cancelled: no reference is kept to the exchange.
+        self.owner: Stalls | None = owner
         # The response head is in, and the loop times of it and of the last upstream read.
         self.head_seen = False
         self.head_at = 0.0
         self.last_read = 0.0
         self.paused = False
-        self.timer: int | None = None
+        self.deadline = None
 
     def head_in(self, now: float) -> None:
         self.head_seen = True
         self.head_at = self.last_read = now
 
     def arm(self) -> None:
-        self.timer = self.deadlines.add(
-            self.policy.next_check(self.head_at, self.last_read), self._check
-        )
+        self.deadlines.add(self.policy.next_check(self.head_at, self.last_read), self)
 
-    def _check(self) -> None:
-        self.timer = None
+    def fire(self) -> None:
+        """The deadline is up: stalled, or armed again for the next check."""
         now = self.clock.time()
         if self.paused:
             # The client is the slow side: reads are not owed.
@@ -73,7 +72,9 @@ class StallGuard:
         if reason is None:
             self.arm()
             return
-        self.on_stall(reason, now)
+        owner = self.owner
+        if owner is not None:
+            owner.trip(reason, now)
 
     def elapsed(self, reason: StallReason, now: float) -> float:
         return self.policy.elapsed(reason, now, self.head_at, self.last_read)
@@ -86,7 +87,5 @@ class StallGuard:
         self.last_read = now
 
     def cancel(self) -> None:
-        if self.timer is not None:
-            self.deadlines.cancel(self.timer)
-            self.timer = None
-        self.on_stall = _ended
+        self.deadlines.cancel(self)
+        self.owner = None

@@ -1,12 +1,27 @@
-"""relay/stream/deadlines.py with a fake loop clock: many stall guards on one loop timer."""
+"""relay/proxy/deadlines.py with a fake loop clock: many stall guards on one loop timer."""
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
-from relay.proxy.deadlines import Deadlines
+from relay.proxy.deadlines import Deadlines, Due
 from relay.stream.stall import StallPolicy
 from tests.support.fake_loop import FakeLoop
+
+
+class Call(Due):
+    """A deadline's owner that calls `fn` when it fires."""
+
+    __slots__ = ("__weakref__", "fn")
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def fire(self) -> None:
+        self.fn()
 
 
 def test_each_deadline_fires_at_its_own_time_in_order():
@@ -14,7 +29,7 @@ def test_each_deadline_fires_at_its_own_time_in_order():
     d = Deadlines(loop)
     fired = []
     for when in (5.0, 1.0, 3.0, 2.5):
-        d.add(when, lambda w=when: fired.append((w, loop.now)))
+        d.add(when, Call(lambda w=when: fired.append((w, loop.now))))
     loop.run_until(10.0)
     assert fired == [(1.0, 1.0), (2.5, 2.5), (3.0, 3.0), (5.0, 5.0)]
     assert len(d) == 0
@@ -24,9 +39,9 @@ def test_one_loop_timer_for_many_deadlines():
     loop = FakeLoop()
     d = Deadlines(loop)
     for i in range(1000):
-        d.add(100.0 + i, lambda: None)
+        d.add(100.0 + i, Call(lambda: None))
     assert len(loop.armed()) == 1 and loop.armed()[0].when == 100.0
-    d.add(50.0, lambda: None)  # an earlier one re-arms the single timer
+    d.add(50.0, Call(lambda: None))  # an earlier one re-arms the single timer
     assert len(loop.armed()) == 1 and loop.armed()[0].when == 50.0
 
 
@@ -34,13 +49,43 @@ def test_cancelled_deadline_never_fires_and_the_heap_stays_bounded():
     loop = FakeLoop()
     d = Deadlines(loop)
     fired = []
-    keep = d.add(1000.0, lambda: fired.append("kept"))
+    keep = Call(lambda: fired.append("kept"))
+    d.add(1000.0, keep)
     for i in range(10000):  # a churn of short streams: each cancels its guard
-        d.cancel(d.add(500.0 + i * 0.001, lambda: fired.append("cancelled")))
-    assert len(d._heap) <= 2 * len(d) + 65
+        short = Call(lambda: fired.append("cancelled"))
+        d.add(500.0 + i * 0.001, short)
+        d.cancel(short)
+    assert len(d._heap) <= len(d) * 3 // 2 + 65
     loop.run_until(2000.0)
     assert fired == ["kept"]
     d.cancel(keep)  # (cancelling a fired one is harmless)
+
+
+def test_an_owner_has_one_deadline_a_new_one_replaces_it():
+    loop = FakeLoop()
+    d = Deadlines(loop)
+    fired = []
+    owner = Call(lambda: fired.append(loop.now))
+    d.add(5.0, owner)
+    d.add(2.0, owner)  # earlier
+    d.add(3.0, owner)  # then later again
+    assert len(d) == 1
+    loop.run_until(10.0)
+    assert fired == [3.0] and len(d) == 0 and owner.deadline is None
+
+
+def test_a_cancelled_deadline_keeps_nothing_of_its_owner():
+    """A stream that ends cancels its deadlines: the entries left in the heap until a rebuild
+    must not keep the stream's objects alive meanwhile."""
+    loop = FakeLoop()
+    d = Deadlines(loop)
+    owner = Call(lambda: None)
+    gone = weakref.ref(owner)
+    d.add(300.0, owner)
+    d.cancel(owner)
+    del owner
+    gc.collect()
+    assert gone() is None and len(d._heap) == 1 and len(d) == 0
 
 
 def test_a_callback_adding_a_later_deadline_is_fired_later_not_now():
@@ -51,10 +96,11 @@ def test_a_callback_adding_a_later_deadline_is_fired_later_not_now():
     def again():
         fired.append(loop.now)
         if loop.now < 5.0:
-            d.add(loop.now + 2.0, again)
+            d.add(loop.now + 2.0, owner)
 
-    d.add(1.0, again)
-    d.add(2.0, lambda: fired.append(("other", loop.now)))
+    owner = Call(again)
+    d.add(1.0, owner)
+    d.add(2.0, Call(lambda: fired.append(("other", loop.now))))
     loop.run_until(100.0)
     assert fired == [1.0, ("other", 2.0), 3.0, 5.0]
 
@@ -64,8 +110,8 @@ def test_an_earlier_deadline_left_after_a_firing_is_not_skipped():
     loop = FakeLoop()
     d = Deadlines(loop)
     fired = []
-    d.add(1.0, lambda: d.add(10.0, lambda: fired.append(("late", loop.now))))
-    d.add(4.0, lambda: fired.append(("waiting", loop.now)))
+    d.add(1.0, Call(lambda: d.add(10.0, Call(lambda: fired.append(("late", loop.now))))))
+    d.add(4.0, Call(lambda: fired.append(("waiting", loop.now))))
     loop.run_until(20.0)
     assert fired == [("waiting", 4.0), ("late", 10.0)]
 
@@ -74,7 +120,7 @@ def test_a_timer_firing_a_tick_early_still_fires_the_deadline():
     loop = FakeLoop()
     d = Deadlines(loop)
     fired = []
-    d.add(1.0, lambda: fired.append(loop.now))
+    d.add(1.0, Call(lambda: fired.append(loop.now)))
     loop.armed()[0].when = 0.9995  # uvloop rounds to whole ms
     loop.run_until(0.9995)
     assert fired == [0.9995]
@@ -84,19 +130,20 @@ def test_a_failing_callback_does_not_stop_the_others():
     loop = FakeLoop()
     d = Deadlines(loop)
     fired = []
-    d.add(1.0, lambda: 1 / 0)
-    d.add(1.0, lambda: fired.append(1))
-    d.add(2.0, lambda: fired.append(2))
+    d.add(1.0, Call(lambda: 1 / 0))
+    d.add(1.0, Call(lambda: fired.append(1)))
+    d.add(2.0, Call(lambda: fired.append(2)))
     loop.run_until(3.0)
     assert fired == [1, 2] and len(loop.errors) == 1
     assert isinstance(loop.errors[0]["exception"], ZeroDivisionError)
 
 
-class Guard:
+class Guard(Due):
     """An exchange's stall guard as proxy.exchange arms it: lazily re-armed from the last
     read, tripped once `StallPolicy.due` says so."""
 
     def __init__(self, loop, d: Deadlines, policy: StallPolicy, reads: list[float]) -> None:
+        super().__init__()
         self.loop, self.d, self.policy = loop, d, policy
         self.head_at = self.last_read = loop.now
         self.reads = reads  # loop times at which the upstream sends a byte
@@ -104,9 +151,9 @@ class Guard:
         self.arm()
 
     def arm(self) -> None:
-        self.d.add(self.policy.next_check(self.head_at, self.last_read), self.check)
+        self.d.add(self.policy.next_check(self.head_at, self.last_read), self)
 
-    def check(self) -> None:
+    def fire(self) -> None:
         now = self.loop.now
         self.last_read = max([self.last_read] + [r for r in self.reads if r <= now])
         reason = self.policy.due(now, self.head_at, self.last_read)

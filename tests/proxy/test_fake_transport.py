@@ -89,7 +89,7 @@ TOKEN = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
 def exchange(loop: _Loop, transport: FakeTransport, hold: Hold | None = None, idle_s=300.0):
     writer = ClientWriter(loop, transport)
     req = Request(b"POST", b"/v1/chat/completions", [], b"{}", True, True)
-    reply = Reply(loop, writer, hold or Hold(b"r1"), 0.0)
+    reply = Reply(loop, writer, hold or Hold(b"r1"), 0.0, Deadlines(loop))
     aborted = []
     conn = types.SimpleNamespace(handler=None, transport=None, abort=lambda: aborted.append(1))
     relaying = X.Relaying(loop, Deadlines(loop), StallPolicy(idle_s, 0.0, 300.0), 10.0)

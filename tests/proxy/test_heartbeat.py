@@ -210,7 +210,7 @@ async def test_heartbeat_off_holds_pings_as_before(make_relay, upstreams):
     c = await Client.post(app.port, body())
     await wait_for(lambda: hold_of(app) is not None and hold_of(app).hold.parts)  # the ping is in
     reply = hold_of(app)
-    assert (reply.hold.sent, reply.timer, reply.hold.parts) == (False, None, [F.chunk(PING)])
+    assert (reply.hold.sent, reply.deadline, reply.hold.parts) == (False, None, [F.chunk(PING)])
     gate.open(0)
     await c.expect(CLIENT_HEAD + F.chunk(PING) + F.chunk(ROLE) + F.chunk(TOKENS[0]) + REST)
     c.close()
@@ -579,7 +579,7 @@ async def test_unstreamed_request_gets_no_heartbeat(make_relay, upstreams):
     task = asyncio.ensure_future(httpc.fetch(app.port, "POST", CHAT, body(stream=False)))
     await wait_for(lambda: up.heads)
     hold = hold_of(app)
-    assert (hold.interval, hold.timer) == (0, None)  # no heartbeat is armed
+    assert (hold.interval, hold.deadline) == (0, None)  # no heartbeat is armed
     gate.open(0)
     resp = await task
     assert (resp.status, resp.body) == (200, doc)

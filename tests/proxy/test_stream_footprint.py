@@ -21,7 +21,7 @@ async def test_a_streaming_request_keeps_one_frame_no_h11_no_request(make_relay,
     # the upstream's head was written and seen: not kept
     assert ex.head_resp is None and ex.head_fut is None
     # the client never fell behind: no flow-control object; the guard is one shared deadline
-    assert ex.flow is None and ex.guard.timer is not None and len(app.deadlines) == 1
+    assert ex.flow is None and ex.guard.deadline is not None and len(app.deadlines) == 1
     # the request's task waits with the dispatcher's entry frame alone, the request dropped
     frames = client.task.get_stack()
     assert [f.f_code.co_name for f in frames] == ["handle"]

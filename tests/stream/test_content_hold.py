@@ -8,6 +8,7 @@ import pytest
 from relay.errors import UpstreamErrorFields
 from relay.http.chunked import frame
 from relay.proxy.client_writer import ClientWriter
+from relay.proxy.deadlines import Deadlines
 from relay.proxy.reply import Reply
 from relay.stream import content_hold as H
 from relay.stream import dialect as D
@@ -34,7 +35,7 @@ class Driven:
         self.transport = Transport()
         self.writer = ClientWriter(loop, self.transport)
         self.hold = H.Hold(b"r1", extra, http11, http11)
-        self.reply = Reply(loop, self.writer, self.hold, interval)
+        self.reply = Reply(loop, self.writer, self.hold, interval, Deadlines(loop))
 
     def __getattr__(self, name: str):
         return getattr(self.hold, name)

@@ -437,7 +437,7 @@ def _exchange(loop: _Loop, out: list) -> X.Exchange:
     until its first content event."""
     writer = ClientWriter(loop, _Transport(out))
     req = Request(b"POST", b"/v1/chat/completions", [], b"", True, True)
-    reply = Reply(loop, writer, Hold(b"r1"), 0.0)
+    reply = Reply(loop, writer, Hold(b"r1"), 0.0, Deadlines(loop))
     conn = types.SimpleNamespace(handler=None, transport=None, abort=lambda: None)
     relaying = X.Relaying(loop, Deadlines(loop), StallPolicy(300.0, 0.0, 300.0), 10.0)
     ex = X.Exchange(relaying, conn, req, reply, X.Hop("llm", "m", False))
