@@ -44,9 +44,10 @@ class BadHead(ValueError):
 
 class ResponseHead:
     """The final response head: `headers` are the (name as sent, value) pairs in order, with
-    their lower-case names beside them (`http.fields.HeaderList`)."""
+    their lower-case names beside them (`http.fields.HeaderList`); `raw` its bytes as read
+    (parsed again they give the same head: a response held a long time keeps them alone)."""
 
-    __slots__ = ("headers", "http_version", "reason", "status_code")
+    __slots__ = ("headers", "http_version", "raw", "reason", "status_code")
 
     def __init__(
         self,
@@ -54,11 +55,13 @@ class ResponseHead:
         status_code: int,
         reason: bytes,
         headers: HeaderList,
+        raw: bytes,
     ) -> None:
         self.http_version = http_version
         self.status_code = status_code
         self.reason = reason
         self.headers = headers
+        self.raw = raw
 
 
 class HeadReader:
@@ -160,7 +163,7 @@ def _one_head(buf: bytes, pos: int, end: int) -> ResponseHead | None:
     # An interim response: the final one follows.
     if status < 200:
         return None
-    return ResponseHead(version, status, m.group(3) or b"", headers)
+    return ResponseHead(version, status, m.group(3) or b"", headers, buf[pos:end])
 
 
 def is_chunked(value: bytes) -> bool:

@@ -55,6 +55,9 @@ _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
 # class costs Python 3.11 far more than a global.
 DONE = Outcome.DONE
 DRAINED = Drain.DRAINED
+# No member left out: one set for every request (an empty frozenset is 216 bytes, kept by the
+# frames of a request while it waits for its upstream's head).
+_NONE_LEFT_OUT: frozenset[str] = frozenset()
 
 
 class Ended(msgspec.Struct, frozen=True, gc=False):
@@ -64,7 +67,8 @@ class Ended(msgspec.Struct, frozen=True, gc=False):
 
 
 class Streaming(msgspec.Struct, frozen=True, gc=False):
-    """The exchange still relays its body to the client: `handle` waits for its end."""
+    """The exchange still relays its body to the client, or holds it until its first content
+    event with no other candidate left: `handle` waits for its end."""
 
     exchange: Exchange
 
@@ -237,6 +241,8 @@ class Dispatcher:
         if large:
             await asyncio.sleep(0)
         self._reserve(req, rec, ledger, peek)
+        # What the body said is in the record and the ledger: not kept while the request waits.
+        del peek
         route_want = NO_WANT
         if ledger.generates and len(route.pool.members) > 1:
             # Where in the pool the conversation is cached: what the model reads, hashed.
@@ -270,7 +276,7 @@ class Dispatcher:
         for c, pool in enumerate(candidates):
             later = candidates[c + 1] if c < len(candidates) - 1 else None
             want = route_want if c == 0 else NO_WANT
-            tried: set[str] = set()
+            tried: list[str] = []
             while True:
                 ready, down = self._eligible(upstreams, pool, tried)
                 if not ready:
@@ -281,7 +287,7 @@ class Dispatcher:
                 more = later is not None or len(ready) > 1
                 rec.fallback_attempts = attempts
                 attempts += 1
-                exclude = frozenset(m for m in pool.members if m not in ready)
+                exclude = frozenset(m for m in pool.members if m not in ready) or _NONE_LEFT_OUT
                 try:
                     return await self._attempt(
                         client, req, rid, rec, ledger, upstreams, pool, want, exclude, more, t0
@@ -296,7 +302,7 @@ class Dispatcher:
 
     def _retried(
         self, rec: Record, ledger: Ledger, retry: Retry, pool: Pool, others: bool,
-        later: Pool | None, tried: set[str],
+        later: Pool | None, tried: list[str],
     ) -> bool:  # fmt: skip
         """An attempt failed before content: its slot back, its member tried; whether another
         member of the pool is next (`others` left and the pool was not busy), and the log of
@@ -307,7 +313,7 @@ class Dispatcher:
         ledger.release_slot()
         up = ledger.up
         assert up is not None
-        tried.add(up.name)
+        tried.append(up.name)
         # A busy pool has no other member to try; a member that failed does.
         again = others and not isinstance(retry, PoolBusy)
         nxt = pool if again else later
@@ -318,7 +324,7 @@ class Dispatcher:
         return again
 
     def _eligible(
-        self, upstreams: Mapping[str, Upstream], pool: Pool, tried: set[str]
+        self, upstreams: Mapping[str, Upstream], pool: Pool, tried: list[str]
     ) -> tuple[list[str], Upstream | None]:
         """The members of `pool` a request may try now (not tried yet; a member down or
         loading is passed by while another is ready, since probes watch it), and the first
@@ -480,12 +486,15 @@ class Dispatcher:
             raise unavailable(up, f"upstream {up.name} answered {status}", status=status)
         reply = ledger.reply
         assert reply is not None
-        if ex.ending is None and not reply.open:
-            # The first content event is out, or the exchange ended.
+        if more and ex.ending is None and not reply.open:
+            # The first content event is out, or the exchange ended (a failure before it is
+            # the next candidate's turn).
             await ex.past_hold()
         if ex.ending is None:
-            # Streaming, nothing is swapped any more: `handle` waits for the end (only its
-            # frame stays with a long stream, not the admission's).
+            # Streaming, nothing is swapped any more (or, with no other candidate, held until
+            # the first content event, whose failure `handle` answers as this frame would):
+            # `handle` waits for the end, only its frame stays with the stream, not the
+            # admission's, nor the request.
             return Streaming(ex)
         return Ended(await self._ended(client, ledger, up, ex, more))
 

@@ -28,7 +28,7 @@ from relay.errors import Outcome
 from relay.http import response_framing as framing
 from relay.http.body import BodyReader, ChunkError, reader_for
 from relay.http.response_framing import EMPTY, PASS, REFRAME, UNTIL_CLOSE, Carriage
-from relay.http.response_head import BadHead, HeadReader, ResponseHead
+from relay.http.response_head import BadHead, HeadReader, ResponseHead, parse_response_head
 from relay.http.to_client import server_timing
 from relay.proxy.client_flow import ClientFlow
 from relay.proxy.client_writer import ClientWriter
@@ -127,6 +127,7 @@ class Exchange(asyncio.BaseProtocol, Due):
         "guard",
         "head_at",
         "head_fut",
+        "head_raw",
         "head_reader",
         "head_resp",
         "hop",
@@ -171,7 +172,8 @@ class Exchange(asyncio.BaseProtocol, Due):
         # Made the first time the client falls behind.
         self.flow: ClientFlow | None = None
         # The head, as it comes: resolved once it is in (the dispatcher waits for it; None
-        # once it has seen it), and the parsed head until the hold opens.
+        # once it has seen it), and the parsed head until the body starts; then, while the
+        # hold keeps it, only its bytes (a heartbeat may still commit with it).
         self.head_reader: HeadReader | None = HeadReader()
         self.head_fut: asyncio.Future[None] | None = loop.create_future()
         self.head_resp: ResponseHead | None = None
@@ -179,6 +181,7 @@ class Exchange(asyncio.BaseProtocol, Due):
         # head was read (perf_counter): the client head's `Server-Timing`; 0: not yet.
         self.sent_at = 0.0
         self.head_at = 0.0
+        self.head_raw = b""
         self.deadline = None
         self.got_bytes = False
         self.body_started = False
@@ -371,6 +374,10 @@ class Exchange(asyncio.BaseProtocol, Due):
         else:
             stamp = self._timing if p.holdable else self._timing_unheld
         reply.hold_head(head, framing.relay_frames(p.mode), self if p.holdable else None, stamp)
+        if p.holdable:
+            # The first content event may be long in coming (a long prompt): its parsed fields
+            # are not kept meanwhile, a tenth of what such a stream holds.
+            self.head_resp, self.head_raw = None, resp.raw
 
     def _timing(self) -> bytes:
         """The relay's `Server-Timing` line, made as the client's head goes out: the hold
@@ -400,9 +407,11 @@ class Exchange(asyncio.BaseProtocol, Due):
     def commit_early(self) -> None:
         """A heartbeat is due while this upstream's head and pieces are held: commit with the
         head, re-framed as the relay's chunks, and go on as a committed response."""
-        reply, resp, reader = self.reply, self.head_resp, self.reader
-        assert reply is not None and resp is not None and reader is not None
-        held = reply.commit_upstream(resp, reader.kind, self.carriage)
+        reply, reader = self.reply, self.reader
+        parsed = parse_response_head(self.head_raw)
+        assert reply is not None and parsed is not None and reader is not None
+        self.head_raw = b""
+        held = reply.commit_upstream(parsed[0], reader.kind, self.carriage)
         self.carriage = framing.committed_carriage(reader.kind, self.http11)
         self.client_keep_alive = self.keep_alive and self.http11
         if held:
@@ -465,7 +474,7 @@ class Exchange(asyncio.BaseProtocol, Due):
         if reply is not None:
             reply.detach(self)
         # Its headers were written: not kept for the stream.
-        self.head_resp = None
+        self.head_resp, self.head_raw = None, b""
         self._resolve_past_hold()
 
     def _check_fast(self) -> None:
@@ -545,8 +554,6 @@ class Exchange(asyncio.BaseProtocol, Due):
             flow.on_stuck = _ended
             if flow.paused and transport is not None:
                 transport.resume_reading()
-        if self.observer is not None:
-            self.observer.end()
 
     def _summary(self, ending: Outcome) -> ExchangeSummary:
         obs = self.observer

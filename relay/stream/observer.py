@@ -20,37 +20,29 @@ from relay.stream.usage import JsonBody, Usage, stream_usage
 
 
 class Observer:
-    __slots__ = ("body", "first_content_at", "gaps", "read_at", "scanner", "shape")
+    __slots__ = ("body", "first_content_at", "gaps", "scanner", "shape")
 
     def __init__(self, api: Api | None = None, json: bool = False) -> None:
         """An event stream's observer (`api`: its API as guessed until its events say), a
         whole JSON body's (`json`: kept, bounded, for its usage), or one reading nothing."""
-        # An event stream's scanner and gaps between content events; a JSON body's copy.
+        # An event stream's scanner and gaps between content events (made at its first
+        # content event: a stream that waits for it holds none); a JSON body's copy.
         self.scanner: SseScanner | None = None
         self.gaps: Gaps | None = None
         self.body: JsonBody | None = None
         if api is not None:
-            self.scanner = SseScanner(self._first_content, api)
-            self.gaps = Gaps()
+            self.scanner = SseScanner(dialect=api)
         elif json:
             self.body = JsonBody()
-        # The perf_counter time of the read being scanned, and of the read that held the
-        # first content event.
-        self.read_at = 0.0
+        # The perf_counter time of the read that held the first content event.
         self.first_content_at: float | None = None
         # This stream's token events up to their text, once learned (`fastpath.learn`).
         self.shape: Shape | None = None
-
-    def _first_content(self) -> None:
-        # The first content event's time is its read's, as every event of that read's is
-        # (`stream.itl`): TTFT is never after the last content event.
-        self.first_content_at = self.read_at
 
     # ---- reads -----------------------------------------------------------------------
     def scan(self, wire: bytes, spans: list[int], now: float, chunks: bool = False) -> None:
         """The payloads `wire[spans[0]:spans[1]]`, ... of one read made at `now`; `chunks`:
         the read is whole chunks, one event each as a rule (read in place: `feed_span`)."""
-        self.read_at = now
         sc = self.scanner
         if sc is not None:
             before = sc.content_events
@@ -64,8 +56,13 @@ class Observer:
                 for i in range(0, len(spans), 2):
                     sc.feed(wire[spans[i] : spans[i + 1]])
             if sc.content_events != before:
+                if not before:
+                    # The first content event's time is its read's, as every event of that
+                    # read's is (`stream.itl`): TTFT is never after the last content event.
+                    self.first_content_at = now
                 gaps = self.gaps
-                assert gaps is not None
+                if gaps is None:
+                    gaps = self.gaps = Gaps()
                 gaps.events(now, before, sc.content_events)
         elif self.body is not None:
             body = self.body
@@ -128,9 +125,3 @@ class Observer:
         if sc is None or not sc.meta:
             return None
         return stream_usage(sc.meta, sc.meta_first)
-
-    def end(self) -> None:
-        """The body is over: the scanner's callback (a bound method of this observer) goes,
-        so that nothing of the exchange is kept alive by a reference cycle."""
-        if self.scanner is not None:
-            self.scanner.on_first_content = None

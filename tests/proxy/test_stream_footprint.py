@@ -4,9 +4,18 @@ nothing a client sees."""
 import asyncio
 import json
 
+from relay.sim import frames as F
 from tests.support import httpc
+from tests.support.fakeup import Scripted
 from tests.support.helpers import wait_for
 from tests.support.sockets import open_stream
+
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nServer: llama.cpp\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n"
+)
+ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}\n\n'
+TOKEN = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
 
 
 async def test_a_streaming_request_keeps_one_frame_no_h11_no_request(make_relay, sim):
@@ -33,6 +42,58 @@ async def test_a_streaming_request_keeps_one_frame_no_h11_no_request(make_relay,
     await wait_for(lambda: not client.busy)
     assert len(app.deadlines) == 0
     assert app.log.of("access")[-1]["completion_tokens"] == 12
+
+
+async def test_a_stream_waiting_for_its_first_token_keeps_little_more(make_relay):
+    """A long prompt: the upstream's head and role event are in, its first token is not. With
+    no other candidate the request waits as a streaming one does (issue 35: it held 14 KB,
+    twice what a streaming one holds): the dispatcher's entry frame alone, the request
+    dropped, of the upstream's head only its bytes, the heartbeat one more shared deadline,
+    no gaps counted yet; then the first token goes out with the head and the role event."""
+    go = asyncio.Event()
+
+    async def script(up, index, reader, writer):
+        await up.read_request(reader)
+        writer.write(SSE_HEAD + F.chunk(ROLE))
+        await writer.drain()
+        await asyncio.wait_for(go.wait(), 10)
+        writer.write(F.chunk(TOKEN) + F.chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    up = await Scripted(script).start()
+    try:
+        app = await make_relay(up.url, heartbeat_s=60)
+        reader, writer = await asyncio.open_connection("127.0.0.1", app.port)
+        writer.write(httpc.build_request("POST", "/v1/chat/completions", httpc.chat(1)))
+        await wait_for(lambda: app.clients)
+        client = next(iter(app.clients))
+        await wait_for(
+            lambda: (
+                client.exchange is not None
+                and client.exchange.reply is not None
+                and client.exchange.reply.hold.parts
+            )  # the role event is held
+        )
+        ex = client.exchange
+        frames = client.task.get_stack()
+        assert [f.f_code.co_name for f in frames] == ["handle"]
+        assert "req" not in frames[0].f_locals
+        assert client.raw is None and client.body == b"" and client.head_bytes == b""
+        assert ex.head_resp is None and ex.head_raw == SSE_HEAD
+        assert ex.observer.gaps is None and ex.observer.scanner.blocks is None
+        # the stall guard and the heartbeat: two entries of the one shared timer
+        assert ex.reply.deadline is not None and len(app.deadlines) == 2
+        go.set()
+        resp = await asyncio.wait_for(httpc.read_head(reader), 10)
+        await asyncio.wait_for(httpc.read_body(reader, resp, "POST"), 10)
+        writer.close()
+        assert resp.status == 200 and resp.header("server") == "llama.cpp"
+        assert resp.body == ROLE + TOKEN + b"data: [DONE]\n\n"
+        await wait_for(lambda: not client.busy)
+        assert len(app.deadlines) == 0
+        assert app.log.of("access")[-1]["completion_tokens"] == 1
+    finally:
+        await up.stop()
 
 
 async def test_an_idle_keep_alive_connection_holds_no_h11_and_serves_the_next(make_relay, sim):
