@@ -468,12 +468,11 @@ class Dispatcher:
                 raise unavailable(up, f"upstream {up.name} is down: {err}", error=err)
         if rec.fallback_attempts == 0:
             rec.upstream_requested = up.name
-        metrics = up.metrics
         hop = Hop(
             up.name,
             rec.model or "",
             more,
-            lambda at: metrics.observe_ttft(at - t0, time.monotonic()),
+            up.metrics,
             t0,
             (rec.queue_ms or 0.0) if ledger.generates else 0.0,
         )

@@ -30,6 +30,7 @@ from relay.http.body import BodyReader, ChunkError, reader_for
 from relay.http.response_framing import EMPTY, PASS, REFRAME, UNTIL_CLOSE, Carriage
 from relay.http.response_head import BadHead, HeadReader, ResponseHead, parse_response_head
 from relay.http.to_client import server_timing
+from relay.observe.metrics import UpstreamMetrics
 from relay.proxy.client_flow import ClientFlow
 from relay.proxy.client_writer import ClientWriter
 from relay.proxy.deadlines import Deadlines, Due
@@ -47,7 +48,6 @@ from relay.stream.terminal import stall_frame
 from relay.stream.usage import exact_usage
 
 DONE = Outcome.DONE
-ContentHook = Callable[[float], None]
 
 
 class Relaying(msgspec.Struct, frozen=True, gc=False):
@@ -63,14 +63,15 @@ class Relaying(msgspec.Struct, frozen=True, gc=False):
 class Hop(msgspec.Struct, frozen=True):
     """One candidate's part of a request: the upstream's name, the public model name (a
     stall frame's), whether another candidate is left (a failure before content may then
-    quietly move on), what hears the first content event's time once it is written, and for
-    the client head's `Server-Timing`: when the dispatcher took the request (`since`,
-    perf_counter) and the ms this candidate's slot was waited for (`queue_ms`)."""
+    quietly move on), the upstream's figures, which hear the time to the first content event
+    once it is written, and when the dispatcher took the request (`since`, perf_counter), for
+    that time and the client head's `Server-Timing`, with the ms this candidate's slot was
+    waited for (`queue_ms`). (Fields, not a closure: a stream keeps its hop.)"""
 
     upstream: str
     model: str
     more: bool
-    on_content: ContentHook | None = None
+    metrics: UpstreamMetrics | None = None
     since: float = 0.0
     queue_ms: float = 0.0
 
@@ -161,8 +162,8 @@ class Exchange(asyncio.BaseProtocol, Due):
         self.method, self.path = request.method, request.path
         self.http11, self.keep_alive = request.http11, request.keep_alive
         self.hop = hop
-        # Called once with the first content event's time, once it is written.
-        self.on_content = hop.on_content
+        # Told once the first content event's time, once it is written.
+        self.on_content = hop.metrics
         self.write_timeout_s = relaying.write_timeout_s
         # The request's reply while the hold keeps what this exchange would write; None once
         # the first content event is out (then `writer`).
@@ -430,12 +431,13 @@ class Exchange(asyncio.BaseProtocol, Due):
                 # error: the next upstream serves, or the error is told in-band.
                 self.conn.abort()
                 self._end(Outcome.UPSTREAM_ERROR_EVENT)
-        if self.on_content is not None:
+        metrics = self.on_content
+        if metrics is not None:
             obs = self.observer
             at = obs.first_content_at if obs is not None else None
             if at is not None:
-                report, self.on_content = self.on_content, None
-                report(at)
+                self.on_content = None
+                metrics.observe_ttft(at - self.hop.since, time.monotonic())
 
     def _held(self, reply: Reply, piece: bytes) -> None:
         obs = self.observer
