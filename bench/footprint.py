@@ -10,9 +10,14 @@ For each target and each stream count a FRESH proxy process:
   (the relay's bytecode cached, as an installed package has it);
 - base RSS: VmRSS of the proxy tree once it answers, and again after a few warm-up requests
   (the first request of a process pays for what it touches the first time);
-- then N slow streams are opened (the simulator sends one token every ``--interval-ms``, far
-  more tokens than the measurement lasts) and, once every stream has its first content event,
-  VmRSS is read: RSS per open stream = (RSS with N open - warm base) / N.
+- then N slow streams are opened and VmRSS is read once all are open and quiet: RSS per open
+  stream = (RSS with N open - warm base) / N. Each count is measured with the streams in two
+  states (``--states``): ``next-token``, every stream has had its first content event and
+  waits for the next (the simulator sends one every ``--interval-ms``); ``first-token``, the
+  upstream's head and role event are in but no token yet (a long prompt: the simulator's
+  ``first_token_delay_ms``), which the relay holds until the first token comes, so that
+  another candidate could still serve. RSS is read once the simulator reports every request
+  in progress (its /metrics ``requests_processing``), since the client sees nothing meanwhile.
 
 The client side is this process: one asyncio loop holding every connection, reading and
 discarding what arrives (so nothing piles up in a socket buffer).
@@ -37,16 +42,21 @@ CONNECT_BATCH = 200  # connections opened at a time (nginx's listen backlog is 5
 # the relay's one upstream must admit every stream of the largest count at once
 RELAY_TOML = "[[upstream]]\nparallel = 20000\n"
 INTERVAL_MS = 2000  # one token per stream every 2 s: open, mostly idle streams
+# What the open streams wait for when RSS is read (see the docstring), and how long the
+# simulator keeps a `first-token` stream waiting (far longer than a measurement).
+STATES = ("next-token", "first-token")
+FIRST_TOKEN_MS = 600_000
 
 
 def rss_kb(proc: procs.Proc) -> int:
     return sum(procs.status_kb(p, "VmRSS") for p in proc.pids())
 
 
-def request(port: int, tokens: int, interval_ms: float) -> bytes:
+def request(port: int, tokens: int, interval_ms: float, first_token_ms: int = 0) -> bytes:
     body = (
         b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,'
-        b'"max_tokens":%d,"sim":{"tokens":%d,"interval_ms":%d}}' % (tokens, tokens, interval_ms)
+        b'"max_tokens":%d,"sim":{"tokens":%d,"interval_ms":%d,"first_token_delay_ms":%d}}'
+        % (tokens, tokens, interval_ms, first_token_ms)
     )
     return (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: "
@@ -79,14 +89,26 @@ class _Stream(asyncio.Protocol):
             self.first.set_exception(ConnectionError(f"closed before content: {exc!r}"))
 
 
-async def hold_streams(port: int, n: int, interval_ms: float, timeout: float, on_open):
-    """Open n streams, await every first content event, call `on_open()`, then close all."""
+async def hold_streams(
+    port: int,
+    n: int,
+    interval_ms: float,
+    timeout: float,
+    on_open,
+    state: str = "next-token",
+    up=None,
+):
+    """Open n streams, await every first content event (`next-token`; for `first-token`,
+    every request in progress at the upstream `up`), call `on_open()`, then close all."""
     loop = asyncio.get_running_loop()
-    req = request(port, 100000, interval_ms)
-    transports = []
+    first_token = state == "first-token"
+    req = request(port, 100000, interval_ms, FIRST_TOKEN_MS if first_token else 0)
+    transports, firsts = [], []
+    if first_token:
+        await asyncio.wait_for(_quiet(up), timeout)
     try:
         for start in range(0, n, CONNECT_BATCH):
-            firsts = []
+            batch = []
             for _ in range(min(CONNECT_BATCH, n - start)):
                 fut = loop.create_future()
                 tr, _ = await asyncio.wait_for(
@@ -94,13 +116,43 @@ async def hold_streams(port: int, n: int, interval_ms: float, timeout: float, on
                 )
                 transports.append(tr)
                 tr.write(req)
-                firsts.append(fut)
-            await asyncio.wait_for(asyncio.gather(*firsts), timeout)
+                batch.append(fut)
+            firsts += batch
+            if first_token:
+                await asyncio.wait_for(_processing(up, len(transports)), timeout)
+            else:
+                await asyncio.wait_for(asyncio.gather(*batch), timeout)
         await asyncio.sleep(0.5)  # let the proxy settle (its read buffers, timers)
         return on_open()
     finally:
         for tr in transports:
             tr.abort()
+        for fut in firsts:  # (a proxy may pass the role event on: not waited for here)
+            if fut.done() and not fut.cancelled():
+                fut.exception()
+
+
+async def _live(up) -> float:
+    """The requests the simulator `up` is generating (processing or deferred: it has a few
+    slots), from its /metrics."""
+    reader, writer = await asyncio.open_connection(up.host, up.port)
+    writer.write(b"GET /metrics HTTP/1.1\r\nHost: sim\r\nConnection: close\r\n\r\n")
+    text = (await reader.read()).decode("latin-1")
+    writer.close()
+    gauges = ("llamacpp:requests_processing ", "llamacpp:requests_deferred ")
+    return sum(float(x.split()[1]) for x in text.splitlines() if x.startswith(gauges))
+
+
+async def _processing(up, n: int) -> None:
+    """Wait until the simulator `up` generates at least n requests."""
+    while await _live(up) < n:
+        await asyncio.sleep(0.1)
+
+
+async def _quiet(up) -> None:
+    """Wait until the simulator `up` generates nothing (the last measure's streams are gone)."""
+    while await _live(up) > 0:
+        await asyncio.sleep(0.1)
 
 
 def _start(target: str, up, logdir: Path, relay_toml: Path):
@@ -110,8 +162,16 @@ def _start(target: str, up, logdir: Path, relay_toml: Path):
     return start_proxy(target, up, logdir, a)
 
 
-def measure(target: str, n: int, up, logdir: Path, interval_ms: float, warmup: int = 20) -> dict:
-    row = {"scenario": "footprint", "target": target, "streams": n}
+def measure(
+    target: str,
+    n: int,
+    up,
+    logdir: Path,
+    interval_ms: float,
+    warmup: int = 20,
+    state: str = "next-token",
+) -> dict:
+    row = {"scenario": "footprint", "target": target, "streams": n, "state": state}
     if target == "nginx" and not nginx.binary():
         return {**row, "skipped": "nginx: not found"}
     toml = logdir / "footprint.toml"
@@ -126,7 +186,7 @@ def measure(target: str, n: int, up, logdir: Path, interval_ms: float, warmup: i
         time.sleep(0.2)
         row["warm_rss_kb"] = rss_kb(proxy)
         row["open_rss_kb"] = asyncio.run(
-            hold_streams(proxy.port, n, interval_ms, 60.0, lambda: rss_kb(proxy))
+            hold_streams(proxy.port, n, interval_ms, 60.0, lambda: rss_kb(proxy), state, up)
         )
         row["kb_per_stream"] = (row["open_rss_kb"] - row["warm_rss_kb"]) / n
     finally:
@@ -211,8 +271,10 @@ def run(
     interval_ms: float,
     repeat: int = 1,
     rep: int | None = None,
+    states: tuple[str, ...] = STATES,
 ) -> list[dict]:
-    """Start-up and footprint rows for relay and nginx (`rep`: one given repeat only)."""
+    """Start-up and footprint rows for relay and nginx (`rep`: one given repeat only), each
+    count in each of `states`."""
     rows = []
     for i in range(repeat) if rep is None else [rep]:
         for target in targets:
@@ -220,13 +282,13 @@ def run(
                 continue
             print(f"bench: [{i + 1}] startup -> {target} ...", file=sys.stderr, flush=True)
             rows.append({**measure_startup(target, up, logdir, startups), "repeat": i})
-            for n in counts:
+            for n, state in ((n, s) for n in counts for s in states):
                 print(
-                    f"bench: [{i + 1}] footprint {n} streams -> {target} ...",
+                    f"bench: [{i + 1}] footprint {n} streams ({state}) -> {target} ...",
                     file=sys.stderr,
                     flush=True,
                 )
-                r = {**measure(target, n, up, logdir, interval_ms), "repeat": i}
+                r = {**measure(target, n, up, logdir, interval_ms, state=state), "repeat": i}
                 rows.append(r)
                 if "kb_per_stream" in r:
                     print(
@@ -248,17 +310,25 @@ def render(rows: list[dict]) -> list[str]:
     out = [
         "",
         "**Footprint** (a fresh proxy per line; RSS = VmRSS of the proxy process tree; "
-        "per stream = (RSS with N slow streams open − RSS after 20 warm-up requests) ÷ N):",
+        "per stream = (RSS with N slow streams open − RSS after 20 warm-up requests) ÷ N; "
+        "the streams wait for their next token, or for their first: the upstream's head is "
+        "in, no token yet):",
         "",
-        "| target | open streams | base RSS MiB (started) | RSS MiB after warm-up "
+        "| target | open streams | waiting for | base RSS MiB (started) | RSS MiB after warm-up "
         "| RSS MiB with N open | KB per open stream | repeats |",
-        "|" + "---|" * 7,
+        "|" + "---|" * 8,
     ]
-    for t in sorted({r["target"] for r in fp}, key=["relay", "nginx"].index):
-        for n in sorted({r["streams"] for r in fp if r["target"] == t}):
-            rs = [r for r in fp if r["target"] == t and r["streams"] == n]
+    keys = {(r["target"], r["streams"], r.get("state", STATES[0])) for r in fp}
+    order = {s: i for i, s in enumerate(STATES)}
+    for t, n, state in sorted(
+        keys, key=lambda k: (["relay", "nginx"].index(k[0]), k[1], order.get(k[2], len(order)))
+    ):
+        rs = [
+            r for r in fp if (r["target"], r["streams"], r.get("state", STATES[0])) == (t, n, state)
+        ]
+        if rs:
             out.append(
-                f"| {t} | {n} | {med([r['base_rss_kb'] for r in rs]) / 1024:.1f} | "
+                f"| {t} | {n} | {state} | {med([r['base_rss_kb'] for r in rs]) / 1024:.1f} | "
                 f"{med([r['warm_rss_kb'] for r in rs]) / 1024:.1f} | "
                 f"{med([r['open_rss_kb'] for r in rs]) / 1024:.1f} | "
                 f"**{med([r['kb_per_stream'] for r in rs]):.2f}** | "
@@ -284,6 +354,9 @@ def main(argv=None) -> int:
     p.add_argument("--streams", default="1000,5000", help="comma list of open stream counts")
     p.add_argument("--startups", type=int, default=5, help="start-up time: starts per target")
     p.add_argument("--interval-ms", type=float, default=INTERVAL_MS, help="sim: ms between tokens")
+    p.add_argument(
+        "--states", default=",".join(STATES), help="what the open streams wait for (see above)"
+    )
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--keep-logs", action="store_true")
     a = p.parse_args(argv)
@@ -300,6 +373,7 @@ def main(argv=None) -> int:
             a.startups,
             a.interval_ms,
             a.repeat,
+            states=tuple(a.states.split(",")),
         )
     finally:
         up.stop()
