@@ -497,7 +497,7 @@ def relay_config(
     conf: dict = {
         "server": {"host": HOST, "port": port},
         "dispatcher": {"heartbeat_s": 0, "pool_timeout_s": 600.0},
-        "balance": {"affinity": affinity, "epsilon": 0.25, "affinity_wait_s": 0.25},
+        "balance": {"affinity": affinity, "epsilon": 0.25, "affinity_wait_s": 0.5},
         "upstream": [
             {"name": f"m{i + 1}", "url": url, "models": [MODEL], "parallel": PARALLEL}
             for i, url in enumerate(urls)

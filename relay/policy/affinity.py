@@ -26,9 +26,11 @@ their first k hashes are equal.
 - `prefix_was_there` reads an answer's reuse figures: the prefix was there unless the
   reported reuse is under half of what the fingerprint expected.
 - `pick_waiting`: a freed slot on member M goes to the oldest waiting request whose
-  conversation lives on M, unless the oldest overall has waited `bound` seconds or more, in
-  which case it goes first. A request is therefore never passed over once it has waited
-  `bound`: affinity adds at most `bound` to any request's wait beyond FIFO order.
+  conversation lives on M, unless the oldest overall has waited `bound` seconds or more since
+  its `enqueued_at`, in which case it goes first. The queue (`proxy.slots`) gives as the
+  oldest's `enqueued_at` the time it was first passed over: a request is then never passed
+  over for longer than `bound`, and affinity adds at most `bound` to any request's wait
+  beyond FIFO order.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from relay.stream.dialect import Api
 
 DEFAULT_EPSILON = 0.25
 DEFAULT_MAX_ENTRIES = 100_000
-DEFAULT_WAIT_BOUND = 0.25
+DEFAULT_WAIT_BOUND = 0.5
 # Under this share of the expected reuse, an answer says the prefix was not in the cache.
 DEFAULT_REUSE_RATIO = 0.5
 # A prefix keeps a conversation on a member once it covers the head and the first message

@@ -163,7 +163,17 @@ class _Waiter:
     """A request in a pool's queue, in its key's line. `counted`: the member whose `queued`
     counts it (the one its conversation lives on, or its only member)."""
 
-    __slots__ = ("at", "counted", "exclude", "fut", "gone", "line", "position", "preferred")
+    __slots__ = (
+        "at",
+        "counted",
+        "exclude",
+        "fut",
+        "gone",
+        "line",
+        "passed_at",
+        "position",
+        "preferred",
+    )
 
     def __init__(
         self, line: _Line, fut: asyncio.Future[SlotPool], exclude: frozenset[str],
@@ -176,6 +186,8 @@ class _Waiter:
         self.counted = counted
         self.at = at
         self.position = line.live + 1
+        # When a younger request of its line first took a freed slot before it (affinity).
+        self.passed_at: float | None = None
         self.gone = False
 
 
@@ -416,13 +428,21 @@ def _affine(
     line: _Line, head: _Waiter, member: SlotPool, now: float, board: Board | None
 ) -> _Waiter:
     """Within a line: its oldest request, or the oldest whose conversation lives on `member`
-    while the oldest has waited less than the affinity bound."""
+    unless the oldest has been passed over for the affinity bound already. The bound counts
+    from the first time a younger request took a slot before it (not from its arrival: in a
+    queue whose waits are seconds, every request would be past a fraction of a second, and
+    no conversation would wait for its member)."""
     preferring = line.preferring_head(member)
     if preferring is None or preferring is head:
         return head
     bound = board.wait_bound if board is not None else 0.0
-    views = (Waiting(head.at, None), Waiting(preferring.at, member.name))
-    return preferring if pick_waiting(views, member.name, now, bound) == 1 else head
+    since = now if head.passed_at is None else head.passed_at
+    views = (Waiting(since, None), Waiting(preferring.at, member.name))
+    if pick_waiting(views, member.name, now, bound) != 1:
+        return head
+    if head.passed_at is None:
+        head.passed_at = now
+    return preferring
 
 
 class Board:

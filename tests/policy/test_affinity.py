@@ -271,13 +271,13 @@ def test_prefix_was_there(expected, units, cached, prompt, there):
 
 def test_a_freed_slot_prefers_its_own_conversation_until_the_bound():
     queue = [Waiting(10.0, "b"), Waiting(10.1, None), Waiting(10.2, "a"), Waiting(10.3, "a")]
-    assert pick_waiting(queue, "a", now=10.2) == 2
-    assert pick_waiting(queue, "a", now=10.249) == 2
+    assert pick_waiting(queue, "a", now=10.2, bound=0.25) == 2
+    assert pick_waiting(queue, "a", now=10.249, bound=0.25) == 2
     # 10.25 - 10.0 is 0.25 exactly: the oldest has waited the bound, it goes first
-    assert pick_waiting(queue, "a", now=10.25) == 0
+    assert pick_waiting(queue, "a", now=10.25, bound=0.25) == 0
     assert pick_waiting(queue, "a", now=10.5, bound=0.5) == 0
     assert pick_waiting(queue, "a", now=10.4, bound=0.5) == 2
-    assert pick_waiting(queue, "c", now=10.2) == 0
+    assert pick_waiting(queue, "c", now=10.2, bound=0.25) == 0
     assert pick_waiting([], "a", now=10.0) is None
 
 

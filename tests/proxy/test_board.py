@@ -167,6 +167,36 @@ async def test_a_waiter_past_the_bound_is_never_passed_over():
     await asyncio.gather(newer, return_exceptions=True)
 
 
+async def test_the_bound_counts_from_the_first_time_a_request_is_passed_over():
+    """A queue whose waits are long: the oldest has waited past the bound but was never passed
+    over, so the first freed slot of a member still goes to the one whose conversation lives
+    there; from then on the oldest waits at most the bound."""
+    board, _m = board_of(("a", 1, 8), ("b", 1, 8), affinity_wait_s=0.2)
+    s = await board.acquire(POOL, conversation("lives here"), 1.0)
+    home = s.member
+    s.release(Reuse(10, 0))
+    held = [await board.acquire(POOL, NO_WANT, 1.0) for _ in range(2)]
+    older = asyncio.create_task(board.acquire(POOL, NO_WANT, 5.0))
+    await asyncio.sleep(0)
+    homed = [
+        asyncio.create_task(board.acquire(POOL, conversation("lives here", "x", str(i)), 5.0))
+        for i in range(2)
+    ]
+    await asyncio.sleep(0.3)  # the oldest has waited past the bound, passed over by no one
+    at_home = next(h for h in held if h.member == home)
+    held.remove(at_home)
+    at_home.release()
+    first = await asyncio.wait_for(homed[0], 1)
+    assert first.member == home and not older.done()
+    # Passed over once: past the bound from then, the next freed slot is the oldest's.
+    await asyncio.sleep(0.25)
+    first.release()
+    assert (await asyncio.wait_for(older, 1)).member == home and not homed[1].done()
+    homed[1].cancel()
+    await asyncio.gather(homed[1], return_exceptions=True)
+    held[0].release()
+
+
 async def test_an_excluded_member_is_neither_given_nor_waited_for():
     board, m = board_of(("a", 1, 8), ("b", 1, 8))
     s = await board.acquire(POOL, NO_WANT, 1.0, exclude=frozenset({"a"}))

@@ -204,7 +204,7 @@ def test_relay_config_is_one_pool_and_takes_the_users_keys(tmp_path: Path):
     conf = F.relay_config(urls, True, 9000, tmp_path / "r.db", str(user))
     back = tomllib.loads(relay_conf.dumps(conf))
     assert back["server"]["port"] == 9000
-    assert back["balance"] == {"affinity": True, "epsilon": 0.5, "affinity_wait_s": 0.25}
+    assert back["balance"] == {"affinity": True, "epsilon": 0.5, "affinity_wait_s": 0.5}
     assert [
         (u["name"], u["url"], u["models"], u["parallel"], u["queue"]) for u in back["upstream"]
     ] == [
