@@ -78,6 +78,10 @@ def _typed(
     return convert
 
 
+def _priority(text: str) -> object:
+    return text if text in ("high", "normal", "low") else int(text)
+
+
 def _workers(text: str) -> object:
     return text if text == "auto" else int(text)
 
@@ -164,6 +168,20 @@ def _key_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
             type=_typed(KeyConfig, name),
             help=f"{name} (default 0: no limit)",
         )
+    new.add_argument(
+        "--priority",
+        default="normal",
+        metavar="CLASS",
+        type=_typed(KeyConfig, "priority", _priority, "high, normal, low or a whole number"),
+        help="priority: high, normal, low, or -100..100 (default normal)",
+    )
+    new.add_argument(
+        "--weight",
+        default=1,
+        metavar="N",
+        type=_typed(KeyConfig, "weight"),
+        help="weight among the keys of its class (default 1)",
+    )
 
 
 def _flag_rules(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -386,10 +404,23 @@ def toml_string(text: str) -> str:
     return quoted(text).replace("\x7f", "\\u007f")
 
 
-def key_block(key_id: str, sha256: str, limits: dict[str, int]) -> str:
-    """The `[[key]]` table of a key, as the config file takes it; 0 limits left out."""
+def key_block(
+    key_id: str,
+    sha256: str,
+    limits: dict[str, int],
+    priority: int | str = "normal",
+    weight: int = 1,
+) -> str:
+    """The `[[key]]` table of a key, as the config file takes it; 0 limits and the default
+    priority and weight left out."""
     lines = ["[[key]]", f"id = {toml_string(key_id)}", f'sha256 = "{sha256}"']
     lines += [f"{name} = {n}" for name, n in limits.items() if n]
+    if priority != "normal" and priority != 0:
+        lines.append(
+            f"priority = {priority}" if isinstance(priority, int) else f'priority = "{priority}"'
+        )
+    if weight != 1:
+        lines.append(f"weight = {weight}")
     return "\n".join(lines) + "\n"
 
 
@@ -398,7 +429,8 @@ def _key_new(args: argparse.Namespace) -> int:
     sends the secret as it is (`Authorization: Bearer ...`): the relay hashes those bytes."""
     secret = "rk-" + secrets.token_urlsafe(32)
     digest = hashlib.sha256(secret.encode()).hexdigest()
-    print(key_block(args.id, digest, {name: getattr(args, name) for name in LIMITS}), end="")
+    limits = {name: getattr(args, name) for name in LIMITS}
+    print(key_block(args.id, digest, limits, args.priority, args.weight), end="")
     sys.stdout.flush()
     print(
         f"relay key new: the secret of key {quoted(args.id)}, shown once (the relay keeps "

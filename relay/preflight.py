@@ -33,8 +33,17 @@ from relay.proxy.upstreams import upstream_auth, upstream_tls
 from relay.store import POSTGRES_EXTRA_HINT
 from relay.store.sqlite_file import is_memory
 
-# The budget keys of a `[[key]]`, in the order the docs give them.
-LIMITS = ("requests_per_day", "tokens_per_day", "requests_per_month", "tokens_per_month")
+# The limits of a `[[key]]` (0: none), in the order the docs give them: its budgets, then
+# the limits that act now.
+LIMITS = (
+    "requests_per_day",
+    "tokens_per_day",
+    "requests_per_month",
+    "tokens_per_month",
+    "max_concurrent",
+    "requests_per_minute",
+    "tokens_per_minute",
+)
 
 
 def _installed(module: str) -> bool:
@@ -87,7 +96,11 @@ def _upstream(up: UpstreamConfig) -> str:
 
 def _key(key: KeyConfig) -> str:
     limits = [f"{name} {getattr(key, name)}" for name in LIMITS if getattr(key, name)]
-    return f"{text_value(key.id)}: {', '.join(limits) or 'no limits'}"
+    share = [f"priority {key.priority}"] if key.rank else []
+    share += [f"weight {key.weight}"] if key.weight != 1 else []
+    return f"{text_value(key.id)}: {', '.join(limits) or 'no limits'}" + "".join(
+        f", {s}" for s in share
+    )
 
 
 def _store(config: Config, cwd: str) -> str:

@@ -95,3 +95,41 @@ def test_its_flags_are_held_to_the_keys_bounds(capsys):
     line = refused(capsys, ["key", "new", "--id", ""])
     assert line == "relay key new: error: --id: Expected `str` of length >= 1, not ''"
     assert "--id" in refused(capsys, ["key", "new"])
+
+
+async def test_the_limits_that_act_now_and_the_share_come_with_the_block(tmp_path, sim):
+    block, _ = await key_new(
+        "--id", "batch", "--max-concurrent", "3", "--requests-per-minute", "60",
+        "--tokens-per-minute", "9000", "--priority", "low", "--weight", "2",
+    )  # fmt: skip
+    [key] = parse_config(tomllib.loads(block)).key
+    assert (
+        key.max_concurrent,
+        key.requests_per_minute,
+        key.tokens_per_minute,
+        key.priority,
+        key.weight,
+    ) == (3, 60, 9000, "low", 2)
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text(
+        f'[server]\nport = 0\n[[upstream]]\nname = "sim"\nurl = "http://127.0.0.1:{sim.port}"\n\n'
+        + block
+    )
+    code, out = await run_to_end("check", "--config", str(cfg), stdout=True)
+    assert code == 0
+    assert (
+        "key       batch: max_concurrent 3, requests_per_minute 60, tokens_per_minute 9000, "
+        "priority low, weight 2"
+    ) in out
+
+
+def test_a_number_is_a_priority_too(capsys):
+    line = refused(capsys, ["key", "new", "--id", "a", "--priority", "urgent"])
+    assert (
+        line
+        == "relay key new: error: --priority: high, normal, low or a whole number, not 'urgent'"
+    )
+    line = refused(capsys, ["key", "new", "--id", "a", "--priority", "101"])
+    assert line.startswith("relay key new: error: --priority: ")
+    block = key_block("a", "ab" * 32, {}, -5, 1)
+    assert parse_config(tomllib.loads(block)).key[0].rank == -5
