@@ -113,6 +113,9 @@ class Shape:
     last_tokens: int = 8000
     max_tokens: int = 16
     seed: int = 32
+    # The mean pause between an answer and the conversation's next turn, seconds (the agent
+    # running its tools); 0: the next turn is sent at once.
+    think_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,8 @@ class Conversation:
     index: int
     system: str
     users: tuple[str, ...]
+    # The pause before each later turn, seconds (the same for every target).
+    pauses: tuple[float, ...] = ()
 
     def messages(self, turn: int, replies: Sequence[str]) -> list[dict]:
         """What the agent sends at `turn` (0 first): the system prompt, every earlier turn
@@ -191,7 +196,12 @@ def make_conversations(shape: Shape, chars_per_token: float) -> list[Conversatio
             f"Tool result {i}.{k}: " + words(rng, chars(sizes.later_user))
             for k in range(1, shape.turns)
         ]
-        out.append(Conversation(i, system, tuple(users)))
+        think = random.Random(f"{shape.seed}:{i}:think")
+        pauses = tuple(
+            think.expovariate(1.0 / shape.think_s) if shape.think_s > 0 else 0.0
+            for _ in range(1, shape.turns)
+        )
+        out.append(Conversation(i, system, tuple(users), pauses))
     return out
 
 
@@ -757,14 +767,17 @@ async def replay(
     timeout: float,
     member_of: dict[str, str],
 ) -> tuple[list[dict], list[tuple[int, int, bytes]]]:
-    """Every conversation at once, each turn after the previous one's answer; the turns (one
-    dict each) and (conversation, turn, body) in the order sent."""
+    """Every conversation at once, each turn after the previous one's answer and its pause
+    (`Shape.think_s`); the turns (one dict each) and (conversation, turn, body) in the order
+    sent."""
     turns: list[dict] = []
     sent: list[tuple[int, int, bytes]] = []
 
     async def conversation(c: Conversation) -> None:
         replies: list[str] = []
         for k in range(len(c.users)):
+            if k and c.pauses[k - 1] > 0:
+                await asyncio.sleep(c.pauses[k - 1])
             body = json.dumps(c.body(k, replies, max_tokens), separators=(",", ":")).encode()
             sent.append((c.index, k, body))
             r, raw = await _send(host, port, body, timeout)
@@ -973,7 +986,13 @@ def render(rows: list[dict], decision: dict | None, info: dict, a, targets) -> s
         f" {info['slot_ctx']} tokens); one box: `{' '.join(info['onebox_args'])}`; the model:"
         f" tests/e2e/tiny_gguf.py's, `n_ctx_train` {max(4096, info['slot_ctx'])}",
         f"- replay: {shape.conversations} conversations x {shape.turns} turns, all at once,"
-        f" streamed chat, `max_tokens` {shape.max_tokens}, seed {shape.seed}; planned"
+        + (
+            f" a pause before each later turn (exponential, mean {shape.think_s:g} s, the same"
+            " pauses for every target),"
+            if shape.think_s > 0
+            else " each turn sent as the previous one ends,"
+        )
+        + f" streamed chat, `max_tokens` {shape.max_tokens}, seed {shape.seed}; planned"
         f" {shape.first_tokens} -> {shape.last_tokens} tokens, measured"
         f" {info.get('prompt_sizes', '-')}; {info['chars_per_token']:.3f} characters a token"
         " (`/tokenize`); a new client connection per request",
@@ -1205,6 +1224,12 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=Shape.max_tokens)
     p.add_argument("--seed", type=int, default=Shape.seed)
     p.add_argument(
+        "--think-s",
+        type=float,
+        default=Shape.think_s,
+        help="mean pause before a conversation's next turn, s (exponential; 0: none)",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="6 conversations x 3 turns, 500 -> 1500 tokens, 1 repeat",
@@ -1242,7 +1267,9 @@ def main(argv=None) -> int:
     bad = [t for t in targets if t not in TARGETS]
     if bad:
         raise SystemExit(f"unknown target: {bad}")
-    shape = Shape(a.conversations, a.turns, a.first_tokens, a.last_tokens, a.max_tokens, a.seed)
+    shape = Shape(
+        a.conversations, a.turns, a.first_tokens, a.last_tokens, a.max_tokens, a.seed, a.think_s
+    )
     logdir = Path(tempfile.mkdtemp(prefix="relay-bench-fleet-"))
     slot_ctx = slot_context(shape)
     info: dict = {
