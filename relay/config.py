@@ -79,7 +79,9 @@ class BalanceConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     # ceil((1 + epsilon) x the pool's mean load) requests.
     epsilon: Annotated[float, Meta(ge=0.0, le=10.0)] = 0.25
     # A waiting request is passed over for one whose conversation lives on the freed
-    # member for at most this long, counted from the first time it is passed over.
+    # member for at most this long, counted from the first time it is passed over; and a
+    # request whose conversation lives on a busy member within the load bound waits for that
+    # member at most this long from its arrival before it takes another member's slot.
     affinity_wait_s: Annotated[float, Meta(ge=0.0, le=60.0)] = 0.5
     # The prefix table's bound (about 150 bytes an entry).
     prefix_entries: Annotated[int, Meta(ge=1, le=10_000_000)] = 100_000

@@ -31,6 +31,10 @@ their first k hashes are equal.
   oldest's `enqueued_at` the time it was first passed over: a request is then never passed
   over for longer than `bound`, and affinity adds at most `bound` to any request's wait
   beyond FIFO order.
+- `waits_for_home`: a request whose conversation lives on a member with no free slot waits
+  for that member, within the load bound, rather than taking another member's free slot at
+  once; the queue holds it for its home for at most `bound` seconds from its arrival, then it
+  takes any member's slot.
 """
 
 from __future__ import annotations
@@ -343,6 +347,22 @@ def learn(
     if fingerprint:
         table.record(member, fingerprint)
     return learnt
+
+
+def waits_for_home(members: Sequence[Member], home: str, eps: float = DEFAULT_EPSILON) -> bool:
+    """Whether a request whose conversation lives on `home`, which has no free slot, waits
+    for it (at most the affinity bound) rather than taking another member's free slot: it
+    does unless the home's load, the requests it holds and those already waiting for it,
+    would then be over the bounded-load capacity of the pool's load summed the same way.
+    Moved, a turn makes its new member read the whole conversation again, which costs more
+    than a fraction of a second of waiting once a conversation is a few thousand tokens
+    long; the bound keeps a busy home from holding a request while the pool has room."""
+    pool = {m.name: m for m in members}
+    at_home = pool.get(home)
+    if at_home is None or at_home.free > 0:
+        return False
+    cap = capacity(sum(m.load for m in members), len(members), eps)
+    return at_home.load + 1 <= cap
 
 
 def pick_waiting(

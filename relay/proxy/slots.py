@@ -4,7 +4,10 @@ An upstream's `SlotPool` counts the requests it holds (`in_flight`, at most `par
 request asks the relay's `Board` for a slot of one of its pool's members (`policy.routing`:
 the upstreams listing its model, one or more). It takes a free one at once, the member chosen
 by `policy.affinity.choose` when more than one has room, or it waits in its pool's queue,
-bounded by the members' `queue` summed. A slot is held until the client has drained the
+bounded by the members' `queue` summed. A request whose conversation lives on a busy member
+within the load bound waits for that member, even while another has room, for at most
+`affinity_wait_s` from its arrival (`policy.affinity.waits_for_home`); its hold over, it
+takes any member's slot. A slot is held until the client has drained the
 response or gone; `Slot.release` gives it back exactly once however many exit paths call it,
 and a freed slot passes straight to a waiting request (`policy.affinity.pick_waiting`: the
 oldest whose conversation lives on that member, unless the oldest overall has waited
@@ -38,6 +41,7 @@ from relay.policy.affinity import (
     choose,
     learn,
     pick_waiting,
+    waits_for_home,
 )
 from relay.policy.fair import Line as FairLine
 from relay.policy.fair import activated, charged, pick_line
@@ -169,6 +173,7 @@ class _Waiter:
         "exclude",
         "fut",
         "gone",
+        "home_until",
         "line",
         "passed_at",
         "position",
@@ -177,7 +182,7 @@ class _Waiter:
 
     def __init__(
         self, line: _Line, fut: asyncio.Future[SlotPool], exclude: frozenset[str],
-        preferred: SlotPool | None, counted: SlotPool | None, at: float,
+        preferred: SlotPool | None, counted: SlotPool | None, at: float, home_until: float = 0.0,
     ) -> None:  # fmt: skip
         self.line = line
         self.fut = fut
@@ -185,10 +190,19 @@ class _Waiter:
         self.preferred = preferred
         self.counted = counted
         self.at = at
+        # Until then it takes a slot of its preferred member only (`policy.affinity`'s
+        # `waits_for_home`).
+        self.home_until = home_until
         self.position = line.live + 1
         # When a younger request of its line first took a freed slot before it (affinity).
         self.passed_at: float | None = None
         self.gone = False
+
+    def takes(self, member: SlotPool, now: float) -> bool:
+        """Whether a freed slot of `member` may go to it now."""
+        if member.name in self.exclude:
+            return False
+        return self.home_until <= now or self.preferred is member
 
 
 class _Line:
@@ -223,12 +237,12 @@ class _Line:
         # oldest request's arrival).
         self.turn_at = 0.0
 
-    def oldest_for(self, member: SlotPool) -> _Waiter | None:
+    def oldest_for(self, member: SlotPool, now: float) -> _Waiter | None:
         order = self.order
         while order and order[0].gone:
             order.popleft()
         for w in order:
-            if not w.gone and member.name not in w.exclude:
+            if not w.gone and w.takes(member, now):
                 return w
         return None
 
@@ -400,7 +414,7 @@ def _next_waiter(member: SlotPool) -> _Waiter | None:
         views: list[FairLine] = []
         heads: list[_Waiter] = []
         for line in q.active.values():
-            head = line.oldest_for(member)
+            head = line.oldest_for(member, now)
             if head is not None:
                 # Passed over while a higher class was served, it banked no turns.
                 line.start = activated(line.start, q.vtime)
@@ -443,6 +457,18 @@ def _affine(
     if head.passed_at is None:
         head.passed_at = now
     return preferring
+
+
+def _hold_ended(q: _Queue, w: _Waiter) -> None:
+    """A waiting request's hold for its conversation's member ran out: the members' free
+    slots go to the waiting requests that may now take them, it among them."""
+    if w.gone or w.fut.done():
+        return
+    # Over now, whatever the clock reads: a loop timer may fire a little early.
+    w.home_until = 0.0
+    for m in q.members:
+        if m.in_flight < m.parallel and not m.closed:
+            m.kick()
 
 
 class Board:
@@ -546,6 +572,24 @@ class Board:
         member = next(m for m in eligible if m.name == choice.member)
         return member, choice.reused_units
 
+    def holds_for_home(self, eligible: Sequence[SlotPool], want: Want) -> bool:
+        """Whether a request that could take a free slot now waits for the member its
+        conversation lives on instead (`policy.affinity.waits_for_home`)."""
+        if not self.affinity or self.wait_bound <= 0 or not want.fingerprint:
+            return False
+        home = self.preferred(eligible, want)
+        if home is None or home.in_flight < home.parallel or not home.usable():
+            return False
+        view = [Member(m.name, m.in_flight + m.waiting, m.parallel - m.in_flight) for m in eligible]
+        return waits_for_home(view, home.name, self.epsilon)
+
+    def hold_until(self, eligible: Sequence[SlotPool], want: Want, now: float) -> float:
+        """Until when a request that waits takes only a slot of its conversation's member:
+        for the affinity bound from its arrival while that member is within the load bound
+        (`holds_for_home`), whether or not another member has room; 0 for one with no home,
+        or whose home is over the bound, whom `policy.affinity.pick_waiting` orders."""
+        return now + self.wait_bound if self.holds_for_home(eligible, want) else 0.0
+
     def preferred(self, eligible: Sequence[SlotPool], want: Want) -> SlotPool | None:
         """The member a waiting request's conversation lives on, if any."""
         if not self.affinity or not want.fingerprint:
@@ -609,10 +653,12 @@ def _rank(board: Board | None, key: str | None) -> tuple[int, int]:
 
 
 def _free(
-    board: Board | None, q: _Queue, want: Want, exclude: frozenset[str]
+    board: Board | None, q: _Queue, want: Want, exclude: frozenset[str], timeout: float
 ) -> tuple[Sequence[SlotPool], SlotPool | None, int]:
-    """The members a request may have, and the one with a free slot it takes now (None: it
-    waits) with the prefix units that member is believed to hold."""
+    """The members a request may have, and the one with a free slot it takes now with the
+    prefix units that member is believed to hold; None: it waits, for any free slot when
+    every member was busy, or for its conversation's member (`Board.holds_for_home`) when
+    `eligible` has a free slot."""
     members = q.members
     if len(members) == 1 and not exclude:
         # One upstream, the usual pool: no choice to make.
@@ -628,6 +674,8 @@ def _free(
         return eligible, None, 0
     if len(eligible) == 1 or board is None:
         return eligible, free[0], 0
+    if timeout > 0 and q.live < q.bound and board.holds_for_home(eligible, want):
+        return eligible, None, 0
     member, units = board.chosen(q, eligible, want)
     return eligible, member, units
 
@@ -638,7 +686,7 @@ async def _take(
 ) -> Slot:  # fmt: skip
     """A slot of one of `q`'s members but `exclude`: a free one at once (a turn of its key's
     line all the same), else a wait in the line of `key`."""
-    eligible, member, units = _free(board, q, want, exclude)
+    eligible, member, units = _free(board, q, want, exclude, timeout)
     if member is not None:
         member.in_flight += 1
         if key is not None:
@@ -651,9 +699,14 @@ async def _take(
         raise Busy("queue full" if bound else "no free slot")
     preferred = board.preferred(eligible, want) if board is not None else None
     counted = preferred or (eligible[0] if len(eligible) == 1 else None)
-    fut: asyncio.Future[SlotPool] = asyncio.get_running_loop().create_future()
-    w = _Waiter(line, fut, exclude, preferred, counted, time.monotonic())
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[SlotPool] = loop.create_future()
+    now = time.monotonic()
+    until = board.hold_until(eligible, want, now) if board is not None else 0.0
+    w = _Waiter(line, fut, exclude, preferred, counted, now, until)
     q.add(w)
+    # Its hold ended, a slot some member kept free for another's home is its own.
+    expiry = loop.call_later(until - now, _hold_ended, q, w) if until else None
     try:
         member = await asyncio.wait_for(asyncio.shield(fut), timeout)
     except TimeoutError:
@@ -672,5 +725,8 @@ async def _take(
             fut.cancel()
             q.leave(w)
         raise
+    finally:
+        if expiry is not None:
+            expiry.cancel()
     units = board.units_on(member, want.fingerprint) if board is not None else 0
     return Slot(member, board, want.fingerprint, units, key, w.position, q.name)

@@ -24,6 +24,7 @@ from relay.policy.affinity import (
     choose,
     pick_waiting,
     prefix_was_there,
+    waits_for_home,
 )
 from tests.support.layout import ROOT
 
@@ -279,6 +280,23 @@ def test_a_freed_slot_prefers_its_own_conversation_until_the_bound():
     assert pick_waiting(queue, "a", now=10.4, bound=0.5) == 2
     assert pick_waiting(queue, "c", now=10.2, bound=0.25) == 0
     assert pick_waiting([], "a", now=10.0) is None
+
+
+def test_a_busy_home_is_waited_for_within_the_load_bound():
+    # a holds 2 of 2 and no one waits for it: load 3 with this one against a capacity of
+    # ceil(1.25 x (3 + 1) / 3) = 2 -> 3 > 2, taken elsewhere.
+    busy = [Member("a", 2, 0), Member("b", 1, 1), Member("c", 0, 2)]
+    assert not waits_for_home(busy, "a", 0.25)
+    # Loads 2 (a, full), 2 (b, one waiting for it counted in), 2 (c): capacity
+    # ceil(1.25 x 7 / 3) = 3, and a's 2 + 1 fits: it waits for a.
+    even = [Member("a", 2, 0), Member("b", 2, 1), Member("c", 2, 1)]
+    assert waits_for_home(even, "a", 0.25)
+    # Two already wait for a (load 4): capacity ceil(1.25 x 9 / 3) = 4, and 5 > 4.
+    queued = [Member("a", 4, 0), Member("b", 2, 1), Member("c", 2, 1)]
+    assert not waits_for_home(queued, "a", 0.25)
+    # A home with a free slot is taken, not waited for; a home not in the pool neither.
+    assert not waits_for_home([Member("a", 1, 1), Member("b", 2, 0)], "a", 0.25)
+    assert not waits_for_home(even, "z", 0.25)
 
 
 def _fingerprint(conversation: int, turn: int) -> tuple[int, ...]:

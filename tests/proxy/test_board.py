@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 import pytest
 
 from relay.config import BalanceConfig, KeyConfig
 from relay.observe.metrics import Registry
-from relay.policy.affinity import NO_WANT, Reuse, Want
+from relay.policy.affinity import NO_WANT, Reuse, Want, Why
 from relay.policy.prefix import fingerprint, first_key
 from relay.policy.routing import Pool
 from relay.proxy.slots import Board, Busy, SlotPool, SlotsClosed
@@ -195,6 +196,116 @@ async def test_the_bound_counts_from_the_first_time_a_request_is_passed_over():
     homed[1].cancel()
     await asyncio.gather(homed[1], return_exceptions=True)
     held[0].release()
+
+
+async def _homed(board: Board, text: str) -> str:
+    """A conversation served once: the member it now lives on."""
+    s = await board.acquire(POOL, conversation(text), 1.0)
+    s.release(Reuse(10, 0))
+    return s.member
+
+
+async def test_a_busy_home_is_waited_for_while_another_member_is_free():
+    board, m = board_of(("a", 1, 8), ("b", 1, 8), affinity_wait_s=30.0)
+    home = await _homed(board, "lives here")
+    other = "b" if home == "a" else "a"
+    turn = await board.acquire(POOL, conversation("lives here", "x", "y"), 1.0)
+    assert turn.member == home
+    # Its next turn finds its home busy and the other member free: it waits for home.
+    follow = asyncio.create_task(board.acquire(POOL, conversation("lives here", "x", "z"), 5.0))
+    await asyncio.sleep(0)
+    assert not follow.done() and m[other].in_flight == 0 and m[home].queued == 1
+    # A request of no conversation takes the free slot meanwhile.
+    stranger = await board.acquire(POOL, NO_WANT, 1.0)
+    assert stranger.member == other
+    turn.release()
+    assert (await asyncio.wait_for(follow, 1)).member == home
+    assert board.routed["tiny"][Why.AFFINITY] >= 1
+    stranger.release()
+
+
+async def test_a_hold_for_home_ends_at_the_bound():
+    bound = 0.2
+    board, m = board_of(("a", 1, 8), ("b", 1, 8), affinity_wait_s=bound)
+    home = await _homed(board, "lives here")
+    other = "b" if home == "a" else "a"
+    turn = await board.acquire(POOL, conversation("lives here", "x", "y"), 1.0)
+    t0 = time.monotonic()
+    follow = await asyncio.wait_for(
+        board.acquire(POOL, conversation("lives here", "x", "z"), 5.0), 5
+    )
+    # The home never freed: once the bound ran out, the free member's slot was its own (a
+    # loop timer fires up to its clock's step early: uvloop's is a millisecond).
+    assert follow.member == other and time.monotonic() - t0 >= bound - 0.002
+    assert m[home].queued == 0
+    turn.release()
+    follow.release()
+
+
+async def test_a_home_over_the_load_bound_is_not_waited_for():
+    # Home a has one slot, b four: with a's one held, a second there is over
+    # ceil(1 x (1 + 1) / 2) = 1, so the follow-up takes b at once.
+    board, _m = board_of(("a", 1, 8), ("b", 4, 8), epsilon=0.0, affinity_wait_s=30.0)
+    board.table.record("a", conversation("lives on a").fingerprint)
+    turn = await board.acquire(POOL, conversation("lives on a", "x", "y"), 1.0)
+    assert turn.member == "a"
+    follow = await asyncio.wait_for(
+        board.acquire(POOL, conversation("lives on a", "x", "z"), 5.0), 1
+    )
+    assert follow.member == "b"
+    turn.release()
+    follow.release()
+
+
+async def test_a_freed_slot_skips_a_request_held_for_another_home():
+    board, m = board_of(("a", 1, 8), ("b", 1, 8), affinity_wait_s=30.0)
+    board.table.record("a", conversation("lives on a").fingerprint)
+    on_a = await board.acquire(POOL, conversation("lives on a", "x", "y"), 1.0)
+    # b has room: the follow-up is held for a.
+    held = asyncio.create_task(board.acquire(POOL, conversation("lives on a", "x", "z"), 5.0))
+    await asyncio.sleep(0)
+    on_b = await board.acquire(POOL, NO_WANT, 1.0)
+    stranger = asyncio.create_task(board.acquire(POOL, NO_WANT, 5.0))
+    await asyncio.sleep(0)
+    # b frees: the older request still waits for a, the younger one takes b.
+    on_b.release()
+    assert (await asyncio.wait_for(stranger, 1)).member == "b"
+    assert not held.done()
+    on_a.release()
+    assert (await asyncio.wait_for(held, 1)).member == "a"
+    assert m["a"].queued == m["b"].queued == 0
+
+
+async def test_with_every_member_busy_a_request_still_waits_for_its_home():
+    board, _m = board_of(("a", 1, 8), ("b", 1, 8), epsilon=0.0, affinity_wait_s=30.0)
+    board.table.record("a", conversation("lives on a").fingerprint)
+    on_a = await board.acquire(POOL, conversation("lives on a", "x", "y"), 1.0)
+    on_b = await board.acquire(POOL, NO_WANT, 1.0)
+    # Held for a: a's load with it, 2, is within ceil(1 x (2 + 1) / 2) = 2.
+    waiting = asyncio.create_task(board.acquire(POOL, conversation("lives on a", "x", "z"), 5.0))
+    await asyncio.sleep(0)
+    on_b.release()
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    on_a.release()
+    assert (await asyncio.wait_for(waiting, 1)).member == "a"
+
+
+async def test_with_every_member_busy_a_home_over_the_bound_is_not_waited_for():
+    board, _m = board_of(("a", 1, 8), ("b", 1, 8), epsilon=0.0, affinity_wait_s=30.0)
+    board.table.record("a", conversation("lives on a").fingerprint)
+    on_a = await board.acquire(POOL, conversation("lives on a", "x", "y"), 1.0)
+    on_b = await board.acquire(POOL, NO_WANT, 1.0)
+    first = asyncio.create_task(board.acquire(POOL, conversation("lives on a", "x", "z"), 5.0))
+    await asyncio.sleep(0)
+    # a holds one and has one waiting for it: 3 would be over ceil(1 x (3 + 1) / 2) = 2.
+    second = asyncio.create_task(board.acquire(POOL, conversation("lives on a", "x", "w"), 5.0))
+    await asyncio.sleep(0)
+    on_b.release()
+    assert (await asyncio.wait_for(second, 1)).member == "b"
+    assert not first.done()
+    on_a.release()
+    assert (await asyncio.wait_for(first, 1)).member == "a"
 
 
 async def test_an_excluded_member_is_neither_given_nor_waited_for():

@@ -15,7 +15,7 @@ import asyncio
 
 import pytest
 
-from relay.config import UpstreamConfig
+from relay.config import BalanceConfig, UpstreamConfig
 from relay.sim.server import Simulator
 from tests.proxy.test_fair_share import (
     SERVICE,
@@ -61,7 +61,15 @@ def started(pair) -> list[str]:
 
 
 async def test_a_flood_does_not_hold_back_another_key_in_a_pool(make_relay, pair):
-    app = await make_relay(upstreams=members(pair), keys=keyed("a", "b", "z"), pool_timeout_s=300)
+    # Every request of B is one prompt, whose member would hold it for up to
+    # `affinity_wait_s` (tests/proxy/test_board.py shows that): with no hold, the first member
+    # to free a slot gives it to B.
+    app = await make_relay(
+        upstreams=members(pair),
+        keys=keyed("a", "b", "z"),
+        pool_timeout_s=300,
+        balance=BalanceConfig(affinity_wait_s=0),
+    )
     holders = Holders()
     await holders.hold(app.port, "z", 1)
     await wait_for(lambda: app.board.held_by_key.get("z") == 1, WAIT_S)
