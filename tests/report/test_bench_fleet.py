@@ -9,6 +9,7 @@ from pathlib import Path
 
 from bench import fleet as F
 from bench import relay_conf
+from relay.config import load_config, parse_config
 
 SHAPE = F.Shape(conversations=4, turns=3, first_tokens=1000, last_tokens=3000, max_tokens=16)
 
@@ -174,6 +175,12 @@ def test_goals_met_missed_and_pending():
     assert [g.ok for g in F.goals(med, _decision(50.0))] == [False] * 5
     del med["relay_affinity"]
     assert [g.ok for g in F.goals(med, None)] == [None] * 5
+    # Each affinity target is judged on its own figures.
+    med["relay_affinity_3s"] = {"hit_ratio": 0.75, "ttft_p50_ms": 300.0, "load_spread": 1.0}
+    judged = F.goals(med, _decision(10.0), "relay_affinity_3s")
+    assert [g.ok for g in judged] == [True] * 5
+    assert judged[0].name.startswith("relay_affinity_3s hit ratio")
+    assert [g.ok for g in F.goals(med, _decision(10.0))][:3] == [None] * 3
 
 
 def test_decision_cost_times_every_body_of_every_pass():
@@ -201,7 +208,7 @@ def test_relay_config_is_one_pool_and_takes_the_users_keys(tmp_path: Path):
     urls = ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"]
     user = tmp_path / "user.toml"
     user.write_text('[balance]\nepsilon = 0.5\n[[upstream]]\nqueue = 8\nurl = "http://x"\n')
-    conf = F.relay_config(urls, True, 9000, tmp_path / "r.db", str(user))
+    conf = F.relay_config(urls, F.BALANCE["relay_affinity"], 9000, tmp_path / "r.db", str(user))
     back = tomllib.loads(relay_conf.dumps(conf))
     assert back["server"]["port"] == 9000
     assert back["balance"] == {"affinity": True, "epsilon": 0.5, "affinity_wait_s": 0.5}
@@ -212,7 +219,16 @@ def test_relay_config_is_one_pool_and_takes_the_users_keys(tmp_path: Path):
         ("m2", urls[1], ["tiny"], 2, 8),
         ("m3", urls[2], ["tiny"], 2, 8),
     ]
-    assert F.relay_config(urls, False, 9000, tmp_path / "r.db")["balance"]["affinity"] is False
+    least = F.relay_config(urls, F.BALANCE["relay_least"], 9000, tmp_path / "r.db")
+    assert least["balance"] == {"affinity": False, "epsilon": 0.25, "affinity_wait_s": 0.5}
+    waits = F.relay_config(urls, F.BALANCE["relay_affinity_3s"], 9000, tmp_path / "r.db")
+    assert waits["balance"] == {"affinity": True, "epsilon": 0.25, "affinity_wait_s": 3.0}
+    # Every relay target's config is one the relay accepts.
+    for target in F.RELAY_TARGETS:
+        path = tmp_path / f"{target}.toml"
+        conf = F.relay_config(urls, F.BALANCE[target], 9000, tmp_path / "r.db")
+        path.write_text(relay_conf.dumps(conf))
+        assert parse_config(load_config(str(path))).balance.affinity is (target != "relay_least")
 
 
 def test_rescaled_bodies_keep_the_order_and_the_replies():
