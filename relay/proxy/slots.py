@@ -583,12 +583,18 @@ class Board:
         view = [Member(m.name, m.in_flight + m.waiting, m.parallel - m.in_flight) for m in eligible]
         return waits_for_home(view, home.name, self.epsilon)
 
-    def hold_until(self, eligible: Sequence[SlotPool], want: Want, now: float) -> float:
+    def hold_until(
+        self, eligible: Sequence[SlotPool], want: Want, now: float, timeout: float
+    ) -> float:
         """Until when a request that waits takes only a slot of its conversation's member:
         for the affinity bound from its arrival while that member is within the load bound
         (`holds_for_home`), whether or not another member has room; 0 for one with no home,
-        or whose home is over the bound, whom `policy.affinity.pick_waiting` orders."""
-        return now + self.wait_bound if self.holds_for_home(eligible, want) else 0.0
+        or whose home is over the bound, whom `policy.affinity.pick_waiting` orders. At most
+        half of the request's own wait (`timeout`): the rest is for a slot of any member, so
+        that a bound above the pool's timeout never turns a free slot into a 503."""
+        if not self.holds_for_home(eligible, want):
+            return 0.0
+        return now + min(self.wait_bound, timeout / 2)
 
     def preferred(self, eligible: Sequence[SlotPool], want: Want) -> SlotPool | None:
         """The member a waiting request's conversation lives on, if any."""
@@ -702,7 +708,7 @@ async def _take(
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[SlotPool] = loop.create_future()
     now = time.monotonic()
-    until = board.hold_until(eligible, want, now) if board is not None else 0.0
+    until = board.hold_until(eligible, want, now, timeout) if board is not None else 0.0
     w = _Waiter(line, fut, exclude, preferred, counted, now, until)
     q.add(w)
     # Its hold ended, a slot some member kept free for another's home is its own.

@@ -242,6 +242,25 @@ async def test_a_hold_for_home_ends_at_the_bound():
     follow.release()
 
 
+async def test_a_hold_for_home_takes_at_most_half_of_the_requests_wait():
+    # The bound (30 s) is above this request's wait (2 s): it holds for a for half of its
+    # wait, then takes b's slot, free all along, instead of running out and being refused.
+    board, m = board_of(("a", 1, 8), ("b", 1, 8), affinity_wait_s=30.0)
+    board.table.record("a", conversation("lives on a").fingerprint)
+    turn = await board.acquire(POOL, conversation("lives on a", "x", "y"), 1.0)
+    t0 = time.monotonic()
+    follow = await asyncio.wait_for(
+        board.acquire(POOL, conversation("lives on a", "x", "z"), 2.0), 10
+    )
+    waited = time.monotonic() - t0
+    assert follow.member == "b"
+    # The hold's own timer (a loop timer may fire up to a clock tick early).
+    assert waited >= 1.0 - 0.05
+    assert m["a"].in_flight == m["b"].in_flight == 1
+    turn.release()
+    follow.release()
+
+
 async def test_a_home_over_the_load_bound_is_not_waited_for():
     # Home a has one slot, b four: with a's one held, a second there is over
     # ceil(1 x (1 + 1) / 2) = 1, so the follow-up takes b at once.
