@@ -60,16 +60,9 @@ def started(pair) -> list[str]:
     return [who for _, who in sorted(seen)]
 
 
-async def test_a_flood_does_not_hold_back_another_key_in_a_pool(make_relay, pair):
-    # Every request of B is one prompt, whose member would hold it for up to
-    # `affinity_wait_s` (tests/proxy/test_board.py shows that): with no hold, the first member
-    # to free a slot gives it to B.
-    app = await make_relay(
-        upstreams=members(pair),
-        keys=keyed("a", "b", "z"),
-        pool_timeout_s=300,
-        balance=BalanceConfig(affinity_wait_s=0),
-    )
+async def flood_then_one_by_one(app, pair) -> tuple[list[int], list[dict], list[dict]]:
+    """A floods 200 requests, then B sends 10 one by one: for each of B's, how many requests
+    started before it once it was sent; B's rows; A's rows answered 200."""
     holders = Holders()
     await holders.hold(app.port, "z", 1)
     await wait_for(lambda: app.board.held_by_key.get("z") == 1, WAIT_S)
@@ -102,6 +95,20 @@ async def test_a_flood_does_not_hold_back_another_key_in_a_pool(make_relay, pair
     finally:
         holders.hang_up()
         await cancel(tasks)
+    return between, b_rows, a_rows
+
+
+async def test_a_flood_does_not_hold_back_another_key_in_a_pool(make_relay, pair):
+    # Every request of B is one prompt, whose member would hold it for up to
+    # `affinity_wait_s` (the next test): with no hold, the first member to free a slot
+    # gives it to B.
+    app = await make_relay(
+        upstreams=members(pair),
+        keys=keyed("a", "b", "z"),
+        pool_timeout_s=300,
+        balance=BalanceConfig(affinity_wait_s=0),
+    )
+    between, b_rows, a_rows = await flood_then_one_by_one(app, pair)
     assert max(between) <= 2, between
     one_service = max(service_ms(r) for r in a_rows)
     for r in b_rows:
@@ -110,6 +117,21 @@ async def test_a_flood_does_not_hold_back_another_key_in_a_pool(make_relay, pair
     # Whichever member freed a slot first gave it to B.
     assert {r["upstream_served"] for r in b_rows} == {"one", "two"}
     assert {r["pool"] for r in b_rows} == {"tiny"}
+
+
+async def test_with_the_default_hold_a_flood_still_holds_back_another_key_one_service_at_most(
+    make_relay, pair
+):
+    # With the default `affinity_wait_s`, B's request holds for the member its prompt lives
+    # on while the other member's freed slot may go to A's flood; its member frees within one
+    # service time of A's, and its slot is B's turn: B still waits one service time at most.
+    app = await make_relay(upstreams=members(pair), keys=keyed("a", "b", "z"), pool_timeout_s=300)
+    _between, b_rows, a_rows = await flood_then_one_by_one(app, pair)
+    one_service = max(service_ms(r) for r in a_rows)
+    assert len(b_rows) == 10
+    for r in b_rows:
+        assert r["status"] == 200 and r["queue_position"] == 1, r
+        assert 0 < r["queue_ms"] <= one_service, (r["request_id"], r["queue_ms"], one_service)
 
 
 async def test_two_keys_take_turns_across_a_pool(make_relay, pair):
