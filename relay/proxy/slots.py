@@ -510,8 +510,19 @@ class Board:
         slots.board = self
 
     def forget_member(self, name: str) -> None:
-        """An upstream went down, or a reload removed it: it holds no prompt any more."""
+        """An upstream went down, or a reload removed it: it holds no prompt any more, and
+        the requests holding for it take a slot of any member now."""
         self.table.forget_member(name)
+        # Gathered first: a hold's end can hand out slots, and so change the lines.
+        held = [
+            (q, w)
+            for q in self._queues.values()
+            for line in q.active.values()
+            for w in line.preferring.get(name, ())
+            if w.home_until and not w.gone
+        ]
+        for q, w in held:
+            _hold_ended(q, w)
 
     def queue(self, name: str, members: tuple[SlotPool, ...]) -> _Queue:
         """The queue of the pool `name` made of these members (the same objects: an upstream

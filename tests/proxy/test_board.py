@@ -339,6 +339,20 @@ async def test_an_excluded_member_is_neither_given_nor_waited_for():
     assert (await asyncio.wait_for(waiting, 1)).member == "b"
 
 
+async def test_a_hold_for_a_home_found_down_ends_at_once():
+    board, m = board_of(("a", 1, 8), ("b", 1, 8), affinity_wait_s=30.0)
+    board.table.record("a", conversation("lives on a").fingerprint)
+    turn = await board.acquire(POOL, conversation("lives on a", "x", "y"), 1.0)
+    held = asyncio.create_task(board.acquire(POOL, conversation("lives on a", "x", "z"), 50.0))
+    await asyncio.sleep(0)
+    assert not held.done() and m["b"].in_flight == 0
+    # What the App does when it finds a down (relay/app.py), as a reload that removes it.
+    m["a"].health.up = False  # type: ignore[union-attr]
+    board.forget_member("a")
+    assert (await asyncio.wait_for(held, 1)).member == "b"
+    turn.release()
+
+
 async def test_a_down_member_hands_no_slot_on_until_it_is_back():
     board, m = board_of(("a", 1, 8), ("b", 1, 8))
     sa = await board.acquire(POOL, NO_WANT, 1.0)
