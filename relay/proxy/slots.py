@@ -519,7 +519,7 @@ class Board:
             for q in self._queues.values()
             for line in q.active.values()
             for w in line.preferring.get(name, ())
-            if w.home_until and not w.gone
+            if w.home_until
         ]
         for q, w in held:
             _hold_ended(q, w)

@@ -14,7 +14,7 @@ from relay.observe.metrics import Registry
 from relay.policy.affinity import NO_WANT, Reuse, Want, Why
 from relay.policy.prefix import fingerprint, first_key
 from relay.policy.routing import Pool
-from relay.proxy.slots import Board, Busy, SlotPool, SlotsClosed
+from relay.proxy.slots import Board, Busy, Slot, SlotPool, SlotsClosed
 from relay.stream.dialect import Api
 
 
@@ -44,6 +44,16 @@ def conversation(*turns: str, system: str = "You are terse.") -> Want:
 
 
 POOL = Pool("tiny", ("a", "b"))
+
+
+async def home_a_busy(**balance: object) -> tuple[Board, dict[str, SlotPool], Slot]:
+    """Members a and b of one slot each (`affinity_wait_s` 30 s unless `balance` says), the
+    conversation "lives on a" recorded on a, and a turn of it holding a's slot."""
+    board, m = board_of(("a", 1, 8), ("b", 1, 8), **{"affinity_wait_s": 30.0, **balance})
+    board.table.record("a", conversation("lives on a").fingerprint)
+    turn = await board.acquire(POOL, conversation("lives on a", "x", "y"), 1.0)
+    assert turn.member == "a"
+    return board, m, turn
 
 
 async def test_a_follow_up_turn_goes_where_its_prefix_is_cached():
@@ -245,9 +255,7 @@ async def test_a_hold_for_home_ends_at_the_bound():
 async def test_a_hold_for_home_takes_at_most_half_of_the_requests_wait():
     # The bound (30 s) is above this request's wait (2 s): it holds for a for half of its
     # wait, then takes b's slot, free all along, instead of running out and being refused.
-    board, m = board_of(("a", 1, 8), ("b", 1, 8), affinity_wait_s=30.0)
-    board.table.record("a", conversation("lives on a").fingerprint)
-    turn = await board.acquire(POOL, conversation("lives on a", "x", "y"), 1.0)
+    board, m, turn = await home_a_busy()
     t0 = time.monotonic()
     follow = await asyncio.wait_for(
         board.acquire(POOL, conversation("lives on a", "x", "z"), 2.0), 10
@@ -277,9 +285,7 @@ async def test_a_home_over_the_load_bound_is_not_waited_for():
 
 
 async def test_a_freed_slot_skips_a_request_held_for_another_home():
-    board, m = board_of(("a", 1, 8), ("b", 1, 8), affinity_wait_s=30.0)
-    board.table.record("a", conversation("lives on a").fingerprint)
-    on_a = await board.acquire(POOL, conversation("lives on a", "x", "y"), 1.0)
+    board, m, on_a = await home_a_busy()
     # b has room: the follow-up is held for a.
     held = asyncio.create_task(board.acquire(POOL, conversation("lives on a", "x", "z"), 5.0))
     await asyncio.sleep(0)
@@ -296,9 +302,7 @@ async def test_a_freed_slot_skips_a_request_held_for_another_home():
 
 
 async def test_with_every_member_busy_a_request_still_waits_for_its_home():
-    board, _m = board_of(("a", 1, 8), ("b", 1, 8), epsilon=0.0, affinity_wait_s=30.0)
-    board.table.record("a", conversation("lives on a").fingerprint)
-    on_a = await board.acquire(POOL, conversation("lives on a", "x", "y"), 1.0)
+    board, _m, on_a = await home_a_busy(epsilon=0.0)
     on_b = await board.acquire(POOL, NO_WANT, 1.0)
     # Held for a: a's load with it, 2, is within ceil(1 x (2 + 1) / 2) = 2.
     waiting = asyncio.create_task(board.acquire(POOL, conversation("lives on a", "x", "z"), 5.0))
@@ -311,9 +315,7 @@ async def test_with_every_member_busy_a_request_still_waits_for_its_home():
 
 
 async def test_with_every_member_busy_a_home_over_the_bound_is_not_waited_for():
-    board, _m = board_of(("a", 1, 8), ("b", 1, 8), epsilon=0.0, affinity_wait_s=30.0)
-    board.table.record("a", conversation("lives on a").fingerprint)
-    on_a = await board.acquire(POOL, conversation("lives on a", "x", "y"), 1.0)
+    board, _m, on_a = await home_a_busy(epsilon=0.0)
     on_b = await board.acquire(POOL, NO_WANT, 1.0)
     first = asyncio.create_task(board.acquire(POOL, conversation("lives on a", "x", "z"), 5.0))
     await asyncio.sleep(0)
@@ -340,9 +342,7 @@ async def test_an_excluded_member_is_neither_given_nor_waited_for():
 
 
 async def test_a_hold_for_a_home_found_down_ends_at_once():
-    board, m = board_of(("a", 1, 8), ("b", 1, 8), affinity_wait_s=30.0)
-    board.table.record("a", conversation("lives on a").fingerprint)
-    turn = await board.acquire(POOL, conversation("lives on a", "x", "y"), 1.0)
+    board, m, turn = await home_a_busy()
     held = asyncio.create_task(board.acquire(POOL, conversation("lives on a", "x", "z"), 50.0))
     await asyncio.sleep(0)
     assert not held.done() and m["b"].in_flight == 0
