@@ -79,10 +79,13 @@ class BalanceConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     # ceil((1 + epsilon) x the pool's mean load) requests.
     epsilon: Annotated[float, Meta(ge=0.0, le=10.0)] = 0.25
     # A waiting request is passed over for one whose conversation lives on the freed
-    # member for at most this long, counted from the first time it is passed over; and a
-    # request whose conversation lives on a busy member within the load bound waits for that
-    # member at most this long from its arrival before it takes another member's slot.
+    # member for at most this long, counted from the first time it is passed over.
     affinity_wait_s: Annotated[float, Meta(ge=0.0, le=60.0)] = 0.5
+    # A request whose conversation lives on a busy member within the load bound waits for
+    # that member at most this long from its arrival before it takes another member's slot;
+    # "auto": twice the time the move's re-read would take, learnt from the pool's answers
+    # (`policy.affinity.home_wait`), `affinity_wait_s` until an answer said.
+    home_wait_s: Annotated[float, Meta(ge=0.0, le=600.0)] | Literal["auto"] = "auto"
     # The prefix table's bound (about 150 bytes an entry).
     prefix_entries: Annotated[int, Meta(ge=1, le=10_000_000)] = 100_000
     # A line of waiting requests of a lower priority class that has had no turn for this long

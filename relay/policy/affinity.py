@@ -14,7 +14,8 @@ their first k hashes are equal.
   with tracemalloc on CPython 3.11, 100 000 entries of random 64-bit keys: 105 bytes of
   table per entry, plus the key's int (sys.getsizeof 36, 40 as allocated) once the request
   that brought it is gone: about 145 bytes per entry, 14.5 MB at the default bound. The
-  bound is an LRU over entries, least recently served first.
+  bound is an LRU over entries, least recently served first. A served turn's prompt length
+  in tokens is kept at its last entry, while that entry is (about 85 bytes a turn).
 - `choose` picks among the eligible members with a free slot: the member holding the longest
   prefix (the head and the first message at least: `SHORTEST_PREFIX`), unless taking the
   request would put it over the bounded-load capacity of Mirrokni, Thorup and
@@ -33,8 +34,16 @@ their first k hashes are equal.
   beyond FIFO order.
 - `waits_for_home`: a request whose conversation lives on a member with no free slot waits
   for that member, within the load bound, rather than taking another member's free slot at
-  once; the queue holds it for its home for at most `bound` seconds from its arrival, then it
-  takes any member's slot.
+  once; the queue holds it for its home for at most `home_wait` seconds from its arrival,
+  then it takes any member's slot.
+- `home_wait`: how long that hold lasts, by default from what the move would cost. A turn that
+  moves makes its new member read again the prefix its home holds: it waits that long on its
+  own prefill, and the member is busy that long for the requests waiting behind it. So a
+  request holds for its home for twice the prefill time of the prefix it would re-read
+  (`HOLD_FACTOR`): the prefix's tokens (what the answer to the turn that left it there
+  reported, `PrefixTable.tokens_at`) times the pool's pace (`Pace`, seconds of prefill per
+  token, from llama-server's `timings.prompt_ms` over the tokens it processed). Where
+  either is unknown, the fixed bound the caller gives.
 """
 
 from __future__ import annotations
@@ -53,6 +62,16 @@ from relay.stream.dialect import Api
 DEFAULT_EPSILON = 0.25
 DEFAULT_MAX_ENTRIES = 100_000
 DEFAULT_WAIT_BOUND = 0.5
+# A request holds for its home for this many times the prefill time of what a move re-reads.
+HOLD_FACTOR = 2.0
+# An answer teaches the pace only when it processed at least this many tokens: below that,
+# fixed costs (the first token's decode, the connection) outweigh the prefill.
+PACE_MIN_TOKENS = 64
+# Each answer moves the pace this share of the way to its own (an exponential average).
+PACE_WEIGHT = 0.2
+# No prefill takes a second a token: a figure past it is no measurement (an upstream's
+# timings are not trusted blindly).
+PACE_MAX_S = 1.0
 # Under this share of the expected reuse, an answer says the prefix was not in the cache.
 DEFAULT_REUSE_RATIO = 0.5
 # A prefix keeps a conversation on a member once it covers the head and the first message
@@ -113,6 +132,8 @@ class Reuse(msgspec.Struct, frozen=True, gc=False):
 
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    # llama-server's `timings.prompt_ms`: the time it took to read the part not reused.
+    prompt_ms: float | None = None
 
 
 class Learnt(enum.Enum):
@@ -178,6 +199,9 @@ class PrefixTable:
             raise ValueError("max_entries must be at least 1")
         self.max_entries = max_entries
         self._entries: OrderedDict[int, int] = OrderedDict()
+        # The prompt tokens an answer reported, at the last hash of its request's fingerprint
+        # (while the table holds that hash): what a later turn found there would re-read.
+        self._tokens: dict[int, int] = {}
         self._bits: dict[str, int] = {}
         self._names: dict[int, str] = {}
 
@@ -203,8 +227,9 @@ class PrefixTable:
             out |= bits.get(name, 0)
         return out
 
-    def record(self, member: str, fingerprint: Sequence[int]) -> None:
-        """`member` served a request with this fingerprint: it now holds every prefix."""
+    def record(self, member: str, fingerprint: Sequence[int], tokens: int | None = None) -> None:
+        """`member` served a request with this fingerprint: it now holds every prefix, the
+        whole of it `tokens` long when the answer said."""
         bit = self._bit(member)
         entries = self._entries
         # Shortest first, so the longest prefix is the most recently used.
@@ -215,8 +240,23 @@ class PrefixTable:
             else:
                 entries[h] = held | bit
                 entries.move_to_end(h)
+        if tokens is not None and tokens > 0 and fingerprint:
+            self._tokens[fingerprint[-1]] = tokens
         while len(entries) > self.max_entries:
-            entries.popitem(last=False)
+            gone, _held = entries.popitem(last=False)
+            self._tokens.pop(gone, None)
+
+    def tokens_at(self, fingerprint: Sequence[int], units: int) -> int | None:
+        """The prompt tokens of the longest prefix of `fingerprint`, at most `units` long,
+        that an answer reported (None: none did)."""
+        tokens = self._tokens
+        if not tokens:
+            return None
+        for k in range(min(units, len(fingerprint)) - 1, -1, -1):
+            found = tokens.get(fingerprint[k])
+            if found is not None:
+                return found
+        return None
 
     def holders(self, fingerprint: Sequence[int], among: int) -> list[tuple[int, int]]:
         """(prefix units, members' mask) for each length at which some member of the mask
@@ -259,6 +299,7 @@ class PrefixTable:
             if held is not None and held & bit:
                 if held == bit:
                     del entries[h]
+                    self._tokens.pop(h, None)
                 else:
                     entries[h] = held & ~bit
 
@@ -276,6 +317,7 @@ class PrefixTable:
                 entries[h] = held
             else:
                 del entries[h]
+                self._tokens.pop(h, None)
 
 
 def choose(
@@ -345,24 +387,55 @@ def learn(
         table.forget(member, fingerprint)
         learnt = Learnt.MISSED
     if fingerprint:
-        table.record(member, fingerprint)
+        table.record(member, fingerprint, prompt)
     return learnt
 
 
 def waits_for_home(members: Sequence[Member], home: str, eps: float = DEFAULT_EPSILON) -> bool:
     """Whether a request whose conversation lives on `home`, which has no free slot, waits
-    for it (at most the affinity bound) rather than taking another member's free slot: it
+    for it (at most `home_wait`) rather than taking another member's free slot: it
     does unless the home's load, the requests it holds and those already waiting for it,
     would then be over the bounded-load capacity of the pool's load summed the same way.
     Moved, a turn makes its new member read the whole conversation again, which costs more
-    than a fraction of a second of waiting once a conversation is a few thousand tokens
-    long; the bound keeps a busy home from holding a request while the pool has room."""
+    than a short wait once a conversation is a few thousand tokens long; the bound keeps a
+    busy home from holding a request while the pool has room."""
     pool = {m.name: m for m in members}
     at_home = pool.get(home)
     if at_home is None or at_home.free > 0:
         return False
     cap = capacity(sum(m.load for m in members), len(members), eps)
     return at_home.load + 1 <= cap
+
+
+class Pace:
+    """A pool's prefill pace, seconds per prompt token read, learnt from its answers' own
+    timings (an exponential average); None until an answer said."""
+
+    __slots__ = ("per_token",)
+
+    def __init__(self) -> None:
+        self.per_token: float | None = None
+
+    def learn(self, reuse: Reuse) -> None:
+        prompt, ms = reuse.prompt_tokens, reuse.prompt_ms
+        if prompt is None or ms is None or ms <= 0:
+            return
+        processed = prompt - (reuse.cached_tokens or 0)
+        if processed < PACE_MIN_TOKENS:
+            return
+        seen = ms / 1000 / processed
+        if not seen <= PACE_MAX_S:
+            return
+        last = self.per_token
+        self.per_token = seen if last is None else last + PACE_WEIGHT * (seen - last)
+
+
+def home_wait(tokens: int | None, pace: Pace, fixed: float) -> float:
+    """How long a request holds for its home: `HOLD_FACTOR` times the prefill time of the
+    `tokens` a move would re-read at the pool's pace; `fixed` where either is unknown."""
+    if tokens is None or pace.per_token is None:
+        return fixed
+    return HOLD_FACTOR * tokens * pace.per_token
 
 
 def pick_waiting(

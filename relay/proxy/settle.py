@@ -138,7 +138,7 @@ def reuse_of(summary: ExchangeSummary | None) -> Reuse | None:
     usage = summary.usage
     if usage is None or usage.refused:
         return _SERVED if summary.first_content_at is not None else None
-    return Reuse(usage.prompt_tokens, usage.cached_tokens)
+    return Reuse(usage.prompt_tokens, usage.cached_tokens, usage.prompt_ms)
 
 
 _SERVED = Reuse()

@@ -6,7 +6,8 @@ the upstreams listing its model, one or more). It takes a free one at once, the 
 by `policy.affinity.choose` when more than one has room, or it waits in its pool's queue,
 bounded by the members' `queue` summed. A request whose conversation lives on a busy member
 within the load bound waits for that member, even while another has room, for at most
-`affinity_wait_s` from its arrival (`policy.affinity.waits_for_home`); its hold over, it
+`home_wait_s` from its arrival (`policy.affinity.waits_for_home`; "auto": twice what the
+move's re-read would take at the pool's pace, `policy.affinity.home_wait`); its hold over, it
 takes any member's slot. A slot is held until the client has drained the
 response or gone; `Slot.release` gives it back exactly once however many exit paths call it,
 and a freed slot passes straight to a waiting request (`policy.affinity.pick_waiting`: the
@@ -14,7 +15,8 @@ oldest whose conversation lives on that member, unless the oldest overall has wa
 `affinity_wait_s`), so a pool of one upstream is served first come, first served.
 
 A served answer's figures (`Reuse`) teach the board's prefix table where each conversation's
-prompt is cached (`policy.affinity.learn`); a member found down is forgotten whole. A member
+prompt is cached and how long it is (`policy.affinity.learn`), and its pool's prefill pace
+(`policy.affinity.Pace`); a member found down is forgotten whole. A member
 that is down hands no freed slot to a waiting request: its slots wait for it to come back
 (`kick`), or for the request's other members.
 """
@@ -33,12 +35,14 @@ from relay.policy.affinity import (
     NO_WANT,
     Learnt,
     Member,
+    Pace,
     PrefixTable,
     Reuse,
     Waiting,
     Want,
     Why,
     choose,
+    home_wait,
     learn,
     pick_waiting,
     waits_for_home,
@@ -494,6 +498,8 @@ class Board:
         self.missed: dict[str, int] = {}
         # Per key: the slots its requests hold.
         self.held_by_key: dict[str, int] = {}
+        # Per pool: its members' prefill pace, from their answers (`home_wait_s = "auto"`).
+        self.paces: dict[str, Pace] = {}
 
     def configure(self, balance: BalanceConfig, keys: Sequence[KeyConfig] = ()) -> None:
         """The `[balance]` settings and the keys' classes and weights (at start and at a
@@ -501,6 +507,7 @@ class Board:
         self.affinity = balance.affinity
         self.epsilon = balance.epsilon
         self.wait_bound = balance.affinity_wait_s
+        self.home_wait = balance.home_wait_s
         self.aging_s = balance.aging_s
         self.table.max_entries = balance.prefix_entries
         self.ranks = {k.id: (k.rank, k.weight) for k in keys}
@@ -583,29 +590,47 @@ class Board:
         member = next(m for m in eligible if m.name == choice.member)
         return member, choice.reused_units
 
-    def holds_for_home(self, eligible: Sequence[SlotPool], want: Want) -> bool:
-        """Whether a request that could take a free slot now waits for the member its
-        conversation lives on instead (`policy.affinity.waits_for_home`)."""
-        if not self.affinity or self.wait_bound <= 0 or not want.fingerprint:
-            return False
-        home = self.preferred(eligible, want)
-        if home is None or home.in_flight < home.parallel or not home.usable():
-            return False
+    def holds_for_home(self, eligible: Sequence[SlotPool], want: Want, pool: str) -> bool:
+        """Whether a request of `pool` that could take a free slot now waits for the member
+        its conversation lives on instead (`policy.affinity.waits_for_home`)."""
+        return self._hold(eligible, want, pool) > 0
+
+    def _hold(self, eligible: Sequence[SlotPool], want: Want, pool: str) -> float:
+        """How long a request of `pool` waits for the member its conversation lives on (0:
+        it does not): `home_wait_s`, or with "auto" `policy.affinity.home_wait` of the
+        prefix that member holds at the pool's pace."""
+        if not self.affinity or not want.fingerprint:
+            return 0.0
+        fixed = self.wait_bound
+        found = self.table.longest_holder(want.fingerprint, [m.name for m in eligible])
+        if found is None:
+            return 0.0
+        home = next(m for m in eligible if m.name == found[0])
+        if home.in_flight < home.parallel or not home.usable():
+            return 0.0
         view = [Member(m.name, m.in_flight + m.waiting, m.parallel - m.in_flight) for m in eligible]
-        return waits_for_home(view, home.name, self.epsilon)
+        if not waits_for_home(view, home.name, self.epsilon):
+            return 0.0
+        if self.home_wait != "auto":
+            return self.home_wait
+        pace = self.paces.get(pool)
+        if pace is None:
+            return fixed
+        return home_wait(self.table.tokens_at(want.fingerprint, found[1]), pace, fixed)
 
     def hold_until(
-        self, eligible: Sequence[SlotPool], want: Want, now: float, timeout: float
+        self, eligible: Sequence[SlotPool], want: Want, now: float, timeout: float, pool: str
     ) -> float:
-        """Until when a request that waits takes only a slot of its conversation's member:
-        for the affinity bound from its arrival while that member is within the load bound
-        (`holds_for_home`), whether or not another member has room; 0 for one with no home,
-        or whose home is over the bound, whom `policy.affinity.pick_waiting` orders. At most
-        half of the request's own wait (`timeout`): the rest is for a slot of any member, so
-        that a bound above the pool's timeout never turns a free slot into a 503."""
-        if not self.holds_for_home(eligible, want):
+        """Until when a request of `pool` that waits takes only a slot of its conversation's
+        member: for `_hold` from its arrival while that member is within the load bound,
+        whether or not another member has room; 0 for one with no home, or whose home is
+        over the bound, whom `policy.affinity.pick_waiting` orders. At most half of the
+        request's own wait (`timeout`): the rest is for a slot of any member, so that a hold
+        above the pool's timeout never turns a free slot into a 503."""
+        hold = self._hold(eligible, want, pool)
+        if hold <= 0:
             return 0.0
-        return now + min(self.wait_bound, timeout / 2)
+        return now + min(hold, timeout / 2)
 
     def preferred(self, eligible: Sequence[SlotPool], want: Want) -> SlotPool | None:
         """The member a waiting request's conversation lives on, if any."""
@@ -661,6 +686,10 @@ class Board:
         """A served answer: what it says of the member's prompt cache (`policy.affinity`)."""
         if not self.affinity:
             return
+        pace = self.paces.get(slot.pool)
+        if pace is None:
+            pace = self.paces[slot.pool] = Pace()
+        pace.learn(reuse)
         if learn(self.table, slot.member, slot.fingerprint, slot.units, reuse) is Learnt.MISSED:
             self.missed[slot.pool] = self.missed.get(slot.pool, 0) + 1
 
@@ -691,7 +720,7 @@ def _free(
         return eligible, None, 0
     if len(eligible) == 1 or board is None:
         return eligible, free[0], 0
-    if timeout > 0 and q.live < q.bound and board.holds_for_home(eligible, want):
+    if timeout > 0 and q.live < q.bound and board.holds_for_home(eligible, want, q.name):
         return eligible, None, 0
     member, units = board.chosen(q, eligible, want)
     return eligible, member, units
@@ -719,7 +748,7 @@ async def _take(
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[SlotPool] = loop.create_future()
     now = time.monotonic()
-    until = board.hold_until(eligible, want, now, timeout) if board is not None else 0.0
+    until = board.hold_until(eligible, want, now, timeout, q.name) if board is not None else 0.0
     w = _Waiter(line, fut, exclude, preferred, counted, now, until)
     q.add(w)
     # Its hold ended, a slot some member kept free for another's home is its own.

@@ -17,11 +17,14 @@ import pytest
 from relay.policy.affinity import (
     Choice,
     Member,
+    Pace,
     PrefixTable,
+    Reuse,
     Waiting,
     Why,
     capacity,
     choose,
+    home_wait,
     pick_waiting,
     prefix_was_there,
     waits_for_home,
@@ -252,6 +255,73 @@ def test_forget_member_drops_it_everywhere_and_frees_its_bit():
     assert table.longest_holder((9,), ABC) == ("c", 1)
     assert table.longest_holder((2, 3), ABC) == ("b", 2)
     table.forget_member("a")
+
+
+def test_the_tokens_an_answer_reported_are_found_by_a_longer_turn():
+    table = PrefixTable()
+    table.record("a", (1, 2, 3), tokens=3000)
+    table.record("a", (1, 2, 3, 4, 5), tokens=5200)
+    # The next turn shares 5 units: the answer at its fifth unit said 5200 tokens.
+    assert table.tokens_at((1, 2, 3, 4, 5, 6, 7), 5) == 5200
+    # Held only 4 units deep (a branch at unit 5): the longest reported prefix within it.
+    assert table.tokens_at((1, 2, 3, 4, 9), 4) == 3000
+    assert table.tokens_at((1, 2), 2) is None
+    assert table.tokens_at((8, 9), 2) is None
+    # Nothing reported, nothing kept: a zero or a missing figure is no length.
+    table.record("b", (20, 21), tokens=0)
+    table.record("b", (30, 31))
+    assert table.tokens_at((20, 21), 2) is None
+    assert table.tokens_at((30, 31), 2) is None
+
+
+def test_a_prefix_length_leaves_with_its_entry():
+    table = PrefixTable(max_entries=2)
+    table.record("a", (1, 2), tokens=200)
+    table.record("a", (7, 8), tokens=800)
+    # (1, 2) was evicted whole: its length with it.
+    assert table.longest_holder((1, 2), ABC) is None
+    assert table.tokens_at((1, 2), 2) is None
+    assert table.tokens_at((7, 8), 2) == 800
+    table.forget("a", (7, 8))
+    assert table.tokens_at((7, 8), 2) is None
+    table.record("b", (5, 6), tokens=600)
+    table.forget_member("b")
+    assert table.tokens_at((5, 6), 2) is None
+
+
+def test_the_pace_is_prefill_time_over_the_tokens_processed():
+    pace = Pace()
+    assert pace.per_token is None
+    # 1000 prompt tokens, 200 reused: 800 read in 400 ms, 0.5 ms a token.
+    pace.learn(Reuse(1000, 200, 400.0))
+    assert pace.per_token == pytest.approx(0.0005)
+    # The next answer, 2000 tokens read in 2000 ms (1 ms a token), moves it a fifth of the
+    # way: 0.5 + 0.2 x (1 - 0.5) = 0.6 ms.
+    pace.learn(Reuse(2000, 0, 2000.0))
+    assert pace.per_token == pytest.approx(0.0006)
+    # No timings, too few tokens read (fixed costs), or a figure no prefill takes: ignored.
+    for figures in (
+        Reuse(1000, 0),
+        Reuse(None, None, 50.0),
+        Reuse(1000, 990, 500.0),
+        Reuse(1000, 0, 0.0),
+        Reuse(1000, 0, -5.0),
+        Reuse(100, 0, 1e9),
+        Reuse(100, 0, float("nan")),
+        Reuse(100, 0, float("inf")),
+    ):
+        pace.learn(figures)
+    assert pace.per_token == pytest.approx(0.0006)
+
+
+def test_a_home_is_held_for_twice_the_re_read_it_saves():
+    pace = Pace()
+    assert home_wait(8000, pace, 0.5) == 0.5
+    pace.learn(Reuse(1000, 0, 200.0))
+    # 8000 tokens at 0.2 ms: 1.6 s to re-read elsewhere, 3.2 s held.
+    assert home_wait(8000, pace, 0.5) == pytest.approx(3.2)
+    assert home_wait(500, pace, 0.5) == pytest.approx(0.2)
+    assert home_wait(None, pace, 0.5) == 0.5
 
 
 @pytest.mark.parametrize(

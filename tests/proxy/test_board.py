@@ -47,9 +47,9 @@ POOL = Pool("tiny", ("a", "b"))
 
 
 async def home_a_busy(**balance: object) -> tuple[Board, dict[str, SlotPool], Slot]:
-    """Members a and b of one slot each (`affinity_wait_s` 30 s unless `balance` says), the
+    """Members a and b of one slot each (`home_wait_s` 30 s unless `balance` says), the
     conversation "lives on a" recorded on a, and a turn of it holding a's slot."""
-    board, m = board_of(("a", 1, 8), ("b", 1, 8), **{"affinity_wait_s": 30.0, **balance})
+    board, m = board_of(("a", 1, 8), ("b", 1, 8), **{"home_wait_s": 30.0, **balance})
     board.table.record("a", conversation("lives on a").fingerprint)
     turn = await board.acquire(POOL, conversation("lives on a", "x", "y"), 1.0)
     assert turn.member == "a"
@@ -216,7 +216,7 @@ async def _homed(board: Board, text: str) -> str:
 
 
 async def test_a_busy_home_is_waited_for_while_another_member_is_free():
-    board, m = board_of(("a", 1, 8), ("b", 1, 8), affinity_wait_s=30.0)
+    board, m = board_of(("a", 1, 8), ("b", 1, 8), home_wait_s=30.0)
     home = await _homed(board, "lives here")
     other = "b" if home == "a" else "a"
     turn = await board.acquire(POOL, conversation("lives here", "x", "y"), 1.0)
@@ -236,7 +236,7 @@ async def test_a_busy_home_is_waited_for_while_another_member_is_free():
 
 async def test_a_hold_for_home_ends_at_the_bound():
     bound = 0.2
-    board, m = board_of(("a", 1, 8), ("b", 1, 8), affinity_wait_s=bound)
+    board, m = board_of(("a", 1, 8), ("b", 1, 8), home_wait_s=bound)
     home = await _homed(board, "lives here")
     other = "b" if home == "a" else "a"
     turn = await board.acquire(POOL, conversation("lives here", "x", "y"), 1.0)
@@ -250,6 +250,34 @@ async def test_a_hold_for_home_ends_at_the_bound():
     assert m[home].queued == 0
     turn.release()
     follow.release()
+
+
+async def test_an_auto_hold_lasts_twice_the_re_read_the_answers_measured():
+    # The fixed bound says 30 s: with "auto" the answers' own figures set the hold instead.
+    board, m = board_of(("a", 1, 8), ("b", 1, 8), affinity_wait_s=30.0)
+    first = await board.acquire(POOL, conversation("lives here"), 1.0)
+    home = first.member
+    other = "b" if home == "a" else "a"
+    assert (
+        board.hold_until([m["a"], m["b"]], conversation("lives here", "x"), 0.0, 60.0, "tiny") == 0
+    )
+    # 1500 prompt tokens read in 150 ms: 0.1 ms a token; re-reading them elsewhere would
+    # take 0.15 s, so a later turn holds for its home 0.3 s.
+    first.release(Reuse(1500, 0, 150.0))
+    turn = await board.acquire(POOL, conversation("lives here", "x", "y"), 1.0)
+    assert turn.member == home
+    follow = conversation("lives here", "x", "z")
+    assert board.hold_until([m["a"], m["b"]], follow, 100.0, 60.0, "tiny") == pytest.approx(100.3)
+    # At most half of the request's own wait, whatever the figures.
+    assert board.hold_until([m["a"], m["b"]], follow, 100.0, 0.4, "tiny") == pytest.approx(100.2)
+    t0 = time.monotonic()
+    moved = await asyncio.wait_for(board.acquire(POOL, follow, 30.0), 10)
+    assert moved.member == other and time.monotonic() - t0 >= 0.3 - 0.002
+    # A number is a fixed hold, the figures aside.
+    board.configure(BalanceConfig(home_wait_s=2.5))
+    assert board.hold_until([m["a"], m["b"]], follow, 100.0, 60.0, "tiny") == pytest.approx(102.5)
+    moved.release()
+    turn.release()
 
 
 async def test_a_hold_for_home_takes_at_most_half_of_the_requests_wait():
@@ -272,7 +300,7 @@ async def test_a_hold_for_home_takes_at_most_half_of_the_requests_wait():
 async def test_a_home_over_the_load_bound_is_not_waited_for():
     # Home a has one slot, b four: with a's one held, a second there is over
     # ceil(1 x (1 + 1) / 2) = 1, so the follow-up takes b at once.
-    board, _m = board_of(("a", 1, 8), ("b", 4, 8), epsilon=0.0, affinity_wait_s=30.0)
+    board, _m = board_of(("a", 1, 8), ("b", 4, 8), epsilon=0.0, home_wait_s=30.0)
     board.table.record("a", conversation("lives on a").fingerprint)
     turn = await board.acquire(POOL, conversation("lives on a", "x", "y"), 1.0)
     assert turn.member == "a"

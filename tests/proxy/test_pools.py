@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from relay.config import BalanceConfig, UpstreamConfig
 from relay.observe.metrics import UpstreamState
+from relay.policy.affinity import want_of
 from relay.policy.prefix import fingerprint
 from relay.sim.server import Simulator
 from relay.stream.dialect import Api
@@ -234,6 +235,44 @@ async def test_a_follow_up_reads_only_what_is_new_where_its_prompt_is_cached(
         assert landed(sims, "u2") == [y]
         assert second["cache_n"] == 0
     print(f"affinity {affinity}: first turn read {read}; second turn {second}")
+
+
+async def test_the_hold_for_home_is_learnt_from_the_members_answers(make_relay, sims, helds):
+    """`home_wait_s = "auto"` over real sockets: a served turn's `timings` (the simulator
+    told to read 2 ms a token) teach the pool's pace, and its prompt's length the hold of
+    the next turn: twice the re-read, 2 x prompt tokens x 2 ms."""
+    await sims.start(2)
+    app = await make_relay(
+        upstreams=members(*(s.url for s in sims.values()), parallel=1),
+        balance=BalanceConfig(affinity_wait_s=0.05),
+        pool_timeout_s=60,
+    )
+    # A system prompt long enough that its prefill outweighs fixed costs (`PACE_MIN_TOKENS`).
+    conv = Conversation("chat", "paced", system="Review each change for its risks. " * 12)
+    resp = await httpc.fetch(
+        app.port,
+        "POST",
+        CHAT,
+        conv.body(tokens=2, prefill_ms_per_token=2.0),
+        {"X-Request-Id": "p1"},
+    )
+    assert resp.status == 200 and resp.complete
+    await idle(app)
+    read = timings_of(resp)
+    row = await settled_row(app, "p1")
+    assert read["cache_n"] == 0 and row["prompt_tokens"] == read["prompt_n"] > 64
+    assert app.board.paces[MODEL].per_token == pytest.approx(0.002)
+    [home] = landed(sims, "p1")
+    [other] = [m for m in sims if m != home]
+    conv.follow("".join(c for c in contents(resp) if c))
+    # Its next turn holds its home's one slot; the other member is free. A turn after it
+    # would hold for its home 2 x prompt_n x 2 ms.
+    assert await held_on(app, sims, helds, conv, "p2") == home
+    ups = [app.upstreams[m].slots for m in sorted(sims)]
+    want = want_of(Api.CHAT, json.dumps(conv.body()).encode())
+    until = app.board.hold_until(ups, want, 100.0, 60.0, MODEL)
+    assert until == pytest.approx(100.0 + 2 * read["prompt_n"] * 0.002)
+    assert app.upstreams[other].slots.in_flight == 0
 
 
 async def test_v1_models_lists_the_pooled_model_once(make_relay, sims):

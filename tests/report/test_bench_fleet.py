@@ -176,10 +176,10 @@ def test_goals_met_missed_and_pending():
     del med["relay_affinity"]
     assert [g.ok for g in F.goals(med, None)] == [None] * 5
     # Each affinity target is judged on its own figures.
-    med["relay_affinity_3s"] = {"hit_ratio": 0.75, "ttft_p50_ms": 300.0, "load_spread": 1.0}
-    judged = F.goals(med, _decision(10.0), "relay_affinity_3s")
+    med["relay_affinity_fixed"] = {"hit_ratio": 0.75, "ttft_p50_ms": 300.0, "load_spread": 1.0}
+    judged = F.goals(med, _decision(10.0), "relay_affinity_fixed")
     assert [g.ok for g in judged] == [True] * 5
-    assert judged[0].name.startswith("relay_affinity_3s hit ratio")
+    assert judged[0].name.startswith("relay_affinity_fixed hit ratio")
     assert [g.ok for g in F.goals(med, _decision(10.0))][:3] == [None] * 3
 
 
@@ -211,7 +211,12 @@ def test_relay_config_is_one_pool_and_takes_the_users_keys(tmp_path: Path):
     conf = F.relay_config(urls, F.BALANCE["relay_affinity"], 9000, tmp_path / "r.db", str(user))
     back = tomllib.loads(relay_conf.dumps(conf))
     assert back["server"]["port"] == 9000
-    assert back["balance"] == {"affinity": True, "epsilon": 0.5, "affinity_wait_s": 0.5}
+    assert back["balance"] == {
+        "affinity": True,
+        "epsilon": 0.5,
+        "affinity_wait_s": 0.5,
+        "home_wait_s": "auto",
+    }
     assert [
         (u["name"], u["url"], u["models"], u["parallel"], u["queue"]) for u in back["upstream"]
     ] == [
@@ -220,9 +225,19 @@ def test_relay_config_is_one_pool_and_takes_the_users_keys(tmp_path: Path):
         ("m3", urls[2], ["tiny"], 2, 8),
     ]
     least = F.relay_config(urls, F.BALANCE["relay_least"], 9000, tmp_path / "r.db")
-    assert least["balance"] == {"affinity": False, "epsilon": 0.25, "affinity_wait_s": 0.5}
-    waits = F.relay_config(urls, F.BALANCE["relay_affinity_3s"], 9000, tmp_path / "r.db")
-    assert waits["balance"] == {"affinity": True, "epsilon": 0.25, "affinity_wait_s": 3.0}
+    assert least["balance"] == {
+        "affinity": False,
+        "epsilon": 0.25,
+        "affinity_wait_s": 0.5,
+        "home_wait_s": "auto",
+    }
+    fixed = F.relay_config(urls, F.BALANCE["relay_affinity_fixed"], 9000, tmp_path / "r.db")
+    assert fixed["balance"] == {
+        "affinity": True,
+        "epsilon": 0.25,
+        "affinity_wait_s": 0.5,
+        "home_wait_s": 0.5,
+    }
     # Every relay target's config is one the relay accepts.
     for target in F.RELAY_TARGETS:
         path = tmp_path / f"{target}.toml"
