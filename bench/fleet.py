@@ -18,10 +18,9 @@ serve a replay of multi-turn agent conversations through one address per target:
   member, ties by rendezvous hashing);
 - ``relay_affinity``: the relay's pool with `affinity = true` (the member holding the longest
   prefix of the conversation, within the load bound), every `[balance]` key at its default;
-- ``relay_affinity_3s``: the same with `affinity_wait_s = 3` (a request waits up to 3 s for
-  its conversation's member, not 0.5 s, before it takes another's slot): what an operator sets
-  where a turn's service takes seconds, so that the default's half second runs out in every
-  queue;
+- ``relay_affinity_fixed``: the same with `home_wait_s = 0.5` (a request waits at most half
+  a second for its conversation's member before it takes another's slot, whatever a move
+  would cost: the default before the hold was learnt from the answers);
 - ``onebox``: the reference, one llama-server with a slot per conversation, driven directly:
   one box holding every conversation. Its hit ratio is the goal's denominator.
 
@@ -77,16 +76,16 @@ from bench import load as bload
 from bench import nginx, procs, relay_conf, report
 
 HOST = "127.0.0.1"
-TARGETS = ("onebox", "nginx", "haproxy", "relay_least", "relay_affinity", "relay_affinity_3s")
-RELAY_TARGETS = ("relay_least", "relay_affinity", "relay_affinity_3s")
+TARGETS = ("onebox", "nginx", "haproxy", "relay_least", "relay_affinity", "relay_affinity_fixed")
+RELAY_TARGETS = ("relay_least", "relay_affinity", "relay_affinity_fixed")
 # The relay targets' `[balance]` table, over the defaults relay_config writes.
 BALANCE = {
     "relay_least": {"affinity": False},
     "relay_affinity": {"affinity": True},
-    "relay_affinity_3s": {"affinity": True, "affinity_wait_s": 3.0},
+    "relay_affinity_fixed": {"affinity": True, "home_wait_s": 0.5},
 }
 # The targets the affinity goals are judged on, each on its own.
-AFFINITY_TARGETS = ("relay_affinity", "relay_affinity_3s")
+AFFINITY_TARGETS = ("relay_affinity", "relay_affinity_fixed")
 MEMBERS = 3
 PARALLEL = 2
 MODEL = "tiny"
@@ -534,7 +533,13 @@ def relay_config(
     conf: dict = {
         "server": {"host": HOST, "port": port},
         "dispatcher": {"heartbeat_s": 0, "pool_timeout_s": 600.0},
-        "balance": {"affinity": True, "epsilon": 0.25, "affinity_wait_s": 0.5, **balance},
+        "balance": {
+            "affinity": True,
+            "epsilon": 0.25,
+            "affinity_wait_s": 0.5,
+            "home_wait_s": "auto",
+            **balance,
+        },
         "upstream": [
             {"name": f"m{i + 1}", "url": url, "models": [MODEL], "parallel": PARALLEL}
             for i, url in enumerate(urls)
