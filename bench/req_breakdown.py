@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.req_breakdown", description=__doc__)
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--tokens", type=int, default=4)
+    p.add_argument("--functions", type=int, default=0, help="also list the N costliest functions")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         counts, n = run_counts(a.requests, a.tokens, Path(tmp))
@@ -169,7 +170,23 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|")
     for stage, per, share in rows:
         print(f"| {stage} | {per:.0f} | {100 * share:.1f} % |")
+    if a.functions:
+        print("| function | stage | opcodes per request |")
+        print("|---|---|---:|")
+        top = sorted(counts.items(), key=lambda kv: -kv[1])[: a.functions]
+        for (filename, function), count in top:
+            where = _short(filename)
+            print(f"| {where}:{function} | {stage_of(filename, function)} | {count / n:.0f} |")
     return 0
+
+
+def _short(filename: str) -> str:
+    """A function's file as a path from the package that holds it, no machine's directories."""
+    path = filename.replace("\\", "/")
+    for root in ("/relay/", "/site-packages/", "/lib/python"):
+        if root in path:
+            return path.rsplit(root, 1)[1]
+    return path.rsplit("/", 1)[-1]
 
 
 def run_counts(requests: int, tokens: int, tmp: Path) -> tuple[dict[tuple[str, str], int], int]:
