@@ -53,6 +53,39 @@ def header_list(pairs: Iterable[Header], lows: list[bytes]) -> HeaderList:
     return out
 
 
+class RequestHead:
+    """A request's head as the relay reads it: h11's fields for an `h11.Request`
+    (`request_head`), or made whole from the bytes (`usual_head`, no h11 event)."""
+
+    __slots__ = ("headers", "http_version", "method", "target")
+
+    def __init__(
+        self, method: bytes, target: bytes, http_version: bytes, headers: HeaderList
+    ) -> None:
+        self.method = method
+        self.target = target
+        self.http_version = http_version
+        self.headers = headers
+
+
+class H11Request(Protocol):
+    """What `request_head` reads of an `h11.Request`."""
+
+    @property
+    def method(self) -> bytes: ...
+    @property
+    def target(self) -> bytes: ...
+    @property
+    def http_version(self) -> bytes: ...
+    @property
+    def headers(self) -> H11Headers: ...
+
+
+def request_head(ev: H11Request) -> RequestHead:
+    """The RequestHead of a request h11 read."""
+    return RequestHead(ev.method, ev.target, ev.http_version, request_headers(ev.headers))
+
+
 def request_headers(h11_headers: H11Headers) -> HeaderList:
     """The HeaderList of an h11 request's headers. h11 keeps each field as (name as sent,
     lower-case name, value) in `_full_items`: read there when it is, else made here."""

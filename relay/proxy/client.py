@@ -111,7 +111,6 @@ class ClientConn(asyncio.Protocol):
         "out",
         "path",
         "peer_host",
-        "raw",
         "task",
         "timer",
         "transport",
@@ -144,8 +143,7 @@ class ClientConn(asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.wait = _NO_WAIT
-        self.head: h11.Request | None = None
-        self.raw: fields.Headers | None = None
+        self.head: fields.RequestHead | None = None
         # Bytes handed to h11 since the last head (the obs-fold check), and the body read
         # so far: b"" between requests (a stream being relayed keeps no buffer), the piece
         # itself while there is one, a bytearray from the second piece on.
@@ -297,7 +295,8 @@ class ClientConn(asyncio.Protocol):
                 if ev is h11.NEED_DATA:
                     return _NEED, budget
                 if isinstance(ev, h11.Request):
-                    self._on_head(ev, request_framing.has_obs_fold(self.head_bytes), conn)
+                    folded = request_framing.has_obs_fold(self.head_bytes)
+                    self._on_head(fields.request_head(ev), folded, conn)
                     if self.busy or self.out.gone:
                         return _STOP, budget
                 elif isinstance(ev, h11.Data):
@@ -332,14 +331,13 @@ class ClientConn(asyncio.Protocol):
         self._dispatch(data[end:])
         return True
 
-    def _on_head(self, ev: h11.Request, folded: bool, conn: h11.Connection | None) -> None:
+    def _on_head(self, ev: fields.RequestHead, folded: bool, conn: h11.Connection | None) -> None:
         """A request head read (by h11, which `conn` is, or whole by `usual_head`): judged
         before any body byte; `folded`: it held an obs-fold."""
         self.head = ev
         self.awaiting_head = False
         self.head_bytes = self.body = b""
         self.body_size = self.chunks = 0
-        raw = self.raw = fields.request_headers(ev.headers)
         app = self.app
         verdict = request_head.judge(
             app.config.server,
@@ -347,7 +345,7 @@ class ClientConn(asyncio.Protocol):
             ev.method,
             ev.target,
             ev.http_version,
-            raw,
+            ev.headers,
             folded,
             self.peer_host,
             app.bodies,
@@ -404,12 +402,10 @@ class ClientConn(asyncio.Protocol):
         assert ev is not None
         body = bytes(self.body)
         self.body = b""
-        raw = self.raw
-        assert raw is not None
         req = Request(
             ev.method,
             ev.target,
-            raw,
+            ev.headers,
             body,
             self.http11,
             self.wants_keep_alive,
@@ -417,7 +413,6 @@ class ClientConn(asyncio.Protocol):
             self.path,
         )
         self.head = None
-        self.raw = None
         self.busy = True
         # The request is read whole: what came past it (a pipelined next request) waits in
         # the inbox with what arrives meanwhile, and h11 itself is dropped (see __init__).
@@ -437,7 +432,7 @@ class ClientConn(asyncio.Protocol):
         self.inbox = b""
         self._release_body()
         head = self.head
-        headers = head.headers.raw_items() if head is not None else []
+        headers = head.headers if head is not None else []
         rid = self.app.dispatcher.request_id(headers)
         self.out.begin()
         cors = self.app.cors.headers(headers) if head is not None else []

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import time
 
-import h11
-
 from relay.errors import Code, Outcome, RelayError
+from relay.http.fields import RequestHead
 from relay.http.request_path import bounded, route_path
 from relay.observe import row_timings as timing
 from relay.observe.metrics import KeyOutcome
@@ -206,12 +205,12 @@ def _untrusted(app: AppView, rec: Record, upstream: str, exact: Usage) -> None:
 
 
 def rejected(
-    app: AppView, out: ClientWriter, head: h11.Request | None, request_id: bytes,
+    app: AppView, out: ClientWriter, head: RequestHead | None, request_id: bytes,
     peer_host: str | None, err: RelayError,
 ) -> None:  # fmt: skip
     """A request refused before it was read whole (400/408/413/431), once answered: a row
     all the same. `out`: the client connection's writer (what the answer's body took)."""
-    headers = head.headers.raw_items() if head is not None else []
+    headers = head.headers if head is not None else []
     rec = Record(
         ts=time.time(),
         request_id=request_id.decode(),

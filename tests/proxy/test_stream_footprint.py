@@ -78,7 +78,7 @@ async def test_a_stream_waiting_for_its_first_token_keeps_little_more(make_relay
         frames = client.task.get_stack()
         assert [f.f_code.co_name for f in frames] == ["handle"]
         assert "req" not in frames[0].f_locals
-        assert client.raw is None and client.body == b"" and client.head_bytes == b""
+        assert client.head is None and client.body == b"" and client.head_bytes == b""
         assert ex.head_resp is None and ex.head_raw == SSE_HEAD
         assert ex.observer.gaps is None and ex.observer.scanner.blocks is None
         # the stall guard and the heartbeat: two entries of the one shared timer
