@@ -56,6 +56,9 @@ class Observer:
                 for i in range(0, len(spans), 2):
                     sc.feed(wire[spans[i] : spans[i + 1]])
             if sc.content_events != before:
+                # Content the learned shape missed (another shape, a read cut mid-event): the
+                # next fast read learns again (a miss alone, a stream's end, learns nothing).
+                self.shape = None
                 if not before:
                     # The first content event's time is its read's, as every event of that
                     # read's is (`stream.itl`): TTFT is never after the last content event.
@@ -72,13 +75,17 @@ class Observer:
     def fast(self, data: bytes, now: float) -> int:
         """The token events of a read of whole chunks of whole token events (the usual read,
         `fastpath.events_in`), counted with their gaps; 0 when the read is anything else
-        (then `scan` reads it). Called only once a content event went by."""
+        (then `scan` reads it). Called only once a content event went by. A shape is learned
+        from a read while there is none: at the first fast read, and after `scan` counted
+        content the shape missed; a read that only misses it (a usage or end event) is
+        `scan`'s without a new lesson."""
         shape = self.shape
-        n = events_in(data, shape) if shape is not None else 0
-        if not n:
+        if shape is not None:
+            n = events_in(data, shape)
+        else:
             n = self._learned(data)
-            if not n:
-                return 0
+        if not n:
+            return 0
         sc, gp = self.scanner, self.gaps
         assert sc is not None and gp is not None
         sc.content_events += n
@@ -97,7 +104,7 @@ class Observer:
         return n
 
     def _learned(self, data: bytes) -> int:
-        """The token events of a read that missed the stream's shape, by a shape learned from
+        """The token events of a read while the stream has no shape, by a shape learned from
         the read itself (kept for the next reads then), or 0."""
         shape = learn(data)
         if shape is None:

@@ -517,3 +517,36 @@ def test_whole_streams_give_the_same_bytes_tokens_usage_and_gaps_either_way(fram
         if framing_[2] or framing_[1] == "llama":  # usage (or llama-server's timings) read
             assert fast[2] is not None and fast[2].completion_tokens == tokens
     assert fast_tokens[0] > all_tokens[0] / 2 and fast_tokens[1] > all_tokens[1] / 2  # (it ran)
+
+
+def test_a_shape_is_learned_again_after_content_it_missed_not_after_a_miss_alone(monkeypatch):
+    f = stream_frames(("chat", "llama", False), 5)
+    first = [f.event(i) for i in range(6)]
+    # The same stream's token events in another shape from the seventh on (a member that is
+    # not the last string value changed: neither the suffix nor its varying split takes it).
+    then = [f.event(i).replace(b'"model":"m"', b'"model":"m-2"') for i in range(6, 12)]
+    assert (
+        learn(chunk(then[0])) is not None and events_in(chunk(then[0]), learn(chunk(first[0]))) == 0
+    )
+    reads = [chunk(f.role_event() + first[0])] + [chunk(ev) for ev in first[1:] + then]
+    reads += [f.tail_chunks(f.final_events(3, 12, "length", timings(3, 12, 10.0)))]
+    lessons, taken = [], []
+    real_learn, real_events_in = O.learn, O.events_in
+    monkeypatch.setattr(O, "learn", lambda d: lessons.append(d) or real_learn(d))
+    monkeypatch.setattr(
+        O, "events_in", lambda d, s: taken.append(real_events_in(d, s)) or taken[-1]
+    )
+    futures = asyncio.new_event_loop()
+    loop, out = _Loop(futures), []
+    ex = _exchange(loop, out)
+    for data in reads:
+        loop.now += 0.02
+        ex.upstream_data(data)
+    futures.close()
+    assert ex.summary is not None and ex.summary.content_events == 12
+    assert b"".join(out).endswith(b"".join(reads))
+    # Learned at the first fast read and at the read after the first one it missed; the
+    # end's reads (usage, [DONE], the last chunk) miss it and teach nothing.
+    assert lessons == [reads[1], reads[7]]
+    # Every token event went fast but the first read's and the first of the new shape.
+    assert sum(taken) == 12 - 2
