@@ -12,7 +12,7 @@ chunk as a rule).
 
 from __future__ import annotations
 
-from relay.http.chunked import DONE, LAST_CHUNK, ChunkError, ChunkTracker
+from relay.http.chunked import DONE, ChunkError, ChunkTracker
 from relay.http.response_framing import CHUNKED, LENGTH, UNTIL_CLOSE, BodyKind
 
 # What one read holds of a body: (wire, spans, whole, chunks).
@@ -68,15 +68,12 @@ class ChunkedReader(ChunkTracker):
 
     def read(self, data: bytes) -> BodyRead:
         """ChunkError when the framing is broken."""
-        spans = self.spans(data)
+        spans, ended = self.whole_chunks(data)
         if spans is not None:
-            return data, spans, False, True
-        if data.endswith(LAST_CHUNK):
-            # The usual end of a stream: whole chunks, then the last chunk with no trailer.
-            spans = self.spans(data[: -len(LAST_CHUNK)])
-            if spans is not None:
+            if ended:
+                # The usual end of a stream: whole chunks, then the last chunk, no trailer.
                 self.state = DONE
-                return data, spans, True, True
+            return data, spans, ended, True
         wire, spans = self.feed_spans(data)
         return wire, spans, self.done, False
 

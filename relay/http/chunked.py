@@ -77,26 +77,36 @@ class ChunkTracker:
         the caller then forwards `data` as is and scans the payloads in place: nothing is
         copied. None when the read is anything else (the general path handles it).
         """
+        out, ended = self.whole_chunks(data)
+        return None if ended else out
+
+    def whole_chunks(self, data: bytes) -> tuple[list[int] | None, bool]:
+        """`spans`, and whether the read ends with the last chunk (no trailer: the usual end
+        of a stream), the bounds then the chunks' before it; (None, False) for any other read.
+        The tracker is left as it was."""
         if self.state != SIZE or self.held:
-            return None
-        out = []
+            return None, False
+        out: list[int] = []
         pos, n = 0, len(data)
         while pos < n:
             nl = data.find(b"\r\n", pos, pos + 18)
             if nl <= pos:
-                return None
+                return None, False
             size = chunk_size(data[pos:nl])
             if size <= 0:
-                # The last chunk (or junk): the general path ends the body.
-                return None
+                # The last chunk with no trailer, the read's end; or junk, or a trailer: the
+                # general path ends the body.
+                if size == 0 and nl + 4 == n and data[nl + 2] == 13 and data[nl + 3] == 10:
+                    return out, True
+                return None, False
             start = nl + 2
             end = start + size
             if end + 2 > n or data[end] != 13 or data[end + 1] != 10:
-                return None
+                return None, False
             out.append(start)
             out.append(end)
             pos = end + 2
-        return out
+        return out, False
 
     @property
     def between_chunks(self) -> bool:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from relay.http import chunked
-from relay.http.chunked import LAST_CHUNK, ChunkError, ChunkTracker, frame
+from relay.http.body import ChunkedReader
+from relay.http.chunked import LAST_CHUNK, SIZE, ChunkError, ChunkTracker, frame
 from tests.support.fixtures import FIXTURES, captured
 
 SEP = b"======== RESPONSE (raw bytes) ========\n"
@@ -365,6 +366,29 @@ def test_spans_offsets():
     t = ChunkTracker()
     t.feed(b"5")  # a held size line
     assert t.spans(b"5\r\nhello\r\n") is None
+
+
+def test_whole_chunks_see_the_last_chunk_that_ends_a_read():
+    t = ChunkTracker()
+    assert t.whole_chunks(b"5\r\nhello\r\n0\r\n\r\n") == ([3, 8], True)
+    assert t.whole_chunks(b"0\r\n\r\n") == ([], True)
+    assert t.whole_chunks(b"5\r\nhello\r\n") == ([3, 8], False)
+    # A chunk whose data ends as a last chunk does is data; a trailer, a last chunk cut short
+    # or followed by more, an extension, are the general path's.
+    assert t.whole_chunks(b"5\r\n0\r\n\r\n\r\n") == ([3, 8], False)
+    for other in (
+        b"5\r\nhello\r\n0\r\nX-T: 1\r\n\r\n",
+        b"5\r\nhello\r\n0\r\n\r",
+        b"5\r\nhello\r\n0\r\n\r\nGET",
+        b"5\r\nhello\r\n0;x=1\r\n\r\n",
+        b"5\r\nhello\r\n00\r\n\r\nx",
+    ):
+        assert t.whole_chunks(other) == (None, False), other
+    # The tracker is left as it was: the reader says the body is whole.
+    assert t.state == SIZE
+    r = ChunkedReader()
+    assert r.read(b"5\r\nhello\r\n0\r\n\r\n") == (b"5\r\nhello\r\n0\r\n\r\n", [3, 8], True, True)
+    assert r.done and r.reusable
 
 
 @pytest.mark.parametrize("seed", range(10))
