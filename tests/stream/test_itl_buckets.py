@@ -51,3 +51,13 @@ def test_rows_encode_with_the_mark_and_old_rows_still_decode():
     old_mid = (10 / 16 + 11 / 16) / 2 * 2**-6  # that bucket's midpoint, 9.9 ms
     assert zeros == 3 and buckets == {G.key_of(old_mid): 5}
     assert G.decode(None) == ({}, 0) and G.decode("o32 bad z2") == ({}, 2)
+
+
+def test_the_rank_is_the_nearest_rank_in_exact_arithmetic():
+    from fractions import Fraction
+
+    for total in range(1, 2001):
+        for q in (0.001, 0.01, 0.1, 0.25, 0.29, 0.5, 0.57, 0.9, 0.95, 0.99, 0.999, 1.0):
+            # The nearest rank, ceil(q x total), with q the decimal it is written as.
+            want = max(1, min(total, ceil(Fraction(str(q)) * total)))
+            assert G._rank(q, total) == want, (q, total)
