@@ -7,7 +7,10 @@ them, so a lookup is a C scan of those names, not a `lower()` per name per looku
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
+from itertools import compress
+from operator import not_
 from typing import Protocol
 
 HOP_BY_HOP = frozenset(
@@ -93,6 +96,15 @@ def request_headers(h11_headers: H11Headers) -> HeaderList:
     if full is None:
         full = [(k, k.lower(), v) for k, v in h11_headers.raw_items()]
     return header_list([(raw, v) for raw, _, v in full], [low for _, low, _ in full])
+
+
+# `name: value` of one field, joined in C (mapped over a head's fields: no Python loop).
+header_line = b": ".join
+
+
+def kept(headers: HeaderPairs, lows: list[bytes], drop: AbstractSet[bytes]) -> Iterator[Header]:
+    """The fields whose lower-case name (`lows`) is not in `drop`, in order, chosen in C."""
+    return compress(headers, map(not_, map(drop.__contains__, lows)))
 
 
 def lower_names(headers: HeaderPairs) -> list[bytes]:

@@ -6,7 +6,15 @@ framing headers are the relay's to set for the client's side of the wire.
 
 from __future__ import annotations
 
-from relay.http.fields import HOP_BY_HOP, HeaderPairs, Headers, connection_tokens, lower_names
+from relay.http.fields import (
+    HOP_BY_HOP,
+    HeaderPairs,
+    Headers,
+    connection_tokens,
+    header_line,
+    kept,
+    lower_names,
+)
 
 _NOT_DOWNSTREAM = HOP_BY_HOP | {b"x-request-id"}
 # ... and no Content-Length where the client's framing is the relay's chunking, or where
@@ -55,9 +63,7 @@ def client_response(
         upstream
     )
     lines = [b"HTTP/1.1 %d %s" % (status, reason)]
-    lines += [
-        k + b": " + v for (k, v), low in zip(upstream, lower_names(upstream)) if low not in drop
-    ]
+    lines += map(header_line, kept(upstream, lower_names(upstream), drop))
     if chunked:
         lines.append(b"Transfer-Encoding: chunked")
     lines.append(b"X-Request-Id: " + request_id)
@@ -81,7 +87,7 @@ def relay_response(
         b"Content-Type: " + content_type,
         b"Content-Length: %d" % len(body),
     ]
-    lines.extend(k + b": " + v for k, v in extra)
+    lines.extend(map(header_line, extra))
     if request_id is not None:
         lines.append(b"X-Request-Id: " + request_id)
     if not keep_alive:

@@ -25,6 +25,8 @@ from relay.http.fields import (
     HeaderPairs,
     Headers,
     connection_tokens,
+    header_line,
+    kept,
     lower_names,
 )
 
@@ -149,7 +151,7 @@ def upstream_request_headers(
     if trace:
         drop = drop | TRACE_CONTEXT
     out = [(b"Host", host)]
-    out += [kv for kv, low in zip(client, lower_names(client)) if low not in drop]
+    out += kept(client, lower_names(client), drop)
     out.extend(static)
     if auth is not None:
         out.append(auth)
@@ -162,7 +164,7 @@ def upstream_request_headers(
 def request_bytes(method: bytes, target: bytes, headers: HeaderPairs, body: bytes) -> bytes:
     """The request as written upstream: request line, header lines, blank line, body."""
     lines = [b"%s %s HTTP/1.1" % (method, target)]
-    lines += [k + b": " + v for k, v in headers]
+    lines += map(header_line, headers)
     lines.append(b"")
     lines.append(b"")
     return b"\r\n".join(lines) + body

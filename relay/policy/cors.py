@@ -8,7 +8,7 @@ carries the relay's `Access-Control-Allow-Origin` (replacing the upstream's) and
 
 from __future__ import annotations
 
-from relay.http.fields import HeaderPairs, Headers, get
+from relay.http.fields import HeaderPairs, Headers, get, header_line
 
 ALLOW_METHODS = b"GET, POST, OPTIONS"
 ALLOW_HEADERS = b"Authorization, Content-Type, x-api-key, X-Request-Id"
@@ -56,7 +56,7 @@ class Cors:
         origin is allowed, a bare 204 otherwise (the browser then refuses the call)."""
         lines = [b"HTTP/1.1 204 No Content"]
         own = self.headers(request)
-        lines.extend(k + b": " + v for k, v in own)
+        lines.extend(map(header_line, own))
         # The headers the browser asks for are allowed too: SDKs add their own.
         if any(k == b"Access-Control-Allow-Origin" for k, _ in own):
             asked = get(request, b"access-control-request-headers")
