@@ -83,13 +83,22 @@ _PLAIN = (type(None), int, float, str, bytes)
 
 
 def clean(values: tuple[object, ...], now: float) -> Row:
-    """Make a snapshot insertable: bool -> 0/1 (int subclass), odd types -> str, ts defaults
-    to now. A value of a plain type, or of a subclass of int or float, goes as it is; that
-    is what `type(v) in _PLAIN` tests first, which mypy does not read as a narrowing."""
-    out = cast(
-        "list[Value]",
-        [v if type(v) in _PLAIN or isinstance(v, (int, float)) else str(v) for v in values],
-    )
+    """Make a snapshot insertable: a value of a plain type goes as it is, one of a subclass of
+    int or float (a bool: 0/1) as that plain type, any other as str; ts defaults to now.
+    sqlite3 would bind an int subclass as it is, but only after looking for an adapter on
+    its type and a `__conform__` on it, each a formatted AttributeError cleared (some 2,000
+    instructions a bool column). `type(v) in _PLAIN` is what mypy does not read as a
+    narrowing."""
+    out = cast("list[Value]", [v if type(v) in _PLAIN else _plain(v) for v in values])
     if out[_TS] is None:
         out[_TS] = now
     return tuple(out)
+
+
+def _plain(v: object) -> Value:
+    """A value of no plain type as the plain one it stands for."""
+    if isinstance(v, int):
+        return int(v)
+    if isinstance(v, float):
+        return float(v)
+    return str(v)

@@ -371,3 +371,20 @@ def test_admission_ids_do_not_restart_per_process(tmp_path):
     store = Store(str(tmp_path / "a.db"))
     ids = [store.next_admission_id() for _ in range(3)]
     assert ids == [ids[0], ids[0] + 1, ids[0] + 2]
+
+
+def test_a_row_binds_plain_values_only():
+    import enum
+
+    from relay.store.schema import clean
+
+    class Level(enum.IntEnum):
+        HIGH = 2
+
+    class Word(enum.StrEnum):
+        DONE = "done"
+
+    row = clean((True, False, Level.HIGH, 1.5, Word.DONE, "s", b"b", None, 7, object), 1.0)
+    # Exactly the plain types sqlite3 binds without looking for an adapter.
+    assert [type(v) for v in row] == [int, int, int, float, str, str, bytes, type(None), int, str]
+    assert row[:5] == (1, 0, 2, 1.5, "done")
