@@ -93,7 +93,7 @@ def dot_segment_in(path: bytes) -> bool:
     `%252e%252e`: some servers decode twice), up to MAX_DECODES; a path that is still
     changing after that many rounds counts as one. The usual path has nothing to decode
     and no dot: it is told at once."""
-    if path.isascii() and b"." not in path and b"%" not in path:
+    if path.isascii() and 46 not in path and 37 not in path:
         return False
     for _ in range(MAX_DECODES + 1):
         if any(dot_kind(seg) is not Dot.NONE for seg in segments(path)):

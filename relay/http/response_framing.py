@@ -163,7 +163,7 @@ def plan(
         remaining,
         mode,
         sse,
-        not sse and b"json" in ctype,
+        not sse and ctype.find(b"json") >= 0,
         http_version == b"1.1" and not has_token(headers, b"connection", b"close"),
         client_keep_alive,
         sse and 200 <= status < 300,

@@ -213,7 +213,7 @@ def peek_body(method: bytes, headers: HeaderPairs, body: bytes, llm: bool) -> Pe
         if not body:
             return Peek()
         ctype = (fields.get(headers, b"content-type") or b"application/json").lower()
-        strict = b"json" in ctype
+        strict = ctype.find(b"json") >= 0
     if not body:
         raise _invalid("the body is empty, a JSON object is expected")
     try:
@@ -333,7 +333,7 @@ def prompt_count(peek: Peek) -> int:
     if not raw.startswith(b"["):
         return 1
     # Numbers only (token ids, of any length) are one prompt.
-    if b'"' not in raw and b"{" not in raw and raw.find(b"[", 1) < 0:
+    if 34 not in raw and 123 not in raw and raw.find(b"[", 1) < 0:
         return 1
     try:
         items = msgspec.structs.astuple(_first_items().decode(raw))

@@ -114,7 +114,7 @@ def model_span(body: bytes) -> Span | None:
 def _named_once(body: bytes, names: list[str]) -> bool:
     """Whether the bytes alone tell that each of `names` is named once: its quoted spelling
     occurs once, and no escaped letter could spell it otherwise."""
-    return (b"\\u00" not in body or _ESCAPED_LETTER.search(body) is None) and all(
+    return (body.find(b"\\u00") < 0 or _ESCAPED_LETTER.search(body) is None) and all(
         body.count(_TOKENS[name]) == 1 for name in names
     )
 
@@ -174,7 +174,7 @@ def walk(body: bytes) -> dict[str, Span]:
             raise msgspec.DecodeError(f"a member name expected at byte {i}")
         end = value_end(body, i)
         token = body[i:end]
-        name = msgspec.json.decode(token).encode() if b"\\" in token else token[1:-1]
+        name = msgspec.json.decode(token).encode() if 92 in token else token[1:-1]
         i = _colon(body, end)
         end = value_end(body, i)
         if name in _NAMES:

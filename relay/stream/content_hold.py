@@ -85,7 +85,7 @@ def comment_prefix(buf: bytes) -> int:
         if end < 0:
             return pos
         block = buf[pos:end]
-        if b"\r" in block or not all(not line or line[0] == 0x3A for line in block.split(b"\n")):
+        if 13 in block or not all(not line or line[0] == 0x3A for line in block.split(b"\n")):
             return pos
         pos = end + 2
 
@@ -249,7 +249,9 @@ class Hold:
             self.pending += payload
             return True, self.release()
         pending = self.pending
-        if pending and not (b"\n\n" in payload or (pending[-1] == 10 and payload[:1] == b"\n")):
+        if pending and not (
+            payload.find(b"\n\n") >= 0 or (pending[-1] == 10 and payload[:1] == b"\n")
+        ):
             # The unfinished event goes on: it grows in place, searched only in the new
             # bytes (an event sent a byte at a time costs linear time, not quadratic).
             if isinstance(pending, bytes):

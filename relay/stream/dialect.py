@@ -83,9 +83,9 @@ def event_name(ev: bytes) -> bytes:
             name = ev[7:nl] if ev[6] == 32 else ev[6:nl]
             if 13 not in name:
                 return name
-    elif b"event" not in ev:
+    elif ev.find(b"event") < 0:
         return data_type(ev)
-    if b"\r" in ev:
+    if 13 in ev:
         ev = ev.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
     name = b""
     for line in ev.split(b"\n"):
@@ -126,7 +126,7 @@ def data_type(ev: bytes) -> bytes:
         j = ev.find(b'"', i + 9)
         if j > 0 and ev.find(b"\\", i + 9, j) < 0 and ev.find(b"\n", i + 9, j) < 0:
             return ev[i + 9 : j]
-    if b"type" not in ev and (92 not in ev or b"\\u" not in ev):
+    if ev.find(b"type") < 0 and (92 not in ev or ev.find(b"\\u") < 0):
         return b""
     try:
         return _typed.decode(data_of(ev)).type.encode()
@@ -158,7 +158,7 @@ _LINED = (b'"\n', b'":\n', b'"\r', b'":\r')
 def escapes_a_letter(ev: bytes) -> bool:
     """The event may spell a name with escapes (`"\\u0074ype"`): a search for its quoted
     name that missed is sure only without."""
-    return b"\\u00" in ev and _ESCAPED_LETTER.search(ev) is not None
+    return ev.find(b"\\u00") >= 0 and _ESCAPED_LETTER.search(ev) is not None
 
 
 def spelt_otherwise(ev: bytes) -> bool:
@@ -194,11 +194,11 @@ def recognise(ev: bytes) -> Api | None:
         return MESSAGES
     if name.startswith(b"response."):
         return RESPONSES
-    if b'"object":"chat.completion' in ev:
+    if ev.find(b'"object":"chat.completion') >= 0:
         return CHAT
-    if b'"object":"text_completion"' in ev:
+    if ev.find(b'"object":"text_completion"') >= 0:
         return TEXT
-    if b'"stop":' in ev and b'"content":' in ev and b'"object":' not in ev:
+    if ev.find(b'"stop":') >= 0 and ev.find(b'"content":') >= 0 and ev.find(b'"object":') < 0:
         return NATIVE
     return None
 

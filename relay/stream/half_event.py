@@ -86,7 +86,7 @@ def close_event(pending: bytes | bytearray, api: Api = D.CHAT, seq: int | None =
         return Closing(b"\n\n", Fate.BROKEN)
     # A lone CR ended the last line: an LF now would make it a CRLF, not a second line end.
     lead = b"\n" if raw.endswith(b"\r") else b""
-    text = raw.replace(b"\r\n", b"\n").replace(b"\r", b"\n") if lead or b"\r" in raw else raw
+    text = raw.replace(b"\r\n", b"\n").replace(b"\r", b"\n") if lead or 13 in raw else raw
     half = _Fields.read(text)
     if half.data is None:
         if half.named:
@@ -122,7 +122,7 @@ class _Fields(msgspec.Struct, frozen=True):
                 data.append(value)
         named = name is not None
         field, value = D.field_of(last)
-        colon = b":" in last
+        colon = 58 in last
         mid_data = colon and field == b"data"
         if mid_data:
             data.append(value)
