@@ -13,6 +13,8 @@ from itertools import compress
 from operator import not_
 from typing import Protocol
 
+import msgspec
+
 HOP_BY_HOP = frozenset(
     {
         b"connection",
@@ -56,19 +58,15 @@ def header_list(pairs: Iterable[Header], lows: list[bytes]) -> HeaderList:
     return out
 
 
-class RequestHead:
+class RequestHead(msgspec.Struct, frozen=True, gc=False):
     """A request's head as the relay reads it: h11's fields for an `h11.Request`
-    (`request_head`), or made whole from the bytes (`usual_head`, no h11 event)."""
+    (`request_head`), or made whole from the bytes (`usual_head`, no h11 event). (Not
+    tracked by the collector: its headers hold bytes only.)"""
 
-    __slots__ = ("headers", "http_version", "method", "target")
-
-    def __init__(
-        self, method: bytes, target: bytes, http_version: bytes, headers: HeaderList
-    ) -> None:
-        self.method = method
-        self.target = target
-        self.http_version = http_version
-        self.headers = headers
+    method: bytes
+    target: bytes
+    http_version: bytes
+    headers: HeaderList
 
 
 class H11Request(Protocol):
