@@ -4,8 +4,9 @@ h11 parses every client request (`proxy.client`), but its event machinery costs 
 about as much as the rest of the relay's own work before the upstream is written. Most heads
 are the same simple shape: a request line, a few header lines, a Content-Length body, all in
 the first read. `read` takes exactly those, by h11's own grammar (its `_abnf` expressions
-compiled here), and makes the head h11 would read (`fields.RequestHead`, with no `h11.Request`
-event built: that alone is a tenth of the work); for anything else it answers None and h11 reads the bytes as before, so every head it does not take (and every error) is
+compiled here), and makes the head h11 would read (`fields.RequestHead`, with no
+`h11.Request` event built: that alone is a tenth of the work); for anything else it answers
+None and h11 reads the bytes as before, so every head it does not take (and every error) is
 h11's alone. It takes a head only when:
 
 - it ends (CRLF CRLF) within `limit` bytes, every line ends with CRLF (no bare CR or LF),
