@@ -2,8 +2,8 @@
 
 A pool keeps a conversation on the member whose prompt cache holds its prefix. No tokenizer:
 `fingerprint` cuts what the model reads into units and returns one 64-bit hash per unit, each
-covering every unit up to its own (`h_k = sha256(h_{k-1} || unit_k)`, cut to 8 bytes, read as a
-big-endian integer). Two requests share a prefix of k units exactly when their first k hashes
+covering every unit up to its own (`d_k = sha256(d_{k-1} || unit_k)`, `d_-1` the digest of the
+API's seed; the hash is d_k's first 8 bytes read as a big-endian integer). Two requests share a prefix of k units exactly when their first k hashes
 are equal. SHA-256, not `hash()`: Python randomises `hash()` per process, and several relays
 and workers must agree.
 
@@ -80,6 +80,9 @@ _SEEDS = {
 }
 _BYTES_SEED = b"relay.prefix blocks of bytes"
 _TOKENS_SEED = b"relay.prefix blocks of tokens"
+_SEED_DIGESTS = {
+    seed: sha256(seed).digest() for seed in (*_SEEDS.values(), _BYTES_SEED, _TOKENS_SEED)
+}
 _HEAD_ROLES = frozenset(("system", "developer"))
 _TEXT_PARTS = frozenset(("text", "input_text", "output_text"))
 _DIGEST = 8
@@ -128,28 +131,29 @@ def first_key(fp: Fingerprint) -> int | None:
 
 
 def _chain(seed: bytes, units: Iterator[bytes]) -> Fingerprint:
-    """The cumulative hashes of `units`, bounded by MAX_UNITS and MAX_BYTES: one running
-    SHA-256 over the seed and each unit (its length first, so units cannot run into each
-    other), its digest read after each unit."""
-    h = sha256(seed)
+    """The cumulative hashes of `units`, bounded by MAX_UNITS and MAX_BYTES: each unit hashed
+    once, after the whole digest of the units before it (32 bytes, so a unit cannot run into
+    the one before), starting from the digest of the seed."""
+    prev = _SEED_DIGESTS[seed]
     hashes: list[int] = []
+    append = hashes.append
+    from_bytes = int.from_bytes
+    room = MAX_UNITS - 1
     left = MAX_BYTES
     absorbed = False
-    digest = b""
     for unit in units:
-        piece = unit[:left] if len(unit) > left else unit
-        h.update(len(piece).to_bytes(4, "big"))
-        h.update(piece)
-        left -= len(unit)
-        if len(hashes) < MAX_UNITS - 1:
-            hashes.append(int.from_bytes(h.copy().digest()[:_DIGEST], "big"))
+        size = len(unit)
+        prev = sha256(prev + unit[:left] if size > left else prev + unit).digest()
+        left -= size
+        if room:
+            append(from_bytes(prev[:_DIGEST], "big"))
+            room -= 1
         else:
             absorbed = True
         if left <= 0:
             break
     if absorbed:
-        digest = h.digest()[:_DIGEST]
-        hashes.append(int.from_bytes(digest, "big"))
+        append(from_bytes(prev[:_DIGEST], "big"))
     return tuple(hashes)
 
 

@@ -117,6 +117,47 @@ def test_chat_string_and_text_parts_are_one_unit():
     assert P.fingerprint(Api.CHAT, a) == P.fingerprint(Api.CHAT, b)
 
 
+def user(content: object) -> dict:
+    return {"messages": [{"role": "user", "content": content}]}
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        # Text on either side of an image is not the same text moved across it.
+        (
+            [{"type": "text", "text": "ab"}, IMAGE, {"type": "text", "text": "c"}],
+            [{"type": "text", "text": "a"}, IMAGE, {"type": "text", "text": "bc"}],
+        ),
+        # A number, or a list of it, is not the text of it.
+        (3, "3"),
+        ([3], "3"),
+        # Text that spells JSON is text.
+        ("[3]", [3]),
+        ('"x"', "x"),
+        # An image before the text is not the text before the image.
+        ([IMAGE, {"type": "text", "text": "x"}], [{"type": "text", "text": "x"}, IMAGE]),
+        # The same letter composed another way is other tokens.
+        ("é", "e\u0301"),
+    ],
+)
+def test_chat_units_tell_apart_what_the_model_reads_apart(a, b):
+    assert P.fingerprint(Api.CHAT, user(a))[1] != P.fingerprint(Api.CHAT, user(b))[1]
+
+
+def test_chat_a_message_is_the_canonical_json_of_what_the_model_reads():
+    fp = P.fingerprint(Api.CHAT, {"messages": [{"content": "hé", "role": "user"}]})
+    digest = sha256(b"relay.prefix chat").digest()
+    expected = []
+    for unit in (b"[null,[]]", '["user",null,["hé"],null,null]'.encode()):
+        digest = sha256(digest + unit).digest()
+        expected.append(int.from_bytes(digest[:8], "big"))
+    assert fp == tuple(expected)
+
+
 def test_chat_editing_a_message_changes_it_and_after_only():
     base = P.fingerprint(Api.CHAT, chat_turn2())
     edited = chat_turn2()
@@ -517,11 +558,12 @@ def test_prompt_extended_by_1000_bytes_shares_its_whole_blocks(api, length):
 
 def test_prompt_blocks_are_the_documented_chain():
     prompt = "x" * 300
-    seen = b"relay.prefix blocks of bytes"
+    # Each unit is hashed after the whole digest of the units before it, from the seed's.
+    digest = sha256(b"relay.prefix blocks of bytes").digest()
     expected = []
     for block in (b"x" * 256, b"x" * 44):
-        seen += len(block).to_bytes(4, "big") + block
-        expected.append(int.from_bytes(sha256(seen).digest()[:8], "big"))
+        digest = sha256(digest + block).digest()
+        expected.append(int.from_bytes(digest[:8], "big"))
     assert P.fingerprint(Api.TEXT, {"prompt": prompt}) == tuple(expected)
     # The same prompt is the same prefix on either completions API.
     assert P.fingerprint(Api.NATIVE, {"prompt": prompt}) == tuple(expected)
@@ -668,6 +710,16 @@ def test_units_are_capped_the_last_absorbing_the_rest():
     assert shared(fp, more) == 4095
     blocks = P.fingerprint(Api.TEXT, {"prompt": "z" * (256 * 5000)})
     assert len(blocks) == 4096
+
+
+def test_nothing_past_max_bytes_is_read():
+    # The unit that reaches MAX_BYTES is the last read, cut there.
+    head = "z" * P.MAX_BYTES
+    fp = P.fingerprint(Api.TEXT, {"prompt": head + "a"})
+    assert fp == P.fingerprint(Api.TEXT, {"prompt": head + "b" * 1000})
+    assert fp != P.fingerprint(Api.TEXT, {"prompt": "y" + head[1:] + "a"})
+    assert fp[:-1] == P.fingerprint(Api.TEXT, {"prompt": head[:-1] + "y"})[:-1]
+    assert fp[-1] != P.fingerprint(Api.TEXT, {"prompt": head[:-1] + "y"})[-1]
 
 
 def test_many_small_parts_and_messages_stay_bounded():
