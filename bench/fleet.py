@@ -44,11 +44,13 @@ in prefill (`timings.prompt_ms`); requests per member (each server's `/metrics`
 `tokens_predicted_total` ÷ `max_tokens`: the model never stops early) and max ÷ mean; moves
 (follow-up turns served by another member than the turn before, from the response's `model`,
 which llama-server fills with its model file's path, one per server). The routing decision's
-cost (`decision_cost`): `relay.policy.prefix.fingerprint` + `first_key` +
-`relay.policy.affinity.choose` in this process, on the replay's own bodies, over a
-`PrefixTable` the replay filled, and again on the same conversations written at 4 characters
-a token (what such prompts weigh under a real tokenizer: the fingerprint's cost grows with the
-bytes). `goals` checks issue 32's goals and the report prints them; nothing asserts them.
+cost (`decision_cost`): `relay.policy.affinity.want_of` (the body's JSON decode, its
+fingerprint and first key) + `relay.policy.affinity.choose` in this process, on the replay's
+own bodies, over a `PrefixTable` the replay filled, and again on the same conversations
+written at 4 characters a token (what such prompts weigh under a real tokenizer: the
+fingerprint's cost grows with the bytes). `--decision-only` times the decision alone, with
+no server: the replies are seeded words as long as `max_tokens` (`synthetic_replay`).
+`goals` checks issue 32's goals and the report prints them; nothing asserts them.
 """
 
 from __future__ import annotations
@@ -107,6 +109,8 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 # English text under a real model's tokenizer, about: what a prompt of N tokens weighs in bytes
 # outside the tiny model's byte-fallback vocabulary (for the decision's cost).
 REAL_CHARS_PER_TOKEN = 4.0
+# What the tiny model's byte-fallback vocabulary reads (`/tokenize`, the replays measured).
+TINY_CHARS_PER_TOKEN = 0.884
 pct = bload.pct  # nearest rank, None for no values
 
 
@@ -387,6 +391,10 @@ def target_goals(med: dict[str, dict], target: str) -> list[Goal]:
     return out
 
 
+def _mark(goal: Goal) -> str:
+    return "pending" if goal.ok is None else ("met" if goal.ok else "NOT met")
+
+
 def decision_goals(decision: dict | None) -> list[Goal]:
     """The routing decision's cost against its goal, on the replay's bodies and at a real
     tokenizer's size; no figures (not measured) leave them open."""
@@ -416,13 +424,14 @@ def decision_goals(decision: dict | None) -> list[Goal]:
 
 def decision_cost(bodies: Sequence[bytes], passes: int = 20, heavy: int = 1) -> dict:
     """What the relay runs per request to route it, timed here on the replay's bodies in the
-    order they were sent: `fingerprint(Api.CHAT, body)` + `first_key` + `choose` over a
-    `PrefixTable` first filled by one pass (each body recorded on the member chosen), then
-    `passes` timed passes (each still recording, as the relay does after an answer). The
-    members' loads vary from body to body; the JSON decode is timed apart (the relay decodes
-    the body anyway). `heavy_us`: the decisions on the `heavy` largest bodies alone (the
-    conversations' final turns): their p50 is the cost at the longest prompt, and unlike a
-    p99 over every body it is not the machine's preemptions."""
+    order they were sent: `want_of(Api.CHAT, body)` (the body's JSON decoded, which the relay
+    does for this alone, then its fingerprint and first key) + `choose` over a `PrefixTable`
+    first filled by one pass (each body recorded on the member chosen), then `passes` timed
+    passes (each still recording, as the relay does after an answer). The members' loads vary
+    from body to body; the decode and the fingerprint are also timed apart. `heavy_us`: the
+    decisions on the `heavy` largest bodies alone (the conversations' final turns): their p50
+    is the cost at the longest prompt, and unlike a p99 over every body it is not the
+    machine's preemptions."""
     import msgspec
 
     from relay.policy import affinity, prefix
@@ -435,31 +444,32 @@ def decision_cost(bodies: Sequence[bytes], passes: int = 20, heavy: int = 1) -> 
         loads = [(i + j) % (PARALLEL + 1) for j in range(MEMBERS)]
         states.append([affinity.Member(n, ld, PARALLEL - ld) for n, ld in zip(names, loads)])
     clock = time.perf_counter_ns
-    decode_ns = []
-    decoded = []
-    for b in bodies:
-        t0 = clock()
-        decoded.append(msgspec.json.decode(b))
-        decode_ns.append(clock() - t0)
+    decoded = [msgspec.json.decode(b) for b in bodies]
     largest = set(sorted(range(len(bodies)), key=lambda i: len(bodies[i]))[-heavy:])
     table = affinity.PrefixTable()
-    total, fps, chooses, records, heaviest = [], [], [], [], []
+    total, decodes, fps, chooses, records, heaviest = [], [], [], [], [], []
     for n in range(passes + 1):
-        for i, (body, members) in enumerate(zip(decoded, states)):
+        for i, (body, members) in enumerate(zip(bodies, states)):
             t0 = clock()
-            fp = prefix.fingerprint(Api.CHAT, body)
-            key = prefix.first_key(fp)
+            want = affinity.want_of(Api.CHAT, body)
             t1 = clock()
-            choice = affinity.choose(table, members, eligible, fp, key or 0)
+            choice = affinity.choose(
+                table, members, eligible, want.fingerprint, want.first_key or 0
+            )
             t2 = clock()
             assert choice is not None
-            table.record(choice.member, fp)
+            table.record(choice.member, want.fingerprint)
             t3 = clock()
+            msgspec.json.decode(body)
+            t4 = clock()
+            prefix.first_key(prefix.fingerprint(Api.CHAT, decoded[i]))
+            t5 = clock()
             if n:
                 total.append(t2 - t0)
-                fps.append(t1 - t0)
                 chooses.append(t2 - t1)
                 records.append(t3 - t2)
+                decodes.append(t4 - t3)
+                fps.append(t5 - t4)
                 if i in largest:
                     heaviest.append(t2 - t0)
 
@@ -475,7 +485,7 @@ def decision_cost(bodies: Sequence[bytes], passes: int = 20, heavy: int = 1) -> 
         "fingerprint_us": us(fps),
         "choose_us": us(chooses),
         "record_us": us(records),
-        "decode_us": us(decode_ns),
+        "decode_us": us(decodes),
         "body_kb": {
             "p50": pct([len(b) for b in bodies], 50) / 1024,
             "max": max(len(b) for b in bodies) / 1024,
@@ -857,6 +867,47 @@ def rescaled_bodies(
     return out
 
 
+def synthetic_replay(
+    shape: Shape, chars_per_token: float
+) -> tuple[list[tuple[int, int, bytes]], list[dict]]:
+    """The replay's bodies as sent (turn by turn, every conversation's turn k before any turn
+    k + 1) with seeded words for the servers' replies, `max_tokens` long: the decision's
+    inputs without a server (`--decision-only`)."""
+    convs = make_conversations(shape, chars_per_token)
+    rng = random.Random(f"{shape.seed}:replies")
+    reply_chars = max(1, round(shape.max_tokens * chars_per_token))
+    replies = {(c.index, k): words(rng, reply_chars) for c in convs for k in range(shape.turns)}
+    sent, turns = [], []
+    for k in range(shape.turns):
+        for c in convs:
+            body = c.body(k, [replies[(c.index, j)] for j in range(k)], shape.max_tokens)
+            sent.append((c.index, k, json.dumps(body, separators=(",", ":")).encode()))
+            turns.append({"conv": c.index, "turn": k, "reply": replies[(c.index, k)]})
+    return sent, turns
+
+
+def decision_only(a, shape: Shape) -> int:
+    """`--decision-only`: the routing decision's cost on a synthetic replay, printed."""
+    sent, turns = synthetic_replay(shape, a.chars_per_token)
+    n = shape.conversations
+    decision = {
+        "replay": decision_cost([b for _, _, b in sent], a.decision_passes, n),
+        "real_size": decision_cost(rescaled_bodies(sent, turns, shape), a.decision_passes, n),
+        "chars_per_token": a.chars_per_token,
+    }
+    lines = ["# The routing decision alone (`python -m bench.fleet --decision-only`)", ""]
+    lines += [*report.machine(), f"- commit: {_commit()}", ""]
+    lines += [f"- {g.name}: {g.figure} -> **{_mark(g)}**" for g in decision_goals(decision)]
+    lines += ["", *render_decision(decision)]
+    text = "\n".join(lines) + "\n"
+    if a.output:
+        Path(a.output).write_text(text)
+    print(text, end="")
+    if a.json:
+        Path(a.json).write_text(json.dumps(decision, indent=1))
+    return 0
+
+
 async def probe_prefill(host: str, port: int, convs: Sequence[Conversation], shape: Shape):
     """One request at a time on an idle server: conversation 0's first turn and conversation
     1's last (another system prompt: nothing cached), each cold. Prompt tokens, prefill ms
@@ -1043,8 +1094,7 @@ def render(rows: list[dict], decision: dict | None, info: dict, a, targets) -> s
     out += ["## Goals (medians over repeats)", ""]
     judged = [t for t in AFFINITY_TARGETS if t in targets] or ["relay_affinity"]
     for g in [g for t in judged for g in target_goals(med, t)] + decision_goals(decision):
-        mark = "pending" if g.ok is None else ("met" if g.ok else "NOT met")
-        out.append(f"- {g.name}: {g.figure} -> **{mark}**")
+        out.append(f"- {g.name}: {g.figure} -> **{_mark(g)}**")
     out += [
         "",
         "## Per target: **median** (each repeat, in repeat order)",
@@ -1136,12 +1186,12 @@ def render_decision(decision: dict | None) -> list[str]:
         f" {w['body_kb']['p50']:.1f} / {w['body_kb']['max']:.1f} |",
     ]
     for key, label in (
-        ("decision_us", "**decision** = fingerprint + first_key + choose"),
+        ("decision_us", "**decision** = `want_of` (decode + fingerprint + first_key) + choose"),
         ("heavy_us", "decision, the largest bodies (each conversation's final turn)"),
-        ("fingerprint_us", "`prefix.fingerprint(Api.CHAT, body)` + `first_key`"),
+        ("decode_us", "of it, the JSON decode of the body (timed apart)"),
+        ("fingerprint_us", "of it, `prefix.fingerprint(Api.CHAT, body)` + `first_key` (apart)"),
         ("choose_us", "`affinity.choose` (3 members)"),
         ("record_us", "`PrefixTable.record` (after the answer; not in the decision)"),
-        ("decode_us", "JSON decode of the body (the relay decodes it anyway)"),
     ):
         cells = [f"{d[key]['p50']:.1f} / {d[key]['p99']:.1f} / {d[key]['max']:.1f}" for d in (r, w)]
         out.append(f"| {label} | {cells[0]} | {cells[1]} |")
@@ -1277,6 +1327,17 @@ def parse_args(argv=None):
     )
     p.add_argument("--server-args", default="", help="more llama-server flags (all servers)")
     p.add_argument("--decision-passes", type=int, default=20)
+    p.add_argument(
+        "--decision-only",
+        action="store_true",
+        help="time the routing decision alone on a synthetic replay (no server)",
+    )
+    p.add_argument(
+        "--chars-per-token",
+        type=float,
+        default=TINY_CHARS_PER_TOKEN,
+        help="the replay's characters a token for --decision-only (the tiny model's)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--relay-config", help="TOML merged over the generated relay config")
     p.add_argument("--output", help="report file (default bench/RESULTS-fleet.md)")
@@ -1301,6 +1362,8 @@ def main(argv=None) -> int:
     shape = Shape(
         a.conversations, a.turns, a.first_tokens, a.last_tokens, a.max_tokens, a.seed, a.think_s
     )
+    if a.decision_only:
+        return decision_only(a, shape)
     logdir = Path(tempfile.mkdtemp(prefix="relay-bench-fleet-"))
     slot_ctx = slot_context(shape)
     info: dict = {

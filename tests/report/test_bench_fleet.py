@@ -261,3 +261,16 @@ def test_rescaled_bodies_keep_the_order_and_the_replies():
     assert out[2]["messages"][2] == {"role": "assistant", "content": "r10"}
     # system: 100 - 10 - 16 = 74 tokens at 2 characters a token
     assert len(out[1]["messages"][0]["content"]) == 148
+
+
+def test_synthetic_replay_sends_every_turn_in_order_with_replies_as_long_as_max_tokens():
+    shape = F.Shape(3, 2, 100, 200, 4)
+    sent, turns = F.synthetic_replay(shape, 2.0)
+    assert [(c, k) for c, k, _ in sent] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    assert [(t["conv"], t["turn"]) for t in turns] == [(c, k) for c, k, _ in sent]
+    assert all(len(t["reply"]) == 8 for t in turns)
+    later = json.loads(sent[4][2])
+    convs = F.make_conversations(shape, 2.0)
+    assert later["messages"] == convs[1].messages(1, [turns[1]["reply"]])
+    # Seeded: the same replay every time.
+    assert F.synthetic_replay(shape, 2.0) == (sent, turns)
