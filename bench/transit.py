@@ -572,7 +572,16 @@ async def client_run(a) -> dict:
         if s.min_transit is not None:
             min_tr.append(s.min_transit)
 
+    async def wave(i: int):
+        # Every stream of a wave opens at its start, as a benchmark client's burst does.
+        period = int(a.burst_period_s * 1e9)
+        for w in range(a.burst):
+            await asyncio.sleep(max(0.0, (t0 + w * period - mono()) / 1e9))
+            await one(a.tokens, True)
+
     async def slot(i: int):
+        if a.burst:
+            return await wave(i)
         await asyncio.sleep(max(0.0, (t0 - mono()) / 1e9 + a.ramp_s * i / a.streams))
         first = True
         while True:
@@ -641,6 +650,8 @@ def client_parse(argv):
     p.add_argument("--t0-ns", type=int, default=0, help="CLOCK_MONOTONIC start (0: now+0.1 s)")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--out", help="write the transit ns (int64, native order) here")
+    p.add_argument("--burst", type=int, default=0, help="waves of every stream at once (0: none)")
+    p.add_argument("--burst-period-s", type=float, default=2.0, help="wave start to wave start")
     return p.parse_args(argv)
 
 
@@ -726,6 +737,7 @@ def run_one(target: str, load: int, rep: int, up: Upstream, logdir: Path, a) -> 
             argv += ["--tokens", str(a.tokens), "--rate", str(a.rate)]
             argv += ["--duration-s", str(a.duration_s), "--ramp-s", str(a.ramp_s)]
             argv += ["--warmup-s", str(a.warmup_s), "--t0-ns", str(t0)]
+            argv += ["--burst", str(a.burst), "--burst-period-s", str(burst_period(a))]
             argv += ["--out", str(logdir / f"transit-{j}.bin")]
             clients.append(procs.Proc(f"client{j}", argv, logdir))
         time.sleep(max(0.0, (t0 - mono()) / 1e9))
@@ -753,7 +765,8 @@ def run_one(target: str, load: int, rep: int, up: Upstream, logdir: Path, a) -> 
         if proxy:
             proxy.stop()
     streams = [s for o in outs for s in o["streams"]]
-    later = [s[2] for s in streams if s[2] is not None and not s[3]]
+    # A burst's every request opened with the others: each one's TTFT is the figure.
+    later = [s[2] for s in streams if s[2] is not None and not (s[3] and not a.burst)]
     ttft = later or [s[2] for s in streams if s[2] is not None]
     tq = quantiles(transit)
     fq = quantiles(ttft, TTFT_QS)
@@ -827,8 +840,14 @@ def render(rows: list[dict], a, loads, targets, command: str) -> str:
         f" content event as soon as the request is read; {a.rate:g} events/s per stream,"
         f" {a.tokens} tokens a stream, connection closed after each stream (as llama-server)",
         f"- client: {a.clients} process(es), uvloop, raw sockets, a new connection per"
-        f" stream; {a.duration_s:g} s per run, ramp {a.ramp_s:g} s, transit from events"
-        f" stamped after {a.warmup_s:g} s, TTFT of the requests after the first wave",
+        f" stream; {a.duration_s:g} s per run, "
+        + (
+            f"{a.burst} waves of every stream opened at once, {burst_period(a):g} s apart,"
+            f" transit from events stamped after {a.warmup_s:g} s, TTFT of every request"
+            if a.burst
+            else f"ramp {a.ramp_s:g} s, transit from events stamped after {a.warmup_s:g} s,"
+            " TTFT of the requests after the first wave"
+        ),
         "- relay: `relay serve` with bench/relay_conf.py's config (parallel 4096)"
         + (f", extra args `{a.relay_args}`" if a.relay_args else "")
         + f"; nginx: bench/nginx.py's config, worker_processes {a.nginx_workers}",
@@ -929,9 +948,24 @@ def parse_args(argv=None):
     p.add_argument("--output", default=str(Path(__file__).parent / "RESULTS-transit.md"))
     p.add_argument("--json", help="also write the raw per-run rows here")
     p.add_argument("--keep-logs", action="store_true")
+    p.add_argument(
+        "--burst",
+        type=int,
+        default=0,
+        help="waves of every stream opened at once instead of a ramp (0: the ramp)",
+    )
+    p.add_argument("--burst-gap-s", type=float, default=0.5, help="a wave's end to the next")
     a = p.parse_args(argv)
+    if a.burst:
+        a.tokens = a.tokens or max(1, round(a.rate))
+        a.duration_s = a.burst * burst_period(a)
     a.tokens = a.tokens or max(1, round(a.rate * a.duration_s))
     return a
+
+
+def burst_period(a) -> float:
+    """A burst's wave start to the next: a stream's length, then the gap."""
+    return a.tokens / a.rate + a.burst_gap_s if a.burst else 0.0
 
 
 def main(argv=None) -> int:

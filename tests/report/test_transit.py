@@ -143,3 +143,25 @@ def test_a_short_run_over_sockets_delivers_every_stamped_event(tmp_path):
         assert r["transit_us"]["n"] == r["content_events"]  # no warm-up: every event counts
         assert r["min_transit_ns"] >= 0
         assert r["ttft_ms"]["p50"] > 0
+
+
+def test_a_burst_opens_every_stream_of_each_wave_and_times_every_request(tmp_path):
+    a = transit.parse_args(
+        ["--loads", "6", "--burst", "2", "--tokens", "3", "--rate", "50", "--burst-gap-s", "0.1"]
+        + ["--warmup-s", "0", "--client-start-s", "0.3", "--quiet-wait-s", "0", "--timeout", "10"]
+    )
+    # A wave lasts a stream (3 events at 50 a second), then the gap; the run is the waves.
+    assert transit.burst_period(a) == pytest.approx(0.16)
+    assert a.duration_s == pytest.approx(0.32)
+    up = transit.Upstream(a, tmp_path)
+    try:
+        row = transit.run_one("direct", 6, 0, up, tmp_path, a)
+    finally:
+        up.stop()
+        procs.stop_all()
+    assert row["errors"] == 0 and row["mismatch"] == 0, row["error_samples"]
+    # Every stream of both waves, each carrying the whole stream, each one's TTFT counted.
+    assert row["requests"] == 12
+    assert row["content_events"] == row["expected_events"] == 36
+    assert row["ttft_ms"]["n"] == 12
+    assert not row["ttft_first_wave_only"]
