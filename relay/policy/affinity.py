@@ -25,7 +25,8 @@ their first k hashes are equal.
   loaded member, ties broken by rendezvous (highest random weight) hashing of `first_key`
   with each member's name, with blake2b so that every relay and worker agrees.
 - `prefix_was_there` reads an answer's reuse figures: the prefix was there unless the
-  reported reuse is under half of what the fingerprint expected.
+  reported reuse is under half of what was expected (the tokens an earlier answer gave for
+  that prefix, else the fingerprint's share of units).
 - `pick_waiting`: a freed slot on member M goes to the oldest waiting request whose
   conversation lives on M, unless the oldest overall has waited `bound` seconds or more since
   its `enqueued_at`, in which case it goes first. The queue (`proxy.slots`) gives as the
@@ -353,17 +354,24 @@ def prefix_was_there(
     cached_tokens: int,
     prompt_tokens: int,
     ratio: float = DEFAULT_REUSE_RATIO,
+    expected_tokens: int | None = None,
 ) -> bool:
     """Whether an answer shows the expected prefix was in the member's cache.
 
     `prompt_tokens` is the whole prompt (llama-server's `timings.cache_n + prompt_n`,
-    OpenAI's `usage.prompt_tokens`); `cached_tokens` is what it reused. Units are not tokens,
-    so the expected share of the prompt is `expected_units / fingerprint_units`; the prefix
-    was there unless the reported share `cached_tokens / prompt_tokens` is under `ratio` of
-    it. Nothing expected, or no prompt reported, is no evidence: True.
+    OpenAI's `usage.prompt_tokens`); `cached_tokens` is what it reused. Where an earlier
+    answer said how long the expected prefix is (`expected_tokens`: the prompt of the turn
+    that left it, `PrefixTable.tokens_at`), the prefix was there unless under `ratio` of
+    that was reused. Else units stand in for tokens: the expected share of the prompt is
+    `expected_units / fingerprint_units`, and the prefix was there unless the reported
+    share `cached_tokens / prompt_tokens` is under `ratio` of it. (By shares alone, a turn
+    that adds one long message, a tool's output, would read as a miss with all of its
+    history reused.) Nothing expected, or no prompt reported, is no evidence: True.
     """
     if expected_units <= 0 or fingerprint_units <= 0 or prompt_tokens <= 0:
         return True
+    if expected_tokens is not None and expected_tokens > 0:
+        return cached_tokens >= ratio * min(expected_tokens, prompt_tokens)
     expected = min(expected_units, fingerprint_units) / fingerprint_units
     return cached_tokens / prompt_tokens >= ratio * expected
 
@@ -379,13 +387,14 @@ def learn(
     gone: it is forgotten whole (`PrefixTable.forget_member`)."""
     learnt = Learnt.HELD
     prompt, cached = reuse.prompt_tokens, reuse.cached_tokens
-    if (
-        prompt is not None
-        and cached is not None
-        and not prefix_was_there(expected_units, len(fingerprint), cached, prompt)
-    ):
-        table.forget(member, fingerprint)
-        learnt = Learnt.MISSED
+    if prompt is not None and cached is not None:
+        expected_tokens = table.tokens_at(fingerprint, expected_units)
+        units = len(fingerprint)
+        if not prefix_was_there(
+            expected_units, units, cached, prompt, expected_tokens=expected_tokens
+        ):
+            table.forget(member, fingerprint)
+            learnt = Learnt.MISSED
     if fingerprint:
         table.record(member, fingerprint, prompt)
     return learnt

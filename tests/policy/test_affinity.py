@@ -16,6 +16,7 @@ import pytest
 
 from relay.policy.affinity import (
     Choice,
+    Learnt,
     Member,
     Pace,
     PrefixTable,
@@ -25,6 +26,7 @@ from relay.policy.affinity import (
     capacity,
     choose,
     home_wait,
+    learn,
     pick_waiting,
     prefix_was_there,
     waits_for_home,
@@ -338,6 +340,40 @@ def test_a_home_is_held_for_twice_the_re_read_it_saves():
 )  # fmt: skip
 def test_prefix_was_there(expected, units, cached, prompt, there):
     assert prefix_was_there(expected, units, cached, prompt) is there
+
+
+@pytest.mark.parametrize(
+    "expected,units,cached,prompt,tokens,there",
+    [
+        # The history (314 tokens) reused whole, a long tool output added: the units' share
+        # (3 of 4) would call it a miss, the tokens do not.
+        (3, 4, 314, 1590, 311, True),
+        (3, 4, 314, 1590, None, False),
+        (3, 4, 155, 1590, 311, False),   # under half of the prefix's 311 tokens
+        (3, 4, 156, 1590, 311, True),    # half of it, rounded up
+        (3, 4, 0, 1590, 311, False),     # a restart
+        (3, 4, 900, 1000, 5000, True),   # a figure past the prompt counts as the prompt
+        (3, 4, 10, 100, 0, False),       # no figure: the units' share
+    ],
+)  # fmt: skip
+def test_prefix_was_there_by_the_tokens_an_earlier_answer_gave(
+    expected, units, cached, prompt, tokens, there
+):
+    assert prefix_was_there(expected, units, cached, prompt, expected_tokens=tokens) is there
+
+
+def test_an_answer_is_judged_by_the_tokens_its_prefix_had():
+    table = PrefixTable()
+    first = (1, 2, 3)
+    # The first turn's answer: 311 prompt tokens, at its last unit.
+    assert learn(table, "a", first, 0, Reuse(311, 0)) is Learnt.HELD
+    # The next adds a long tool output: 314 of 1590 reused, all the history: held.
+    assert learn(table, "a", (*first, 4), 3, Reuse(1590, 314)) is Learnt.HELD
+    assert table.longest_holder((*first, 4), ["a"]) == ("a", 4)
+    # One that reused under half of its history's 1590 tokens missed: forgotten, then
+    # recorded again from what it just read.
+    assert learn(table, "a", (*first, 4, 5), 4, Reuse(1700, 700)) is Learnt.MISSED
+    assert table.tokens_at((*first, 4, 5), 5) == 1700
 
 
 def test_a_freed_slot_prefers_its_own_conversation_until_the_bound():
