@@ -168,8 +168,10 @@ class Slot:
 
 
 class _Waiter:
-    """A request in a pool's queue, in its key's line. `counted`: the member whose `queued`
-    counts it (the one its conversation lives on, or its only member)."""
+    """A request in a pool's queue, in its key's line. `counted`: the member whose `waiting`
+    counts it (the one its conversation lives on, or its only member); `shown`: the member
+    whose `queued` counts it, that one or, for a request that waits for no member in
+    particular, the one with the most room left in its `queue` when it came."""
 
     __slots__ = (
         "at",
@@ -182,17 +184,20 @@ class _Waiter:
         "passed_at",
         "position",
         "preferred",
+        "shown",
     )
 
     def __init__(
         self, line: _Line, fut: asyncio.Future[SlotPool], exclude: frozenset[str],
         preferred: SlotPool | None, counted: SlotPool | None, at: float, home_until: float = 0.0,
+        shown: SlotPool | None = None,
     ) -> None:  # fmt: skip
         self.line = line
         self.fut = fut
         self.exclude = exclude
         self.preferred = preferred
         self.counted = counted
+        self.shown = counted or shown
         self.at = at
         # Until then it takes a slot of its preferred member only (`policy.affinity`'s
         # `waits_for_home`).
@@ -292,6 +297,8 @@ class _Queue:
             line.preferring.setdefault(w.preferred.name, deque()).append(w)
         if w.counted is not None:
             w.counted.waiting += 1
+        elif w.shown is not None:
+            w.shown.others += 1
         line.live += 1
         self.live += 1
 
@@ -301,6 +308,8 @@ class _Queue:
         w.gone = True
         if w.counted is not None:
             w.counted.waiting -= 1
+        elif w.shown is not None:
+            w.shown.others -= 1
         line = w.line
         line.live -= 1
         self.live -= 1
@@ -347,8 +356,11 @@ class SlotPool:
         self.in_flight = 0
         self.closed = False
         self.health = health
-        # The waiting requests its `queued` counts.
+        # The waiting requests whose conversation lives on it (or whose only member it is),
+        # and, of those that wait for no member in particular, the ones counted on it: its
+        # `queued` is both, so that a pool's members' `queued` sum to its queue.
         self.waiting = 0
+        self.others = 0
         # The queues of the pools it is a member of (a freed slot looks in each).
         self.queues: list[_Queue] = []
         self.board: Board | None = None
@@ -356,7 +368,7 @@ class SlotPool:
 
     @property
     def queued(self) -> int:
-        return self.waiting
+        return self.waiting + self.others
 
     def usable(self) -> bool:
         return self.health is None or self.health.usable()
@@ -745,11 +757,12 @@ async def _take(
         raise Busy("queue full" if bound else "no free slot")
     preferred = board.preferred(eligible, want) if board is not None else None
     counted = preferred or (eligible[0] if len(eligible) == 1 else None)
+    shown = None if counted else max(eligible, key=lambda m: m.queue - m.queued)
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[SlotPool] = loop.create_future()
     now = time.monotonic()
     until = board.hold_until(eligible, want, now, timeout, q.name) if board is not None else 0.0
-    w = _Waiter(line, fut, exclude, preferred, counted, now, until)
+    w = _Waiter(line, fut, exclude, preferred, counted, now, until, shown)
     q.add(w)
     # Its hold ended, a slot some member kept free for another's home is its own.
     expiry = loop.call_later(until - now, _hold_ended, q, w) if until else None

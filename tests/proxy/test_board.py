@@ -149,8 +149,11 @@ async def test_a_freed_slot_prefers_a_waiter_whose_conversation_lives_there_unti
     await asyncio.sleep(0)
     newer = asyncio.create_task(board.acquire(POOL, conversation("lives here", "x", "z"), 5.0))
     await asyncio.sleep(0)
-    # The one whose conversation lives at home is counted there; the stranger nowhere.
-    assert (m[home].queued, m[other].queued) == (1, 0)
+    # The one whose conversation lives at home is counted there; the stranger, waiting for
+    # any member, on the one with the most room left in its queue (both alike: the first,
+    # a). The members' counts sum to the queue.
+    assert (m[home].queued, m[other].queued) == (1 + (home == "a"), int(other == "a"))
+    assert (m[home].waiting, m[other].waiting) == (1, 0)
     # Home frees: the newer waiter's conversation lives there, it goes first.
     at_home.release()
     assert (await asyncio.wait_for(newer, 1)).member == home
