@@ -115,7 +115,8 @@ def _store(config: Config, cwd: str) -> str:
 
 def describe(config: Config, cwd: str, environ: Mapping[str, str] = os.environ) -> list[str]:
     """What a checked configuration would serve, one line per item: the listen address and
-    workers, each upstream, each pool, each key by its id with its limits (never its hash),
+    workers, each upstream, each pool, a note for each catch-all past the first (it takes no
+    name of its own), each key by its id with its limits (never its hash),
     whether an admin key is set, the store (a SQLite path resolved against `cwd`), and
     whether OpenTelemetry is on."""
     s = config.server
@@ -125,6 +126,13 @@ def describe(config: Config, cwd: str, environ: Mapping[str, str] = os.environ) 
     lines += [
         f"pool      {text_value(name)}: {', '.join(map(text_value, ups))}"
         for name, ups in pools(config.upstream).items()
+    ]
+    # Only the first catch-all takes the names no upstream lists (`policy.routing`).
+    catchalls = [up.name for up in config.upstream if not up.models]
+    lines += [
+        f"note      {text_value(name)}: a catch-all after {text_value(catchalls[0])}, reached only"
+        " as another upstream's fallback"
+        for name in catchalls[1:]
     ]
     lines += [f"key       {_key(k)}" for k in config.key] or ["key       none: no key checked"]
     lines.append(f"admin key {'set' if config.admin_key_sha256 else 'not set'}")

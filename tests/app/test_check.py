@@ -171,6 +171,21 @@ def test_pools_are_the_names_two_or_more_upstreams_serve_in_the_order_written():
     assert pools(cfg.upstream[:1]) == {}
 
 
+def test_describe_notes_a_catch_all_past_the_first():
+    ups = [
+        {"name": "any1", "url": A},
+        {"name": "gpu", "url": B, "models": ["m"], "fallback": ["any2"]},
+        {"name": "any2", "url": B},
+    ]
+    lines = describe(parse_config({"upstream": ups}), "/")
+    notes = [line for line in lines if line.startswith("note")]
+    assert notes == [
+        "note      any2: a catch-all after any1, reached only as another upstream's fallback"
+    ]
+    one = [ups[0], {**ups[1], "fallback": []}]
+    assert not [line for line in describe(parse_config({"upstream": one}), "/") if "note" in line]
+
+
 def test_describe_resolves_a_relative_store_path_and_names_the_memory_one():
     up = {"name": "a", "url": A}
     lines = describe(parse_config({"upstream": [up], "store": {"path": "data/r.db"}}), "/srv/x")
