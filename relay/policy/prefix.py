@@ -3,9 +3,9 @@
 A pool keeps a conversation on the member whose prompt cache holds its prefix. No tokenizer:
 `fingerprint` cuts what the model reads into units and returns one 64-bit hash per unit, each
 covering every unit up to its own (`d_k = sha256(d_{k-1} || unit_k)`, `d_-1` the digest of the
-API's seed; the hash is d_k's first 8 bytes read as a big-endian integer). Two requests share a prefix of k units exactly when their first k hashes
-are equal. SHA-256, not `hash()`: Python randomises `hash()` per process, and several relays
-and workers must agree.
+API's seed; the hash is d_k's first 8 bytes read as a big-endian integer). Two requests share a
+prefix of k units exactly when their first k hashes are equal. SHA-256, not `hash()`: Python
+randomises `hash()` per process, and several relays and workers must agree.
 
 The units, per API:
 
