@@ -70,20 +70,16 @@ class ChunkTracker:
     def done(self) -> bool:
         return self.state == DONE
 
-    def spans(self, data: bytes) -> list[int] | None:
-        """Payload bounds [a0, b0, a1, b1, ...] when `data` is one or more whole chunks.
+    def whole_chunks(self, data: bytes) -> tuple[list[int] | None, bool]:
+        """Payload bounds [a0, b0, a1, b1, ...] when `data` is one or more whole chunks, and
+        whether the read ends with the last chunk (no trailer: the usual end of a stream),
+        the bounds then the chunks' before it; (None, False) for any other read (the general
+        path handles it). The tracker is left as it was.
 
         That is the usual read (one token per chunk, a few when reads coalesce under load);
         the caller then forwards `data` as is and scans the payloads in place: nothing is
-        copied. None when the read is anything else (the general path handles it).
+        copied.
         """
-        out, ended = self.whole_chunks(data)
-        return None if ended else out
-
-    def whole_chunks(self, data: bytes) -> tuple[list[int] | None, bool]:
-        """`spans`, and whether the read ends with the last chunk (no trailer: the usual end
-        of a stream), the bounds then the chunks' before it; (None, False) for any other read.
-        The tracker is left as it was."""
         if self.state != SIZE or self.held:
             return None, False
         out: list[int] = []

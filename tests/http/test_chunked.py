@@ -343,29 +343,32 @@ def test_overlong_trailer_line_raises():
         t.feed(b"X-Long: " + b"v" * 5000)
 
 
-def test_spans_offsets():
+def test_whole_chunks_offsets():
     t = ChunkTracker()
-    assert t.spans(b"5\r\nhello\r\n") == [3, 8]
-    assert t.spans(b"1fc\r\n" + b"x" * 0x1FC + b"\r\n") == [5, 5 + 0x1FC]
-    assert t.spans(b"5\r\nhel\r\n\r\n") == [3, 8]  # CRLF inside the data is data
-    assert t.spans(b"5\r\nhello\r\n2\r\nab\r\n") == [3, 8, 13, 15]  # several whole chunks
+    assert t.whole_chunks(b"5\r\nhello\r\n") == ([3, 8], False)
+    assert t.whole_chunks(b"1fc\r\n" + b"x" * 0x1FC + b"\r\n") == ([5, 5 + 0x1FC], False)
+    # CRLF inside the data is data
+    assert t.whole_chunks(b"5\r\nhel\r\n\r\n") == ([3, 8], False)
+    # several whole chunks
+    assert t.whole_chunks(b"5\r\nhello\r\n2\r\nab\r\n") == ([3, 8, 13, 15], False)
+    # The last chunk is no chunk of payload: the read is told to end the body.
+    assert t.whole_chunks(b"5\r\nhello\r\n0\r\n\r\n") == ([3, 8], True)
+    assert t.whole_chunks(b"0\r\n\r\n") == ([], True)
     for not_whole in (
-        b"5\r\nhello\r\n0\r\n\r\n",
         b"5\r\nhell",
         b"5\r\nhelloXY",
-        b"0\r\n\r\n",
         b"5;x=1\r\nhello\r\n",
         b"zz\r\nhello\r\n",
         b"5\r\nhello\r\n5\r\nhel",
         b"0x5\r\nhello\r\n",
     ):
-        assert t.spans(not_whole) is None, not_whole
-    assert t.spans(b"") == []
+        assert t.whole_chunks(not_whole) == (None, False), not_whole
+    assert t.whole_chunks(b"") == ([], False)
     t.feed(b"5\r\nhe")  # inside a chunk: nothing is whole
-    assert t.spans(b"5\r\nhello\r\n") is None
+    assert t.whole_chunks(b"5\r\nhello\r\n") == (None, False)
     t = ChunkTracker()
     t.feed(b"5")  # a held size line
-    assert t.spans(b"5\r\nhello\r\n") is None
+    assert t.whole_chunks(b"5\r\nhello\r\n") == (None, False)
 
 
 def test_whole_chunks_see_the_last_chunk_that_ends_a_read():
@@ -392,7 +395,7 @@ def test_whole_chunks_see_the_last_chunk_that_ends_a_read():
 
 
 @pytest.mark.parametrize("seed", range(10))
-def test_spans_agree_with_feed(seed):
+def test_whole_chunks_agree_with_feed(seed):
     rnd = random.Random(seed)
     for _ in range(200):
         chunks = [
@@ -401,7 +404,8 @@ def test_spans_agree_with_feed(seed):
         ]
         data = b"".join(frame(c) for c in chunks)
         t, u = ChunkTracker(), ChunkTracker()
-        spans = t.spans(data)
+        spans, ended = t.whole_chunks(data)
+        assert spans is not None and not ended
         assert [data[spans[i] : spans[i + 1]] for i in range(0, len(spans), 2)] == chunks
         assert u.feed(data) == (data, chunks)
         assert (t.state, t.held) == (u.state, u.held) == (chunked.SIZE, b"")

@@ -84,8 +84,8 @@ def relay_scan(reads: list[bytes]) -> tuple:
     t = ChunkTracker()
     fwd = b""
     for r in reads:
-        spans = t.spans(r)
-        if spans is not None:
+        spans, ended = t.whole_chunks(r)
+        if spans is not None and not ended:
             for i in range(0, len(spans), 2):
                 s.feed_span(r, spans[i], spans[i + 1])
             fwd += r
