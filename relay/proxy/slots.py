@@ -169,9 +169,9 @@ class Slot:
 
 class _Waiter:
     """A request in a pool's queue, in its key's line. `counted`: the member whose `waiting`
-    counts it (the one its conversation lives on, or its only member); `shown`: the member
-    whose `queued` counts it, that one or, for a request that waits for no member in
-    particular, the one with the most room left in its `queue` when it came."""
+    counts it (the one its conversation lives on, or its only member); `shown`, for a request
+    that waits for no member in particular, the member whose `queued` counts it instead: the
+    one with the most room left in its `queue` when it came."""
 
     __slots__ = (
         "at",
@@ -197,7 +197,7 @@ class _Waiter:
         self.exclude = exclude
         self.preferred = preferred
         self.counted = counted
-        self.shown = counted or shown
+        self.shown = shown
         self.at = at
         # Until then it takes a slot of its preferred member only (`policy.affinity`'s
         # `waits_for_home`).
