@@ -2,18 +2,13 @@
 
 The body path adds one gap per content event from one high-resolution clock reading per read
 (`time.perf_counter`, taken when the bytes are read: the loop's clock, which uvloop keeps in
-whole milliseconds and reads once a turn, stays for the deadlines): inline in the fast path,
-a subtraction, two compares with the last gap's bucket and a count when it falls in it again
-(the usual case); `Gaps.add` otherwise: the bucket before it is kept likewise (a paced
-stream's gaps straddle a bucket edge: swapping the two costs a read fewer instructions than
-finding the bucket again), any other gap a `frexp` and a dict increment. Nothing grows with
-the stream: gaps land in log-linear buckets, `SUB` (32) per octave (a bucket is at most 3.1%
-wide, its midpoint within 1.6% of any gap in it, so a quantile read as a midpoint is within
-2% of the exact one), held in a dict of the buckets actually hit (a steady stream hits a few;
-every bucket from 1 us to a day is under 1200), made when a third bucket is hit or the gaps
-are read: the last two buckets' counts are kept apart, so a stream that has had a gap or two
-(or none: it waits for its first token) holds no dict. Gaps of exactly 0 (several events in one
-read: a client sees them at once) are counted apart.
+whole milliseconds and reads once a turn, stays for the deadlines): a `frexp` and a dict
+increment (`Gaps.add`). Nothing grows with the stream: gaps land in log-linear buckets, `SUB`
+(32) per octave (a bucket is at most 3.1% wide, its midpoint within 1.6% of any gap in it, so
+a quantile read as a midpoint is within 2% of the exact one), held in a dict of the buckets
+actually hit (a steady stream hits a few; every bucket from 1 us to a day is under 1200), made
+at the first gap: a stream that waits for its first or second token holds none. Gaps of
+exactly 0 (several events in one read: a client sees them at once) are counted apart.
 
 Encoded rows say `o32` first; rows written before (8 buckets per octave, no marker) are read
 into the finer buckets at their buckets' midpoints (`decode`).
@@ -27,82 +22,41 @@ from __future__ import annotations
 from collections.abc import Callable
 from math import frexp, ldexp
 
+# An empty bucket dict, shared by the Gaps that have had none (never written to).
+_NONE: dict[int, int] = {}
+
 
 class Gaps:
-    __slots__ = (
-        "buckets",
-        "hi",
-        "hi2",
-        "key",
-        "key2",
-        "last",
-        "lo",
-        "lo2",
-        "max",
-        "run",
-        "run2",
-        "zeros",
-    )
+    __slots__ = ("buckets", "last", "max", "zeros")
 
     def __init__(self) -> None:
-        # Made when first needed (`_flush`, `add`).
+        # Made at the first gap (`add`).
         self.buckets: dict[int, int] | None = None
         # The perf_counter time of the read that held the last content event.
         self.last = 0.0
         self.max = 0.0
         self.zeros = 0
-        # The bucket of the last gap, [lo, hi), and gaps counted into it since (`run`, not yet
-        # in `buckets`): a steady stream's gaps mostly fall in one bucket, and the fast path
-        # (`Exchange.upstream_data`) then only compares and counts; any other gap is `add`'s.
-        self.lo = self.hi = 0.0
-        self.key = 0
-        self.run = 0
-        # The bucket before it, likewise: a paced stream's gaps jitter across a bucket edge
-        # (19.9, 20.1 ms), and `add` then swaps the two instead of finding the bucket again.
-        self.lo2 = self.hi2 = 0.0
-        self.key2 = 0
-        self.run2 = 0
 
     def add(self, g: float, _frexp: Callable[[float], tuple[float, int]] = frexp) -> None:
         """One gap of `g` seconds."""
         if g > 0.0:
             if g > self.max:
                 self.max = g
-            if self.lo <= g < self.hi:
-                self.run += 1
-            elif self.lo2 <= g < self.hi2:
-                self.lo, self.hi, self.lo2, self.hi2 = self.lo2, self.hi2, self.lo, self.hi
-                self.key, self.key2 = self.key2, self.key
-                self.run, self.run2 = self.run2 + 1, self.run
+            m, e = _frexp(g)
+            # int(m*64) is 32..63: the key is 32(e+1) + the sub-bucket.
+            k = (e << 5) + int(m * 64.0)
+            b = self.buckets
+            if b is None:
+                self.buckets = {k: 1}
             else:
-                m, e = _frexp(g)
-                # int(m*64) is 32..63: the key is 32(e+1) + the sub-bucket. The older bucket's
-                # run goes to the dict; the last one becomes the older.
-                k = (e << 5) + int(m * 64.0)
-                if self.run2:
-                    b = self.buckets
-                    if b is None:
-                        b = self.buckets = {}
-                    b[self.key2] = b.get(self.key2, 0) + self.run2
-                self.lo2, self.hi2, self.key2, self.run2 = self.lo, self.hi, self.key, self.run
-                self.key, self.run = k, 1
-                # Exactly the gaps frexp puts in k.
-                self.lo, self.hi = _bounds(k)
+                b[k] = b.get(k, 0) + 1
         else:
             self.zeros += 1
 
-    def _flush(self) -> dict[int, int]:
-        """The buckets, with the two last buckets' runs counted in."""
+    def _buckets(self) -> dict[int, int]:
+        """The buckets (an empty dict with none)."""
         b = self.buckets
-        if b is None:
-            b = self.buckets = {}
-        if self.run:
-            b[self.key] = b.get(self.key, 0) + self.run
-            self.run = 0
-        if self.run2:
-            b[self.key2] = b.get(self.key2, 0) + self.run2
-            self.run2 = 0
-        return b
+        return _NONE if b is None else b
 
     def events(self, now: float, before: int, after: int) -> None:
         """The count of content events went from `before` to `after` in one read at loop
@@ -122,17 +76,17 @@ class Gaps:
 
     @property
     def count(self) -> int:
-        return self.zeros + sum(self._flush().values())
+        return self.zeros + sum(self._buckets().values())
 
     def quantile(self, q: float) -> float | None:
         """Seconds: the midpoint of the bucket holding the nearest-rank q-quantile gap (0 for
         the zero gaps), never above the largest gap seen; None with no gap."""
-        return quantile_of(self._flush(), self.zeros, q, self.max)
+        return quantile_of(self._buckets(), self.zeros, q, self.max)
 
     def row(self) -> tuple[float, float, str] | None:
         """What a row keeps of the gaps, in one pass over the buckets: the p50 and p99 gaps
         (as `quantile` says) and the buckets as text (`encode`); None with no gap."""
-        buckets, zeros = self._flush(), self.zeros
+        buckets, zeros = self._buckets(), self.zeros
         keys = sorted(buckets)
         total = zeros + sum(buckets.values())
         if total <= 0:
@@ -144,7 +98,7 @@ class Gaps:
 
     def encode(self) -> str | None:
         """The buckets as text for a row (`z<zeros> <key>:<count> ...`); None with no gap."""
-        return encode(self._flush(), self.zeros) if self.count else None
+        return encode(self._buckets(), self.zeros) if self.count else None
 
 
 # Buckets per octave, and the first word of an encoded row in these buckets.

@@ -89,16 +89,9 @@ class Observer:
         sc, gp = self.scanner, self.gaps
         assert sc is not None and gp is not None
         sc.content_events += n
-        # One inter-token gap, counted without a call when it falls in the last gap's
-        # bucket again (`Gaps.add` otherwise); the other events of the read came with it.
-        g = now - gp.last
+        # One inter-token gap; the other events of the read came with it.
+        gp.add(now - gp.last)
         gp.last = now
-        if gp.lo <= g < gp.hi:
-            gp.run += 1
-            if g > gp.max:
-                gp.max = g
-        else:
-            gp.add(g)
         if n != 1:
             gp.zeros += n - 1
         return n
