@@ -198,8 +198,9 @@ class Exchange(asyncio.BaseProtocol, Due):
         # The hold committed (heartbeats) but this response cannot continue it (not a 2xx
         # event stream): its body is read, never written; the dispatcher answers in-band.
         self.discard = False
-        # The next read may be recognised by the fast path (`Observer.fast`).
-        self.fast = False
+        # The observer while the next read may be recognised by the fast path
+        # (`Observer.fast`), else None.
+        self.fast: Observer | None = None
         self.done: asyncio.Future[None] = loop.create_future()
         self.past_hold_fut: asyncio.Future[None] | None = None
         self.ending: Outcome | None = None
@@ -223,12 +224,10 @@ class Exchange(asyncio.BaseProtocol, Due):
         self.guard.last_read = self.loop.time()
         # When the bytes were read, to the microsecond (`stream.itl`).
         now = _perf()
-        if self.fast:
-            obs = self.observer
-            assert obs is not None
-            if obs.fast(data, now):
-                self.writer.relay(data)
-                return
+        obs = self.fast
+        if obs is not None and obs.fast(data, now):
+            self.writer.relay(data)
+            return
         self._body_read(data, now)
 
     def _body_read(self, data: bytes, now: float) -> None:
@@ -489,7 +488,7 @@ class Exchange(asyncio.BaseProtocol, Due):
                 or reader is None
                 or not reader.between_chunks
             ):
-                self.fast = False
+                self.fast = None
                 return
             # Both sides stand between chunks: the upstream's own pass as they are again.
             self.carriage = PASS
@@ -497,14 +496,18 @@ class Exchange(asyncio.BaseProtocol, Due):
         obs = self.observer
         sc = obs.scanner if obs is not None else None
         self.fast = (
-            self.reply is None
-            and self.ending is None
-            and sc is not None
-            and sc.shortcut
-            and sc.content_events > 0
-            and not sc.pending
-            and reader is not None
-            and reader.between_chunks
+            obs
+            if (
+                self.reply is None
+                and self.ending is None
+                and sc is not None
+                and sc.shortcut
+                and sc.content_events > 0
+                and not sc.pending
+                and reader is not None
+                and reader.between_chunks
+            )
+            else None
         )
 
     def _upstream_failed(self, ending: Outcome) -> None:
@@ -518,7 +521,7 @@ class Exchange(asyncio.BaseProtocol, Due):
         if self.ending is not None:
             return
         self.ending = ending
-        self.fast = False
+        self.fast = None
         self.guard.cancel()
         reply = self.reply
         if reply is not None:
