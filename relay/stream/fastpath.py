@@ -7,17 +7,18 @@ events. Every token event of a stream starts the same way up to its text: llama-
 `data: {"id":"chatcmpl-..","object":..,"created":..,"model":..,["service_tier":..,
 "system_fingerprint":..,]"choices":[{"index":0,"delta":{"content":"`. What follows the text
 differs from server to server (`logprobs`, `"usage":null`, OpenAI's random-length
-`obfuscation`), but within a stream it repeats too, except one string value near the end in
-OpenAI's case (the padding).
+`obfuscation`), but within a stream it repeats too, except the last value at times: a string
+in OpenAI's case (the padding), a number where a server stamps each event (a time, a count).
 
 `learn` takes a `Shape` from a read whose first chunk is one event the scanner would count
 alone (`sse.content_event_at`): the prefix, and the suffix from the text's closing quote to
-the event's end, split around its last string value. `events_in` then recognises a read
+the event's end, split around its last value when that is a string or a number. `events_in` then recognises a read
 made only of such events with C-level calls (memcmp, memchr: CPython's multi-byte substring
 search and every bytes method call cost far more, so the event is not searched for
 markers): each chunk's size line, the prefix, a text with no quote (but escaped ones), CR
-or LF that is not `usage` / `timings`, then the suffix, or its two parts around a value of
-the same kind. Nothing in such a read can add a marker, a line end, an event or a
+or LF that is not `usage` / `timings`, then the suffix, or its two parts around a value with
+no quote, backslash, CR or LF (a string's text or a number's digits: nothing that could make
+a key or end a line). Nothing in such a read can add a marker, a line end, an event or a
 `usage` / `timings` key to what the scanner saw in the learned event, so it would count
 exactly those events and keep nothing else: the exchange forwards the read as is and adds
 them. Anything else - the first events, a usage/timings or [DONE] event, partial chunks or
@@ -27,6 +28,8 @@ general path on random reads of every framing.
 """
 
 from __future__ import annotations
+
+import re
 
 from relay.http.chunked import SIZES, chunk_size
 from relay.stream.sse import content_event_at
@@ -43,15 +46,17 @@ _SHARED: dict[bytes, tuple[bytes, dict[int, bytes]]] = {}
 _PREFIXES = 256
 # A text that, quoted, reads as a usage or timings key.
 _META_WORDS = (b"usage", b"timings")
+# A suffix's tail after a key's closing quote when its value, last in the event, is a number.
+_NUMBER_LAST = re.compile(rb":(-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)[]}]*\n\n\Z")
 
 
 class Shape:
     """What every token event of a stream repeats: the prefix (up to its text), the suffix
     (from the text's closing quote to the event's end), and that suffix split around its
-    last string value (`s1`, `s2`) when that value may vary (OpenAI's `obfuscation`): made
+    last value (`s1`, `s2`) when that value may vary (OpenAI's `obfuscation`, a stamp): made
     the first time a read needs it (`vary`), most streams never do."""
 
-    __slots__ = ("heads", "lp", "prefix", "s1", "s2", "s2c", "sfx", "sfxc", "split")
+    __slots__ = ("heads", "lp", "prefix", "s1", "s2", "s2c", "sfx", "sfxc", "split", "stop")
 
     def __init__(self, prefix: bytes, sfx: bytes) -> None:
         # One prefix object and one heads dict (chunk length -> size line + prefix) for all
@@ -68,9 +73,10 @@ class Shape:
         # its own, about 200 bytes for llama-server's, which sends one event a chunk.
         self.sfxc = sfx + b"\r\n"
         self.sfx: bytes | None = None
-        # The suffix around its varying value, set together.
+        # The suffix around its varying value, set together, and the byte that ends the value
+        # (a string's closing quote, what follows a number).
         self.s1: bytes | None = None
-        self.s2 = self.s2c = b""
+        self.s2 = self.s2c = self.stop = b""
         self.split = False
 
     def suffix(self) -> bytes:
@@ -81,16 +87,21 @@ class Shape:
         return sfx
 
     def vary(self) -> bytes | None:
-        """`s1` (with `s2`, `s2c`), found the first time a read asks; None when the suffix
-        ends in no `:"value"` that may vary."""
+        """`s1` (with `s2`, `s2c`, `stop`), found the first time a read asks; None when the
+        suffix's last value is neither a string (`:"value"`) nor a number (`:123`)."""
         if not self.split:
             self.split = True
             sfx = self.suffix()
             r2 = sfx.rfind(b'"')
             r1 = sfx.rfind(b'"', 0, r2)
+            number = _NUMBER_LAST.match(sfx, r2 + 1) if r2 > 0 else None
             # `:"value"` (58 is `:`, 92 a backslash).
             if r1 > 0 and sfx[r1 - 1] == 58 and 92 not in sfx[r1:r2]:
-                self.s1, self.s2 = sfx[: r1 + 1], sfx[r2:]
+                self.s1, self.s2, self.stop = sfx[: r1 + 1], sfx[r2:], b'"'
+            elif number is not None:
+                self.s1, self.s2 = sfx[: r2 + 2], sfx[number.end(1) :]
+                self.stop = self.s2[:1]
+            if self.s1 is not None:
                 self.s2c = self.s2 + b"\r\n"
         return self.s1
 
@@ -243,7 +254,7 @@ def tokens(data: bytes, t: int, end: int, shape: Shape) -> int:
             pos = q + len(sfx)
         elif s1 is not None and data.startswith(s1, q):
             v = q + len(s1)
-            r = data.find(b'"', v, end)
+            r = data.find(shape.stop, v, end)
             value = data[v:r]
             if r < 0 or 10 in value or 13 in value or 92 in value or value in _META_WORDS:
                 return 0
