@@ -139,6 +139,69 @@ def added_table(rows: list[dict], load: int, targets) -> list[dict]:
     return out
 
 
+def cpu_per_event(r: dict) -> float | None:
+    """The proxy's CPU per content event of a run, µs: all its CPU over the run window (the
+    requests' own work included) ÷ the content events it relayed; None for direct."""
+    pct, events, wall = r.get("cpu_pct", {}).get("proxy"), r.get("content_events"), r.get("wall_s")
+    if pct is None or not events or not wall or r["target"] == "direct":
+        return None
+    return pct * wall * 1e4 / events
+
+
+def nginx_for(target: str) -> str | None:
+    """The nginx a relay target is held against: the one with the same worker count."""
+    return "nginx" + target[len("relay") :] if target.startswith("relay") else None
+
+
+def cpu_table(rows: list[dict], load: int, targets) -> list[dict]:
+    """Per proxy target: CPU per content event in each repeat and the median; a relay's
+    ratio to its nginx's in the same repeat too."""
+    by = {
+        (r["target"], r["repeat"]): cpu_per_event(r)
+        for r in rows
+        if r["load"] == load and "skipped" not in r
+    }
+    repeats = sorted({rep for _, rep in by})
+    out = []
+    for t in targets:
+        per = [by[(t, rep)] for rep in repeats if by.get((t, rep)) is not None]
+        if not per:
+            continue
+        ng = nginx_for(t)
+        ratios = [
+            by[(t, rep)] / by[(ng, rep)]
+            for rep in repeats
+            if by.get((t, rep)) and by.get((ng, rep))
+        ]
+        out.append(
+            {
+                "target": t,
+                "per": per,
+                "median": statistics.median(per),
+                "vs": ng if ratios else None,
+                "ratios": ratios,
+                "ratio": statistics.median(ratios) if ratios else None,
+            }
+        )
+    return out
+
+
+def render_cpu(rows: list[dict], load: int, targets) -> list[str]:
+    out = [
+        "| proxy | CPU per content event, µs | ÷ nginx's, same repeat |",
+        "|---|---|---|",
+    ]
+    for c in cpu_table(rows, load, targets):
+        per = ", ".join(f"{x:.2f}" for x in c["per"])
+        ratio = (
+            f"**{c['ratio']:.2f}×** ({', '.join(f'{x:.2f}' for x in c['ratios'])}) ÷ {c['vs']}"
+            if c["ratio"] is not None
+            else ""
+        )
+        out.append(f"| {c['target']} | **{c['median']:.2f}** ({per}) | {ratio} |")
+    return out
+
+
 def _n(x, nd: int) -> str:
     return "–" if x is None else f"{x:.{nd}f}"
 
@@ -207,7 +270,8 @@ def render_load(rows: list[dict], load: int, targets, rate: float) -> list[str]:
     for a in added_table(rows, load, targets):
         cells = [_fig_cell(a[f"{k}:{_qkey(p)}"], nd) for k, p, nd in FIGS]
         out.append(f"| {a['target']} − direct | " + " | ".join(cells) + " |")
-    return out + [""]
+    cpu = render_cpu(rows, load, targets)
+    return out + ([""] + cpu if len(cpu) > 2 else []) + [""]
 
 
 def summary_table(rows: list[dict], loads, targets) -> list[str]:
@@ -857,7 +921,10 @@ def render(rows: list[dict], a, loads, targets, command: str) -> str:
         "",
     ]
     out += summary_table(rows, loads, targets)
-    out += ["", "## Per load (each repeat's figures)", ""]
+    out += ["", "Proxy CPU per content event (median of repeats, each repeat in brackets):", ""]
+    for load in loads:
+        out += [f"{load} streams:", ""] + render_cpu(rows, load, targets) + [""]
+    out += ["## Per load (each repeat's figures)", ""]
     for load in loads:
         out += render_load(rows, load, targets, a.rate)
     bad = sum(r.get("errors", 0) + r.get("mismatch", 0) for r in rows)
@@ -907,7 +974,8 @@ def render(rows: list[dict], a, loads, targets, command: str) -> str:
         " Added = target's quantile − direct's quantile in the same repeat (two runs, not paired"
         " events); bold is the median over repeats, then each repeat's. CPU % is of one core"
         " over the run window (2 cores = 200 %); other = the machine's busy time not used by"
-        " upstream, proxy or client. Client lag p99 = how late the client's own 5 ms sleep"
+        " upstream, proxy or client. CPU per content event = the proxy's CPU over the run"
+        " window ÷ the content events of the run (its per-request work included). Client lag p99 = how late the client's own 5 ms sleep"
         " woke (uvloop's timers have 1 ms resolution): a client falling behind shows there.",
         "",
     ]

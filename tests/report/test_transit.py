@@ -124,6 +124,34 @@ def test_the_tables():
     assert summary[3] == "| 64 | nginx − direct | +20 | +35 | +35 | +0.03 | +0.38 |"
 
 
+def test_cpu_per_event_is_the_proxy_cpu_of_the_run_over_its_events_held_to_its_nginx():
+    def run(target, rep, pct, events=1000):
+        r = _row(target, rep)
+        r["cpu_pct"]["proxy"], r["content_events"], r["wall_s"] = pct, events, 2.0
+        return r
+
+    rows = [
+        run("direct", 0, 0.0),
+        run("relay", 0, 30.0),  # 0.6 s of CPU for 1,000 events: 600 µs an event
+        run("nginx", 0, 15.0),
+        run("relay", 1, 45.0, events=1500),
+        run("nginx", 1, 10.0),
+        run("relay_w2", 0, 40.0),
+        run("nginx_w2", 0, 16.0),
+    ]
+    assert transit.cpu_per_event(rows[1]) == pytest.approx(600.0)
+    assert transit.cpu_per_event(rows[0]) is None
+    tab = {c["target"]: c for c in transit.cpu_table(rows, 64, transit.TARGETS)}
+    assert "direct" not in tab
+    assert tab["relay"]["per"] == pytest.approx([600.0, 600.0])
+    assert tab["relay"]["vs"] == "nginx" and tab["relay"]["ratios"] == pytest.approx([2.0, 3.0])
+    assert tab["relay"]["ratio"] == pytest.approx(2.5)
+    assert tab["relay_w2"]["vs"] == "nginx_w2" and tab["relay_w2"]["ratio"] == pytest.approx(2.5)
+    assert tab["nginx"]["ratio"] is None
+    lines = transit.render_cpu(rows, 64, transit.TARGETS)
+    assert "| relay | **600.00** (600.00, 600.00) | **2.50×** (2.00, 3.00) ÷ nginx |" in lines
+
+
 def test_a_short_run_over_sockets_delivers_every_stamped_event(tmp_path):
     targets = ["direct", "relay"] + (["nginx"] if shutil.which("nginx") else [])
     a = transit.parse_args(
