@@ -7,24 +7,26 @@ events. Every token event of a stream starts the same way up to its text: llama-
 `data: {"id":"chatcmpl-..","object":..,"created":..,"model":..,["service_tier":..,
 "system_fingerprint":..,]"choices":[{"index":0,"delta":{"content":"`. What follows the text
 differs from server to server (`logprobs`, `"usage":null`, OpenAI's random-length
-`obfuscation`), but within a stream it repeats too, except the last value at times: a string
-in OpenAI's case (the padding), a number where a server stamps each event (a time, a count).
+`obfuscation`), but within a stream it repeats too, except its numbers at times (llama-server's
+`created` each second, its native `/completion` events' token ids and counts, a server's stamp)
+and the last value when it is a string (OpenAI's padding).
 
 `learn` takes a `Shape` from a read whose first chunk is one event the scanner would count
 alone (`sse.content_event_at`): the prefix, and the suffix from the text's closing quote to
-the event's end, split around its last value when that is a string or a number. `events_in` then recognises a read
-made only of such events with C-level calls (memcmp, memchr: CPython's multi-byte substring
-search and every bytes method call cost far more, so the event is not searched for
-markers): each chunk's size line, the prefix, a text with no quote (but escaped ones), CR
-or LF that is not `usage` / `timings`, then the suffix, or its two parts around a value with
-no quote, backslash, CR or LF (a string's text or a number's digits: nothing that could make
-a key or end a line). Nothing in such a read can add a marker, a line end, an event or a
-`usage` / `timings` key to what the scanner saw in the learned event, so it would count
-exactly those events and keep nothing else: the exchange forwards the read as is and adds
-them. Anything else - the first events, a usage/timings or [DONE] event, partial chunks or
-events, a CR, a chunk extension, a changed key - is the general chunk tracker's and
-scanner's, which stay the reference: tests/stream/test_fastpath.py holds `events_in` to the
-general path on random reads of every framing.
+the event's end; the first read that misses that suffix cuts it around the values that may
+vary (`template`). `events_in` then recognises a read made only of such events with C-level
+calls (memcmp, memchr: CPython's multi-byte substring search and every bytes method call cost
+far more, so the event is not searched for markers): each chunk's size line, the prefix, a
+text with no quote (but escaped ones), CR or LF that is not `usage` / `timings`, then the
+suffix, or its parts with a value between each two (`varied`): a string's text with no quote,
+backslash, CR or LF, a number's digits (or the numbers of an array). Nothing in such a read
+can add a marker, a line end, an event or a `usage` / `timings` key to what the scanner saw
+in the learned event, so it would count exactly those events and keep nothing else: the
+exchange forwards the read as is and adds them. Anything else - the first events, a
+usage/timings or [DONE] event, partial chunks or events, a CR, a chunk extension, a changed
+key - is the general chunk tracker's and scanner's, which stay the reference:
+tests/stream/test_fastpath.py holds `events_in` to the general path on random reads of every
+framing.
 """
 
 from __future__ import annotations
@@ -46,17 +48,21 @@ _SHARED: dict[bytes, tuple[bytes, dict[int, bytes]]] = {}
 _PREFIXES = 256
 # A text that, quoted, reads as a usage or timings key.
 _META_WORDS = (b"usage", b"timings")
-# A suffix's tail after a key's closing quote when its value, last in the event, is a number.
-_NUMBER_LAST = re.compile(rb":(-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)[]}]*\n\n\Z")
+# A suffix's strings and numbers (scanned from the byte after the text's closing quote).
+_VALUES = re.compile(rb'"(?:[^"\\]|\\.)*"|-?[0-9][0-9.eE+-]*')
+# What a number (or an array of numbers) may be written with in a later event.
+_NUMBER_BYTES = b"0123456789+-.eE, "
+# A suffix with more values that may vary than this is kept whole (no template).
+_SLOTS = 8
 
 
 class Shape:
     """What every token event of a stream repeats: the prefix (up to its text), the suffix
-    (from the text's closing quote to the event's end), and that suffix split around its
-    last value (`s1`, `s2`) when that value may vary (OpenAI's `obfuscation`, a stamp): made
-    the first time a read needs it (`vary`), most streams never do."""
+    (from the text's closing quote to the event's end), and that suffix cut around the
+    values that may vary (`segs`, `stops`: `template`): made the first time a read needs it
+    (`vary`), most llama-server chat streams only after their first second."""
 
-    __slots__ = ("heads", "lp", "prefix", "s1", "s2", "s2c", "sfx", "sfxc", "split", "stop")
+    __slots__ = ("heads", "lp", "prefix", "segs", "sfx", "sfxc", "split", "stops")
 
     def __init__(self, prefix: bytes, sfx: bytes) -> None:
         # One prefix object and one heads dict (chunk length -> size line + prefix) for all
@@ -73,10 +79,10 @@ class Shape:
         # its own, about 200 bytes for llama-server's, which sends one event a chunk.
         self.sfxc = sfx + b"\r\n"
         self.sfx: bytes | None = None
-        # The suffix around its varying value, set together, and the byte that ends the value
-        # (a string's closing quote, what follows a number).
-        self.s1: bytes | None = None
-        self.s2 = self.s2c = self.stop = b""
+        # The suffix cut around its values that may vary, and the byte that ends each value
+        # (a string's closing quote, what follows a number); set together.
+        self.segs: tuple[bytes, ...] | None = None
+        self.stops: tuple[bytes, ...] = ()
         self.split = False
 
     def suffix(self) -> bytes:
@@ -86,24 +92,70 @@ class Shape:
             sfx = self.sfx = self.sfxc[:-2]
         return sfx
 
-    def vary(self) -> bytes | None:
-        """`s1` (with `s2`, `s2c`, `stop`), found the first time a read asks; None when the
-        suffix's last value is neither a string (`:"value"`) nor a number (`:123`)."""
+    def vary(self) -> tuple[bytes, ...] | None:
+        """`segs` (with `stops`), made the first time a read asks; None when no value of the
+        suffix may vary."""
         if not self.split:
             self.split = True
-            sfx = self.suffix()
-            r2 = sfx.rfind(b'"')
-            r1 = sfx.rfind(b'"', 0, r2)
-            number = _NUMBER_LAST.match(sfx, r2 + 1) if r2 > 0 else None
-            # `:"value"` (58 is `:`, 92 a backslash).
-            if r1 > 0 and sfx[r1 - 1] == 58 and 92 not in sfx[r1:r2]:
-                self.s1, self.s2, self.stop = sfx[: r1 + 1], sfx[r2:], b'"'
-            elif number is not None:
-                self.s1, self.s2 = sfx[: r2 + 2], sfx[number.end(1) :]
-                self.stop = self.s2[:1]
-            if self.s1 is not None:
-                self.s2c = self.s2 + b"\r\n"
-        return self.s1
+            cut = template(self.suffix())
+            if cut is not None:
+                self.segs, self.stops = cut
+        return self.segs
+
+
+def template(sfx: bytes) -> tuple[tuple[bytes, ...], tuple[bytes, ...]] | None:
+    """The suffix cut around the values that may vary: every number, and the last value when
+    it is a string without escapes; with the byte that ends each value in it. None when there
+    is none, or more than _SLOTS."""
+    cuts: list[tuple[int, int]] = []
+    last: tuple[int, int] | None = None
+    for m in _VALUES.finditer(sfx, 1):
+        a, b = m.span()
+        if sfx[a] == 34:
+            # A string value (58 is `:`) with no escape: its text may vary if it is the last.
+            last = (a + 1, b - 1) if sfx[a - 1] == 58 and 92 not in sfx[a:b] else None
+        else:
+            cuts.append((a, b))
+            last = None
+    if last is not None:
+        cuts.append(last)
+    if not cuts or len(cuts) > _SLOTS:
+        return None
+    segs, stops, at = [], [], 0
+    for a, b in cuts:
+        segs.append(sfx[at:a])
+        stops.append(sfx[b : b + 1])
+        at = b
+    segs.append(sfx[at:])
+    return tuple(segs), tuple(stops)
+
+
+def varied(
+    data: bytes, pos: int, end: int, segs: tuple[bytes, ...], stops: tuple[bytes, ...]
+) -> int:
+    """Where the event ends whose suffix starts at `pos` when it is `segs` with a value
+    between each two that may stand in the learned one's place (a string's text with no
+    quote, backslash, CR or LF that is not `usage` / `timings`; a number's bytes, not
+    empty); -1 if it is not."""
+    i = 0
+    for stop in stops:
+        seg = segs[i]
+        if not data.startswith(seg, pos):
+            return -1
+        v = pos + len(seg)
+        pos = data.find(stop, v, end)
+        if pos < 0:
+            return -1
+        value = data[v:pos]
+        # (34 is a quote.)
+        if stop[0] == 34:
+            if 10 in value or 13 in value or 92 in value or value in _META_WORDS:
+                return -1
+        elif not value.isdigit() and (pos == v or value.strip(_NUMBER_BYTES)):
+            return -1
+        i += 1
+    last = segs[i]
+    return pos + len(last) if data.startswith(last, pos) else -1
 
 
 def learn(data: bytes) -> Shape | None:
@@ -166,26 +218,22 @@ def events_in(data: bytes, shape: Shape) -> int:
             heads[n] = head
     if data.startswith(head):
         h = len(head)
-        # One event, its suffix the learned one; else its last value may vary.
+        # One event, its suffix the learned one, or with values that vary; else event by
+        # event.
         if data.endswith(shape.sfxc):
             text = data[h : n - len(shape.sfxc)]
             if text and not (34 in text or 10 in text or 13 in text or text in _META_WORDS):
                 return 1
-        elif (shape.split or shape.vary()) and shape.s1 is not None and data.endswith(shape.s2c):
+        if data[n - 2] == 13 and data[n - 1] == 10:
+            segs = shape.segs if shape.split else shape.vary()
             q = data.find(b'"', h)
-            text = data[h:q]
-            if (
-                q > h
-                and data[q - 1] != 92
-                and data.startswith(shape.s1, q)
-                and not (10 in text or 13 in text or text in _META_WORDS)
-            ):
-                value = data[q + len(shape.s1) : n - len(shape.s2c)]
-                if not (
-                    34 in value or 10 in value or 13 in value or 92 in value or value in _META_WORDS
+            if segs is not None and q > h and data[q - 1] != 92:
+                text = data[h:q]
+                if (
+                    not (10 in text or 13 in text or text in _META_WORDS)
+                    and varied(data, q, n - 2, segs, shape.stops) == n - 2
                 ):
                     return 1
-        if data[n - 2] == 13 and data[n - 1] == 10:
             return tokens(data, h, n - 2, shape)
     return several(data, shape)
 
@@ -233,10 +281,11 @@ def several(data: bytes, shape: Shape) -> int:
 
 def tokens(data: bytes, t: int, end: int, shape: Shape) -> int:
     """How many token events of `shape` data[..end] is, the first one's text starting at
-    `t` (its prefix checked); 0 if anything else. A text or a varying value holds no CR or
-    LF and is not `usage` / `timings` (quoted, a key the scanner would keep); a text is not
-    empty; the suffix, learned from an event the scanner counted alone, adds nothing."""
-    sfx, s1 = shape.sfx or shape.suffix(), shape.s1 if shape.split else shape.vary()
+    `t` (its prefix checked); 0 if anything else. A text holds no CR or LF and is not
+    `usage` / `timings` (quoted, a key the scanner would keep) and is not empty; the suffix,
+    learned from an event the scanner counted alone, adds nothing, nor do the values that
+    may vary in it (`varied`)."""
+    sfx, segs = shape.sfx or shape.suffix(), shape.segs if shape.split else shape.vary()
     k = 0
     while True:
         q = data.find(b'"', t, end)
@@ -252,15 +301,10 @@ def tokens(data: bytes, t: int, end: int, shape: Shape) -> int:
             return 0
         if data.startswith(sfx, q):
             pos = q + len(sfx)
-        elif s1 is not None and data.startswith(s1, q):
-            v = q + len(s1)
-            r = data.find(shape.stop, v, end)
-            value = data[v:r]
-            if r < 0 or 10 in value or 13 in value or 92 in value or value in _META_WORDS:
+        elif segs is not None:
+            pos = varied(data, q, end, segs, shape.stops)
+            if pos < 0:
                 return 0
-            if not data.startswith(shape.s2, r):
-                return 0
-            pos = r + len(shape.s2)
         else:
             return 0
         k += 1

@@ -53,6 +53,7 @@ FRAMINGS = [
     ("chat", "openai", False),
     ("chat", "openai", True),
     ("text", "llama", True),
+    ("native", "llama", True),
 ]
 _TEXT = re.compile(rb'("content":"|"text":")((?:[^"\\]|\\.)*)"')
 _PAD = re.compile(rb'("obfuscation":")([A-Za-z0-9]*)"')
@@ -269,11 +270,11 @@ def test_streams_whose_events_start_alike_share_one_prefix_and_its_heads():
     two = shape_of(TOKEN.replace(b'"chatcmpl-x"', b'"chatcmpl-y"'))  # (after the text)
     assert two.sfxc != one.sfxc and two.prefix is one.prefix and two.heads is one.heads
     assert events_in(chunk(retext(TOKEN, b" a")), one) == 1 and len(two.heads) == 1
-    assert one.s1 is None and not one.split  # (never needed)
+    assert one.segs is None and not one.split  # (never needed)
     f1, f2 = stream_frames(("chat", "openai", True), 1), stream_frames(("chat", "openai", True), 2)
     a, b = learn(f1.chunk(1)), learn(f2.chunk(1))
     assert a.prefix != b.prefix and a.heads is not b.heads
-    assert events_in(f1.chunk(2), a) == 1 and a.split and a.s1 is not None  # (the padding)
+    assert events_in(f1.chunk(2), a) == 1 and a.split and a.segs is not None  # (the padding)
     for i in range(fastpath._PREFIXES + 5):  # bounded: forgotten at once past the limit
         learn(chunk(TOKEN.replace(b'{"choices"', b'{"id":"c%d","choices"' % i)))
     assert len(fastpath._SHARED) <= fastpath._PREFIXES
@@ -405,6 +406,38 @@ def test_a_stamp_that_varies_every_event_takes_the_fast_path_as_the_general_woul
             taken += 1
             assert agrees(data, k), data
     assert taken > 400
+
+
+NATIVE = (
+    b'data: {"index":0,"content":" from","tokens":[368],"stop":false,"id_slot":-1,'
+    b'"tokens_predicted":2,"tokens_evaluated":8}\n\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("event", "number", "taken"),
+    [
+        # llama-server's native /completion: its token ids and counts change every event.
+        (NATIVE, b"368", [b"369", b"368,369", b"0", b"12345678901234567890"]),
+        (NATIVE, b"2", [b"3", b"10", b"-1", b"1.5", b"1e3"]),
+        (NATIVE, b"-1", [b"0", b"7"]),
+        # llama-server's chat: `created` each second.
+        (TOKEN, b"1764000000", [b"1764000001", b"99"]),
+    ],
+)
+def test_numbers_that_change_are_taken_and_what_is_no_number_is_not(event, number, taken):
+    shape = shape_of(event)
+    assert shape.segs is None  # (made by the first read that misses the suffix)
+    at = event.index(number, event.index(b'"content":"') + 12)
+    for value in taken:
+        data = chunk(event[:at] + value + event[at + len(number) :])
+        assert events_in(data, shape) == 1 and agrees(data, 1), data
+        assert events_in(data + data, shape) == 2 and agrees(data + data, 2)
+        two = chunk((event[:at] + value + event[at + len(number) :]) * 2)
+        assert events_in(two, shape) == 2 and agrees(two, 2)
+    for value in (b"", b'"1"', b"null", b"true", b"{}", b"[]", b"1\n", b"1\r", b"\\", b"1}"):
+        data = chunk(event[:at] + value + event[at + len(number) :])
+        assert events_in(data, shape) == 0, data
 
 
 @pytest.mark.parametrize(
