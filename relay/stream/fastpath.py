@@ -13,8 +13,8 @@ and the last value when it is a string (OpenAI's padding).
 
 `learn` takes a `Shape` from a read whose first chunk is one event the scanner would count
 alone (`sse.content_event_at`): the prefix, and the suffix from the text's closing quote to
-the event's end; the first read that misses that suffix cuts it around the values that may
-vary (`template`). `events_in` then recognises a read made only of such events with C-level
+the event's end; the first read that misses that suffix cuts it around the numbers that
+differ there and the last value if it is a string (`template`). `events_in` then recognises a read made only of such events with C-level
 calls (memcmp, memchr: CPython's multi-byte substring search and every bytes method call cost
 far more, so the event is not searched for markers): each chunk's size line, the prefix, a
 text with no quote (but escaped ones), CR or LF that is not `usage` / `timings`, then the
@@ -59,8 +59,8 @@ _SLOTS = 8
 class Shape:
     """What every token event of a stream repeats: the prefix (up to its text), the suffix
     (from the text's closing quote to the event's end), and that suffix cut around the
-    values that may vary (`segs`, `stops`: `template`): made the first time a read needs it
-    (`vary`), most llama-server chat streams only after their first second."""
+    values that may vary (`segs`, `stops`: `template`): made the first time a read misses
+    the suffix (`vary`), most llama-server chat streams only after their first second."""
 
     __slots__ = ("heads", "lp", "prefix", "segs", "sfx", "sfxc", "split", "stops")
 
@@ -92,34 +92,42 @@ class Shape:
             sfx = self.sfx = self.sfxc[:-2]
         return sfx
 
-    def vary(self) -> tuple[bytes, ...] | None:
-        """`segs` (with `stops`), made the first time a read asks; None when no value of the
-        suffix may vary."""
+    def vary(self, data: bytes, q: int) -> tuple[bytes, ...] | None:
+        """`segs` (with `stops`), made from the first read that asks, whose event's suffix
+        starts at `q` (`template`); None when no value of the suffix may vary."""
         if not self.split:
             self.split = True
-            cut = template(self.suffix())
+            end = data.find(b"\n\n", q) + 2
+            cut = template(self.suffix(), data[q:end]) if end > 1 else None
             if cut is not None:
                 self.segs, self.stops = cut
         return self.segs
 
 
-def template(sfx: bytes) -> tuple[tuple[bytes, ...], tuple[bytes, ...]] | None:
-    """The suffix cut around the values that may vary: every number, and the last value when
-    it is a string without escapes; with the byte that ends each value in it. None when there
-    is none, or more than _SLOTS."""
+def template(sfx: bytes, seen: bytes) -> tuple[tuple[bytes, ...], tuple[bytes, ...]] | None:
+    """The suffix cut around its values that may vary, with the byte that ends each value:
+    every number that differs in `seen` (a later event's suffix) and the last value when it
+    is a string without escapes. None when `seen` differs otherwise (another key, string or
+    separator), when nothing may vary, or more than _SLOTS values."""
+    ours = [m.span() for m in _VALUES.finditer(sfx, 1)]
+    theirs = [m.span() for m in _VALUES.finditer(seen, 1)]
+    if len(ours) != len(theirs) or not ours:
+        return None
     cuts: list[tuple[int, int]] = []
-    last: tuple[int, int] | None = None
-    for m in _VALUES.finditer(sfx, 1):
-        a, b = m.span()
-        if sfx[a] == 34:
-            # A string value (58 is `:`) with no escape: its text may vary if it is the last.
-            last = (a + 1, b - 1) if sfx[a - 1] == 58 and 92 not in sfx[a:b] else None
-        else:
+    at = their_at = 0
+    for (a, b), (c, d) in zip(ours, theirs):
+        if sfx[at:a] != seen[their_at:c]:
+            return None
+        value, other = sfx[a:b], seen[c:d]
+        if value[0] == 34 and b == ours[-1][1] and sfx[a - 1] == 58 and 92 not in value:
+            # The last value, a string (58 is `:`) with no escape: its text may vary.
+            cuts.append((a + 1, b - 1))
+        elif value != other:
+            if value[0] == 34 or other[0] == 34:
+                return None
             cuts.append((a, b))
-            last = None
-    if last is not None:
-        cuts.append(last)
-    if not cuts or len(cuts) > _SLOTS:
+        at, their_at = b, d
+    if sfx[at:] != seen[their_at:] or not cuts or len(cuts) > _SLOTS:
         return None
     segs, stops, at = [], [], 0
     for a, b in cuts:
@@ -225,12 +233,13 @@ def events_in(data: bytes, shape: Shape) -> int:
             if text and not (34 in text or 10 in text or 13 in text or text in _META_WORDS):
                 return 1
         if data[n - 2] == 13 and data[n - 1] == 10:
-            segs = shape.segs if shape.split else shape.vary()
             q = data.find(b'"', h)
-            if segs is not None and q > h and data[q - 1] != 92:
+            if q > h and data[q - 1] != 92:
                 text = data[h:q]
+                segs = shape.segs if shape.split else shape.vary(data, q)
                 if (
-                    not (10 in text or 13 in text or text in _META_WORDS)
+                    segs is not None
+                    and not (10 in text or 13 in text or text in _META_WORDS)
                     and varied(data, q, n - 2, segs, shape.stops) == n - 2
                 ):
                     return 1
@@ -285,7 +294,7 @@ def tokens(data: bytes, t: int, end: int, shape: Shape) -> int:
     `usage` / `timings` (quoted, a key the scanner would keep) and is not empty; the suffix,
     learned from an event the scanner counted alone, adds nothing, nor do the values that
     may vary in it (`varied`)."""
-    sfx, segs = shape.sfx or shape.suffix(), shape.segs if shape.split else shape.vary()
+    sfx = shape.sfx or shape.suffix()
     k = 0
     while True:
         q = data.find(b'"', t, end)
@@ -301,12 +310,11 @@ def tokens(data: bytes, t: int, end: int, shape: Shape) -> int:
             return 0
         if data.startswith(sfx, q):
             pos = q + len(sfx)
-        elif segs is not None:
-            pos = varied(data, q, end, segs, shape.stops)
+        else:
+            segs = shape.segs if shape.split else shape.vary(data, q)
+            pos = varied(data, q, end, segs, shape.stops) if segs is not None else -1
             if pos < 0:
                 return 0
-        else:
-            return 0
         k += 1
         if pos >= end:
             return k if pos == end else 0

@@ -435,9 +435,24 @@ def test_numbers_that_change_are_taken_and_what_is_no_number_is_not(event, numbe
         assert events_in(data + data, shape) == 2 and agrees(data + data, 2)
         two = chunk((event[:at] + value + event[at + len(number) :]) * 2)
         assert events_in(two, shape) == 2 and agrees(two, 2)
+    # Cut around that number alone (and the last value if a string): the others stay.
+    assert shape.segs is not None and len(shape.segs) == (3 if event is TOKEN else 2)
     for value in (b"", b'"1"', b"null", b"true", b"{}", b"[]", b"1\n", b"1\r", b"\\", b"1}"):
         data = chunk(event[:at] + value + event[at + len(number) :])
         assert events_in(data, shape) == 0, data
+
+
+def test_a_number_that_did_not_differ_is_kept_and_a_read_changing_it_goes_the_general_way():
+    shape = shape_of(NATIVE)
+    first = chunk(NATIVE.replace(b"[368]", b"[369]").replace(b'd":2,', b'd":3,'))
+    assert events_in(first, shape) == 1 and len(shape.segs) == 3  # (tokens, tokens_predicted)
+    moved = chunk(NATIVE.replace(b'"id_slot":-1', b'"id_slot":4'))
+    assert events_in(moved, shape) == 0 and agrees(moved, 1)
+    # A first miss that differs but in numbers makes no template: the general path reads on.
+    other = shape_of(NATIVE)
+    odd = chunk(NATIVE.replace(b'"stop":false', b'"stop":true'))
+    assert events_in(odd, other) == 0 and other.split and other.segs is None
+    assert events_in(first, other) == 0
 
 
 @pytest.mark.parametrize(
