@@ -50,8 +50,10 @@ _PREFIXES = 256
 _META_WORDS = (b"usage", b"timings")
 # A suffix's strings and numbers (scanned from the byte after the text's closing quote).
 _VALUES = re.compile(rb'"(?:[^"\\]|\\.)*"|-?[0-9][0-9.eE+-]*')
-# What a number (or an array of numbers) may be written with in a later event.
-_NUMBER_BYTES = b"0123456789+-.eE, "
+# What a number (or an array of numbers) may be written with in a later event: compact, as
+# the learned event was (white space after a colon would make the scanner read the stream as
+# spelt otherwise, `dialect.spelt_otherwise`).
+_NUMBER_BYTES = b"0123456789+-.eE,"
 # A suffix with more values that may vary than this is kept whole (no template).
 _SLOTS = 8
 

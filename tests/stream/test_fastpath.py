@@ -384,7 +384,11 @@ class _Stamped:
 
 
 # What a damaged stamp may read: a number of any kind, or bytes that make another event.
-_STAMPS = [b"", b"-1", b"1.5e-3", b"7", b'1"', b"1\n", b'1,"usage":{}', b"\\", b"1}", b"usage"]
+_STAMPS = [
+    *(b"", b"-1", b"1.5e-3", b"7", b'1"', b"1\n", b'1,"usage":{}', b"\\", b"1}", b"usage"),
+    # Keys slipped in a number's place (a quote must never pass there), and white space.
+    *(b'1,"usage":1', b'1,"timings":0', b'"stop":true', b'1,"x":"y', b" 5", b"5 "),
+]
 _STAMP = re.compile(rb'("t_ns":)([0-9]+)')
 UNPADDED = [f for f in FRAMINGS if f[1] != "openai"]
 
@@ -400,7 +404,12 @@ def test_a_stamp_that_varies_every_event_takes_the_fast_path_as_the_general_woul
         data, _ = _random_read(f, rng, 2)
         data = _mutate(data, rng)
         if rng.random() < 0.3:
-            data = _STAMP.sub(lambda m: m.group(1) + rng.choice(_STAMPS), data, count=1)
+            # The first stamp of the read, or any of them.
+            data = _STAMP.sub(
+                lambda m: m.group(1) + (rng.choice(_STAMPS) if rng.random() < 0.5 else m.group(2)),
+                data,
+                count=rng.choice([0, 1]),
+            )
         k = events_in(data, shape)
         if k:
             taken += 1
