@@ -14,19 +14,19 @@ and the last value when it is a string (OpenAI's padding).
 `learn` takes a `Shape` from a read whose first chunk is one event the scanner would count
 alone (`sse.content_event_at`): the prefix, and the suffix from the text's closing quote to
 the event's end; the first read that misses that suffix cuts it around the numbers that
-differ there and the last value if it is a string (`template`). `events_in` then recognises a read made only of such events with C-level
-calls (memcmp, memchr: CPython's multi-byte substring search and every bytes method call cost
-far more, so the event is not searched for markers): each chunk's size line, the prefix, a
-text with no quote (but escaped ones), CR or LF that is not `usage` / `timings`, then the
-suffix, or its parts with a value between each two (`varied`): a string's text with no quote,
-backslash, CR or LF, a number's digits (or the numbers of an array). Nothing in such a read
-can add a marker, a line end, an event or a `usage` / `timings` key to what the scanner saw
-in the learned event, so it would count exactly those events and keep nothing else: the
-exchange forwards the read as is and adds them. Anything else - the first events, a
-usage/timings or [DONE] event, partial chunks or events, a CR, a chunk extension, a changed
-key - is the general chunk tracker's and scanner's, which stay the reference:
-tests/stream/test_fastpath.py holds `events_in` to the general path on random reads of every
-framing.
+differ there and the last value if it is a string (`template`). `events_in` then recognises a
+read made only of such events with C-level calls (memcmp, memchr: CPython's multi-byte
+substring search and every bytes method call cost far more, so the event is not searched for
+markers): each chunk's size line, the prefix, a text with no quote (but escaped ones), CR or
+LF that is not `usage` / `timings`, then the suffix, or its parts with a value between each
+two (`varied`): a string's text with no quote, backslash, CR or LF, a number's bytes (or the
+numbers of an array). Nothing in such a read can add a marker, a line end, an event or a
+`usage` / `timings` key to what the scanner saw in the learned event, so it would count
+exactly those events and keep nothing else: the exchange forwards the read as is and adds
+them. Anything else - the first events, a usage/timings or [DONE] event, partial chunks or
+events, a CR, a chunk extension, a changed key - is the general chunk tracker's and
+scanner's, which stay the reference: tests/stream/test_fastpath.py holds `events_in` to the
+general path on random reads of every framing.
 """
 
 from __future__ import annotations
