@@ -310,6 +310,39 @@ async def test_exact_tokens_equal_timings_and_server_metrics(llama_any, relay, p
     assert r["completion_tokens"] == predicted_n == delta, r
 
 
+# ---- every content event counted, however its numbers change -----------------------------------
+def _text_of(event: dict) -> str:
+    """The generated text of one parsed event of the three APIs (empty if none)."""
+    if "choices" not in event:
+        return event.get("content") or ""
+    choice = (event["choices"] or [{}])[0]
+    return (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+
+
+GAP_CASES = {
+    "chat": (CHAT, chat_body(max_tokens=24, stream=True)),
+    "completions": (TEXT, text_body(max_tokens=24, stream=True)),
+    # Its events carry their token ids and counts after the text, new every event.
+    "native": (NATIVE, text_body(n_predict=24, stream=True)),
+}
+
+
+@pytest.mark.parametrize("path,body", list(GAP_CASES.values()), ids=list(GAP_CASES))
+async def test_the_rows_gaps_are_one_fewer_than_the_content_events(llama_any, relay, path, body):
+    """Most reads of a stream are counted by the fast path; what it counts must be every
+    content event the client got (the row's inter-token gaps: one fewer)."""
+    from relay.stream.itl import decode
+
+    rid = "e2e-gaps-" + path.strip("/").replace("/", "-")
+    resp = await relayed(relay, "POST", path, body, rid)
+    assert resp.status == 200
+    content = sum(1 for e in resp.sse_json() if _text_of(e))
+    assert content >= 10, resp.body[:300]
+    r = await row(relay, rid)
+    buckets, zeros = decode(r["itl_hist"])
+    assert zeros + sum(buckets.values()) == content - 1, r
+
+
 # ---- llama-server's own errors pass through verbatim -------------------------------------------
 ERRORS = {
     "prompt_over_context_stream": ("POST", TEXT, text_body("a " * 5000, max_tokens=4, stream=True)),
