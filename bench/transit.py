@@ -270,8 +270,7 @@ def render_load(rows: list[dict], load: int, targets, rate: float) -> list[str]:
     for a in added_table(rows, load, targets):
         cells = [_fig_cell(a[f"{k}:{_qkey(p)}"], nd) for k, p, nd in FIGS]
         out.append(f"| {a['target']} − direct | " + " | ".join(cells) + " |")
-    cpu = render_cpu(rows, load, targets)
-    return out + ([""] + cpu if len(cpu) > 2 else []) + [""]
+    return out + [""]
 
 
 def summary_table(rows: list[dict], loads, targets) -> list[str]:
@@ -975,8 +974,9 @@ def render(rows: list[dict], a, loads, targets, command: str) -> str:
         " events); bold is the median over repeats, then each repeat's. CPU % is of one core"
         " over the run window (2 cores = 200 %); other = the machine's busy time not used by"
         " upstream, proxy or client. CPU per content event = the proxy's CPU over the run"
-        " window ÷ the content events of the run (its per-request work included). Client lag p99 = how late the client's own 5 ms sleep"
-        " woke (uvloop's timers have 1 ms resolution): a client falling behind shows there.",
+        " window ÷ the content events of the run (its per-request work included). Client lag"
+        " p99 = how late the client's own 5 ms sleep woke (uvloop's timers have 1 ms"
+        " resolution): a client falling behind shows there.",
         "",
     ]
     return "\n".join(out)
