@@ -368,9 +368,9 @@ def test_fast_path_agrees_with_the_general_path_on_random_reads(framing_):
 
 class _Stamped:
     """A framing whose token events end in a number that changes every event, as a
-    server that stamps its events writes them (bench.transit's `t_ns`). (One value that
-    varies is learned: OpenAI's padding and a stamp both vary, so the general path reads
-    such events; the framings with the padding are left out.)"""
+    server that stamps its events writes them (bench.transit's `t_ns`). (A string may vary
+    only as the last value: OpenAI's padding followed by a stamp is a string that differs,
+    so the general path reads such events; the framings with the padding are left out.)"""
 
     def __init__(self, f: F.StreamFrames, rng: random.Random) -> None:
         self.f, self.rng = f, rng
