@@ -17,7 +17,15 @@ heartbeat, and with a looser bound what an idle stream holds would vary by up to
 with when the last rebuild came). Owners fire in deadline order, each in its own try (one
 that fails is reported to the loop's exception handler and does not stop the others).
 
-The loop is only asked for `time()` and `call_at()`, so tests drive it with a fake clock.
+A deadline that comes due fires once the loop has polled for I/O after its timer: the timer
+hands over to the ready queue twice, and the owners fire on the second pass. A loop kept busy
+past a deadline (a long collection, a slow read callback) has not read what its upstreams sent
+meanwhile, and uvloop runs due timers before it polls (libuv polls between two passes of the
+ready queue; asyncio runs what a poll read before the next pass): a stall guard that decided in
+the timer would cut a stream whose next bytes were already waiting in its socket.
+
+The loop is only asked for `time()`, `call_at()` and `call_soon()`, so tests drive it with a
+fake clock.
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ class Clock(Protocol):
     def time(self) -> float: ...
 
     def call_at(self, when: float, callback: Callable[[], None], /) -> Cancellable: ...
+
+    def call_soon(self, callback: Callable[[], None], /) -> Cancellable: ...
 
     def call_exception_handler(self, context: dict[str, object], /) -> None: ...
 
@@ -76,7 +86,7 @@ Entry = list[float | Due]
 
 
 class Deadlines:
-    __slots__ = ("_heap", "_live", "_loop", "_timer", "_timer_at")
+    __slots__ = ("_heap", "_live", "_loop", "_polling", "_timer", "_timer_at")
 
     def __init__(self, loop: Clock) -> None:
         self._loop = loop
@@ -84,6 +94,8 @@ class Deadlines:
         self._live = 0
         self._timer: Cancellable | None = None
         self._timer_at = float("inf")
+        # The timer has fired and the due owners wait for the loop's next poll.
+        self._polling = False
 
     def __len__(self) -> int:
         return self._live
@@ -121,6 +133,15 @@ class Deadlines:
 
     def _fire(self) -> None:
         self._timer, self._timer_at = None, float("inf")
+        if not self._polling:
+            self._polling = True
+            self._loop.call_soon(self._after_one_pass)
+
+    def _after_one_pass(self) -> None:
+        self._loop.call_soon(self._fire_due)
+
+    def _fire_due(self) -> None:
+        self._polling = False
         heap = self._heap
         due: list[Due] = []
         now = self._loop.time() + _SLACK
