@@ -190,3 +190,38 @@ def test_every_one_of_many_idle_streams_trips_on_time():
         reason = "idle" if last + policy.idle_s <= g.head_at + policy.total_s else "total"
         assert g.tripped == (reason, want)
     assert len(d) == 0 and not loop.armed()
+
+
+def test_a_due_deadline_fires_after_two_passes_of_the_ready_queue():
+    """Its timer hands over to the ready queue twice before the owner fires: one pass lets the
+    loop poll for I/O (libuv polls between the two), the other lets what the poll read run."""
+    loop = FakeLoop()
+    d = Deadlines(loop)
+    fired = []
+    d.add(1.0, Call(lambda: fired.append(loop.now)))
+    [timer] = loop.armed()
+    loop.now = 1.0
+    timer.fired = True
+    timer.fn()
+    assert fired == [] and len(loop.ready) == 1
+    loop.run_ready_once()
+    assert fired == [] and len(loop.ready) == 1
+    loop.run_ready_once()
+    assert fired == [1.0] and loop.ready == []
+
+
+def test_a_deadline_cancelled_while_it_waits_for_the_poll_does_not_fire():
+    loop = FakeLoop()
+    d = Deadlines(loop)
+    fired = []
+    owner = Call(lambda: fired.append("fired"))
+    d.add(1.0, owner)
+    [timer] = loop.armed()
+    loop.now = 1.0
+    timer.fired = True
+    timer.fn()
+    loop.run_ready_once()
+    # What the poll read cancels it (a stream that ended).
+    d.cancel(owner)
+    loop.run_ready_once()
+    assert fired == [] and len(d) == 0

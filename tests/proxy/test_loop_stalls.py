@@ -14,9 +14,8 @@ import socket
 import threading
 import time
 
-from relay.proxy.deadlines import Deadlines, Due
 from tests.support import httpc
-from tests.support.fake_loop import FakeLoop
+from tests.support.blocking_http import read_message
 from tests.support.helpers import rows_of
 
 IDLE_S = 0.3
@@ -37,24 +36,13 @@ class ThreadUpstream:
     def __init__(self) -> None:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.sent_during_block = 0
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
         conn, _ = self.sock.accept()
         with conn:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                data += conn.recv(65536)
-            head, _, rest = data.partition(b"\r\n\r\n")
-            length = next(
-                int(line.split(b":", 1)[1])
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length:")
-            )
-            while len(rest) < length:
-                rest += conn.recv(65536)
+            read_message(conn)
             conn.sendall(
                 b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                 b"Transfer-Encoding: chunked\r\n\r\n"
@@ -135,49 +123,3 @@ async def test_a_quiet_upstream_still_trips_after_a_blocked_loop(make_relay, sim
     assert b"relay-stall-guard" in body
     [row] = await rows_of(app, 1)
     assert (row["error_code"], row["completion_tokens"]) == ("stream_stall_idle", 3)
-
-
-class _Call(Due):
-    __slots__ = ("fn",)
-
-    def __init__(self, fn) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def fire(self) -> None:
-        self.fn()
-
-
-def test_a_due_deadline_fires_after_two_passes_of_the_ready_queue():
-    """Its timer hands over to the ready queue twice before the owner fires: one pass lets the
-    loop poll for I/O (libuv polls between the two), the other lets what the poll read run."""
-    loop = FakeLoop()
-    d = Deadlines(loop)
-    fired = []
-    d.add(1.0, _Call(lambda: fired.append(loop.now)))
-    [timer] = loop.armed()
-    loop.now = 1.0
-    timer.fired = True
-    timer.fn()
-    assert fired == [] and len(loop.ready) == 1
-    loop.run_ready_once()
-    assert fired == [] and len(loop.ready) == 1
-    loop.run_ready_once()
-    assert fired == [1.0] and loop.ready == []
-
-
-def test_a_deadline_cancelled_while_it_waits_for_the_poll_does_not_fire():
-    loop = FakeLoop()
-    d = Deadlines(loop)
-    fired = []
-    owner = _Call(lambda: fired.append("fired"))
-    d.add(1.0, owner)
-    [timer] = loop.armed()
-    loop.now = 1.0
-    timer.fired = True
-    timer.fn()
-    loop.run_ready_once()
-    # What the poll read cancels it (a stream that ended).
-    d.cancel(owner)
-    loop.run_ready_once()
-    assert fired == [] and len(d) == 0

@@ -20,6 +20,8 @@ import struct
 import sys
 import time
 
+from tests.support.blocking_http import read_message
+
 HEALTH = b"GET /health HTTP/1.1\r\nHost: relay.test\r\n\r\n"
 # Linux's SO_TIMESTAMPNS (and SCM_TIMESTAMPNS, the same number), which Python does not name.
 SO_TIMESTAMPNS = 35
@@ -28,23 +30,10 @@ TIMESPEC = struct.Struct("qq")
 
 def _answer(sock: socket.socket) -> None:
     """Read one response with a Content-Length body."""
-    buf = b""
-    while b"\r\n\r\n" not in buf:
-        data = sock.recv(65536)
-        if not data:
-            raise SystemExit("the relay closed before answering /health")
-        buf += data
-    head, _, body = buf.partition(b"\r\n\r\n")
-    length = next(
-        int(line.split(b":", 1)[1])
-        for line in head.split(b"\r\n")
-        if line.lower().startswith(b"content-length:")
-    )
-    while len(body) < length:
-        data = sock.recv(65536)
-        if not data:
-            raise SystemExit("the relay closed within the /health answer")
-        body += data
+    try:
+        read_message(sock)
+    except EOFError:
+        raise SystemExit("the relay closed before answering /health in full") from None
 
 
 def _received(sock: socket.socket) -> tuple[bytes, float]:
