@@ -69,11 +69,6 @@ class Gaps:
         self.zeros += after - before - 1
         self.last = now
 
-    def tick(self, now: float) -> None:
-        """One more content event at `now` after at least one (the fast path's case)."""
-        self.add(now - self.last)
-        self.last = now
-
     @property
     def count(self) -> int:
         return self.zeros + sum(self._buckets().values())

@@ -89,8 +89,8 @@ class Observer:
         sc, gp = self.scanner, self.gaps
         assert sc is not None and gp is not None
         sc.content_events += n
-        # One inter-token gap; the other events of the read came with it (`Gaps.tick`'s
-        # work and the zero gaps, written out: the call would be 5 % of a usual read).
+        # One inter-token gap; the other events of the read came with it: `Gaps.events`
+        # after at least one event, written out (the call would be 5 % of a usual read).
         gp.add(now - gp.last)
         gp.last = now
         if n != 1:

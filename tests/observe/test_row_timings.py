@@ -23,7 +23,7 @@ def test_gap_buckets_bound_the_error():
     for g in (1e-6, 3.3e-4, 0.001, 0.0125, 0.02, 0.05, 0.3333, 1.0, 7.5, 299.0):
         h = G.Gaps()
         h.events(10.0, 0, 1)
-        h.tick(10.0 + g)
+        h.events(10.0 + g, 1, 2)
         lo, hi = G.bucket_bounds(next(iter(G.decode(h.encode())[0])))
         assert lo <= g < hi or abs(g - lo) < 1e-12
         assert (hi - lo) / lo <= 0.125 + 1e-12
@@ -37,7 +37,7 @@ def test_gap_quantiles_nearest_rank_and_zeros():
     h.events(t, 0, 1)
     for g in [0.010] * 98 + [0.100, 0.500]:
         t += g
-        h.tick(t)
+        h.events(t, 1, 2)
     h.events(t, 101, 104)  # three more events read at the same clock reading: three zeros
     assert h.count == 103 and h.zeros == 3
     assert h.max == pytest.approx(0.5)

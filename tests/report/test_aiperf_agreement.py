@@ -210,7 +210,7 @@ def test_relay_mean_itl_from_the_row_buckets():
     t = 0.0
     for g in (0.015, 0.020, 0.025, 0.020):
         t += g
-        h.tick(t)
+        h.events(t, 1, 2)
     h.events(t, 5, 7)  # two more in the same read: gaps of 0
     mean, n = A.hist_mean_ms(h.encode())
     assert n == 6 and mean == pytest.approx(80.0 / 6, rel=0.016)

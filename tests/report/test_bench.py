@@ -23,7 +23,7 @@ def hist(gap_s: float, n: int) -> str:
     g = G.Gaps()
     g.events(0.0, 0, 1)
     for i in range(1, n + 1):
-        g.tick(i * gap_s)
+        g.events(i * gap_s, 1, 2)
     return g.encode()
 
 
